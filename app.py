@@ -1,0 +1,1 @@
+"""vitviz in the browser (the Gradio app)."""

@@ -1,0 +1,63 @@
+"""vitviz: look inside Vision Transformers — attention, rollout, attention distance, position
+embeddings and patch filters — from Python or in the browser (`app.py`).
+
+    import vitviz
+    model = vitviz.load_model("vit_b_16")            # or "shapes_p16", embedded, offline
+    result = vitviz.analyze(model, "photo.jpg")
+    result.predictions, result.cls_map, result.distances
+"""
+
+from vitviz.analysis import (
+    attention_rollout,
+    cls_map,
+    embedding_filter_components,
+    mean_attention_distance,
+    pointing_game,
+    position_embedding_similarity,
+    query_attention,
+    uniform_attention_distance,
+)
+from vitviz.hooks import AttentionRecord, record_attention
+from vitviz.images import ImageError, load_image
+from vitviz.model import ViT
+from vitviz.pipeline import Analysis, analyze, preprocess
+from vitviz.summary import Summary, summary
+from vitviz.zoo import (
+    VariantSpec,
+    WeightsUnavailableError,
+    default_device,
+    default_variant,
+    get_spec,
+    list_variants,
+    load_model,
+    weights_status,
+)
+
+__all__ = [
+    "Analysis",
+    "AttentionRecord",
+    "ImageError",
+    "Summary",
+    "VariantSpec",
+    "ViT",
+    "WeightsUnavailableError",
+    "analyze",
+    "attention_rollout",
+    "cls_map",
+    "default_device",
+    "default_variant",
+    "embedding_filter_components",
+    "get_spec",
+    "list_variants",
+    "load_image",
+    "load_model",
+    "mean_attention_distance",
+    "pointing_game",
+    "position_embedding_similarity",
+    "preprocess",
+    "query_attention",
+    "record_attention",
+    "summary",
+    "uniform_attention_distance",
+    "weights_status",
+]

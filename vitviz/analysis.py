@@ -1,0 +1,261 @@
+"""Pure tensor functions that read a ViT's attention and embeddings.
+
+- Attention rollout: Abnar & Zuidema, "Quantifying Attention Flow in Transformers" (ACL 2020),
+  as used in Dosovitskiy et al. (ICLR 2021), Appendix D.8 and Figure 6.
+- Mean attention distance: Dosovitskiy et al., Figure 7 (right) and Appendix D.7.
+- Position-embedding similarity: Dosovitskiy et al., Figure 7 (centre).
+- Principal components of the patch-embedding filters: Dosovitskiy et al., Figure 7 (left).
+
+Shapes: L layers, B batch, H heads, N tokens = p + gh*gw with p prefix tokens, P patch size.
+Functions that take an attention stack accept `[L, B, H, N, N]` or, for one image, `[L, H, N, N]`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "fuse_heads",
+    "attention_rollout",
+    "cls_map",
+    "query_attention",
+    "mean_attention_distance",
+    "uniform_attention_distance",
+    "patch_distances",
+    "position_embedding_similarity",
+    "embedding_filter_components",
+    "pointing_game",
+    "infer_grid",
+]
+
+HeadFusion = Literal["mean", "max", "min"]
+
+
+def infer_grid(num_patches: int, grid: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The patch grid (gh, gw): `grid` if given (checked), else the square root of `num_patches`."""
+    if grid is not None:
+        if grid[0] * grid[1] != num_patches:
+            raise ValueError(f"grid {tuple(grid)} has {grid[0] * grid[1]} patches, the tensor has {num_patches}")
+        return int(grid[0]), int(grid[1])
+    side = math.isqrt(num_patches)
+    if side * side != num_patches:
+        raise ValueError(f"{num_patches} patches do not form a square grid; pass grid=(gh, gw)")
+    return side, side
+
+
+def _as_batched(attn: torch.Tensor, name: str = "attn") -> tuple[torch.Tensor, bool]:
+    """[L, B, H, N, N] or [L, H, N, N] -> ([L, B, H, N, N], was_unbatched)."""
+    if attn.ndim == 4:
+        attn = attn.unsqueeze(1)
+        unbatched = True
+    elif attn.ndim == 5:
+        unbatched = False
+    else:
+        raise ValueError(f"{name} must be [L, B, H, N, N] or [L, H, N, N], got {list(attn.shape)}")
+    if attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"{name} must be square in its last two dims, got {list(attn.shape)}")
+    return attn, unbatched
+
+
+def fuse_heads(attn: torch.Tensor, head_fusion: HeadFusion = "mean", *, dim: int = -3) -> torch.Tensor:
+    """Mean, max or min over the heads dimension."""
+    if head_fusion == "mean":
+        return attn.mean(dim)
+    if head_fusion == "max":
+        return attn.amax(dim)
+    if head_fusion == "min":
+        return attn.amin(dim)
+    raise ValueError(f"head_fusion must be 'mean', 'max' or 'min', got {head_fusion!r}")
+
+
+def attention_rollout(
+    attn: torch.Tensor,
+    *,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """Attention rollout R = Â_L ··· Â_1 with Â = rownorm(fuse(A) + I).
+
+    Args:
+        attn: attention stack [L, B, H, N, N] or [L, H, N, N], rows summing to 1.
+        head_fusion: how heads are combined per layer.
+        discard_ratio: in each row, the floor(r * (N - p)) smallest patch columns are set to 0
+            before the identity is added; prefix columns are never discarded.
+        num_prefix_tokens: p.
+
+    Returns:
+        R [B, N, N] (or [N, N]); rows sum to 1, and R[:, i, j] is how much token i at the output
+        draws on input token j.
+    """
+    a, unbatched = _as_batched(attn)
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    n = a.shape[-1]
+    p = num_prefix_tokens
+    fused = fuse_heads(a, head_fusion, dim=2)  # [L, B, N, N]
+    drop = math.floor(discard_ratio * (n - p))
+    if drop > 0:
+        patch_cols = fused[..., p:]
+        smallest = patch_cols.topk(drop, dim=-1, largest=False).indices
+        fused = torch.cat([fused[..., :p], patch_cols.scatter(-1, smallest, 0.0)], dim=-1)
+    eye = torch.eye(n, dtype=fused.dtype, device=fused.device)
+    hat = fused + eye
+    hat = hat / hat.sum(dim=-1, keepdim=True)
+    rollout = eye.expand_as(hat[0]).clone()
+    for layer in hat:  # R = Â_l @ R, first layer first
+        rollout = layer @ rollout
+    return rollout[0] if unbatched else rollout
+
+
+def cls_map(rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """The cls token's row of a rollout over the patches: [B, N, N] -> [B, gh, gw] (or [N, N] -> [gh, gw])."""
+    row = rollout[..., 0, num_prefix_tokens:]
+    gh, gw = infer_grid(row.shape[-1], grid)
+    return row.reshape(*row.shape[:-1], gh, gw)
+
+
+def query_attention(
+    attn: torch.Tensor,
+    *,
+    layer: int,
+    query: int,
+    head: int | HeadFusion = "mean",
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """What one query token attends to among the patches, at one layer.
+
+    Args:
+        attn: [L, H, N, N] for one image.
+        layer: layer index.
+        query: token index (0 is the cls token; patch (r, c) is p + r * gw + c).
+        head: a head index, or "mean"/"max"/"min" over heads.
+
+    Returns:
+        [gh, gw] attention weights on the patch tokens.
+    """
+    if attn.ndim != 4:
+        raise ValueError(f"attn must be [L, H, N, N] for one image, got {list(attn.shape)}")
+    rows = attn[layer, :, query, num_prefix_tokens:]  # [H, gh*gw]
+    row = rows[head] if isinstance(head, int) else fuse_heads(rows, head, dim=0)
+    gh, gw = infer_grid(row.shape[-1], grid)
+    return row.reshape(gh, gw)
+
+
+def patch_distances(grid: tuple[int, int], *, patch_size: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Euclidean distance in pixels between patch centres: [gh*gw, gh*gw], row-major patch order."""
+    gh, gw = grid
+    rr, cc = torch.meshgrid(torch.arange(gh, device=device, dtype=dtype), torch.arange(gw, device=device, dtype=dtype), indexing="ij")
+    centres = torch.stack([rr.flatten(), cc.flatten()], dim=-1)  # [M, 2] in patch units
+    return torch.cdist(centres, centres) * patch_size
+
+
+def mean_attention_distance(
+    attn: torch.Tensor,
+    *,
+    patch_size: int,
+    num_prefix_tokens: int = 1,
+    renormalize: bool = True,
+    grid: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Mean attention distance in pixels per layer and head (the paper's Figure 7, right).
+
+    MAD = mean_i sum_j A_ij * d(i, j) over patch queries i and patch keys j.
+
+    Args:
+        attn: [L, B, H, N, N] or [L, H, N, N].
+        patch_size: P, pixels per patch side.
+        renormalize: rescale each patch row of A[p:, p:] to sum to 1 (the paper's weighted
+            average); False reproduces probing-vits, which leaves out the prefix mass.
+        grid: (gh, gw), inferred when the patches form a square.
+
+    Returns:
+        [L, B, H] (or [L, H]) distances in pixels.
+    """
+    a, unbatched = _as_batched(attn)
+    p = num_prefix_tokens
+    patches = a[..., p:, p:]
+    if renormalize:
+        patches = patches / patches.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(patches.dtype).tiny)
+    grid = infer_grid(patches.shape[-1], grid)
+    d = patch_distances(grid, patch_size=patch_size, device=a.device, dtype=a.dtype)
+    mad = (patches * d).sum(dim=-1).mean(dim=-1)  # [L, B, H]
+    return mad[:, 0] if unbatched else mad
+
+
+def uniform_attention_distance(grid: tuple[int, int], *, patch_size: int) -> float:
+    """The distance uniform attention over all patches gives: the reference line of Figure 7."""
+    return patch_distances(grid, patch_size=patch_size, dtype=torch.float64).mean().item()
+
+
+def position_embedding_similarity(
+    pos_embed: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1
+) -> torch.Tensor:
+    """Cosine similarity of the patch tokens' position embeddings: [N, D] or [1, N, D] -> [gh, gw, gh, gw].
+
+    S[a, b, c, d] = cos(E[a, b], E[c, d]); tile (a, b) of the paper's figure is S[a, b].
+    """
+    if pos_embed.ndim == 3 and pos_embed.shape[0] == 1:
+        pos_embed = pos_embed[0]
+    if pos_embed.ndim != 2:
+        raise ValueError(f"pos_embed must be [N, D] or [1, N, D], got {list(pos_embed.shape)}")
+    e = F.normalize(pos_embed[num_prefix_tokens:].float(), dim=-1)
+    gh, gw = infer_grid(e.shape[0], grid)
+    return (e @ e.T).reshape(gh, gw, gh, gw)
+
+
+def embedding_filter_components(weight: torch.Tensor, *, k: int = 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """Principal components of the patch-embedding filters (the paper's Figure 7, left).
+
+    Args:
+        weight: the patch-embedding Conv2d weight [D, 3, P, P]: D filters of 3 x P x P.
+        k: number of components.
+
+    Returns:
+        components [k, 3, P, P] (unit norm, sign fixed so that the largest entry is positive) and
+        the fraction of variance each explains [k].
+    """
+    if weight.ndim != 4:
+        raise ValueError(f"weight must be [D, C, P, P], got {list(weight.shape)}")
+    d = weight.shape[0]
+    x = weight.detach().reshape(d, -1).double()
+    x = x - x.mean(dim=0, keepdim=True)
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    k = min(k, vh.shape[0])
+    comps = vh[:k]
+    flip = torch.sign(comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)))
+    comps = comps * flip
+    var = s**2
+    explained = var[:k] / var.sum()
+    return comps.reshape(k, *weight.shape[1:]).float(), explained.float()
+
+
+def pointing_game(
+    maps: torch.Tensor, masks: torch.Tensor, *, patch_size: int, dilate_patches: int = 1
+) -> torch.Tensor:
+    """Does each map's argmax fall on the object?
+
+    The object mask is dilated by `dilate_patches` patches (a square structuring element of
+    2 * dilate_patches * P + 1 pixels), then the argmax patch's centre pixel is looked up in it.
+
+    Args:
+        maps: [B, gh, gw] saliency, e.g. cls rollout maps.
+        masks: [B, S, S] boolean object masks in the model's input pixels.
+
+    Returns:
+        hits bool [B].
+    """
+    if maps.ndim != 3 or masks.ndim != 3 or maps.shape[0] != masks.shape[0]:
+        raise ValueError(f"expected maps [B, gh, gw] and masks [B, S, S], got {list(maps.shape)} and {list(masks.shape)}")
+    b, gh, gw = maps.shape
+    radius = dilate_patches * patch_size
+    dilated = F.max_pool2d(masks.float().unsqueeze(1), kernel_size=2 * radius + 1, stride=1, padding=radius)[:, 0] > 0
+    flat = maps.reshape(b, -1).argmax(dim=-1)
+    rows = (flat // gw) * patch_size + patch_size // 2
+    cols = (flat % gw) * patch_size + patch_size // 2
+    return dilated[torch.arange(b), rows, cols]

@@ -1,0 +1,90 @@
+"""Recording attention with forward hooks that live for one `with` block.
+
+    with vitviz.record_attention(model) as rec:
+        logits = model(x)
+    rec.attentions            # [L, B, H, N, N]
+
+The hooks sit on each block's softmax module (`Attention.attend`) and are removed in `finally`, also
+when the forward raises. Each recorder keeps only what runs in the thread that opened it, so several
+threads can analyse different images through one shared model at the same time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from vitviz.model import Attention, _enter_recording, _leave_recording
+
+__all__ = ["AttentionRecord", "record_attention"]
+
+
+class AttentionRecord:
+    """What one `record_attention` block captured.
+
+    `calls[c][l]` is layer l's attention `[B, H, N, N]` in the c-th forward of the block.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.calls: list[list[torch.Tensor | None]] = []
+
+    def _capture(self, layer: int, attn: torch.Tensor) -> None:
+        if layer == 0 or not self.calls:
+            self.calls.append([None] * self.num_layers)
+        self.calls[-1][layer] = attn.detach()
+
+    @property
+    def attentions(self) -> torch.Tensor:
+        """The last forward's attention, stacked over layers: [L, B, H, N, N].
+
+        Raises:
+            RuntimeError: no forward ran in this block, or one stopped part-way.
+        """
+        if not self.calls:
+            raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
+        last = self.calls[-1]
+        missing = [i for i, a in enumerate(last) if a is None]
+        if missing:
+            raise RuntimeError(f"the last forward did not reach layers {missing}; nothing complete was captured")
+        return torch.stack(last)  # type: ignore[arg-type]
+
+
+@contextmanager
+def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
+    """Records every attention map of `model` (a vitviz ViT) during the block.
+
+    Yields:
+        an `AttentionRecord`; read `rec.attentions` after the forward.
+    """
+    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    if not modules:
+        raise TypeError(
+            f"{type(model).__name__} has no vitviz Attention modules; convert torchvision models with "
+            "vitviz.ViT.from_torchvision first"
+        )
+    rec = AttentionRecord(len(modules))
+    owner = threading.get_ident()
+    handles = []
+
+    def make_hook(layer: int):
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            if threading.get_ident() == owner:
+                rec._capture(layer, output)
+
+        hook._vitviz_recorder = True  # type: ignore[attr-defined]
+        return hook
+
+    _enter_recording()
+    try:
+        for i, m in enumerate(modules):
+            handles.append(m.attend.register_forward_hook(make_hook(i)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+        _leave_recording()

@@ -1,0 +1,148 @@
+"""The one gate every image passes before a model sees it.
+
+`load_image` accepts a PIL image, a path, bytes, a binary file or a uint8 array and returns a loaded
+RGB PIL image, or raises `ImageError` saying what was wrong and what is accepted:
+
+- formats: JPEG (and phones' MPO), PNG, WebP, GIF, BMP, TIFF; anything else (SVG, text, ...) is refused;
+- size: files over `MAX_BYTES`, images over `MAX_PIXELS` pixels (decompression bombs) and images
+  with a side under `min_side` are refused; the pixel count is checked from the header, before decoding;
+- truncated or corrupt files are refused (Pillow's LOAD_TRUNCATED_IMAGES stays off);
+- EXIF orientation is applied; multi-frame images (GIF, TIFF, WebP) give their first frame;
+- modes: palette and grey are expanded, transparency (RGBA, LA, PA, palette with a transparent
+  colour) is composited onto white, 16-bit images are rescaled (65535 -> 255) rather than clipped,
+  32-bit float and integer images are min-max scaled, CMYK and YCbCr are converted.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import BinaryIO, Union
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+__all__ = ["ImageError", "load_image", "ACCEPTED_FORMATS", "MAX_BYTES", "MAX_PIXELS", "describe_limits"]
+
+ACCEPTED_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+MAX_BYTES = 20 * 1024 * 1024
+MAX_PIXELS = 40_000_000
+MIN_SIDE = 16
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+# Pillow's own bomb guard, set explicitly: it warns above this and refuses above twice this.
+# vitviz refuses above MAX_PIXELS itself, from the header, before any decoding.
+Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+
+ImageSource = Union[Image.Image, str, os.PathLike, bytes, bytearray, BinaryIO, np.ndarray]
+
+
+class ImageError(ValueError):
+    """An image vitviz will not analyse; the message says why and what is accepted."""
+
+
+def describe_limits() -> str:
+    return (
+        f"accepted: {', '.join(f for f in ACCEPTED_FORMATS if f != 'MPO')} files up to {MAX_BYTES // (1024 * 1024)} MB "
+        f"and {MAX_PIXELS // 1_000_000} megapixels, at least {MIN_SIDE}x{MIN_SIDE} px"
+    )
+
+
+def _open(source: ImageSource) -> Image.Image:
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ImageError(f"no such image file: {path}")
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ImageError(f"the file is {size / 1e6:.1f} MB; {describe_limits()}")
+        data = path.read_bytes()
+    elif isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    elif hasattr(source, "read"):
+        data = source.read(MAX_BYTES + 1)
+    else:
+        raise ImageError(f"cannot read an image from {type(source).__name__}")
+    if len(data) == 0:
+        raise ImageError(f"the file is empty (0 bytes); {describe_limits()}")
+    if len(data) > MAX_BYTES:
+        raise ImageError(f"the file is over {MAX_BYTES // (1024 * 1024)} MB; {describe_limits()}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"the image has too many pixels ({exc}); {describe_limits()}") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"this file is not an image vitviz can read; {describe_limits()}") from None
+    except OSError as exc:
+        raise ImageError(f"the image could not be opened ({exc}); {describe_limits()}") from None
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        arr = np.asarray(img).astype(np.float64)
+        if mode.startswith("I;16") or (mode == "I" and arr.min() >= 0 and arr.max() <= 65535 and arr.max() > 255):
+            arr = arr / 257.0  # 16-bit full range 0..65535 -> 0..255
+        elif arr.max() > 255 or arr.min() < 0 or mode == "F":
+            lo, hi = float(arr.min()), float(arr.max())
+            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
+        grey = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB")
+    if mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+        mode = img.mode
+        if mode == "RGB":
+            return img
+    if mode in ("LA", "PA", "La", "RGBa"):
+        img = img.convert("RGBA")
+    elif mode in ("L", "1") and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode == "RGBA":
+        background = Image.new("RGB", img.size, (255, 255, 255))
+        background.paste(img, mask=img.getchannel("A"))
+        return background
+    return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV, RGBX
+
+
+def load_image(source: ImageSource, *, min_side: int = MIN_SIDE) -> Image.Image:
+    """Reads, checks and normalises one image to a loaded RGB PIL image.
+
+    Args:
+        source: a PIL image, a path, bytes, a binary file object, or a uint8 array [H, W] / [H, W, 3|4].
+        min_side: the smallest accepted width and height in pixels.
+
+    Raises:
+        ImageError: the reason, and what is accepted.
+    """
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or source.ndim not in (2, 3) or (source.ndim == 3 and source.shape[2] not in (1, 3, 4)):
+            raise ImageError(f"arrays must be uint8 [H, W], [H, W, 3] or [H, W, 4]; got {source.dtype} {list(source.shape)}")
+        img = Image.fromarray(source.squeeze(-1) if source.ndim == 3 and source.shape[2] == 1 else source)
+    elif isinstance(source, Image.Image):
+        img = source
+    else:
+        img = _open(source)
+        if img.format not in ACCEPTED_FORMATS:
+            raise ImageError(f"{img.format} files are not accepted; {describe_limits()}")
+
+    w, h = img.size
+    if w * h > MAX_PIXELS:
+        raise ImageError(f"the image is {w}x{h} = {w * h / 1e6:.0f} megapixels; {describe_limits()}")
+    if min(w, h) < min_side:
+        raise ImageError(f"the image is only {w}x{h} px; {describe_limits()}")
+    try:
+        if getattr(img, "n_frames", 1) > 1:
+            img.seek(0)
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        img = _to_rgb(img)
+        img.load()
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"the image is truncated or corrupt ({exc}); {describe_limits()}") from None
+    return img

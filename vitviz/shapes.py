@@ -1,0 +1,187 @@
+"""Generated images of shapes on cluttered backgrounds, with labels and object masks.
+
+Every sample is a pure function of `(seed, index)`: the same seed gives the same images on any
+machine, and a different seed gives images never seen in training. Each image holds one shape of
+`CLASSES` at a random position, scale, rotation and colour, over a background of gradients,
+low-frequency blobs, stripes or checks, pixel noise, and distractor strokes (open lines and arcs,
+never closed shapes). The mask marks the shape's pixels, so that "does the model look at the
+object?" can be measured (see `pointing_game` in `vitviz.analysis`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = ["CLASSES", "generate", "render"]
+
+CLASSES: tuple[str, ...] = (
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "cross",
+    "ring",
+    "hexagon",
+    "crescent",
+)
+
+_SUPERSAMPLE = 4
+
+
+def _polygon(cx: float, cy: float, radii: list[float], angle: float) -> list[tuple[float, float]]:
+    """Vertices at equal angular steps with the given radii, starting at `angle`."""
+    n = len(radii)
+    return [
+        (cx + r * math.cos(angle + 2 * math.pi * k / n), cy + r * math.sin(angle + 2 * math.pi * k / n))
+        for k, r in enumerate(radii)
+    ]
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: float, angle: float) -> None:
+    """Draws shape `name` in white (255) on an 'L' canvas; black (0) cuts holes."""
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if name == "circle":
+        draw.ellipse(box, fill=255)
+    elif name == "square":
+        draw.polygon(_polygon(cx, cy, [r] * 4, angle), fill=255)
+    elif name == "triangle":
+        draw.polygon(_polygon(cx, cy, [r] * 3, angle), fill=255)
+    elif name == "hexagon":
+        draw.polygon(_polygon(cx, cy, [r] * 6, angle), fill=255)
+    elif name == "star":
+        draw.polygon(_polygon(cx, cy, [r, 0.42 * r] * 5, angle), fill=255)
+    elif name == "cross":
+        w = 0.32 * r
+        arm = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
+        c, s = math.cos(angle), math.sin(angle)
+        draw.polygon([(cx + x * c - y * s, cy + x * s + y * c) for x, y in arm], fill=255)
+    elif name == "ring":
+        draw.ellipse(box, fill=255)
+        q = 0.58 * r
+        draw.ellipse((cx - q, cy - q, cx + q, cy + q), fill=0)
+    elif name == "crescent":
+        draw.ellipse(box, fill=255)
+        ox, oy = cx + 0.5 * r * math.cos(angle), cy + 0.5 * r * math.sin(angle)
+        q = 0.9 * r
+        draw.ellipse((ox - q, oy - q, ox + q, oy + q), fill=0)
+    else:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(CLASSES)}")
+
+
+def _coverage(size: int, paint) -> np.ndarray:
+    """Anti-aliased coverage in [0, 1], [size, size]: `paint(draw, scale)` draws on a supersampled canvas."""
+    big = size * _SUPERSAMPLE
+    canvas = Image.new("L", (big, big), 0)
+    paint(ImageDraw.Draw(canvas), _SUPERSAMPLE)
+    a = np.asarray(canvas, dtype=np.float32) / 255.0
+    # [S*k, S*k] -> [S, S]: mean over each k x k block
+    return a.reshape(size, _SUPERSAMPLE, size, _SUPERSAMPLE).mean(axis=(1, 3))
+
+
+def _background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A cluttered RGB background, float32 [size, size, 3] in 0..255."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    kind = rng.integers(4)
+    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    if kind == 0:  # linear gradient at a random angle
+        t = math.cos(a := rng.uniform(0, 2 * math.pi)) * xx + math.sin(a) * yy
+        t = (t - t.min()) / (np.ptp(t) + 1e-6)
+    elif kind == 1:  # low-frequency blobs: a coarse random grid, upsampled smoothly
+        cells = int(rng.integers(3, 7))
+        coarse = Image.fromarray((rng.uniform(0, 1, (cells, cells)) * 255).astype(np.uint8))
+        t = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
+    elif kind == 2:  # stripes
+        freq = rng.uniform(3, 12)
+        a = rng.uniform(0, math.pi)
+        t = 0.5 + 0.5 * np.sin(2 * math.pi * freq * (math.cos(a) * xx + math.sin(a) * yy) + rng.uniform(0, 6.3))
+        t = 0.35 + 0.3 * t
+    else:  # checks
+        n = int(rng.integers(3, 10))
+        t = ((np.floor(xx * n) + np.floor(yy * n)) % 2) * 0.3 + 0.35
+    bg = c0 + (c1 - c0) * t[..., None]
+    bg += rng.normal(0, rng.uniform(0, 10), bg.shape)
+    return bg.astype(np.float32)
+
+
+def _strokes(rng: np.random.Generator, size: int) -> list[tuple]:
+    """Distractor strokes: open polylines and arcs, as drawing commands in image coordinates."""
+    out = []
+    for _ in range(int(rng.integers(1, 5))):
+        color = tuple(int(c) for c in rng.uniform(0, 255, 3))
+        width = float(rng.uniform(1, 2.2))
+        if rng.random() < 0.5:
+            pts = [tuple(rng.uniform(0, size, 2)) for _ in range(int(rng.integers(2, 4)))]
+            out.append(("line", pts, color, width))
+        else:
+            r = rng.uniform(0.1, 0.4) * size
+            c = rng.uniform(0, size, 2)
+            start = rng.uniform(0, 360)
+            out.append(("arc", (c[0] - r, c[1] - r, c[0] + r, c[1] + r), start, start + rng.uniform(40, 200), color, width))
+    return out
+
+
+def render(
+    label: int, *, seed: int, index: int, image_size: int = 96
+) -> tuple[np.ndarray, np.ndarray]:
+    """One sample of class `label`, deterministic in `(seed, index)`.
+
+    Returns:
+        image uint8 [S, S, 3] and mask bool [S, S].
+    """
+    rng = np.random.default_rng([seed, index, label])
+    size = image_size
+    img = _background(rng, size)
+
+    canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(canvas)
+    for stroke in _strokes(rng, size):
+        if stroke[0] == "line":
+            draw.line(stroke[1], fill=stroke[2], width=max(1, round(stroke[3])))
+        else:
+            draw.arc(stroke[1], stroke[2], stroke[3], fill=stroke[4], width=max(1, round(stroke[5])))
+    img = np.asarray(canvas, dtype=np.float32)
+
+    name = CLASSES[label]
+    r = rng.uniform(0.16, 0.30) * size
+    cx, cy = rng.uniform(r + 2, size - r - 2, 2)
+    angle = rng.uniform(0, 2 * math.pi)
+    alpha = _coverage(size, lambda draw, k: _draw_shape(draw, name, cx * k, cy * k, r * k, angle))
+    mask = alpha > 0.5
+
+    # A colour that stands out from the background under the object.
+    under = img[mask].mean(axis=0) if mask.any() else img.reshape(-1, 3).mean(axis=0)
+    for _ in range(50):
+        color = rng.uniform(0, 255, 3)
+        if np.abs(color - under).sum() > 220:
+            break
+    shade = 1.0 + rng.normal(0, 0.04, (size, size, 1))  # a little texture on the object too
+    img = img * (1 - alpha[..., None]) + (color * shade) * alpha[..., None]
+    return np.clip(img, 0, 255).astype(np.uint8), mask
+
+
+def generate(
+    n: int, *, seed: int, image_size: int = 96, start: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`n` samples with balanced, shuffled labels, deterministic in `seed`.
+
+    Args:
+        n: number of samples.
+        seed: any integer; samples with different seeds are independent.
+        image_size: side of the square images in pixels.
+        start: index of the first sample, so that a long stream can be generated in chunks.
+
+    Returns:
+        images uint8 [n, S, S, 3], labels int64 [n] (indices into `CLASSES`), masks bool [n, S, S].
+    """
+    labels = np.array(
+        [np.random.default_rng([seed, i, 1_000_003]).integers(len(CLASSES)) for i in range(start, start + n)],
+        dtype=np.int64,
+    )
+    images = np.empty((n, image_size, image_size, 3), dtype=np.uint8)
+    masks = np.empty((n, image_size, image_size), dtype=bool)
+    for k, (i, label) in enumerate(zip(range(start, start + n), labels)):
+        images[k], masks[k] = render(int(label), seed=seed, index=i, image_size=image_size)
+    return images, labels, masks

@@ -1,0 +1,186 @@
+"""Trains the embedded shapes ViTs (`shapes_p8`, `shapes_p16`) from a seed and writes their weights.
+
+    python -m vitviz.train_shapes                 # both variants into assets/
+    python -m vitviz.train_shapes --variants shapes_p16 --steps 500
+
+Both variants share one recipe: a pool of generated images (`vitviz.shapes`, seed `--seed`), each
+batch randomly rotated by multiples of 90 degrees and flipped (every class is invariant to both),
+AdamW with linear warm-up and cosine decay, label smoothing 0.1, gradient clipping at 1.0. The
+held-out check uses seed `--seed + 1`; the published accuracy figures use seed 2024, never trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitviz import shapes
+from vitviz.zoo import SHAPES_IMAGE_SIZE, assets_dir, default_device, get_spec
+
+__all__ = ["generate_pool", "to_batch", "train_variant", "evaluate"]
+
+
+def _chunk(args: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n, seed, start = args
+    return shapes.generate(n, seed=seed, image_size=SHAPES_IMAGE_SIZE, start=start)
+
+
+def generate_pool(n: int, *, seed: int, workers: int = 2, chunk: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`shapes.generate(n, seed=seed)` computed in parallel chunks (identical result)."""
+    jobs = [(min(chunk, n - s), seed, s) for s in range(0, n, chunk)]
+    if workers <= 1:
+        parts = [_chunk(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_chunk, jobs))
+    return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def to_batch(images: np.ndarray | torch.Tensor, *, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+    """uint8 [B, S, S, 3] -> normalised float [B, 3, S, S] (the shapes variants' preprocessing)."""
+    x = torch.as_tensor(images).permute(0, 3, 1, 2).float().div_(255.0)
+    return x.sub_(mean).div_(std)
+
+
+def _dihedral(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Each image rotated by a random multiple of 90 degrees and flipped with probability 1/2."""
+    t = torch.randint(0, 8, (x.shape[0],), generator=gen)
+    out = torch.empty_like(x)
+    for k in range(8):
+        sel = t == k
+        if sel.any():
+            y = torch.rot90(x[sel], k % 4, dims=(2, 3))
+            out[sel] = y.flip(3) if k >= 4 else y
+    return out
+
+
+@torch.inference_mode()
+def evaluate(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, *, batch_size: int = 250) -> float:
+    """Top-1 accuracy in [0, 1]."""
+    device = next(model.parameters()).device
+    model.eval()
+    correct = 0
+    for s in range(0, len(images), batch_size):
+        logits = model(to_batch(images[s : s + batch_size]).to(device))
+        correct += (logits.argmax(-1).cpu() == torch.as_tensor(labels[s : s + batch_size])).sum().item()
+    return correct / len(images)
+
+
+def train_variant(
+    name: str,
+    pool: tuple[np.ndarray, np.ndarray, np.ndarray],
+    val: tuple[np.ndarray, np.ndarray, np.ndarray],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    warmup: float,
+    seed: int,
+    device: torch.device,
+    log_every: int = 100,
+    eval_every: int = 500,
+) -> torch.nn.Module:
+    """Trains one shapes variant on `pool` and returns the model (eval mode, on CPU)."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = get_spec(name).build().to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999)
+    )
+    images = torch.from_numpy(pool[0])
+    labels = torch.from_numpy(pool[1])
+    warm = max(1, int(warmup * steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+    )
+    print(f"[{name}] {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of {batch_size}", flush=True)
+    start = time.perf_counter()
+    order = torch.randperm(len(images), generator=gen)
+    cursor = seen = hits = 0
+    loss_sum = 0.0
+    for step in range(1, steps + 1):
+        if cursor + batch_size > len(order):  # a new pass over the pool
+            order, cursor = torch.randperm(len(images), generator=gen), 0
+        idx = order[cursor : cursor + batch_size]
+        cursor += batch_size
+        x = _dihedral(to_batch(images[idx]), gen).to(device, non_blocking=True)
+        y = labels[idx].to(device, non_blocking=True)
+        model.train()
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        seen += len(y)
+        hits += (logits.argmax(-1) == y).sum().item()
+        loss_sum += loss.item() * len(y)
+        if step % log_every == 0 or step == steps:
+            elapsed = time.perf_counter() - start
+            print(
+                f"[{name}] step {step}/{steps} loss {loss_sum / seen:.3f} train acc {hits / seen:.3f} "
+                f"lr {sched.get_last_lr()[0]:.2e} {step * batch_size / elapsed:.0f} img/s {elapsed / 60:.1f} min",
+                flush=True,
+            )
+            seen = hits = 0
+            loss_sum = 0.0
+        if step % eval_every == 0 or step == steps:
+            print(f"[{name}] step {step}: held-out accuracy {evaluate(model, val[0], val[1]):.4f} ({len(val[0])} images)", flush=True)
+    return model.eval().cpu()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="+", default=["shapes_p16", "shapes_p8"])
+    ap.add_argument("--samples", type=int, default=60_000, help="size of the generated training pool")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.05)
+    ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps spent warming up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: assets/)")
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device) if args.device else default_device()
+    out = args.out or assets_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"generating {args.samples} training images (seed {args.seed}) ...", flush=True)
+    pool = generate_pool(args.samples, seed=args.seed)
+    val = generate_pool(1000, seed=args.seed + 1)
+    print(f"generated in {time.perf_counter() - t0:.0f} s; training on {device}", flush=True)
+    for name in args.variants:
+        t1 = time.perf_counter()
+        model = train_variant(
+            name,
+            pool,
+            val,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup=args.warmup,
+            seed=args.seed,
+            device=device,
+        )
+        path = out / get_spec(name).filename
+        torch.save(model.state_dict(), path)
+        print(f"[{name}] wrote {path} ({path.stat().st_size / 1e6:.1f} MB) after {(time.perf_counter() - t1) / 60:.1f} min", flush=True)
+    print(f"total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()
