@@ -1,0 +1,180 @@
+"""Tensors -> pictures. No model, no Gradio, no pyplot.
+
+Heatmaps over images are plain pixels (numpy + a colormap lookup table), which is faster than a
+plot and adds nothing a person needs. Charts (attention distance, position similarity) are
+`matplotlib.figure.Figure` objects built directly and rasterised with the Agg canvas, so a server
+never keeps figures alive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image, ImageDraw
+
+__all__ = [
+    "colorize",
+    "overlay",
+    "overlay_many",
+    "mark_patch",
+    "patch_grid",
+    "mosaic",
+    "distance_figure",
+    "position_similarity_image",
+    "filters_image",
+    "figure_to_image",
+]
+
+
+def _lut(cmap: str) -> np.ndarray:
+    return (matplotlib.colormaps[cmap](np.linspace(0, 1, 256))[:, :3] * 255).astype(np.uint8)
+
+
+_LUTS: dict[str, np.ndarray] = {}
+
+
+def colorize(values: np.ndarray, *, cmap: str = "inferno", vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
+    """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given."""
+    lo = float(values.min()) if vmin is None else vmin
+    hi = float(values.max()) if vmax is None else vmax
+    scaled = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)
+    idx = np.clip(np.rint(scaled * 255), 0, 255).astype(np.uint8)
+    if cmap not in _LUTS:
+        _LUTS[cmap] = _lut(cmap)
+    return _LUTS[cmap][idx]
+
+
+def overlay_many(image: Image.Image, heats: torch.Tensor, *, alpha: float = 0.6, cmap: str = "inferno") -> list[Image.Image]:
+    """Heatmaps [K, gh, gw] upsampled (bilinear) onto the image, each min-max scaled: K RGB images."""
+    w, h = image.size
+    up = F.interpolate(heats.float().unsqueeze(1), size=(h, w), mode="bilinear", align_corners=False)[:, 0].numpy()
+    base = np.asarray(image.convert("RGB"), dtype=np.float32)
+    out = []
+    for heat in up:
+        colored = colorize(heat, cmap=cmap).astype(np.float32)
+        out.append(Image.fromarray(np.clip(base * (1 - alpha) + colored * alpha, 0, 255).astype(np.uint8)))
+    return out
+
+
+def overlay(image: Image.Image, heat: torch.Tensor, *, alpha: float = 0.6, cmap: str = "inferno") -> Image.Image:
+    """One heatmap [gh, gw] over the image."""
+    return overlay_many(image, heat.unsqueeze(0), alpha=alpha, cmap=cmap)[0]
+
+
+def mark_patch(image: Image.Image, *, patch: tuple[int, int], patch_size: int, color: str = "#00e5ff") -> Image.Image:
+    """A copy of the image with patch (row, col) outlined."""
+    out = image.copy()
+    r, c = patch
+    ImageDraw.Draw(out).rectangle(
+        (c * patch_size, r * patch_size, (c + 1) * patch_size - 1, (r + 1) * patch_size - 1), outline=color, width=max(1, patch_size // 8)
+    )
+    return out
+
+
+def patch_grid(image: Image.Image, *, patch_size: int, scale: int | None = None) -> Image.Image:
+    """The image cut into its patch grid: lines between patches, shown at least 384 px wide."""
+    w, h = image.size
+    scale = scale or max(1, math.ceil(384 / w))
+    big = image.resize((w * scale, h * scale), Image.NEAREST)
+    draw = ImageDraw.Draw(big)
+    for x in range(0, w + 1, patch_size):
+        draw.line([(x * scale, 0), (x * scale, h * scale)], fill=(255, 255, 255), width=1)
+    for y in range(0, h + 1, patch_size):
+        draw.line([(0, y * scale), (w * scale, y * scale)], fill=(255, 255, 255), width=1)
+    return big
+
+
+def mosaic(images: list[Image.Image], *, cols: int | None = None, gap: int = 4, labels: list[str] | None = None) -> Image.Image:
+    """Equal-size images in a grid with gaps, optionally labelled in their top-left corner."""
+    n = len(images)
+    cols = cols or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    w, h = images[0].size
+    out = Image.new("RGB", (cols * w + (cols - 1) * gap, rows * h + (rows - 1) * gap), (255, 255, 255))
+    draw = ImageDraw.Draw(out)
+    for i, img in enumerate(images):
+        x, y = (i % cols) * (w + gap), (i // cols) * (h + gap)
+        out.paste(img, (x, y))
+        if labels:
+            draw.rectangle((x, y, x + 8 * len(labels[i]) + 6, y + 14), fill=(0, 0, 0))
+            draw.text((x + 3, y + 2), labels[i], fill=(255, 255, 255))
+    return out
+
+
+def figure_to_image(fig: Figure) -> Image.Image:
+    """Rasterise a Figure with the Agg canvas (no pyplot, nothing kept alive)."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+
+
+def distance_figure(
+    distances: torch.Tensor | dict[str, torch.Tensor],
+    *,
+    uniform: float | None = None,
+    title: str = "Mean attention distance",
+    ax=None,
+) -> Figure:
+    """The paper's Figure 7 (right): one dot per head at each depth, distance in pixels.
+
+    Args:
+        distances: [L, H] for one model, or {name: [L, H]} for several in one chart.
+        uniform: the uniform-attention reference (dashed line), in pixels.
+    """
+    fig = ax.figure if ax is not None else Figure(figsize=(5.2, 3.6), dpi=100, layout="constrained")
+    ax = ax or fig.add_subplot()
+    series = distances if isinstance(distances, dict) else {"": distances}
+    markers = "os^D"
+    for k, (name, d) in enumerate(series.items()):
+        d = d.detach().cpu().float()
+        depth, heads = d.shape
+        x = torch.arange(1, depth + 1).repeat_interleave(heads).float()
+        x = x + (k - (len(series) - 1) / 2) * 0.18
+        ax.scatter(x.numpy(), d.flatten().numpy(), s=14, alpha=0.75, marker=markers[k % 4], label=name or None)
+    if uniform is not None:
+        ax.axhline(uniform, color="0.4", ls="--", lw=1, label=f"uniform attention ({uniform:.0f} px)")
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Mean attention distance (pixels)")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def position_similarity_image(similarity: torch.Tensor, *, tile_px: int | None = None, cmap: str = "viridis") -> Image.Image:
+    """The paper's Figure 7 (centre) as pixels: tile (a, b) shows S[a, b] as a gh x gw image.
+
+    Args:
+        similarity: [gh, gw, gh, gw] cosine similarities, drawn on the fixed range [-1, 1].
+    """
+    gh, gw = similarity.shape[:2]
+    tile_px = tile_px or max(2, 560 // (gw * gw))
+    gap = 1
+    colored = colorize(similarity.detach().cpu().float().numpy(), cmap=cmap, vmin=-1.0, vmax=1.0)  # [gh, gw, gh, gw, 3]
+    tile = np.repeat(np.repeat(colored, tile_px, axis=2), tile_px, axis=3)  # [gh, gw, gh*t, gw*t, 3]
+    th, tw = tile.shape[2], tile.shape[3]
+    out = np.full((gh * (th + gap) - gap, gw * (tw + gap) - gap, 3), 255, dtype=np.uint8)
+    for a in range(gh):
+        for b in range(gw):
+            out[a * (th + gap) : a * (th + gap) + th, b * (tw + gap) : b * (tw + gap) + tw] = tile[a, b]
+    return Image.fromarray(out)
+
+
+def filters_image(components: torch.Tensor, *, cols: int = 7, scale: int | None = None) -> Image.Image:
+    """The paper's Figure 7 (left): principal components [k, 3, P, P] as RGB tiles, each min-max scaled."""
+    k, _, p, _ = components.shape
+    scale = scale or max(1, 64 // p)
+    tiles = []
+    for comp in components.detach().cpu().float():
+        c = comp.permute(1, 2, 0).numpy()
+        c = (c - c.min()) / (c.max() - c.min() + 1e-12)
+        img = Image.fromarray((c * 255).astype(np.uint8)).resize((p * scale, p * scale), Image.NEAREST)
+        tiles.append(img)
+    return mosaic(tiles, cols=cols, gap=3)
