@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from vitviz import explorer as ex  # noqa: E402
 from vitviz.images import ImageError, describe_limits  # noqa: E402
-from vitviz.zoo import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec  # noqa: E402
+from vitviz.zoo import WeightsUnavailableError, assets_dir, checkpoint_dir, default_device, default_variant  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
     import spaces
@@ -186,19 +186,19 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
     gr.Markdown(
         "# vitviz — look inside Vision Transformers\n"
         f"Upload a photo, pick a ViT, and see what it predicts and how it got there. Running on **{_device_line()}**. "
-        f"Default model: {DEFAULT_REASON}."
+        f"Default model: {DEFAULT_REASON}.".replace(str(checkpoint_dir()), f"`{checkpoint_dir()}`")
     )
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
-            image = gr.Image(label="Image", type="filepath", sources=["upload", "clipboard"], height=320)
+            image = gr.Image(label="Image", type="filepath", sources=["upload", "clipboard"], height=320, elem_id="vv-image")
             variant = gr.Dropdown(ex.variant_choices(), value=DEFAULT_VARIANT, label="Model variant")
             variant_info = gr.Markdown(ex.spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
-            run = gr.Button("Analyse", variant="primary")
+            run = gr.Button("Analyse", variant="primary", elem_id="vv-run")
             if EXAMPLES:
                 gr.Examples(EXAMPLES, inputs=image, label="Examples")
             gr.Markdown(f"Images: {describe_limits()}.", elem_classes="vv-caption")
         with gr.Column(scale=2, min_width=320):
-            status = gr.Markdown("")
+            status = gr.Markdown("", elem_id="vv-status")
             with gr.Tabs():
                 with gr.Tab("Predict"):
                     gr.Markdown(
@@ -209,13 +209,13 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        predictions = gr.Label(num_top_classes=5, label="Predictions")
-                        rollout_img = gr.Image(label="Attention rollout", format="png", interactive=False, buttons=["download"])
+                        predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
+                        rollout_img = gr.Image(label="Attention rollout", format="png", interactive=False, buttons=["download"], elem_id="vv-rollout")
                     with gr.Row():
                         head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion")
                         discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio")
                     npz = gr.File(label="Download the analysis (.npz)")
-                with gr.Tab("Attention explorer"):
+                with gr.Tab("Explorer"):
                     gr.Markdown(
                         "What one token attends to at one layer: click a patch on the image to make it the query (or use "
                         "the cls token). Each map is a row of softmax(q·kᵀ/√d) over the patches, for one head or fused "
@@ -223,15 +223,15 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        layer = gr.Slider(1, 12, value=12, step=1, label="Layer")
+                        layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
                         head = gr.Dropdown(["mean", "max"], value="mean", label="Head")
                     with gr.Row():
-                        query_text = gr.Markdown("query: the cls token")
+                        query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
                         cls_button = gr.Button("Use the cls token", size="sm")
                     with gr.Row():
                         explorer_img = gr.Image(label="Attention of the query (click a patch)", format="png", interactive=False, elem_id="vv-explorer", buttons=["download"])
-                        mosaic = gr.Image(label="All heads of this layer", format="png", interactive=False, buttons=["download"])
-                with gr.Tab("Attention distance"):
+                        mosaic = gr.Image(label="All heads of this layer", format="png", interactive=False, buttons=["download"], elem_id="vv-mosaic")
+                with gr.Tab("Distance"):
                     gr.Markdown(
                         "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
                         "between a patch and the patches it attends to, weighted by attention. Early layers mix near and "
@@ -239,7 +239,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         elem_classes="vv-caption",
                     )
                     distance_img = gr.Image(label="Mean attention distance", format="png", interactive=False, buttons=["download"])
-                with gr.Tab("Position embeddings"):
+                with gr.Tab("Positions"):
                     gr.Markdown(
                         "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
                         "and all others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: the "
@@ -268,16 +268,16 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         compare_pick = gr.CheckboxGroup(
                             ex.variant_choices(), value=["shapes_p16", "shapes_p8"], label="Variants (two or three)"
                         )
-                        compare_run = gr.Button("Compare", variant="primary")
+                        compare_run = gr.Button("Compare", variant="primary", elem_id="vv-compare-run")
                     slots = []
                     with gr.Row():
                         for k in range(MAX_COMPARE):
                             with gr.Column(visible=k < 2, min_width=220) as col:
-                                md = gr.Markdown("")
+                                md = gr.Markdown("", elem_id=f"vv-compare-{k + 1}")
                                 ro = gr.Image(label="Rollout", format="png", interactive=False)
                                 gd = gr.Image(label="Patch grid", format="png", interactive=False)
                             slots += [col, md, ro, gd]
-                    compare_distance = gr.Image(label="Mean attention distance", format="png", interactive=False, buttons=["download"])
+                    compare_distance = gr.Image(label="Mean attention distance", format="png", interactive=False, buttons=["download"], elem_id="vv-compare-distance")
 
     # hidden outputs of the API endpoint
     with gr.Row(visible=False):
