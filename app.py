@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -38,6 +39,20 @@ CONCURRENCY = int(os.environ.get("VITVIZ_CONCURRENCY", "2" if torch.cuda.is_avai
 _DOWNLOADS = Path(tempfile.mkdtemp(prefix="vitviz-"))
 
 
+class UploadedImage(gr.Image):
+    """An image input whose file goes to `vitviz.load_image` untouched.
+
+    Gradio's own preprocessing opens and converts the upload with Pillow (clipping 16-bit images,
+    dropping transparency to black, failing with generic errors); here every check and conversion
+    is vitviz's image gate, which answers each refusal with a clear message.
+    """
+
+    def preprocess(self, payload):
+        if payload is None or payload.path is None:
+            return super().preprocess(payload)
+        return str(payload.path)
+
+
 def _device_line() -> str:
     dev = default_device()
     if dev.type == "cuda":
@@ -54,6 +69,8 @@ def _run(image: str | None, variant: str, head_fusion: str = "mean", discard_rat
         return _analyze_on_device(image, variant, head_fusion, float(discard_ratio))
     except (ImageError, WeightsUnavailableError) as exc:
         raise gr.Error(str(exc)) from None
+    finally:
+        ex.release_memory()
 
 
 @gpu
@@ -62,6 +79,11 @@ def _analyze_on_device(image: str, variant: str, head_fusion: str, discard_ratio
 
 
 def _npz(exp: ex.Exploration) -> str:
+    """Writes the .npz download; files older than 10 minutes (long since served) are removed."""
+    now = time.time()
+    for old in _DOWNLOADS.glob("*.npz"):
+        if now - old.stat().st_mtime > 600:
+            old.unlink(missing_ok=True)
     path = _DOWNLOADS / f"vitviz-{exp.analysis.variant}-{os.urandom(4).hex()}.npz"
     return str(ex.export_npz(exp, path))
 
@@ -190,7 +212,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
     )
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
-            image = gr.Image(label="Image", type="filepath", sources=["upload", "clipboard"], height=320, elem_id="vv-image")
+            image = UploadedImage(label="Image", type="filepath", sources=["upload", "clipboard"], height=320, elem_id="vv-image")
             variant = gr.Dropdown(ex.variant_choices(), value=DEFAULT_VARIANT, label="Model variant")
             variant_info = gr.Markdown(ex.spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
             run = gr.Button("Analyse", variant="primary", elem_id="vv-run")

@@ -137,3 +137,18 @@ def test_api_analyze_through_gradio_client(server, example):
     direct = vitviz.analyze(vitviz.load_model("shapes_p16", device="cpu"), example)
     assert preds["label"] == direct.predictions[0][0]
     assert preds["confidences"][0]["confidence"] == pytest.approx(direct.predictions[0][1], abs=1e-4)
+
+
+def test_model_cache_is_bounded():
+    from vitviz.explorer import ModelCache
+
+    cache = ModelCache(max_models=2, device="cpu")
+    for name in ["shapes_p16", "shapes_p8", "shapes_p16", "shapes_p8"]:
+        cache.get(name)
+    assert cache.loaded() == ["shapes_p16", "shapes_p8"]
+    cache = ModelCache(max_models=5, max_bytes=3 * 1024**2, device="cpu")  # room for one 2 MB model
+    cache.get("shapes_p16")
+    cache.get("shapes_p8")
+    assert cache.loaded() == ["shapes_p8"]
+    model, _ = cache.get("shapes_p8")
+    assert cache.get("shapes_p8")[0] is model

@@ -2,6 +2,7 @@
 
     python -m vitviz.bench                   # ViT-B/16, batch 1, CPU (and CUDA when available)
     python -m vitviz.bench --rounds 30 --arch vit_b_32
+    python -m vitviz.bench --app             # end to end through the running app (gradio_client)
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
@@ -15,6 +16,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -97,6 +99,143 @@ def model_path_table(arch: str, device: torch.device, *, rounds: int) -> list[tu
     return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
 
+def _count_model_calls():
+    """Wraps ViT.forward with a counter; returns (counter dict, undo)."""
+    calls = {"n": 0}
+    original = vitviz.ViT.forward
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return original(self, *args, **kwargs)
+
+    vitviz.ViT.forward = counting
+
+    def undo():
+        vitviz.ViT.forward = original
+
+    return calls, undo
+
+
+def _peak_rss_subprocess(arch: str, torch_home: str) -> float:
+    """Peak resident memory (MB) of a fresh process that loads `arch` and analyses one image."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, numpy as np, vitviz\n"
+        "from PIL import Image\n"
+        f"m = vitviz.load_model({arch!r}, device='cpu')\n"
+        "vitviz.analyze(m, Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)))\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
+    )
+    env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, str]]:
+    """End-to-end timings through the running app, on CPU, with random weights in a private cache.
+
+    The app loads `arch` and `second` through its real weights path: their checkpoints (random
+    values, the cost does not depend on them) are written to a temporary $TORCH_HOME.
+    """
+    import os
+    import tempfile
+
+    import torchvision
+
+    torch_home = tempfile.mkdtemp(prefix="vitviz-bench-")
+    os.environ["TORCH_HOME"] = torch_home
+    os.environ["VITVIZ_OFFLINE"] = "1"
+    ckpt = vitviz.zoo.checkpoint_dir()
+    ckpt.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    tv = None
+    for name in (arch, second):
+        spec = vitviz.get_spec(name)
+        model = getattr(torchvision.models, name)().eval()
+        torch.save(model.state_dict(), ckpt / spec.filename)
+        if name == arch:
+            tv = model
+    import app
+    from gradio_client import Client, handle_file
+
+    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+    try:
+        client = Client(app.demo.local_url, verbose=False)
+        rng = np.random.default_rng(1)
+        paths = []
+        for i in range(rounds + 2):
+            path = Path(torch_home) / f"img{i}.png"
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path)
+            paths.append(path)
+        x = torch.randn(1, 3, tv.image_size, tv.image_size)
+        counter = {"i": 0}
+
+        def tv_forward():
+            with torch.inference_mode():
+                tv(x)
+
+        def api_new_image():
+            counter["i"] += 1
+            client.predict(handle_file(str(paths[counter["i"] % len(paths)])), arch, api_name="/analyze")
+
+        times = measure({"torchvision forward": tv_forward, "/analyze, new image (gradio_client)": api_new_image}, rounds=rounds)
+        base = statistics.median(times["torchvision forward"])
+
+        exp = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[0]
+        layers = exp.analysis.attentions.shape[0]
+        calls, undo = _count_model_calls()
+        k = {"i": 0}
+
+        class _Click:
+            def __init__(self, i):
+                self.index = [37 * i % 380, 53 * i % 380]
+
+        def view_layer():
+            k["i"] += 1
+            app.on_view(exp, 1 + k["i"] % layers, "mean", 0)
+
+        def view_head():
+            k["i"] += 1
+            app.on_view(exp, layers, ["mean", "max", "head 1", "head 2"][k["i"] % 4], 0)
+
+        def view_patch():
+            k["i"] += 1
+            app.on_click(exp, layers, "mean", _Click(k["i"]))
+
+        def view_rollout():
+            k["i"] += 1
+            app.on_rollout_options(exp, ["mean", "max", "min"][k["i"] % 3], 0.1 * (k["i"] % 9))
+
+        try:
+            views = measure({"view: layer": view_layer, "view: head": view_head, "view: query patch": view_patch, "view: rollout option": view_rollout}, rounds=rounds * 3, warmup=1)
+        finally:
+            undo()
+        assert calls["n"] == 0, f"a view change called the model {calls['n']} times"
+
+        def single(name):
+            return lambda: app.api_analyze(str(paths[1]), name)
+
+        compare = measure(
+            {f"analyze {arch}": single(arch), f"analyze {second}": single(second), "Compare (both)": lambda: app.on_compare(str(paths[1]), [arch, second])},
+            rounds=max(3, rounds // 2),
+        )
+        rss = _peak_rss_subprocess(arch, torch_home)
+    finally:
+        app.demo.close()
+
+    rows = [(k, statistics.median(v) * 1e3, f"{statistics.median(v) / base:.2f}x forward") for k, v in times.items()]
+    rows += [(k, statistics.median(v) * 1e3, "model calls: 0") for k, v in views.items()]
+    pair = statistics.median(compare[f"analyze {arch}"]) + statistics.median(compare[f"analyze {second}"])
+    for k, v in compare.items():
+        note = f"{statistics.median(v) / pair:.2f}x the two singles" if k.startswith("Compare") else ""
+        rows.append((k, statistics.median(v) * 1e3, note))
+    rows.append((f"peak resident memory, {arch} loaded + one analysis", rss, "MB (not ms)"))
+    return rows
+
+
 def _print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"\n{title}")
     print(f"{'path':<46}{'median ms':>12}{'ratio':>9}")
@@ -109,7 +248,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arch", default="vit_b_16")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--app", action="store_true", help="end to end through the app instead of the model paths")
+    ap.add_argument("--second", default="vit_b_32", help="the other variant of the Compare timing (with --app)")
     args = ap.parse_args(argv)
+    if args.app:
+        print(f"vitviz.bench --app {args.arch} + {args.second}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print("random weights in a temporary $TORCH_HOME, loaded through the app's real weights path")
+        rows = app_table(args.arch, args.second, rounds=args.rounds)
+        print(f"\n{'what':<58}{'median ms':>12}  note")
+        for name, ms, note in rows:
+            print(f"{name:<58}{ms:>12.1f}  {note}")
+        print("\ntargets: /analyze <= 2.5x forward; view change <= 80 ms; Compare <= the two singles")
+        return
     print(f"vitviz.bench {args.arch}, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
     _print_table("CPU", model_path_table(args.arch, torch.device("cpu"), rounds=args.rounds))
     if torch.cuda.is_available() and not args.cpu_only:

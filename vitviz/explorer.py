@@ -8,6 +8,8 @@ head, query patch or rollout option calls a `render_*` function on the stored `E
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import math
 import threading
@@ -37,6 +39,7 @@ __all__ = [
     "ModelCache",
     "Exploration",
     "explore",
+    "release_memory",
     "variant_choices",
     "head_choices",
     "patch_at",
@@ -153,6 +156,26 @@ class Exploration:
     def display_image(self) -> Image.Image:
         img = self.analysis.image
         return img.resize((img.size[0] * self.scale, img.size[1] * self.scale), Image.NEAREST)
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Hands freed heap back to the system (glibc's malloc_trim; a no-op elsewhere).
+
+    A long-running server that allocates and frees many mid-sized buffers (attention stacks, image
+    rasters) otherwise keeps the freed pages: resident memory creeps up without any leak.
+    """
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def explore(cache: ModelCache, image: ImageSource, variant: str, *, head_fusion: str = "mean", discard_ratio: float = 0.0) -> Exploration:
