@@ -47,6 +47,9 @@ class UploadedImage(gr.Image):
     is vitviz's image gate, which answers each refusal with a clear message.
     """
 
+    def get_block_name(self) -> str:
+        return "image"  # the frontend is Gradio's own image component
+
     def preprocess(self, payload):
         if payload is None or payload.path is None:
             return super().preprocess(payload)
@@ -78,14 +81,14 @@ def _analyze_on_device(image: str, variant: str, head_fusion: str, discard_ratio
     return ex.explore(CACHE, image, variant, head_fusion=head_fusion, discard_ratio=discard_ratio)
 
 
-def _npz(exp: ex.Exploration) -> str:
+def _npz(exp: ex.Exploration, *, attentions: bool = True) -> str:
     """Writes the .npz download; files older than 10 minutes (long since served) are removed."""
     now = time.time()
     for old in _DOWNLOADS.glob("*.npz"):
         if now - old.stat().st_mtime > 600:
             old.unlink(missing_ok=True)
     path = _DOWNLOADS / f"vitviz-{exp.analysis.variant}-{os.urandom(4).hex()}.npz"
-    return str(ex.export_npz(exp, path))
+    return str(ex.export_npz(exp, path, attentions=attentions))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,9 +123,14 @@ def on_analyze(image, variant, head_fusion, discard_ratio, progress=gr.Progress(
         filters,
         grid,
         table,
-        _npz(exp),
+        None,
         status,
     )
+
+
+def on_export(exp):
+    """The analysis as .npz, written when asked for."""
+    return _npz(_need(exp))
 
 
 def _need(exp: ex.Exploration | None) -> ex.Exploration:
@@ -182,9 +190,10 @@ def on_compare(image, variants):
 
 
 def api_analyze(image, variant):
-    """The `/analyze` endpoint: image and variant in; predictions, rollout, distance plot and .npz out."""
+    """The `/analyze` endpoint: image and variant in; predictions, rollout, distance plot and an .npz
+    (rollout, cls map, distances, probabilities, the crop; the attention stack stays in the page's download)."""
     exp = _run(image, variant)
-    return ex.render_predictions(exp), ex.render_rollout(exp)[0], ex.render_distance(exp), _npz(exp)
+    return ex.render_predictions(exp), ex.render_rollout(exp)[0], ex.render_distance(exp), _npz(exp, attentions=False)
 
 
 def on_variant_info(variant):
@@ -236,7 +245,9 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                     with gr.Row():
                         head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion")
                         discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio")
-                    npz = gr.File(label="Download the analysis (.npz)")
+                    with gr.Row():
+                        export = gr.Button("Prepare the analysis as .npz", size="sm")
+                        npz = gr.File(label="Attention stack, rollout, distances (.npz)")
                 with gr.Tab("Explorer"):
                     gr.Markdown(
                         "What one token attends to at one layer: click a patch on the image to make it the query (or use "
@@ -256,8 +267,8 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                 with gr.Tab("Distance"):
                     gr.Markdown(
                         "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
-                        "between a patch and the patches it attends to, weighted by attention. Early layers mix near and "
-                        "far heads; later ones look far. The dashed line is what uniform attention would give.",
+                        "between a patch and the patches it attends to, weighted by attention. In the paper's models, early "
+                        "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
                         elem_classes="vv-caption",
                     )
                     distance_img = gr.Image(label="Mean attention distance", format="png", interactive=False, buttons=["download"])
@@ -324,6 +335,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
     head.input(on_view, [state, layer, head, query], [explorer_img, mosaic], api_visibility="private")
     explorer_img.select(on_click, [state, layer, head], [query, query_text, explorer_img, mosaic], api_visibility="private")
     cls_button.click(on_cls_query, [state, layer, head], [query, query_text, explorer_img, mosaic], api_visibility="private")
+    export.click(on_export, state, npz, api_visibility="private")
     compare_run.click(on_compare, [image, compare_pick], [*slots, compare_distance], api_visibility="private")
     api_button.click(api_analyze, [image, variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze")
 

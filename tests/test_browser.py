@@ -86,4 +86,12 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.wait_for_selector("#vv-compare-distance img")
     assert "shapes_p16" in page.locator("#vv-compare-1").inner_text()
     page.screenshot(path=str(shots / "6-compare.png"), full_page=True)
-    assert len(list(shots.glob("*.png"))) == 6
+
+    # phone width: nothing wider than the screen
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.get_by_role("tab", name="Predict").click()
+    page.wait_for_timeout(500)
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    page.screenshot(path=str(shots / "7-phone.png"), full_page=True)
+    assert overflow <= 1, f"the page is {overflow}px wider than a phone screen"
+    assert len(list(shots.glob("*.png"))) == 7

@@ -180,11 +180,12 @@ def mean_attention_distance(
     a, unbatched = _as_batched(attn)
     p = num_prefix_tokens
     patches = a[..., p:, p:]
-    if renormalize:
-        patches = patches / patches.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(patches.dtype).tiny)
     grid = infer_grid(patches.shape[-1], grid)
     d = patch_distances(grid, patch_size=patch_size, device=a.device, dtype=a.dtype)
-    mad = (patches * d).sum(dim=-1).mean(dim=-1)  # [L, B, H]
+    per_query = (patches * d).sum(dim=-1)  # [L, B, H, M]: sum_j A_ij d_ij
+    if renormalize:  # divide by each row's patch mass instead of building the renormalised matrix
+        per_query = per_query / patches.sum(dim=-1).clamp_min(torch.finfo(patches.dtype).tiny)
+    mad = per_query.mean(dim=-1)  # [L, B, H]
     return mad[:, 0] if unbatched else mad
 
 

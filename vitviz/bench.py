@@ -167,8 +167,8 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
         rng = np.random.default_rng(1)
         paths = []
         for i in range(rounds + 2):
-            path = Path(torch_home) / f"img{i}.png"
-            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path)
+            path = Path(torch_home) / f"img{i}.jpg"  # a 640x480 JPEG, as photos arrive
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
             paths.append(path)
         x = torch.randn(1, 3, tv.image_size, tv.image_size)
         counter = {"i": 0}

@@ -285,14 +285,19 @@ def render_architecture(exp: Exploration) -> tuple[Image.Image, list[list[str]]]
     return plots.patch_grid(exp.analysis.image, patch_size=exp.analysis.patch_size), exp.facts.summary_rows
 
 
-def export_npz(exp: Exploration, path: str | Path) -> Path:
-    """The analysis as a compressed .npz: attentions, rollout, cls_map, distances, probabilities, the crop."""
+def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
+    """The analysis as an .npz: attentions (optional: L x H x N x N floats, 22 MB for B/16), rollout,
+    cls_map, distances, probabilities, the crop.
+
+    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes.
+    """
     a = exp.analysis
     path = Path(path)
     buf = io.BytesIO()
-    np.savez_compressed(
+    extra = {"attentions": a.attentions.numpy()} if attentions else {}
+    np.savez(
         buf,
-        attentions=a.attentions.numpy(),
+        **extra,
         rollout=a.rollout.numpy(),
         cls_map=a.cls_map.numpy(),
         distances=a.distances.numpy(),

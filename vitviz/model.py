@@ -123,7 +123,6 @@ class ViT(nn.Module):
         heads: attention heads H per block.
         mlp_dim: hidden width of the MLP.
         num_classes: outputs of the head.
-        representation_size: optional pre-logits Linear + Tanh (as in torchvision).
         eps: LayerNorm epsilon.
     """
 
@@ -139,7 +138,6 @@ class ViT(nn.Module):
         heads: int,
         mlp_dim: int,
         num_classes: int,
-        representation_size: int | None = None,
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -162,12 +160,7 @@ class ViT(nn.Module):
             EncoderBlock(width=width, heads=heads, mlp_dim=mlp_dim, eps=eps) for _ in range(depth)
         )
         self.norm = nn.LayerNorm(width, eps=eps)
-        self.pre_logits: nn.Module = (
-            nn.Sequential(nn.Linear(width, representation_size), nn.Tanh())
-            if representation_size
-            else nn.Identity()
-        )
-        self.head = nn.Linear(representation_size or width, num_classes)
+        self.head = nn.Linear(width, num_classes)
         self.spec: VariantSpec | None = None
         self._init_weights()
 
@@ -204,7 +197,7 @@ class ViT(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Logits [B, classes]."""
-        return self.head(self.pre_logits(self.forward_features(images)))
+        return self.head(self.forward_features(images))
 
     @classmethod
     def from_torchvision(cls, tv_model: nn.Module) -> "ViT":
@@ -213,7 +206,7 @@ class ViT(nn.Module):
 
         spec = spec_for_torchvision_model(tv_model)
         model = spec.build()
-        model.load_state_dict(convert_torchvision_state_dict(tv_model.state_dict(), heads=spec.heads))
+        model.load_state_dict(convert_torchvision_state_dict(tv_model.state_dict()))
         model.spec = spec
         param = next(tv_model.parameters())
         return model.to(device=param.device, dtype=param.dtype).train(tv_model.training)

@@ -8,7 +8,7 @@ distances, all on the CPU.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -98,8 +98,6 @@ class Analysis:
 
     def with_rollout(self, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> "Analysis":
         """The same analysis with the rollout recomputed from the stored attention (no model call)."""
-        from dataclasses import replace
-
         if head_fusion == self.head_fusion and discard_ratio == self.discard_ratio:
             return self
         rollout = attention_rollout(

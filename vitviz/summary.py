@@ -84,8 +84,6 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
             rows.append(SummaryRow("LayerNorm + MLP (GELU)", "", (b, n, d), _count(block.norm2, block.mlp), 1))
     rows.append(SummaryRow("Final LayerNorm", "", (b, n, d), _count(model.norm)))
     rows.append(SummaryRow("Take cls token", "", (b, d), 0))
-    if not isinstance(model.pre_logits, nn.Identity):
-        rows.append(SummaryRow("Pre-logits", "Linear + Tanh", (b, model.head.in_features), _count(model.pre_logits)))
     rows.append(SummaryRow("Classification head", "Linear", (b, model.num_classes), _count(model.head)))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

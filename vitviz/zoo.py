@@ -117,7 +117,7 @@ class VariantSpec:
 # ---------------------------------------------------------------------------------------------
 # The registry
 
-# name: (torchvision builder, weights enum member, patch, width, depth, heads, mlp_dim)
+# architecture: (torchvision weights enum, patch, width, depth, heads, mlp_dim)
 _TV_ARCH = {
     "vit_b_16": ("ViT_B_16_Weights", 16, 768, 12, 12, 3072),
     "vit_b_32": ("ViT_B_32_Weights", 32, 768, 12, 12, 3072),
@@ -303,13 +303,13 @@ def spec_for_torchvision_model(tv_model: nn.Module) -> VariantSpec:
     )
 
 
-def convert_torchvision_state_dict(sd: dict[str, torch.Tensor], *, heads: int | None = None) -> dict[str, torch.Tensor]:
+def convert_torchvision_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Renames a torchvision `VisionTransformer` state dict to vitviz's names.
 
     torchvision's fused `in_proj_weight` [3D, D] stacks q, k, v, each with the heads contiguous —
-    the same layout as vitviz's `qkv` ("(three h d)"), so the tensors carry over unchanged.
+    the same layout as vitviz's `qkv` ("(three h d)"), so the tensors carry over unchanged for
+    any number of heads.
     """
-    del heads  # the layouts agree for any number of heads
     out = {
         "patch_embed.proj.weight": sd["conv_proj.weight"],
         "patch_embed.proj.bias": sd["conv_proj.bias"],
