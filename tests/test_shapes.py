@@ -65,7 +65,8 @@ def test_the_two_variants_differ_only_in_patch_size():
     assert (p8.patch_size, p16.patch_size) == (8, 16)
     for field in ("image_size", "width", "depth", "heads", "mlp_dim", "mean", "std", "categories"):
         assert getattr(p8, field) == getattr(p16, field)
-    assert (vitviz.assets_dir() / p8.filename).stat().st_size + (vitviz.assets_dir() / p16.filename).stat().st_size < 10e6
+    folder = vitviz.zoo.assets_dir()
+    assert (folder / p8.filename).stat().st_size + (folder / p16.filename).stat().st_size < 10e6
 
 
 @pytest.fixture(scope="module")
