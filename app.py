@@ -68,6 +68,7 @@ def _run(image: str | None, variant: str, head_fusion: str = "mean", discard_rat
         raise gr.Error("Upload an image first (or pick an example).")
     if not variant:
         raise gr.Error("Choose a model variant.")
+    ex.release_memory()  # what the previous request's rendering and encoding freed
     try:
         return _analyze_on_device(image, variant, head_fusion, float(discard_ratio))
     except (ImageError, WeightsUnavailableError) as exc:
