@@ -117,3 +117,14 @@ def test_a_thread_that_is_not_recording_is_unaffected(model):
     release.set()
     t.join()
     assert captured["calls"] == []
+
+
+def test_reduce_stores_what_it_returns_per_layer(model):
+    x = torch.randn(2, 3, 96, 96)
+    with torch.inference_mode(), vitviz.record_attention(model) as full:
+        model(x)
+    with torch.inference_mode(), vitviz.record_attention(model, reduce=lambda a: a[..., 0, :].amax(-1)) as rec:
+        model(x)
+    assert rec.attentions.shape == (6, 2, 3)
+    torch.testing.assert_close(rec.attentions, full.attentions[..., 0, :].amax(-1))
+    assert _hook_count(model) == 0

@@ -16,16 +16,14 @@ import argparse
 import csv
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, uniform_attention_distance
-from vitviz.model import _enter_recording, _leave_recording
+from vitviz.hooks import record_attention
 from vitviz.images import ImageError, load_image
 from vitviz.model import ViT
 from vitviz.pipeline import preprocess
@@ -34,34 +32,6 @@ from vitviz.zoo import load_model
 __all__ = ["dataset_distance", "main"]
 
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
-
-
-@contextmanager
-def _distance_per_layer(model: ViT, *, renormalize: bool) -> Iterator[list[torch.Tensor]]:
-    """Like `record_attention`, but each layer's attention is reduced to distances [B, H] as soon
-    as it is computed, so a batch never holds the whole [L, B, H, N, N] stack."""
-    spec = model.spec
-    layers: list[torch.Tensor] = []
-
-    def hook(module, inputs, attn):
-        mad = mean_attention_distance(
-            attn.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=model.num_prefix_tokens,
-            renormalize=renormalize, grid=spec.grid,
-        )  # [1, B, H]
-        layers.append(mad[0])
-
-    handles = []
-    _enter_recording()  # the explicit attention path runs only while somebody observes it
-    try:
-        for block in model.blocks:
-            handles.append(block.attn.attend.register_forward_hook(hook))
-        yield layers
-    finally:
-        for h in handles:
-            h.remove()
-        _leave_recording()
-    if len(layers) != model.depth:
-        raise RuntimeError(f"captured {len(layers)} of {model.depth} layers")
 
 
 def _progress(done: int, total: int, start: float) -> None:
@@ -98,6 +68,14 @@ def dataset_distance(
     spec = model.spec
     param = next(model.parameters())
     out: list[torch.Tensor] = []
+
+    def per_layer(attn: torch.Tensor) -> torch.Tensor:
+        """One layer's attention [B, H, N, N] -> distances [B, H], so a batch never holds the stack."""
+        return mean_attention_distance(
+            attn.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=model.num_prefix_tokens,
+            renormalize=renormalize, grid=spec.grid,
+        )[0]
+
     start = time.perf_counter()
     done = 0
     with ThreadPoolExecutor(max_workers=1) as pool:  # preprocessing overlaps the model
@@ -109,9 +87,9 @@ def dataset_distance(
             done += len(batches[k])
             if tensors:
                 x = torch.stack(tensors).to(device=param.device, dtype=param.dtype)
-                with torch.inference_mode(), _distance_per_layer(model, renormalize=renormalize) as layers:
+                with torch.inference_mode(), record_attention(model, reduce=per_layer) as rec:
                     model(x)
-                out.append(torch.stack(layers, dim=1).cpu())  # [B, L, H]
+                out.append(rec.attentions.permute(1, 0, 2).cpu())  # [L, B, H] -> [B, L, H]
             if progress:
                 _progress(done, len(paths), start)
     seconds = time.perf_counter() - start

@@ -12,7 +12,7 @@ threads can analyse different images through one shared model at the same time.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -55,11 +55,18 @@ class AttentionRecord:
 
 
 @contextmanager
-def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
+def record_attention(
+    model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Iterator[AttentionRecord]:
     """Records every attention map of `model` (a vitviz ViT) during the block.
 
+    Args:
+        model: a vitviz ViT.
+        reduce: applied to each layer's attention [B, H, N, N] as soon as it is computed; its
+            result is stored instead, so a large batch need not hold the whole stack.
+
     Yields:
-        an `AttentionRecord`; read `rec.attentions` after the forward.
+        an `AttentionRecord`; read `rec.attentions` after the forward ([L, ...] of what was stored).
     """
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
@@ -74,7 +81,7 @@ def record_attention(model: nn.Module) -> Iterator[AttentionRecord]:
     def make_hook(layer: int):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if threading.get_ident() == owner:
-                rec._capture(layer, output)
+                rec._capture(layer, reduce(output) if reduce is not None else output)
 
         hook._vitviz_recorder = True  # type: ignore[attr-defined]
         return hook
