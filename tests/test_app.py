@@ -154,3 +154,15 @@ def test_model_cache_is_bounded():
     assert cache.loaded() == ["shapes_p8"]
     model, _ = cache.get("shapes_p8")
     assert cache.get("shapes_p8")[0] is model
+
+
+def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
+    rollout = analysed[2]
+    out = app.PngImage()
+    monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
+    data = out.postprocess(rollout)
+    assert data.path.startswith(str(tmp_path)) and data.path.endswith(".png")
+    with Image.open(data.path) as back:
+        assert back.format == "PNG"
+        np.testing.assert_array_equal(np.asarray(back.convert("RGB")), np.asarray(rollout.convert("RGB")))
+    assert out.postprocess(None) is None

@@ -14,7 +14,7 @@ import io
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +68,7 @@ class ModelFacts:
     summary_rows: list[list[str]]
     total_params: int
     uniform_distance: float
+    distance_chart: plots.DistanceChart = field(repr=False, compare=False)
 
     @classmethod
     def of(cls, model: ViT) -> "ModelFacts":
@@ -76,6 +77,7 @@ class ModelFacts:
             sim = position_embedding_similarity(model.pos_embed.cpu(), grid=spec.grid, num_prefix_tokens=model.num_prefix_tokens)
             comps, explained = embedding_filter_components(model.patch_embed.proj.weight.cpu(), k=28)
         s = summary(model)
+        uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
         return cls(
             spec=spec,
             similarity=sim,
@@ -83,7 +85,8 @@ class ModelFacts:
             explained=explained,
             summary_rows=s.table(),
             total_params=s.total_params,
-            uniform_distance=uniform_attention_distance(spec.grid, patch_size=spec.patch_size),
+            uniform_distance=uniform,
+            distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
         )
 
 
@@ -261,19 +264,15 @@ def render_head_mosaic(exp: Exploration, *, layer: int, query: int, tile_px: int
 
 
 def render_distance(exp: Exploration) -> Image.Image:
-    f = exp.facts
-    fig = plots.distance_figure(
-        exp.analysis.distances, uniform=f.uniform_distance, title=f"{f.spec.name}: mean attention distance per head"
-    )
-    return plots.figure_to_image(fig)
+    """The distance chart: only the dots are drawn per image (`plots.DistanceChart`)."""
+    return exp.facts.distance_chart.render(exp.analysis.distances)
+
+
+_COMPARE_CHART = plots.DistanceChart(uniform=None, title="Mean attention distance per head (each variant's own pixels)")
 
 
 def render_compare_distance(exps: list[Exploration]) -> Image.Image:
-    fig = plots.distance_figure(
-        {e.facts.spec.name: e.analysis.distances for e in exps},
-        title="Mean attention distance per head (each variant's own pixels)",
-    )
-    return plots.figure_to_image(fig)
+    return _COMPARE_CHART.render({e.facts.spec.name: e.analysis.distances for e in exps})
 
 
 def render_position(exp: Exploration) -> tuple[Image.Image, Image.Image]:
