@@ -141,6 +141,31 @@ def test_api_analyze_through_gradio_client(server, example):
     assert preds["confidences"][0]["confidence"] == pytest.approx(direct.predictions[0][1], abs=1e-4)
 
 
+def test_session_view_changes_through_gradio_client_never_call_the_model(server, example, monkeypatch):
+    from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
+
+    client = Client(server, verbose=False)
+    with pytest.raises(AppError, match="Analyse an image first"):
+        client.predict(2, "mean", 0, api_name="/session_view")
+    client.predict(handle_file(example), "shapes_p16", "mean", 0.0, api_name="/session_analyze")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model was called for a view change")
+
+    monkeypatch.setattr(ViT, "forward", forbidden)
+    monkeypatch.setattr(vitviz.pipeline, "analyze", forbidden)
+    first, mosaic = client.predict(1, "head 2", 0, api_name="/session_view")
+    second, _ = client.predict(6, "mean", 7, api_name="/session_view")
+    assert Image.open(first).size == (384, 384) and Image.open(mosaic).format == "JPEG"
+    assert np.abs(np.asarray(Image.open(first), dtype=float) - np.asarray(Image.open(second), dtype=float)).mean() > 1
+    rollout = client.predict("max", 0.5, api_name="/session_rollout")
+    assert Image.open(rollout).size == (384, 384)
+    # another session has no analysis of its own
+    with pytest.raises(AppError, match="Analyse an image first"):
+        Client(server, verbose=False).predict(2, "mean", 0, api_name="/session_view")
+
+
 def test_model_cache_is_bounded():
     from vitviz.explorer import ModelCache
 
@@ -166,3 +191,14 @@ def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
         assert back.format == "PNG"
         np.testing.assert_array_equal(np.asarray(back.convert("RGB")), np.asarray(rollout.convert("RGB")))
     assert out.postprocess(None) is None
+
+
+def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
+    explorer = analysed[7]
+    out = app.ViewImage()
+    monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
+    data = out.postprocess(explorer)
+    with Image.open(data.path) as back:
+        assert back.format == "JPEG"
+        diff = np.abs(np.asarray(back.convert("RGB"), dtype=np.int16) - np.asarray(explorer.convert("RGB"), dtype=np.int16))
+    assert back.size == explorer.size and diff.mean() < 3 and np.percentile(diff, 99) < 40

@@ -134,6 +134,18 @@ def _peak_rss_subprocess(arch: str, torch_home: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _echo_app():
+    """A one-textbox Gradio app, launched: what any call through gradio_client costs at least."""
+    import gradio as gr
+
+    with gr.Blocks() as echo:
+        box, out = gr.Textbox(), gr.Textbox()
+        gr.Button().click(lambda x: x, box, out, api_name="echo")
+    echo.queue()
+    echo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, ssr_mode=False)
+    return echo
+
+
 def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, str]]:
     """End-to-end timings through the running app, on CPU, with random weights in a private cache.
 
@@ -186,6 +198,10 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
 
         exp = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[0]
         layers = exp.analysis.attentions.shape[0]
+        tokens = exp.analysis.attentions.shape[-1]
+        client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")  # the session's analysis
+        floor = _echo_app()
+        echo = Client(floor.local_url, verbose=False)
         calls, undo = _count_model_calls()
         k = {"i": 0}
 
@@ -193,26 +209,28 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
             def __init__(self, i):
                 self.index = [37 * i % 380, 53 * i % 380]
 
-        def view_layer():
+        def tick():
             k["i"] += 1
-            app.on_view(exp, 1 + k["i"] % layers, "mean", 0)
+            return k["i"]
 
-        def view_head():
-            k["i"] += 1
-            app.on_view(exp, layers, ["mean", "max", "head 1", "head 2"][k["i"] % 4], 0)
-
-        def view_patch():
-            k["i"] += 1
-            app.on_click(exp, layers, "mean", _Click(k["i"]))
-
-        def view_rollout():
-            k["i"] += 1
-            app.on_rollout_options(exp, ["mean", "max", "min"][k["i"] % 3], 0.1 * (k["i"] % 9))
-
+        handler_views = {
+            "view: layer (handler)": lambda: app.on_view(exp, 1 + tick() % layers, "mean", 0),
+            "view: head (handler)": lambda: app.on_view(exp, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
+            "view: query patch (handler)": lambda: app.on_click(exp, layers, "mean", _Click(tick())),
+            "view: rollout option (handler)": lambda: app.on_rollout_options(exp, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
+        }
+        client_views = {
+            "view: layer (gradio_client)": lambda: client.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
+            "view: head (gradio_client)": lambda: client.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, api_name="/session_view"),
+            "view: query patch (gradio_client)": lambda: client.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), api_name="/session_view"),
+            "view: rollout option (gradio_client)": lambda: client.predict(["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9), api_name="/session_rollout"),
+            "gradio_client floor: a trivial echo app": lambda: echo.predict("x", api_name="/echo"),
+        }
         try:
-            views = measure({"view: layer": view_layer, "view: head": view_head, "view: query patch": view_patch, "view: rollout option": view_rollout}, rounds=rounds * 3, warmup=1)
+            views = measure({**handler_views, **client_views}, rounds=rounds * 2, warmup=1)
         finally:
             undo()
+            floor.close()
         assert calls["n"] == 0, f"a view change called the model {calls['n']} times"
 
         def single(name):
@@ -227,7 +245,7 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
         app.demo.close()
 
     rows = [(k, statistics.median(v) * 1e3, f"{statistics.median(v) / base:.2f}x forward") for k, v in times.items()]
-    rows += [(k, statistics.median(v) * 1e3, "model calls: 0") for k, v in views.items()]
+    rows += [(k, statistics.median(v) * 1e3, "" if k.startswith("gradio_client floor") else "model calls: 0") for k, v in views.items()]
     pair = statistics.median(compare[f"analyze {arch}"]) + statistics.median(compare[f"analyze {second}"])
     for k, v in compare.items():
         note = f"{statistics.median(v) / pair:.2f}x the two singles" if k.startswith("Compare") else ""
