@@ -70,10 +70,7 @@ class PngImage(gr.Image):
     FORMAT = "png"
     SAVE_OPTIONS: dict = {"compress_level": 1}
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("format", self.FORMAT)
-        kwargs.setdefault("interactive", False)
-        super().__init__(*args, **kwargs)
+    # no __init__ of its own: Gradio builds the page's configuration from gr.Image's signature
 
     def get_block_name(self) -> str:
         return "image"
@@ -287,7 +284,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                     )
                     with gr.Row():
                         predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
-                        rollout_img = ViewImage(label="Attention rollout", buttons=["download"], elem_id="vv-rollout")
+                        rollout_img = ViewImage(interactive=False, label="Attention rollout", buttons=["download"], elem_id="vv-rollout")
                     with gr.Row():
                         head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion")
                         discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio")
@@ -308,8 +305,8 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
                         cls_button = gr.Button("Use the cls token", size="sm")
                     with gr.Row():
-                        explorer_img = ViewImage(label="Attention of the query (click a patch)", elem_id="vv-explorer", buttons=["download"])
-                        mosaic = ViewImage(label="All heads of this layer", buttons=["download"], elem_id="vv-mosaic")
+                        explorer_img = ViewImage(interactive=False, label="Attention of the query (click a patch)", elem_id="vv-explorer", buttons=["download"])
+                        mosaic = ViewImage(interactive=False, label="All heads of this layer", buttons=["download"], elem_id="vv-mosaic")
                 with gr.Tab("Distance"):
                     gr.Markdown(
                         "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
@@ -317,7 +314,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
                         elem_classes="vv-caption",
                     )
-                    distance_img = PngImage(label="Mean attention distance", buttons=["download"])
+                    distance_img = PngImage(interactive=False, label="Mean attention distance", buttons=["download"])
                 with gr.Tab("Positions"):
                     gr.Markdown(
                         "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
@@ -326,8 +323,8 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        similarity_img = PngImage(label="Position-embedding similarity", buttons=["download"])
-                        filters_img = PngImage(label="Patch-embedding filters: principal components", buttons=["download"])
+                        similarity_img = PngImage(interactive=False, label="Position-embedding similarity", buttons=["download"])
+                        filters_img = PngImage(interactive=False, label="Patch-embedding filters: principal components", buttons=["download"])
                 with gr.Tab("Architecture"):
                     gr.Markdown(
                         "The image as the model sees it: resized, centre-cropped and cut into patches, each becoming one "
@@ -335,7 +332,7 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        grid_img = PngImage(label="Patch grid", buttons=["download"])
+                        grid_img = PngImage(interactive=False, label="Patch grid", buttons=["download"])
                         table = gr.Dataframe(headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True)
                 with gr.Tab("Compare"):
                     gr.Markdown(
@@ -353,17 +350,17 @@ with gr.Blocks(title="vitviz — look inside Vision Transformers", delete_cache=
                         for k in range(MAX_COMPARE):
                             with gr.Column(visible=k < 2, min_width=220) as col:
                                 md = gr.Markdown("", elem_id=f"vv-compare-{k + 1}")
-                                ro = PngImage(label="Rollout")
-                                gd = PngImage(label="Patch grid")
+                                ro = PngImage(interactive=False, label="Rollout")
+                                gd = PngImage(interactive=False, label="Patch grid")
                             slots += [col, md, ro, gd]
-                    compare_distance = PngImage(label="Mean attention distance", buttons=["download"], elem_id="vv-compare-distance")
+                    compare_distance = PngImage(interactive=False, label="Mean attention distance", buttons=["download"], elem_id="vv-compare-distance")
 
     # hidden outputs of the API endpoint
     with gr.Row(visible=False):
         api_button = gr.Button("api")
         api_pred = gr.Label()
-        api_rollout = PngImage()
-        api_distance = PngImage()
+        api_rollout = PngImage(interactive=False)
+        api_distance = PngImage(interactive=False)
         api_npz = gr.File()
 
     analysis_outputs = [
