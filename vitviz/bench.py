@@ -199,7 +199,11 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
         exp = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[0]
         layers = exp.analysis.attentions.shape[0]
         tokens = exp.analysis.attentions.shape[-1]
-        client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")  # the session's analysis
+        # two sessions with an analysis each: one fetches the output images as the client does by
+        # default, the other leaves them on the server (a page fetches them itself, in parallel)
+        client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")
+        viewer = Client(app.demo.local_url, verbose=False, download_files=False)
+        viewer.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")
         floor = _echo_app()
         echo = Client(floor.local_url, verbose=False)
         calls, undo = _count_model_calls()
@@ -220,10 +224,11 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
             "view: rollout option (handler)": lambda: app.on_rollout_options(exp, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
         }
         client_views = {
-            "view: layer (gradio_client)": lambda: client.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
-            "view: head (gradio_client)": lambda: client.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, api_name="/session_view"),
-            "view: query patch (gradio_client)": lambda: client.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), api_name="/session_view"),
-            "view: rollout option (gradio_client)": lambda: client.predict(["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9), api_name="/session_rollout"),
+            "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
+            "view: head (gradio_client)": lambda: viewer.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, api_name="/session_view"),
+            "view: query patch (gradio_client)": lambda: viewer.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), api_name="/session_view"),
+            "view: rollout option (gradio_client)": lambda: viewer.predict(["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9), api_name="/session_rollout"),
+            "view: layer (gradio_client, images fetched)": lambda: client.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
             "gradio_client floor: a trivial echo app": lambda: echo.predict("x", api_name="/echo"),
         }
         try:
