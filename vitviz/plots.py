@@ -9,6 +9,7 @@ never keeps figures alive.
 from __future__ import annotations
 
 import math
+import threading
 
 import matplotlib
 import numpy as np
@@ -181,8 +182,6 @@ class DistanceChart:
     """
 
     def __init__(self, *, uniform: float | None, title: str, max_keys: int = 8) -> None:
-        import threading
-
         self.uniform = uniform
         self.title = title
         self.max_keys = max_keys
