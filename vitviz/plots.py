@@ -127,6 +127,11 @@ def axis_top(value: float) -> float:
     return 10.0 * base  # pragma: no cover - the loop always returns
 
 
+def _as_series(distances: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: float CPU [L, H]}; a lone tensor is one unnamed series."""
+    return {k: v.detach().cpu().float() for k, v in (distances if isinstance(distances, dict) else {"": distances}).items()}
+
+
 def _distance_offsets(d: torch.Tensor, k: int, count: int) -> np.ndarray:
     """Scatter positions [L * H, 2] of series `k` of `count`: x = layer (nudged apart per series), y = distance."""
     depth, heads = d.shape
@@ -153,7 +158,7 @@ def distance_figure(
         fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
         ax = fig.add_subplot()
     fig = ax.figure
-    series = {k: v.detach().cpu().float() for k, v in (distances if isinstance(distances, dict) else {"": distances}).items()}
+    series = _as_series(distances)
     markers = "os^D"
     for k, (name, d) in enumerate(series.items()):
         xy = _distance_offsets(d, k, len(series))
@@ -190,7 +195,7 @@ class DistanceChart:
 
     def render(self, distances: torch.Tensor | dict[str, torch.Tensor]) -> Image.Image:
         """distances: [L, H], or {name: [L, H]} for several series (as `distance_figure`)."""
-        series = {k: v.detach().cpu().float() for k, v in (distances if isinstance(distances, dict) else {"": distances}).items()}
+        series = _as_series(distances)
         top = axis_top(max(max(float(d.max()) for d in series.values()), self.uniform or 0.0))
         key = (top, tuple((name, tuple(d.shape)) for name, d in series.items()))
         with self._lock:
