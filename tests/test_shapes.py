@@ -1,5 +1,6 @@
 """The generated dataset and the embedded shapes ViTs: offline, and measured on fresh images."""
 
+import math
 import socket
 
 import numpy as np
@@ -89,7 +90,7 @@ def _measure(model, fresh):
 # Measured on 1,000 fresh images (seed 2024) with the shipped weights; these floors guard against
 # regressions. The issue's targets (95 % top-1; pointing game >= 90 % and >= 2x an untrained model)
 # are not all met yet: see the README's figures.
-FLOORS = {"shapes_p16": 0.80, "shapes_p8": 0.72}
+FLOORS = {"shapes_p16": 0.90, "shapes_p8": 0.89}  # measured: 92.1 % and 91.8 %
 
 
 @pytest.mark.slow
@@ -104,3 +105,106 @@ def test_accuracy_and_pointing_game_on_fresh_images(name, fresh):
     assert acc >= FLOORS[name]
     assert point >= 0.9
     assert point > point_untrained
+
+
+def test_shapes_drawn_in_their_box_match_a_full_canvas_drawing():
+    from PIL import Image, ImageDraw
+
+    k = shapes._SUPERSAMPLE
+    for label, name in enumerate(shapes.CLASSES):
+        cx, cy, r, angle = 40.3 + label, 51.7, 17.2 + label, 0.3 * label
+        alpha, (rows, cols) = shapes._shape_alpha(96, name, cx, cy, r, angle)
+        canvas = Image.new("L", (96 * k, 96 * k), 0)
+        shapes._draw_shape(ImageDraw.Draw(canvas), name, cx * k, cy * k, r * k, angle)
+        full = np.asarray(canvas, dtype=np.float32).reshape(96, k, 96, k).mean(axis=(1, 3)) / 255.0
+        inside = np.zeros((96, 96), dtype=np.float32)
+        inside[rows, cols] = alpha
+        np.testing.assert_allclose(inside, full, atol=1e-6, err_msg=name)
+        assert full.sum() > 0.5 * r * r  # every shape has a real area
+
+
+def test_shape_areas_match_their_geometry():
+    # areas in units of r^2, worked out from each outline
+    def lens(R, q, d):  # area shared by circles of radii R and q whose centres are d apart
+        a = R * R * math.acos((d * d + R * R - q * q) / (2 * d * R))
+        b = q * q * math.acos((d * d + q * q - R * R) / (2 * d * q))
+        return a + b - 0.5 * math.sqrt((-d + R + q) * (d + R - q) * (d - R + q) * (d + R + q))
+
+    w = 0.32
+    expected = {
+        "circle": math.pi,
+        "square": 2.0,  # four right triangles with legs r
+        "triangle": 3 * math.sqrt(3) / 4,
+        "star": 5 * 0.42 * math.sin(math.pi / 5),  # ten triangles with sides r and 0.42 r, 36 degrees apart
+        "cross": 2 * (2 * 2 * w) - (2 * w) ** 2,  # two bars less their shared square
+        "ring": math.pi * (1 - 0.58**2),
+        "arrow": 1.15 * 0.36 + 0.5 * 1.2 * 0.85,  # shaft and head
+        "crescent": math.pi - lens(1.0, 0.9, 0.5),
+    }
+    assert set(expected) == set(shapes.CLASSES)
+    r = 30.0
+    for name, area in expected.items():
+        alpha, _ = shapes._shape_alpha(96, name, 48.0, 48.0, r, 0.7)
+        # PIL also fills the pixels that an outline touches, about half a supersampled pixel along
+        # the edge (+0.7 to +1.5 % here; the crescent's cut-out loses as much: -0.9 %)
+        assert alpha.sum() == pytest.approx(area * r * r, rel=0.02), name
+
+
+def test_example_images_one_per_class(tmp_path):
+    paths = shapes.write_examples(tmp_path)
+    assert [p.rsplit("/", 1)[-1] for p in paths] == [f"{c}.png" for c in shapes.CLASSES]
+    from PIL import Image
+
+    assert Image.open(paths[0]).size == (192, 192)
+
+
+def test_sincos_codes_by_hand():
+    from vitviz.train_shapes import sincos_2d
+
+    codes = sincos_2d((2, 3), 10, temperature=100.0)  # quarter = 2 channels: frequencies 1 and 1/100
+    assert codes.shape == (6, 10)
+    row, col = 1, 2  # token 5
+    w = torch.tensor([1.0, 0.01])
+    expected = torch.cat([(row * w).sin(), (row * w).cos(), (col * w).sin(), (col * w).cos(), torch.zeros(2)])
+    torch.testing.assert_close(codes[row * 3 + col], expected)
+    assert len({tuple(c.tolist()) for c in codes}) == 6  # every position distinct
+
+
+def test_token_labels_by_hand():
+    from vitviz.train_shapes import token_labels
+
+    masks = np.zeros((1, 16, 16), dtype=bool)
+    masks[0, 0:8, 0:8] = True  # patch (0, 0) fully covered
+    masks[0, 8:10, 8:16] = True  # patch (1, 1) covered by 16/64 = 25 %
+    masks[0, 0:1, 8:16] = True  # patch (0, 1) covered by 8/64 = 12.5 %
+    t = token_labels(masks, np.array([3]), 8)
+    bg = len(shapes.CLASSES)
+    assert t.tolist() == [[[3, bg], [bg, 3]]]
+
+
+def test_dihedral_moves_images_and_token_labels_together():
+    from vitviz.train_shapes import _dihedral
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 9, (64, 4, 4), generator=gen, dtype=torch.uint8)
+    images = tokens.float().repeat_interleave(8, 1).repeat_interleave(8, 2).unsqueeze(1)  # each patch filled with its label
+    out_images, out_tokens = _dihedral(gen, images, tokens)
+    torch.testing.assert_close(out_images[:, 0, ::8, ::8], out_tokens.float())
+    assert not torch.equal(out_tokens, tokens)
+    # every output is one of the 8 symmetries of its input
+    for a, b in zip(tokens, out_tokens):
+        variants = [torch.rot90(a, k, (0, 1)) for k in range(4)]
+        variants += [v.flip(-1) for v in variants]
+        assert any(torch.equal(v, b) for v in variants)
+
+
+def test_training_learns_a_small_pool():
+    from vitviz.train_shapes import evaluate, train_variant
+
+    pool = shapes.generate(64, seed=5)
+    model = train_variant(
+        "shapes_p16", pool, pool, steps=60, batch_size=32, lr=2e-3, weight_decay=0.0, warmup=0.1, seed=0,
+        device=torch.device("cpu"), log_every=1000, eval_every=1000,
+    )
+    assert not model.training and next(model.parameters()).device.type == "cpu"
+    assert evaluate(model, pool[0], pool[1]) >= 0.5  # memorised well beyond chance (12.5 %)

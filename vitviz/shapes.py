@@ -15,7 +15,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["CLASSES", "generate", "render"]
+__all__ = ["CLASSES", "generate", "render", "write_examples"]
 
 CLASSES: tuple[str, ...] = (
     "circle",
@@ -24,7 +24,7 @@ CLASSES: tuple[str, ...] = (
     "star",
     "cross",
     "ring",
-    "hexagon",
+    "arrow",
     "crescent",
 )
 
@@ -49,8 +49,12 @@ def _draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: f
         draw.polygon(_polygon(cx, cy, [r] * 4, angle), fill=255)
     elif name == "triangle":
         draw.polygon(_polygon(cx, cy, [r] * 3, angle), fill=255)
-    elif name == "hexagon":
-        draw.polygon(_polygon(cx, cy, [r] * 6, angle), fill=255)
+    elif name == "arrow":
+        # pointing along `angle`: a shaft 0.36 r wide and a head 1.2 r wide and 0.85 r long
+        c, s = math.cos(angle), math.sin(angle)
+        outline = [(-r, -0.18 * r), (0.15 * r, -0.18 * r), (0.15 * r, -0.6 * r), (r, 0.0),
+                   (0.15 * r, 0.6 * r), (0.15 * r, 0.18 * r), (-r, 0.18 * r)]
+        draw.polygon([(cx + x * c - y * s, cy + x * s + y * c) for x, y in outline], fill=255)
     elif name == "star":
         draw.polygon(_polygon(cx, cy, [r, 0.42 * r] * 5, angle), fill=255)
     elif name == "cross":
@@ -71,14 +75,21 @@ def _draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: f
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(CLASSES)}")
 
 
-def _coverage(size: int, paint) -> np.ndarray:
-    """Anti-aliased coverage in [0, 1], [size, size]: `paint(draw, scale)` draws on a supersampled canvas."""
-    big = size * _SUPERSAMPLE
-    canvas = Image.new("L", (big, big), 0)
-    paint(ImageDraw.Draw(canvas), _SUPERSAMPLE)
+def _shape_alpha(size: int, name: str, cx: float, cy: float, r: float, angle: float) -> tuple[np.ndarray, tuple[slice, slice]]:
+    """Anti-aliased coverage in [0, 1] of one shape, drawn supersampled within its bounding box only.
+
+    Returns:
+        coverage float32 [h, w] and the (rows, cols) slices of the image that it covers.
+    """
+    k = _SUPERSAMPLE
+    reach = 1.1 * r + 2  # every shape lies within 1.05 r of its centre (the cross's arm corners)
+    x0, y0 = max(0, math.floor(cx - reach)), max(0, math.floor(cy - reach))
+    x1, y1 = min(size, math.ceil(cx + reach)), min(size, math.ceil(cy + reach))
+    canvas = Image.new("L", ((x1 - x0) * k, (y1 - y0) * k), 0)
+    _draw_shape(ImageDraw.Draw(canvas), name, (cx - x0) * k, (cy - y0) * k, r * k, angle)
     a = np.asarray(canvas, dtype=np.float32) / 255.0
-    # [S*k, S*k] -> [S, S]: mean over each k x k block
-    return a.reshape(size, _SUPERSAMPLE, size, _SUPERSAMPLE).mean(axis=(1, 3))
+    # [h*k, w*k] -> [h, w]: mean over each k x k block
+    return a.reshape(y1 - y0, k, x1 - x0, k).mean(axis=(1, 3)), (slice(y0, y1), slice(x0, x1))
 
 
 def _background(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -101,9 +112,9 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
     else:  # checks
         n = int(rng.integers(3, 10))
         t = ((np.floor(xx * n) + np.floor(yy * n)) % 2) * 0.3 + 0.35
-    bg = c0 + (c1 - c0) * t[..., None]
-    bg += rng.normal(0, rng.uniform(0, 10), bg.shape)
-    return bg.astype(np.float32)
+    bg = (c0 + (c1 - c0) * t[..., None]).astype(np.float32)
+    bg += rng.standard_normal(bg.shape, dtype=np.float32) * rng.uniform(0, 10)
+    return bg
 
 
 def _strokes(rng: np.random.Generator, size: int) -> list[tuple]:
@@ -148,8 +159,9 @@ def render(
     r = rng.uniform(0.16, 0.30) * size
     cx, cy = rng.uniform(r + 2, size - r - 2, 2)
     angle = rng.uniform(0, 2 * math.pi)
-    alpha = _coverage(size, lambda draw, k: _draw_shape(draw, name, cx * k, cy * k, r * k, angle))
-    mask = alpha > 0.5
+    alpha, (rows, cols) = _shape_alpha(size, name, cx, cy, r, angle)
+    mask = np.zeros((size, size), dtype=bool)
+    mask[rows, cols] = alpha > 0.5
 
     # A colour that stands out from the background under the object.
     under = img[mask].mean(axis=0) if mask.any() else img.reshape(-1, 3).mean(axis=0)
@@ -157,8 +169,10 @@ def render(
         color = rng.uniform(0, 255, 3)
         if np.abs(color - under).sum() > 220:
             break
-    shade = 1.0 + rng.normal(0, 0.04, (size, size, 1))  # a little texture on the object too
-    img = img * (1 - alpha[..., None]) + (color * shade) * alpha[..., None]
+    # a little texture on the object too
+    paint = color.astype(np.float32) * (1.0 + 0.04 * rng.standard_normal((*alpha.shape, 1), dtype=np.float32))
+    a = alpha[..., None]
+    img[rows, cols] = img[rows, cols] * (1 - a) + paint * a
     return np.clip(img, 0, 255).astype(np.uint8), mask
 
 
@@ -185,3 +199,19 @@ def generate(
     for k, (i, label) in enumerate(zip(range(start, start + n), labels)):
         images[k], masks[k] = render(int(label), seed=seed, index=i, image_size=image_size)
     return images, labels, masks
+
+
+def write_examples(folder, *, seed: int = 7, image_size: int = 192) -> list[str]:
+    """One PNG per class, `<class>.png`, rendered at `image_size` (the app's example images)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for label, name in enumerate(CLASSES):
+        image, _ = render(label, seed=seed, index=0, image_size=image_size)
+        path = folder / f"{name}.png"
+        Image.fromarray(image).save(path)
+        paths.append(str(path))
+    return paths
+
