@@ -188,12 +188,16 @@ class ViT(nn.Module):
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         return torch.cat([cls, x], dim=1) + self.pos_embed
 
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The normalised cls token, the input of the head: [B, 3, S, S] -> [B, D]."""
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Every token after the last block and the final norm: [B, 3, S, S] -> [B, N, D]."""
         x = self.tokens(images)
         for block in self.blocks:
             x = block(x)
-        return self.norm(x)[:, 0]
+        return self.norm(x)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The normalised cls token, the input of the head: [B, 3, S, S] -> [B, D]."""
+        return self.encode(images)[:, 0]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Logits [B, classes]."""

@@ -11,6 +11,7 @@ object?" can be measured (see `pointing_game` in `vitviz.analysis`).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -203,8 +204,6 @@ def generate(
 
 def write_examples(folder, *, seed: int = 7, image_size: int = 192) -> list[str]:
     """One PNG per class, `<class>.png`, rendered at `image_size` (the app's example images)."""
-    from pathlib import Path
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -214,4 +213,3 @@ def write_examples(folder, *, seed: int = 7, image_size: int = 192) -> list[str]
         Image.fromarray(image).save(path)
         paths.append(str(path))
     return paths
-

@@ -162,10 +162,7 @@ def train_variant(
         x = x.to(device, non_blocking=True)
         y = labels[idx].to(device, non_blocking=True)
         model.train()
-        h = model.tokens(x)
-        for block in model.blocks:
-            h = block(h)
-        h = model.norm(h)
+        h = model.encode(x)
         logits = model.head(h[:, 0])
         loss = F.cross_entropy(logits, y, label_smoothing=0.1)
         if token_weight:
