@@ -131,8 +131,10 @@ def train_variant(
     model = model.to(device).train()
     # token labelling: a per-patch classifier (shape classes + background), discarded after training
     aux = torch.nn.Linear(model.width, len(shapes.CLASSES) + 1).to(device)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n)]
+    # weight decay on matrices and filters only; never on biases, norms, position embeddings or the cls token
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "pos_embed" not in n and "cls_token" not in n else no_decay).append(p)
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": weight_decay},
