@@ -88,9 +88,10 @@ def _measure(model, fresh):
 
 
 # Measured on 1,000 fresh images (seed 2024) with the shipped weights; these floors guard against
-# regressions. The goals for these models (95 % top-1; pointing game >= 90 % and >= 2x an untrained model)
-# are not all met yet: see the README's figures.
-FLOORS = {"shapes_p16": 0.93, "shapes_p8": 0.93}  # measured: 94.6 % and 94.5 %
+# regressions. The goal of 95 % top-1 is not met by shapes_p16 on these images: see the README. An
+# untrained model already hits 81-89 % in the pointing game, so "at least twice as good" is asserted
+# on misses: the trained model misses at most half as often as the untrained one.
+FLOORS = {"shapes_p16": 0.93, "shapes_p8": 0.93}  # measured: 94.3 % and 95.6 %
 
 
 @pytest.mark.slow
@@ -101,10 +102,13 @@ def test_accuracy_and_pointing_game_on_fresh_images(name, fresh):
     untrained = vitviz.get_spec(name).build().eval()
     acc, point = _measure(trained, fresh)
     _, point_untrained = _measure(untrained, fresh)
-    print(f"\n{name}: top-1 {acc:.1%}; pointing game {point:.1%} (untrained, same shape: {point_untrained:.1%})")
+    print(
+        f"\n{name}: top-1 {acc:.1%}; pointing game {point:.1%} (untrained, same shape: {point_untrained:.1%}); "
+        f"misses {1 - point:.1%} against {1 - point_untrained:.1%}"
+    )
     assert acc >= FLOORS[name]
     assert point >= 0.9
-    assert point > point_untrained
+    assert 1 - point <= 0.5 * (1 - point_untrained)
 
 
 def test_shapes_drawn_in_their_box_match_a_full_canvas_drawing():
