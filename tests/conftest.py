@@ -7,6 +7,18 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_in_pytest_tmp(tmp_path_factory):
+    """Libraries' scratch files go under pytest's own temporary folder, which pytest prunes:
+    gradio_client leaves one folder per downloaded file in the system's temporary folder."""
+    import tempfile
+
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("scratch"))
+    yield
+    tempfile.tempdir = before
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
