@@ -150,14 +150,27 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
     """End-to-end timings through the running app, on CPU, with random weights in a private cache.
 
     The app loads `arch` and `second` through its real weights path: their checkpoints (random
-    values, the cost does not depend on them) are written to a temporary $TORCH_HOME.
+    values, the cost does not depend on them) are written to a temporary $TORCH_HOME, which also
+    holds every scratch file of the run (gradio_client's downloads) and is removed at the end.
     """
-    import os
+    import shutil
     import tempfile
+
+    torch_home = tempfile.mkdtemp(prefix="vitviz-bench-")
+    before = tempfile.tempdir
+    tempfile.tempdir = torch_home
+    try:
+        return _app_table(arch, second, rounds=rounds, torch_home=torch_home)
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(torch_home, ignore_errors=True)
+
+
+def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
+    import os
 
     import torchvision
 
-    torch_home = tempfile.mkdtemp(prefix="vitviz-bench-")
     os.environ["TORCH_HOME"] = torch_home
     os.environ["VITVIZ_OFFLINE"] = "1"
     ckpt = vitviz.zoo.checkpoint_dir()
