@@ -186,6 +186,38 @@ def test_token_labels_by_hand():
     assert t.tolist() == [[[3, bg], [bg, 3]]]
 
 
+@pytest.mark.parametrize("patch", [16, 8])
+def test_patch_whitening_against_an_svd_of_the_patches(patch):
+    import torch.nn.functional as F
+
+    from vitviz.train_shapes import patch_whitening
+
+    images = shapes.generate(40, seed=9)[0]
+    width, eps = 24, 0.1
+    weight, bias = patch_whitening(images, patch, width, samples=10**9, eps=eps)
+    assert weight.shape == (width, 3, patch, patch) and bias.shape == (width,)
+    # independently: cut the patches with numpy, channel-major like a conv filter, and take an SVD
+    x = (images.astype(np.float64) / 255.0 - 0.5) / 0.5
+    g = 96 // patch
+    cut = x.reshape(40, g, patch, g, patch, 3).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 3 * patch * patch)
+    centred = cut - cut.mean(0)
+    _, s, vt = np.linalg.svd(centred, full_matrices=False)
+    lam = s[:width] ** 2 / len(cut)
+    # channel k is principal component k, centred, with variance lam / (lam + eps * mean(lam))
+    feats = F.conv2d(to_batch(images).double(), weight.double(), bias.double(), stride=patch)
+    feats = feats.flatten(2).transpose(1, 2).reshape(-1, width).numpy()
+    np.testing.assert_allclose(feats.mean(0), 0, atol=1e-4)
+    cov = feats.T @ feats / len(feats)
+    np.testing.assert_allclose(np.diag(cov), lam / (lam + eps * lam.mean()), rtol=1e-3)
+    np.testing.assert_allclose(cov - np.diag(np.diag(cov)), 0, atol=1e-4)
+    w = weight.reshape(width, -1).double().numpy()
+    cosine = np.abs((w / np.linalg.norm(w, axis=1, keepdims=True) * vt[:width]).sum(1))
+    distinct = np.r_[True, lam[1:] < 0.99 * lam[:-1]] & np.r_[lam[:-1] > 1.01 * lam[1:], True]
+    np.testing.assert_allclose(cosine[distinct], 1, atol=1e-3)
+    with pytest.raises(ValueError, match="exceeds"):
+        patch_whitening(images, 2, 13)
+
+
 def test_dihedral_moves_images_and_token_labels_together():
     from vitviz.train_shapes import _dihedral
 
@@ -202,13 +234,24 @@ def test_dihedral_moves_images_and_token_labels_together():
         assert any(torch.equal(v, b) for v in variants)
 
 
-def test_training_learns_a_small_pool():
+@pytest.mark.parametrize("whiten", [False, True])
+def test_training_learns_a_small_pool(whiten):
     from vitviz.train_shapes import evaluate, train_variant
 
     pool = shapes.generate(64, seed=5)
     model = train_variant(
         "shapes_p16", pool, pool, steps=60, batch_size=32, lr=2e-3, weight_decay=0.0, warmup=0.1, seed=0,
-        device=torch.device("cpu"), log_every=1000, eval_every=1000,
+        device=torch.device("cpu"), whiten=whiten, log_every=1000, eval_every=1000,
     )
     assert not model.training and next(model.parameters()).device.type == "cpu"
     assert evaluate(model, pool[0], pool[1]) >= 0.5  # memorised well beyond chance (12.5 %)
+    if whiten:  # with a learning rate of 0 the patch embedding stays what patch_whitening gave it
+        from vitviz.train_shapes import patch_whitening
+
+        still = train_variant(
+            "shapes_p16", pool, pool, steps=1, batch_size=32, lr=0.0, weight_decay=0.0, warmup=0.1, seed=0,
+            device=torch.device("cpu"), whiten=True, log_every=1000, eval_every=1000,
+        )
+        weight, bias = patch_whitening(pool[0], 16, still.width, seed=0)
+        torch.testing.assert_close(still.patch_embed.proj.weight, weight)
+        torch.testing.assert_close(still.patch_embed.proj.bias, bias)

@@ -10,7 +10,9 @@ embeddings start from 2D sine-cosine codes and the classifier from zero. Token l
 token also learns to name the shape it belongs to, or "background", from the object mask (a linear
 head used in training only, loss weight `--token-weight`), a dense signal that the small models
 learn from much sooner than from the image label alone. The held-out check uses seed `--seed + 1`;
-the published accuracy figures use seed 2024, never trained on.
+the published accuracy figures use seed 2024, never trained on. With `--whiten` the patch embedding
+starts as a whitening of the training patches (`patch_whitening`); the shipped weights were trained
+without it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from vitviz import shapes
 from vitviz.zoo import SHAPES_IMAGE_SIZE, assets_dir, default_device, get_spec
 
-__all__ = ["generate_pool", "to_batch", "sincos_2d", "token_labels", "train_variant", "evaluate"]
+__all__ = ["generate_pool", "to_batch", "patch_whitening", "sincos_2d", "token_labels", "train_variant", "evaluate"]
 
 
 def _chunk(args: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -51,6 +53,37 @@ def to_batch(images: np.ndarray | torch.Tensor, *, mean: float = 0.5, std: float
     """uint8 [B, S, S, 3] -> normalised float [B, 3, S, S] (the shapes variants' preprocessing)."""
     x = torch.as_tensor(images).permute(0, 3, 1, 2).float().div_(255.0)
     return x.sub_(mean).div_(std)
+
+
+def patch_whitening(
+    images: np.ndarray, patch_size: int, width: int, *, samples: int = 200_000, eps: float = 0.1, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A patch embedding that whitens the patches of `images`: weight [width, 3, P, P] and bias [width].
+
+    Output channel k is the k-th principal component of the (normalised, `to_batch`) patches, centred
+    and divided by sqrt(lambda_k + eps * mean(lambda)), where lambda are the `width` largest eigenvalues
+    of the patch covariance. Components with little variance are thus not blown up, and the
+    few dominant ones (a patch's mean colour) end up on the same scale as shape detail. About
+    `samples` patches from randomly chosen images (generator seeded with `seed`) are used.
+    """
+    dim = 3 * patch_size * patch_size
+    if width > dim:
+        raise ValueError(f"width {width} exceeds the {dim} values of a {patch_size}x{patch_size} RGB patch")
+    per_image = (images.shape[1] // patch_size) * (images.shape[2] // patch_size)
+    gen = torch.Generator().manual_seed(seed)
+    take = torch.randperm(len(images), generator=gen)[: max(1, -(-samples // per_image))].sort().values
+    # unfold's order within a patch (channel, row, column) is the conv weight's, flattened
+    patches = F.unfold(to_batch(images[take.numpy()]), patch_size, stride=patch_size)
+    patches = patches.transpose(1, 2).reshape(-1, dim).double()
+    mean = patches.mean(0)
+    centred = patches - mean
+    cov = centred.T @ centred / len(centred)
+    lam, vec = torch.linalg.eigh(cov)  # ascending
+    lam, vec = lam.flip(0)[:width], vec.flip(1)[:, :width]
+    # eigenvectors have arbitrary signs: fix each so that its largest entry is positive
+    vec = vec * torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
+    weight = vec.T / (lam.clamp_min(0) + eps * lam.clamp_min(0).mean()).sqrt()[:, None]
+    return weight.reshape(width, 3, patch_size, patch_size).float(), (-weight @ mean).float()
 
 
 def sincos_2d(grid: tuple[int, int], width: int, temperature: float = 10_000.0) -> torch.Tensor:
@@ -116,6 +149,7 @@ def train_variant(
     seed: int,
     device: torch.device,
     token_weight: float = 1.0,
+    whiten: bool = False,
     log_every: int = 100,
     eval_every: int = 500,
 ) -> torch.nn.Module:
@@ -124,6 +158,10 @@ def train_variant(
     gen = torch.Generator().manual_seed(seed)
     model = get_spec(name).build()
     with torch.no_grad():
+        if whiten:
+            weight, bias = patch_whitening(pool[0], model.patch_size, model.width, seed=seed)
+            model.patch_embed.proj.weight.copy_(weight)
+            model.patch_embed.proj.bias.copy_(bias)
         model.pos_embed[0, model.num_prefix_tokens :] = sincos_2d(model.grid, model.width)
         model.pos_embed[0, : model.num_prefix_tokens] = 0
         model.head.weight.zero_()
@@ -204,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of steps spent warming up")
     ap.add_argument("--token-weight", type=float, default=1.0, help="weight of the per-patch (token labelling) loss; 0 turns it off")
+    ap.add_argument("--whiten", action="store_true", help="start the patch embedding as a whitening of the training patches")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: assets/)")
     ap.add_argument("--device", default=None)
@@ -231,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
             device=device,
             token_weight=args.token_weight,
+            whiten=args.whiten,
         )
         path = out / get_spec(name).filename
         torch.save(model.state_dict(), path)
