@@ -82,7 +82,8 @@ def patch_whitening(
     lam, vec = lam.flip(0)[:width], vec.flip(1)[:, :width]
     # eigenvectors have arbitrary signs: fix each so that its largest entry is positive
     vec = vec * torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
-    weight = vec.T / (lam.clamp_min(0) + eps * lam.clamp_min(0).mean()).sqrt()[:, None]
+    lam = lam.clamp_min(0)
+    weight = vec.T / (lam + eps * lam.mean()).sqrt()[:, None]
     return weight.reshape(width, 3, patch_size, patch_size).float(), (-weight @ mean).float()
 
 
