@@ -151,28 +151,33 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
 
     The app loads `arch` and `second` through its real weights path: their checkpoints (random
     values, the cost does not depend on them) are written to a temporary $TORCH_HOME, which also
-    holds every scratch file of the run (gradio_client's downloads) and is removed at the end.
+    holds every scratch file of the run (gradio_client's downloads) and is removed at the end, when
+    the environment and `tempfile.tempdir` are put back as they were.
     """
+    import os
     import shutil
     import tempfile
 
     torch_home = tempfile.mkdtemp(prefix="vitviz-bench-")
-    before = tempfile.tempdir
+    before = tempfile.tempdir, {k: os.environ.get(k) for k in ("TORCH_HOME", "VITVIZ_OFFLINE")}
     tempfile.tempdir = torch_home
+    os.environ["TORCH_HOME"] = torch_home
+    os.environ["VITVIZ_OFFLINE"] = "1"
     try:
         return _app_table(arch, second, rounds=rounds, torch_home=torch_home)
     finally:
-        tempfile.tempdir = before
+        tempfile.tempdir = before[0]
+        for key, value in before[1].items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(torch_home, ignore_errors=True)
 
 
 def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
-    import os
-
     import torchvision
 
-    os.environ["TORCH_HOME"] = torch_home
-    os.environ["VITVIZ_OFFLINE"] = "1"
     ckpt = vitviz.zoo.checkpoint_dir()
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
