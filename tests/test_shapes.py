@@ -218,6 +218,51 @@ def test_patch_whitening_against_an_svd_of_the_patches(patch):
         patch_whitening(images, 2, 13)
 
 
+def _quintic(sigma: np.ndarray, steps: int = 5) -> np.ndarray:
+    x = sigma.copy()
+    for _ in range(steps):
+        x = 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5
+    return x
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 24), (2, 24, 40), (1, 16, 16)])
+def test_orthogonalise_against_an_svd(shape):
+    from vitviz.train_shapes import orthogonalise
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = orthogonalise(g).numpy()
+    for gi, oi in zip(g.numpy(), out):
+        # iterating X <- aX + b(XX^T)X + c(XX^T)^2 X maps each singular value of g/|g|_F through the
+        # scalar quintic and leaves the singular vectors alone
+        u, s, vt = np.linalg.svd(gi, full_matrices=False)
+        np.testing.assert_allclose(oi, u @ np.diag(_quintic(s / np.linalg.norm(gi))) @ vt, atol=1e-8)
+        assert np.linalg.svd(oi, compute_uv=False).min() > 0.6 and np.linalg.svd(oi, compute_uv=False).max() < 1.2
+
+
+def test_muon_steps_by_hand():
+    from vitviz.train_shapes import Muon
+
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    g1, g2 = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64)
+    p = torch.nn.Parameter(w0.clone())
+    opt = Muon([p], lr=0.1, momentum=0.9, weight_decay=0.5, scale=0.2)
+
+    def orth(m: np.ndarray) -> np.ndarray:
+        u, s, vt = np.linalg.svd(m, full_matrices=False)
+        return u @ np.diag(_quintic(s / np.linalg.norm(m))) @ vt
+
+    w, buf = w0.numpy(), np.zeros((5, 3))
+    for g in (g1, g2):
+        p.grad = g.clone()
+        opt.step()
+        buf = 0.9 * buf + g.numpy()
+        w = w * (1 - 0.1 * 0.5) - 0.1 * 0.2 * math.sqrt(5) * orth(g.numpy() + 0.9 * buf)
+        np.testing.assert_allclose(p.detach().numpy(), w, atol=1e-6)
+    with pytest.raises(ValueError, match="matrices only"):
+        Muon([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+
+
 def test_dihedral_moves_images_and_token_labels_together():
     from vitviz.train_shapes import _dihedral
 
@@ -234,14 +279,14 @@ def test_dihedral_moves_images_and_token_labels_together():
         assert any(torch.equal(v, b) for v in variants)
 
 
-@pytest.mark.parametrize("whiten", [False, True])
-def test_training_learns_a_small_pool(whiten):
+@pytest.mark.parametrize("whiten,optimizer", [(False, "muon"), (False, "adamw"), (True, "muon")])
+def test_training_learns_a_small_pool(whiten, optimizer):
     from vitviz.train_shapes import evaluate, train_variant
 
     pool = shapes.generate(64, seed=5)
     model = train_variant(
         "shapes_p16", pool, pool, steps=60, batch_size=32, lr=2e-3, weight_decay=0.0, warmup=0.1, seed=0,
-        device=torch.device("cpu"), whiten=whiten, log_every=1000, eval_every=1000,
+        device=torch.device("cpu"), whiten=whiten, optimizer=optimizer, log_every=1000, eval_every=1000,
     )
     assert not model.training and next(model.parameters()).device.type == "cpu"
     assert evaluate(model, pool[0], pool[1]) >= 0.5  # memorised well beyond chance (12.5 %)
@@ -255,3 +300,28 @@ def test_training_learns_a_small_pool(whiten):
         weight, bias = patch_whitening(pool[0], 16, still.width, seed=0)
         torch.testing.assert_close(still.patch_embed.proj.weight, weight)
         torch.testing.assert_close(still.patch_embed.proj.bias, bias)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_muon_moves_the_encoder_matrices_in_every_direction_alike(optimizer):
+    from vitviz.train_shapes import train_variant
+
+    pool = shapes.generate(32, seed=6)
+    torch.manual_seed(0)
+    before = vitviz.get_spec("shapes_p16").build().state_dict()
+    after = train_variant(
+        "shapes_p16", pool, pool, steps=1, batch_size=32, lr=1e-3, weight_decay=0.0, warmup=0.0, seed=0,
+        device=torch.device("cpu"), optimizer=optimizer, log_every=1000, eval_every=1000,
+    ).state_dict()
+    # the first step of AdamW is lr * sign(grad), dominated by one direction (the gradient is nearly
+    # rank one); Muon's is orthogonalised: its leading singular values are lifted to about the same
+    # size (only directions with almost no gradient stay small)
+    for key in ("blocks.0.attn.qkv.weight", "blocks.2.mlp.0.weight", "blocks.5.mlp.2.weight"):
+        s = torch.linalg.svdvals(after[key] - before[key])
+        assert (s[4] / s[0] > 0.6) == (optimizer == "muon"), (key, s[:8] / s[0])
+    # the patch embedding is AdamW's either way: lr * sign(grad), except where the gradient is ~0
+    delta = (after["patch_embed.proj.weight"] - before["patch_embed.proj.weight"]).abs()
+    assert ((delta - 1e-3).abs() < 1e-6).float().mean() > 0.95
+    with pytest.raises(ValueError, match="muon' or 'adamw"):
+        train_variant("shapes_p16", pool, pool, steps=1, batch_size=32, lr=1e-3, weight_decay=0.0, warmup=0.0,
+                      seed=0, device=torch.device("cpu"), optimizer="sgd")
