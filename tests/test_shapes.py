@@ -89,7 +89,8 @@ def _measure(model, fresh):
 
 # Measured on 1,000 fresh images (seed 2024) with the shipped weights; these floors guard against
 # regressions (the goal is 95 % top-1). An untrained model already hits 81-89 % in the pointing
-# game, so "at least twice as good" is asserted on misses: the trained model misses at most half as often as the untrained one.
+# game, so "at least twice as good" is asserted on misses: the trained model misses at most half
+# as often as the untrained one.
 FLOORS = {"shapes_p16": 0.96, "shapes_p8": 0.98}  # measured: 97.3 % and 99.0 %
 
 

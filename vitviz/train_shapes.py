@@ -6,15 +6,14 @@
 Both variants share one recipe: a pool of generated images (`vitviz.shapes`, seed `--seed`), each
 batch randomly rotated by multiples of 90 degrees and flipped (every class is invariant to both),
 `Muon` for the encoder blocks' matrices and AdamW for everything else, one linear warm-up and cosine
-decay for both, label smoothing 0.1, gradient clipping at 1.0. Position
-embeddings start from 2D sine-cosine codes and the classifier from zero. Token labelling: every patch
-token also learns to name the shape it belongs to, or "background", from the object mask (a linear
-head used in training only, loss weight `--token-weight`), a dense signal that the small models
-learn from much sooner than from the image label alone. The held-out check uses seed `--seed + 1`;
-the published accuracy figures use seed 2024, never trained on. With `--optimizer adamw` AdamW
-trains every parameter. With `--whiten` the patch embedding
-starts as a whitening of the training patches (`patch_whitening`); the shipped weights were trained
-without it.
+decay for both, label smoothing 0.1, gradient clipping at 1.0. Position embeddings start from 2D
+sine-cosine codes and the classifier from zero. Token labelling: every patch token also learns to
+name the shape it belongs to, or "background", from the object mask (a linear head used in training
+only, loss weight `--token-weight`), a dense signal that the small models learn from much sooner
+than from the image label alone. The held-out check uses seed `--seed + 1`; the published accuracy
+figures use seed 2024, never trained on. With `--optimizer adamw` AdamW trains every parameter. With
+`--whiten` the patch embedding starts as a whitening of the training patches (`patch_whitening`);
+the shipped weights were trained without it.
 """
 
 from __future__ import annotations
@@ -278,6 +277,7 @@ def train_variant(
     labels = torch.from_numpy(pool[1])
     tokens = token_labels(pool[2], pool[1], model.patch_size)
     warm = max(1, int(warmup * steps))
+
     def factor(s: int) -> float:
         return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
 
