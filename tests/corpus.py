@@ -86,3 +86,20 @@ def write_corpus(folder: Path) -> dict[str, tuple[Path, str]]:
         path.write_bytes(data)
         out[name] = (path, expect)
     return out
+
+
+def many_frames_gif(frames: int = 1_380_000, side: int = 64) -> bytes:
+    """A GIF of `frames` 1-pixel frames: about 15 bytes a frame, so 1.38 million fit in 20 MB."""
+    import struct
+
+    # one frame: image descriptor (1x1 at 0,0), LZW minimum code size 2, one data block with the
+    # 3-bit codes clear (4), index 0, end (5) packed from the low bit: 0b101_000_100 -> 0x04 0x01
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + bytes([2, 2, 0x04, 0x01, 0])
+    header = b"GIF89a" + struct.pack("<HHBBB", side, side, 0xF0, 0, 0) + bytes([0, 0, 0, 255, 255, 255])
+    return header + frame * frames + b"\x3b"
+
+
+def float_tiff(width: int = 8000, height: int = 5000) -> bytes:
+    """A 40-megapixel 32-bit float TIFF (a vertical ramp), deflate-compressed to well under 1 MB."""
+    ramp = np.linspace(0, 1, height, dtype=np.float32)[:, None] * np.ones((1, width), np.float32)
+    return _save(Image.fromarray(ramp, "F"), "TIFF", compression="tiff_adobe_deflate")

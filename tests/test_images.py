@@ -74,3 +74,56 @@ def test_analyze_goes_through_the_gate(tmp_path):
         vitviz.analyze(model, files["empty"][0])
     result = vitviz.analyze(model, files["exif-rotated"][0])
     assert result.image.size == (96, 96)
+
+
+def test_a_gif_of_a_million_frames_decodes_its_first_frame_at_once():
+    """Frames are never counted (Pillow's n_frames walks the whole file: seconds for this one)."""
+    import time
+
+    from corpus import many_frames_gif
+
+    data = many_frames_gif()
+    assert len(data) <= MAX_BYTES
+    start = time.perf_counter()
+    img = load_image(data)
+    seconds = time.perf_counter() - start
+    assert img.size == (64, 64) and img.mode == "RGB"
+    assert seconds < 0.5, f"{seconds:.2f} s"
+
+
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec
+_PEAK = """
+import sys
+from vitviz.images import load_image
+def status_mb(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+before = status_mb("VmRSS:")
+img = load_image(sys.argv[1])
+print(img.size, img.mode, status_mb("VmHWM:") - before)
+"""
+
+
+@pytest.mark.slow
+def test_a_40_megapixel_float_tiff_is_converted_without_a_float_copy(tmp_path):
+    """Decoded, the image is 160 MB of float32; converting it with one float64 copy and its
+    temporaries peaked at over 1 GB. Now: the decoded image, the 8-bit grey and RGB results, and
+    chunks of a million pixels."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from corpus import float_tiff
+
+    path = tmp_path / "float.tiff"
+    path.write_bytes(float_tiff())
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True, cwd=root)
+    size, mode, peak = out.stdout.split(")")[0] + ")", *out.stdout.split(")")[1].split()
+    print(f"\n40 MP float TIFF: peak resident growth {float(peak):.0f} MB")
+    assert size == "(8000, 5000)" and mode == "RGB"
+    assert float(peak) < 500
+    # and the ramp survives: black at the top, white at the bottom
+    arr = np.asarray(load_image(path).resize((8, 50)))
+    assert arr[0, 0, 0] < 5 and arr[-1, 0, 0] > 250 and 100 < arr[25, 0, 0] < 155

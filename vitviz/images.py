@@ -10,7 +10,7 @@ RGB PIL image, or raises `ImageError` saying what was wrong and what is accepted
 - EXIF orientation is applied; multi-frame images (GIF, TIFF, WebP) give their first frame;
 - modes: palette and grey are expanded, transparency (RGBA, LA, PA, palette with a transparent
   colour) is composited onto white, 16-bit images are rescaled (65535 -> 255) rather than clipped,
-  32-bit float and integer images are min-max scaled, CMYK and YCbCr are converted.
+  32-bit float and integer images are min-max scaled (in chunks, never as one float copy), CMYK and YCbCr are converted.
 """
 
 from __future__ import annotations
@@ -81,19 +81,55 @@ def _open(source: ImageSource) -> Image.Image:
         raise ImageError(f"the image could not be opened ({exc}); {describe_limits()}") from None
 
 
+_HIGH_DEPTH = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+_CHUNK_PIXELS = 1 << 20  # high-depth images are converted about a million pixels at a time
+
+
+def _row_chunks(img: Image.Image):
+    """The image as float32 arrays of a few rows each, so that no full-size float copy is made."""
+    w, h = img.size
+    rows = max(1, _CHUNK_PIXELS // w)
+    for top in range(0, h, rows):
+        yield top, np.array(img.crop((0, top, w, min(h, top + rows))), dtype=np.float32)
+
+
+def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
+    """16-bit, 32-bit integer and float images -> 8-bit RGB, in chunks (memory: the decoded image
+    plus the 8-bit result). 16-bit data is rescaled (65535 -> 255); other data outside 0..255, and
+    every float image, is min-max scaled over its finite values (non-finite values become 0)."""
+    mode = img.mode
+    lo, hi = np.inf, -np.inf
+    for _, chunk in _row_chunks(img):
+        finite = chunk[np.isfinite(chunk)]
+        if finite.size:
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    if not np.isfinite(lo):
+        lo = hi = 0.0
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and 255 < hi <= 65535):
+        scale, offset = 1 / 257, 0.0  # 16-bit full range 0..65535 -> 0..255
+    elif mode == "F" or hi > 255 or lo < 0:
+        scale = 255.0 / (hi - lo) if hi > lo else 0.0
+        offset = -lo * scale
+    else:
+        scale, offset = 1.0, 0.0
+    w, h = img.size
+    grey = np.empty((h, w), dtype=np.uint8)
+    for top, chunk in _row_chunks(img):
+        np.nan_to_num(chunk, copy=False, nan=lo, posinf=hi, neginf=lo)
+        chunk *= scale
+        chunk += offset
+        np.rint(chunk, out=chunk)
+        np.clip(chunk, 0, 255, out=chunk)
+        grey[top : top + len(chunk)] = chunk
+    return Image.fromarray(grey, "L").convert("RGB")
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     mode = img.mode
     if mode == "RGB":
         return img
-    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        arr = np.asarray(img).astype(np.float64)
-        if mode.startswith("I;16") or (mode == "I" and arr.min() >= 0 and arr.max() <= 65535 and arr.max() > 255):
-            arr = arr / 257.0  # 16-bit full range 0..65535 -> 0..255
-        elif arr.max() > 255 or arr.min() < 0 or mode == "F":
-            lo, hi = float(arr.min()), float(arr.max())
-            arr = (arr - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(arr)
-        grey = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
-        return Image.fromarray(grey, "L").convert("RGB")
+    if mode in _HIGH_DEPTH:
+        return _high_depth_to_rgb(img)
     if mode == "P":
         img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
         mode = img.mode
@@ -137,7 +173,9 @@ def load_image(source: ImageSource, *, min_side: int = MIN_SIDE) -> Image.Image:
     if min(w, h) < min_side:
         raise ImageError(f"the image is only {w}x{h} px; {describe_limits()}")
     try:
-        if getattr(img, "n_frames", 1) > 1:
+        # Only the first frame is decoded. Frames are never counted: `n_frames` walks the whole file,
+        # which for a 20 MB GIF of a million 1-pixel frames takes seconds.
+        if hasattr(img, "tell") and img.tell() != 0:
             img.seek(0)
         img.load()
         img = ImageOps.exif_transpose(img)
