@@ -24,9 +24,14 @@ def example(app):
     return app.EXAMPLES[0]
 
 
+def _quiet(*args, **kwargs):
+    pass
+
+
 @pytest.fixture(scope="module")
 def analysed(app, example):
-    return app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
+    out = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    return out[app.state], out
 
 
 class _Click:
@@ -35,8 +40,13 @@ class _Click:
 
 
 def test_analyze_fills_every_section(app, analysed):
-    (exp, preds, rollout, layer_upd, head_upd, query, query_text, explorer, mosaic, distance,
-     similarity, filters, grid, table, npz, status) = analysed
+    ref, out = analysed
+    assert set(out) == set(app.analysis_outputs)
+    preds, rollout, explorer, mosaic = out[app.predictions], out[app.rollout_img], out[app.explorer_img], out[app.mosaic]
+    layer_upd, head_upd, query, query_text = out[app.layer], out[app.head], out[app.query], out[app.query_text]
+    distance, similarity, filters, grid = out[app.distance_img], out[app.similarity_img], out[app.filters_img], out[app.grid_img]
+    table, npz, status = out[app.table], out[app.npz], out[app.status]
+    assert out[app.notice] == ""
     assert len(preds) == 5 and abs(sum(preds.values()) - 1) < 0.5
     assert rollout.size == (384, 384) and explorer.size == (384, 384)
     assert layer_upd["maximum"] == 6 and head_upd["choices"][:3] == ["mean", "max", "head 1"]
@@ -45,14 +55,15 @@ def test_analyze_fills_every_section(app, analysed):
     assert similarity.size[0] > 300 and filters.size[0] > 100 and grid.size == (384, 384)
     assert table[0][0].startswith("Input image") and table[-1][0] == "Classification head"
     assert npz is None  # written on demand
-    data = np.load(app.on_export(exp))
+    data = np.load(app.on_export(ref))
     assert data["attentions"].shape == (6, 3, 37, 37) and data["cls_map"].shape == (6, 6)
     np.testing.assert_allclose(data["rollout"].sum(-1), 1, atol=1e-5)
     assert "shapes_p16" in status
 
 
 def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
-    exp = analysed[0]
+    ref = analysed[0]
+    exp = app.STORE.get(ref.key)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model was called for a view change")
@@ -60,53 +71,82 @@ def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
     monkeypatch.setattr(ViT, "forward", forbidden)
     monkeypatch.setattr(vitviz.pipeline, "analyze", forbidden)
     before = exp.analysis.attentions.clone()
-    m1, _ = app.on_view(exp, 1, "head 2", 0)
-    m2, _ = app.on_view(exp, 6, "max", 0)
+    m1, _ = app.on_view(ref, 1, "head 2", 0)
+    m2, _ = app.on_view(ref, 6, "max", 0)
     assert np.abs(np.asarray(m1, dtype=float) - np.asarray(m2, dtype=float)).sum() > 0
-    rollout, new_exp = app.on_rollout_options(exp, "min", 0.5)
+    app.on_rollout_options(ref, "min", 0.5)
+    new_exp = app.STORE.get(ref.key)
     assert new_exp.analysis.head_fusion == "min" and new_exp.analysis.attentions is exp.analysis.attentions
-    q, text, clicked, _ = app.on_click(exp, 6, "mean", _Click(383, 0))  # top-right patch
+    q, text, clicked, _ = app.on_click(ref, 6, "mean", _Click(383, 0))  # top-right patch
     assert q == 1 + 5 and "row 1, column 6" in text
-    q, text, _, _ = app.on_cls_query(exp, 6, "mean")
+    q, text, _, _ = app.on_cls_query(ref, 6, "mean")
     assert q == 0
     torch.testing.assert_close(exp.analysis.attentions, before)
 
 
 def test_clicking_a_patch_changes_the_explorer_map(app, analysed):
-    exp = analysed[0]
-    _, _, a, _ = app.on_click(exp, 3, "mean", _Click(10, 10))
-    _, _, b, _ = app.on_click(exp, 3, "mean", _Click(300, 300))
+    ref = analysed[0]
+    _, _, a, _ = app.on_click(ref, 3, "mean", _Click(10, 10))
+    _, _, b, _ = app.on_click(ref, 3, "mean", _Click(300, 300))
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
 
 def test_compare_two_variants(app, example):
     out = app.on_compare(example, ["shapes_p16", "shapes_p8"])
-    assert len(out) == 3 * 4 + 1
-    assert out[0]["visible"] and out[4]["visible"] and not out[8]["visible"]
-    assert "shapes_p16" in out[1] and "shapes_p8" in out[5]
-    assert out[2].size == (384, 384) and out[6].size == (384, 384)
-    with pytest.raises(gr.Error, match="two or three"):
-        app.on_compare(example, ["shapes_p16"])
+    (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = app.slots
+    assert out[col1]["visible"] and out[col2]["visible"] and not out[col3]["visible"]
+    assert "shapes_p16" in out[md1] and "shapes_p8" in out[md2]
+    assert out[ro1].size == (384, 384) and out[ro2].size == (384, 384)
+    assert out[app.compare_notice] == "" and out[app.compare_distance].size[0] > 300
+    # too few variants: only the notice changes, saying why
+    out = app.on_compare(example, ["shapes_p16"])
+    assert set(out) == {app.compare_notice} and "two or three" in out[app.compare_notice]
 
 
-def test_missing_inputs_and_bad_images_are_clear_errors(app, tmp_path):
-    with pytest.raises(gr.Error, match="Upload an image"):
-        app.on_analyze(None, "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
+def test_missing_inputs_and_bad_images_change_only_the_notice(app, tmp_path):
+    out = app.on_analyze(None, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert set(out) == {app.notice} and "Upload an image" in out[app.notice]
     with pytest.raises(gr.Error, match="Analyse an image first"):
         app.on_view(None, 1, "mean", 0)
     bad = tmp_path / "notes.jpg"
     bad.write_text("this is not a picture")
-    with pytest.raises(gr.Error, match="not an image"):
-        app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
+    out = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert set(out) == {app.notice} and "not an image" in out[app.notice]
 
 
-def test_unavailable_weights_are_shown_and_other_variants_keep_working(app, example, tmp_path, monkeypatch):
+def test_hostile_view_values_get_clear_errors(app, analysed):
+    ref = analysed[0]
+    for layer, head, query, words in [(0, "mean", 0, "layer"), (7, "mean", 0, "layer"), (float("nan"), "mean", 0, "layer"),
+                                      (2.5, "mean", 0, "layer"), (1, "head 4", 0, "head"), (1, "<b>x</b>", 0, "head"),
+                                      (1, "mean", -1, "query"), (1, "mean", 37, "query"), (1, "mean", "1e9", "query")]:
+        with pytest.raises(gr.Error, match=words):
+            app.on_view(ref, layer, head, query)
+    for fusion, ratio in [("median", 0.0), ("mean", 0.99), ("mean", float("inf")), ("mean", "x")]:
+        with pytest.raises(gr.Error, match="fusion|discard"):
+            app.on_rollout_options(ref, fusion, ratio)
+    out = app.on_analyze(app.EXAMPLES[0], "vit_x", "mean", 0.0, progress=_quiet)
+    assert set(out) == {app.notice} and "unknown variant" in out[app.notice]
+
+
+def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(app, example, tmp_path, monkeypatch):
+    import urllib.error
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    monkeypatch.setenv("VITVIZ_OFFLINE", "1")
-    with pytest.raises(gr.Error, match="vit_b_32-d86f8d99.pth"):
-        app.on_analyze(example, "vit_b_32", "mean", 0.0, progress=lambda *a, **k: None)
-    out = app.on_analyze(example, "shapes_p8", "mean", 0.0, progress=lambda *a, **k: None)
-    assert out[0].analysis.variant == "shapes_p8"
+    monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
+
+    def unreachable(url, dst, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
+    out = app.on_analyze(example, "vit_b_32", "mean", 0.0, progress=_quiet)
+    shown = out[app.notice]
+    # the page reads the notice as HTML: every angle bracket of the message is escaped, and the
+    # actionable part (which file, which folder) is all there
+    assert set(out) == {app.notice} and "vit_b_32-d86f8d99.pth" in shown and str(tmp_path / "torch") in shown
+    text = shown.removeprefix('<div class="vv-error">').removesuffix("</div>")
+    assert "<" not in text and ">" not in text
+    out = app.on_analyze(example, "shapes_p8", "mean", 0.0, progress=_quiet)
+    assert app.STORE.get(out[app.state].key).analysis.variant == "shapes_p8"
 
 
 def test_variant_menu_says_which_are_ready(app, tmp_path, monkeypatch):
@@ -148,7 +188,7 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
     client = Client(server, verbose=False)
     with pytest.raises(AppError, match="Analyse an image first"):
         client.predict(2, "mean", 0, api_name="/session_view")
-    client.predict(handle_file(example), "shapes_p16", "mean", 0.0, api_name="/session_analyze")
+    client.predict(handle_file(example), "shapes_p16", "mean", 0.0, 6, "mean", api_name="/session_analyze")
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model was called for a view change")
@@ -156,6 +196,8 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
     monkeypatch.setattr(ViT, "forward", forbidden)
     monkeypatch.setattr(vitviz.pipeline, "analyze", forbidden)
     first, mosaic = client.predict(1, "head 2", 0, api_name="/session_view")
+    second, _ = client.predict(1, "head 2", 7, api_name="/session_view")  # the query token counts
+    assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(second)))
     second, _ = client.predict(6, "mean", 7, api_name="/session_view")
     assert Image.open(first).size == (384, 384) and Image.open(mosaic).format == "JPEG"
     assert np.abs(np.asarray(Image.open(first), dtype=float) - np.asarray(Image.open(second), dtype=float)).mean() > 1
@@ -182,11 +224,15 @@ def test_model_cache_is_bounded():
 
 
 def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
-    rollout = analysed[2]
+    rollout = analysed[1][app.rollout_img]
     out = app.PngImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(rollout)
     assert data.path.startswith(str(tmp_path)) and data.path.endswith(".png")
+    # stored under a keyed hash: not the plain SHA-256 of the bytes anybody could compute
+    import hashlib
+
+    assert hashlib.sha256(open(data.path, "rb").read()).hexdigest() not in data.path
     with Image.open(data.path) as back:
         assert back.format == "PNG"
         np.testing.assert_array_equal(np.asarray(back.convert("RGB")), np.asarray(rollout.convert("RGB")))
@@ -194,7 +240,7 @@ def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
 
 
 def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
-    explorer = analysed[7]
+    explorer = analysed[1][app.explorer_img]
     out = app.ViewImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(explorer)

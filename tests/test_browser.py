@@ -95,3 +95,72 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.screenshot(path=str(shots / "7-phone.png"), full_page=True)
     assert overflow <= 1, f"the page is {overflow}px wider than a phone screen"
     assert len(list(shots.glob("*.png"))) == 7
+
+
+def _choose(page, label, option):
+    page.get_by_label(label).click()
+    page.get_by_role("option", name=option).first.click()
+
+
+def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
+    """Each control redraws its picture however it is changed; a menu pick runs one analysis; an
+    error reads in full as text and leaves the previous results alone."""
+    import urllib.error
+
+    import torch
+
+    import app
+
+    calls = []
+    explore = app.ex.explore
+    monkeypatch.setattr(app.ex, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
+    base, example = url
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    page.wait_for_function("document.querySelector('#vv-status').innerText.includes('shapes_p16')")
+    assert calls == ["shapes_p16"]
+
+    _choose(page, "Model variant", "shapes_p8 ")
+    page.wait_for_function("document.querySelector('#vv-status').innerText.includes('shapes_p8')")
+    page.mouse.click(5, 5)  # leaving the menu must not run it again
+    page.wait_for_timeout(1500)
+    assert calls == ["shapes_p16", "shapes_p8"], calls
+
+    # keyboard and typed values redraw, not only a mouse release
+    page.get_by_role("tab", name="Explorer").click()
+    before = _src(page, "#vv-explorer")
+    layer = page.locator("#vv-layer input[type=range]")
+    layer.focus()
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {before!r}")
+    assert layer.input_value() == "5"
+    before = _src(page, "#vv-explorer")
+    page.locator("#vv-layer input[type=number]").fill("2")
+    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {before!r}")
+    page.get_by_role("tab", name="Predict").click()
+    before = _src(page, "#vv-rollout")
+    page.locator("#vv-discard input[type=range]").focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(f"document.querySelector('#vv-rollout img').src !== {before!r}")
+    assert len(calls) == 2  # none of these ran the model
+
+    # weights that cannot be downloaded: the whole message, as text; the results stay as they were
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
+
+    def unreachable(url, dst, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
+    rollout = _src(page, "#vv-rollout")
+    _choose(page, "Model variant", "vit_b_32 ")
+    page.wait_for_function("document.querySelector('#vv-notice').innerText.includes('vit_b_32-d86f8d99.pth')")
+    shown = page.locator("#vv-notice").inner_text()
+    assert "<urlopen error [Errno -3] Temporary failure in name resolution>" in shown
+    assert str(tmp_path / "torch" / "hub" / "checkpoints") in shown and "still those of shapes_p8" in shown
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(tmp_path / "unavailable.png"), full_page=True)
+    assert _src(page, "#vv-rollout") == rollout
+    assert page.locator("#vv-predictions").inner_text().strip()
+    lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
+    assert "Error" not in lines, "an output shows Gradio's error badge"

@@ -30,7 +30,7 @@ from vitviz.analysis import (
 )
 from vitviz.images import ImageSource
 from vitviz.model import ViT
-from vitviz.pipeline import Analysis, analyze
+from vitviz.pipeline import Analysis, analyze, analyze_crop
 from vitviz.summary import summary
 from vitviz.zoo import VariantSpec, get_spec, list_variants, load_model, weights_status
 
@@ -39,6 +39,7 @@ __all__ = [
     "ModelCache",
     "Exploration",
     "explore",
+    "explore_crop",
     "release_memory",
     "variant_choices",
     "head_choices",
@@ -185,6 +186,12 @@ def explore(cache: ModelCache, image: ImageSource, variant: str, *, head_fusion:
     """The one step that runs a model: analyse `image` with `variant`."""
     model, facts = cache.get(variant)
     return Exploration(analyze(model, image, head_fusion=head_fusion, discard_ratio=discard_ratio), facts)  # type: ignore[arg-type]
+
+
+def explore_crop(cache: ModelCache, cropped: Image.Image, variant: str) -> Exploration:
+    """`explore` for the crop of an earlier analysis (`Analysis.image`): the same numbers again."""
+    model, facts = cache.get(variant)
+    return Exploration(analyze_crop(model, cropped), facts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from vitviz.images import ImageSource, load_image
 from vitviz.model import ViT
 from vitviz.zoo import VariantSpec
 
-__all__ = ["Analysis", "analyze", "preprocess", "crop", "spec_of"]
+__all__ = ["Analysis", "analyze", "analyze_crop", "preprocess", "to_input", "crop", "spec_of"]
 
 _PIL_INTERPOLATION = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
 
@@ -52,13 +52,20 @@ def crop(image: Image.Image, spec: VariantSpec) -> Image.Image:
     return image.crop((left, top, left + s, top + s))
 
 
+def to_input(cropped: Image.Image, spec: VariantSpec) -> torch.Tensor:
+    """The S x S RGB crop -> the normalised tensor [3, S, S] the model takes."""
+    if cropped.size != (spec.image_size, spec.image_size):
+        raise ValueError(f"expected a {spec.image_size}x{spec.image_size} crop, got {cropped.size[0]}x{cropped.size[1]}")
+    x = torch.from_numpy(np.asarray(cropped.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
+    mean = torch.tensor(spec.mean).view(3, 1, 1)
+    std = torch.tensor(spec.std).view(3, 1, 1)
+    return (x - mean) / std
+
+
 def preprocess(image: Image.Image, spec: VariantSpec) -> tuple[torch.Tensor, Image.Image]:
     """RGB image -> (normalised tensor [3, S, S], the S x S crop the model sees)."""
     cropped = crop(image, spec)
-    x = torch.from_numpy(np.asarray(cropped, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
-    mean = torch.tensor(spec.mean).view(3, 1, 1)
-    std = torch.tensor(spec.std).view(3, 1, 1)
-    return (x - mean) / std, cropped
+    return to_input(cropped, spec), cropped
 
 
 @dataclass
@@ -96,6 +103,12 @@ class Analysis:
     device: str
     model_seconds: float
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors and the crop (what keeping this analysis costs)."""
+        tensors = (self.probabilities, self.attentions, self.rollout, self.cls_map, self.distances)
+        return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
+
     def with_rollout(self, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> "Analysis":
         """The same analysis with the rollout recomputed from the stored attention (no model call)."""
         if head_fusion == self.head_fusion and discard_ratio == self.discard_ratio:
@@ -129,8 +142,26 @@ def analyze(
         head_fusion, discard_ratio: rollout options.
     """
     spec = spec_of(model)
-    rgb = load_image(image)
-    x, cropped = preprocess(rgb, spec)
+    x, cropped = preprocess(load_image(image), spec)
+    return _analyze_input(model, x, cropped, top_k=top_k, head_fusion=head_fusion, discard_ratio=discard_ratio)
+
+
+def analyze_crop(model: ViT, cropped: Image.Image, **options) -> Analysis:
+    """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
+    so analysing `analysis.image` again gives the same numbers."""
+    return _analyze_input(model, to_input(cropped, spec_of(model)), cropped, **options)
+
+
+def _analyze_input(
+    model: ViT,
+    x: torch.Tensor,
+    cropped: Image.Image,
+    *,
+    top_k: int = 5,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+) -> Analysis:
+    spec = spec_of(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
     p = model.num_prefix_tokens

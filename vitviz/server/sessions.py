@@ -1,0 +1,118 @@
+"""Analyses kept for browser sessions, all of them together within one memory budget.
+
+A session keeps only a small `SessionRef` itself (a key, the variant, the input crop). The heavy part
+of its analysis, the attention stack (22 MB for ViT-B/16, 192 MB for B/16 at 384 px, 3.8 GB for H/14 at
+518 px), lives in one `SessionStore` shared by every session. When the store is over its budget, or an
+entry has not been used for `idle_seconds`, the least recently used entries are dropped; a session whose
+entry was dropped computes it again from its crop (one model call) the next time it needs it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from PIL import Image
+
+__all__ = ["SessionRef", "SessionStore"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """What a session holds itself: small, whatever the model.
+
+    Attributes:
+        key: the entry in the store (random, unguessable).
+        variant: the model that analysed the image.
+        crop: the S x S crop the model saw; the model's input is a pure function of it, so the
+            analysis can be computed again exactly.
+    """
+
+    key: str
+    variant: str
+    crop: Image.Image = field(repr=False, compare=False)
+
+
+class SessionStore(Generic[T]):
+    """Values with a size, kept least-recently-used first within `budget_bytes` in all.
+
+    The entry just stored always stays, even when it alone is over the budget (the bound is then the
+    size of that one analysis); every other entry is dropped as needed, oldest use first. Entries
+    not used for `idle_seconds` are dropped whenever the store is touched. Thread-safe.
+
+    Args:
+        budget_bytes: the most bytes kept for all entries together.
+        idle_seconds: how long an unused entry is kept.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, *, budget_bytes: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget_bytes = budget_bytes
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[T, int, float]] = OrderedDict()  # key -> (value, bytes, last use)
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size, _ in self._entries.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def put(self, value: T, nbytes: int, *, key: str | None = None) -> str:
+        """Stores `value` (of `nbytes`) under `key`, or a new random key; returns the key."""
+        key = key or secrets.token_urlsafe(16)
+        with self._lock:
+            self._entries[key] = (value, nbytes, self._clock())
+            self._entries.move_to_end(key)
+            self._evict(keep=key)
+        return key
+
+    def get(self, key: str) -> T | None:
+        """The value, or None when it was never stored or has been dropped; counts as a use."""
+        with self._lock:
+            self._evict(keep=key, budget=False)
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            value, size, _ = entry
+            self._entries[key] = (value, size, self._clock())
+            self._entries.move_to_end(key)
+            return value
+
+    def drop(self, key: str | None) -> None:
+        with self._lock:
+            self._entries.pop(key, None)  # type: ignore[arg-type]
+
+    def _evict(self, *, keep: str | None, budget: bool = True) -> None:
+        """Drops idle entries, then (with `budget`) the least recently used until within the budget;
+        `keep` stays."""
+        now = self._clock()
+        for k in [k for k, (_, _, used) in self._entries.items() if now - used > self.idle_seconds and k != keep]:
+            del self._entries[k]
+            self.evictions += 1
+        if not budget:
+            return
+        total = sum(size for _, size, _ in self._entries.values())
+        for k in list(self._entries):
+            if total <= self.budget_bytes:
+                break
+            if k == keep:
+                continue
+            total -= self._entries.pop(k)[1]
+            self.evictions += 1
