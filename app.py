@@ -1,27 +1,30 @@
 """vitviz in the browser: upload an image, pick a ViT, see what it predicts and how it got there.
 
-Layout and wiring only; everything computed lives in `vitviz` (`vitviz.explorer` for the views).
-Run with `python app.py`; deploys unchanged as a Hugging Face Space.
+Layout, wiring and thin handlers only; everything computed lives in `vitviz` (`vitviz.server` for
+the app's logic without Gradio). Run with `python app.py`; deploys unchanged as a Hugging Face Space.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-import time
-from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
+from gradio.components import Component  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 
-from vitviz import explorer as ex  # noqa: E402
 from vitviz.images import MAX_BYTES, ImageError, describe_limits  # noqa: E402
+from vitviz.server import inputs, views  # noqa: E402
+from vitviz.server.export import Downloads  # noqa: E402
 from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text  # noqa: E402
+from vitviz.server.memory import release_memory  # noqa: E402
+from vitviz.server.menus import head_choices, spec_line, variant_choices  # noqa: E402
+from vitviz.server.models import ModelCache  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
-from vitviz.zoo import WeightsUnavailableError, assets_dir, checkpoint_dir, default_device, default_variant  # noqa: E402
+from vitviz.sources import WeightsUnavailableError, assets_dir, checkpoint_dir, default_device, default_variant  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
     import spaces
@@ -33,16 +36,18 @@ except ImportError:  # pragma: no cover - depends on the host
         return fn
 
 
-CACHE = ex.ModelCache(max_models=int(os.environ.get("VITVIZ_MAX_MODELS", "3")))
+Outputs = dict[Component, Any]
+
+CACHE = ModelCache(max_models=int(os.environ.get("VITVIZ_MAX_MODELS", "3")))
 DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
 EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
 MAX_COMPARE = 3
 QUEUE_SIZE = int(os.environ.get("VITVIZ_QUEUE_SIZE", "32"))
 CONCURRENCY = int(os.environ.get("VITVIZ_CONCURRENCY", "2" if torch.cuda.is_available() else "1"))
-_DOWNLOADS = Path(tempfile.mkdtemp(prefix="vitviz-"))
+DOWNLOADS = Downloads()
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
 # a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
-STORE: SessionStore[ex.Exploration] = SessionStore(
+STORE: SessionStore[views.Exploration] = SessionStore(
     budget_bytes=int(float(os.environ.get("VITVIZ_STATE_MB", "3072")) * 2**20),
     idle_seconds=float(os.environ.get("VITVIZ_STATE_IDLE", "900")),
 )
@@ -55,90 +60,52 @@ def _device_line() -> str:
     return f"CPU ({torch.get_num_threads()} threads)"
 
 
-
 def _error(message: str) -> gr.Error:
     """An error for the page and the API, its text shown as typed (the page reads it as HTML)."""
     return gr.Error(as_text(message))
 
 
-# ------------------------------------------------------------------------------------------------
-# Every payload field is checked here: the API takes them from anyone.
-
-def _variant(value) -> str:
-    if not isinstance(value, str) or not value:
-        raise _error("Choose a model variant.")
+def _checked(check, *args):
+    """A client's field through its check in `vitviz.server.inputs`, or a clear error."""
     try:
-        ex.get_spec(value)
-    except ValueError as exc:
+        return check(*args)
+    except inputs.InputError as exc:
         raise _error(str(exc)) from None
-    return value
-
-
-def _fusion(value) -> str:
-    if value not in ("mean", "max", "min"):
-        raise _error("Head fusion must be mean, max or min.")
-    return value
-
-
-def _ratio(value) -> float:
-    try:
-        ratio = float(value)
-    except (TypeError, ValueError):
-        ratio = float("nan")
-    if not 0.0 <= ratio <= 0.95:
-        raise _error("The discard ratio must be a number from 0 to 0.95.")
-    return ratio
-
-
-def _index(value, low: int, high: int, what: str) -> int:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not (low <= number <= high and number == int(number)):
-        raise _error(f"The {what} must be a whole number from {low} to {high}.")
-    return int(number)
-
-
-def _head(value, heads: int) -> str:
-    if value in ("mean", "max") or value in ex.head_choices(heads):
-        return value
-    raise _error(f"The head must be mean, max or one of head 1 to head {heads}.")
 
 
 # ------------------------------------------------------------------------------------------------
 # Running the model, and the analyses kept for sessions
 
-def _run(image: str | None, variant: str, head_fusion: str = "mean", discard_ratio: float = 0.0) -> ex.Exploration:
+def _run(image: str | None, variant: str) -> views.Exploration:
     if image is None:
         raise _error("Upload an image first (or pick an example).")
-    variant, head_fusion, discard_ratio = _variant(variant), _fusion(head_fusion), _ratio(discard_ratio)
-    ex.release_memory()  # what the previous request's rendering and encoding freed
+    variant = _checked(inputs.variant, variant)
+    release_memory()  # what the previous request's rendering and encoding freed
     try:
-        return _analyze_on_device(image, variant, head_fusion, discard_ratio)
+        return _analyze_on_device(image, variant)
     except (ImageError, WeightsUnavailableError) as exc:
         raise _error(str(exc)) from None
     finally:
-        ex.release_memory()
+        release_memory()
 
 
 @gpu
-def _analyze_on_device(image: str, variant: str, head_fusion: str, discard_ratio: float) -> ex.Exploration:
-    return ex.explore(CACHE, image, variant, head_fusion=head_fusion, discard_ratio=discard_ratio)
+def _analyze_on_device(image: str, variant: str) -> views.Exploration:
+    return views.explore(CACHE, image, variant)
 
 
 @gpu
-def _reanalyze_on_device(ref: SessionRef) -> ex.Exploration:
-    return ex.explore_crop(CACHE, ref.crop, ref.variant)
+def _reanalyze_on_device(ref: SessionRef) -> views.Exploration:
+    return views.explore_crop(CACHE, ref.crop, ref.variant)
 
 
-def _remember(exp: ex.Exploration, key: str | None = None) -> SessionRef:
+def _remember(exp: views.Exploration) -> SessionRef:
     """Keeps `exp` in the store; the session holds only the returned reference."""
-    key = STORE.put(exp, exp.analysis.nbytes, key=key)
+    key = STORE.put(exp, exp.analysis.nbytes)
     return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image)
 
 
-def _recall(ref: SessionRef | None) -> ex.Exploration:
+def _recall(ref: SessionRef | None) -> views.Exploration:
     """The session's analysis; computed again from its crop when the store has dropped it."""
     if not isinstance(ref, SessionRef):
         raise _error("Analyse an image first.")
@@ -158,158 +125,146 @@ def _forget(ref: SessionRef | None) -> None:
         STORE.drop(ref.key)
 
 
-def _npz(exp: ex.Exploration, *, attentions: bool = True) -> str:
-    """Writes the .npz download under a random name; files older than 10 minutes (long since
-    served) are removed."""
-    now = time.time()
-    for old in _DOWNLOADS.glob("*.npz"):
-        if now - old.stat().st_mtime > 600:
-            old.unlink(missing_ok=True)
-    path = _DOWNLOADS / f"vitviz-{exp.analysis.variant}-{os.urandom(16).hex()}.npz"
-    return str(ex.export_npz(exp, path, attentions=attentions))
-
-
 def _notice(message: str) -> str:
-    return f'<div class="vv-error">{as_text(message)}</div>'
+    """An error for the notice box: `message` is already escaped text."""
+    return f'<div class="vv-error">{message}</div>'
 
 
 # ------------------------------------------------------------------------------------------------
-# Handlers (each callable directly in tests)
+# Handlers: each returns its outputs by component, and is callable directly in tests
 
-def on_analyze(image, variant, head_fusion, discard_ratio, layer_value=None, head_value=None, ref=None,
-               progress=gr.Progress(track_tqdm=True)):
+def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio: float, ref: SessionRef | None = None,
+               progress=gr.Progress(track_tqdm=True)) -> Outputs:
     """A new image or variant: the one handler that runs the model.
 
-    Returns a dict keyed by component. When nothing can be analysed (no image, an image vitviz
-    refuses, weights that cannot be had), only the notice changes, saying why: the results on the
-    page stay those of the last analysis.
+    When nothing can be analysed (no image, an image vitviz refuses, weights that cannot be had),
+    only the notice changes, saying why: the results on the page stay those of the last analysis.
     """
     progress(0, desc=f"Loading {variant} (a first use may download its weights)")
     try:
-        exp = _run(image, variant, head_fusion, discard_ratio)
+        exp = _run(image, variant)
+        head_fusion, discard_ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
     except gr.Error as exc:
         shown = f" The results below are still those of {ref.variant}." if isinstance(ref, SessionRef) else ""
         gr.Warning(exc.message)
-        return {notice: f'<div class="vv-error">{exc.message}{as_text(shown)}</div>'}
+        return {notice: _notice(exc.message + as_text(shown))}
     _forget(ref)
     a = exp.analysis
-    layers = a.attentions.shape[0]
-    heads = ex.head_choices(a.attentions.shape[1])
-    # keep the layer and head the person was looking at when the new model has them
-    layer_now = layer_value if isinstance(layer_value, (int, float)) and 1 <= layer_value <= layers else layers
-    layer_now = int(layer_now)
-    head_now = head_value if head_value in heads else "mean"
-    rollout, exp = ex.render_rollout(exp, head_fusion=head_fusion, discard_ratio=float(discard_ratio))
-    similarity, filters = ex.render_position(exp)
-    grid, table_rows = ex.render_architecture(exp)
+    depth, heads = a.attentions.shape[:2]
+    similarity, filters = views.render_position(exp)
+    grid, table_rows = views.render_architecture(exp)
     return {
         state: _remember(exp),
         notice: "",
-        predictions: ex.render_predictions(exp),
-        rollout_img: rollout,
-        layer: gr.update(maximum=layers, value=layer_now),
-        head: gr.update(choices=heads, value=head_now),
+        predictions: views.render_predictions(exp),
+        rollout_img: views.render_rollout(exp, head_fusion=head_fusion, discard_ratio=discard_ratio),
+        layer: gr.update(maximum=depth, value=depth),
+        head: gr.update(choices=head_choices(heads), value="mean"),
         query: 0,
-        query_text: ex.describe_query(exp, 0),
-        explorer_img: ex.render_query(exp, layer=layer_now, head=head_now, query=0),
-        mosaic: ex.render_head_mosaic(exp, layer=layer_now, query=0),
-        distance_img: ex.render_distance(exp),
+        query_text: views.describe_query(exp, 0),
+        explorer_img: views.render_query(exp, layer=depth, head="mean", query=0),
+        mosaic: views.render_head_mosaic(exp, layer=depth, query=0),
+        distance_img: views.render_distance(exp),
         similarity_img: similarity,
         filters_img: filters,
         grid_img: grid,
         table: table_rows,
         npz: None,
         status: (
-            f"**{a.variant}** on {a.device}: {ex.spec_line(a.variant)}. Model call {a.model_seconds * 1e3:.0f} ms; "
+            f"**{a.variant}** on {a.device}: {spec_line(a.variant)}. Model call {a.model_seconds * 1e3:.0f} ms; "
             f"{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
         ),
     }
 
 
-def on_export(ref):
+def on_export(ref: SessionRef | None) -> Outputs:
     """The analysis as .npz, written when asked for."""
-    return _npz(_recall(ref))
+    return {npz: DOWNLOADS.npz(_recall(ref))}
 
 
-def on_rollout_options(ref, head_fusion, discard_ratio):
-    """Rollout options changed: recompute from the stored attention."""
+def on_rollout_options(ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
+    """Rollout options changed: drawn again from the stored attention."""
     exp = _recall(ref)
-    rollout, exp = ex.render_rollout(exp, head_fusion=_fusion(head_fusion), discard_ratio=_ratio(discard_ratio))
-    STORE.put(exp, exp.analysis.nbytes, key=ref.key)
-    return rollout
+    fusion, ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
+    return {rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
 
 
-def on_view(ref, layer_value, head_value, query_value):
-    """Layer, head or query changed: re-render the explorer from the stored attention."""
+def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float) -> Outputs:
+    """Layer, head or query changed: the explorer drawn again from the stored attention."""
     exp = _recall(ref)
     depth, heads, tokens = exp.analysis.attentions.shape[:3]
-    layer_value = _index(layer_value, 1, depth, "layer")
-    head_value = _head(head_value, heads)
-    query_value = _index(query_value, 0, tokens - 1, "query token")
-    return (
-        ex.render_query(exp, layer=layer_value, head=head_value, query=query_value),
-        ex.render_head_mosaic(exp, layer=layer_value, query=query_value),
-    )
+    layer_value = _checked(inputs.index, layer_value, 1, depth, "layer")
+    head_value = _checked(inputs.head, head_value, heads)
+    query_value = _checked(inputs.index, query_value, 0, tokens - 1, "query token")
+    return {
+        explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value),
+        mosaic: views.render_head_mosaic(exp, layer=layer_value, query=query_value),
+    }
 
 
-def on_click(ref, layer_value, head_value, evt: gr.SelectData):
+def on_click(ref: SessionRef | None, layer_value: float, head_value: str, evt: gr.SelectData) -> Outputs:
     """A click on the explorer image picks that patch as the query."""
     exp = _recall(ref)
     try:
         x, y = float(evt.index[0]), float(evt.index[1])
     except (TypeError, ValueError, IndexError):
         raise _error("A click must give the pixel (x, y) on the image.") from None
-    query_value = ex.patch_at(exp, x, y)
-    return (query_value, ex.describe_query(exp, query_value), *on_view(ref, layer_value, head_value, query_value))
+    query_value = views.patch_at(exp, x, y)
+    return {query: query_value, query_text: views.describe_query(exp, query_value), **on_view(ref, layer_value, head_value, query_value)}
 
 
-def on_cls_query(ref, layer_value, head_value):
+def on_cls_query(ref: SessionRef | None, layer_value: float, head_value: str) -> Outputs:
     exp = _recall(ref)
-    return (0, ex.describe_query(exp, 0), *on_view(ref, layer_value, head_value, 0))
+    return {query: 0, query_text: views.describe_query(exp, 0), **on_view(ref, layer_value, head_value, 0)}
 
 
-def on_compare(image, variants):
-    """Two or three variants on the same image, side by side (a dict keyed by component).
+def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
+    """Two or three variants on the same image, side by side.
 
     When something cannot be analysed, only the compare notice changes, saying why."""
-    variants = list(variants or []) if isinstance(variants, (list, tuple)) else []
+    variants = list(variants) if isinstance(variants, (list, tuple)) else []
     try:
         if not 2 <= len(variants) <= MAX_COMPARE:
             raise _error(f"Pick two or three variants to compare (you picked {len(variants)}).")
         exps = [_run(image, v) for v in variants]
     except gr.Error as exc:
         gr.Warning(exc.message)
-        return {compare_notice: f'<div class="vv-error">{exc.message}</div>'}
-    out = {compare_notice: "", compare_distance: ex.render_compare_distance(exps)}
+        return {compare_notice: _notice(exc.message)}
+    out: Outputs = {compare_notice: "", compare_distance: views.render_compare_distance(exps)}
     for k, (col, md, ro, gd) in enumerate(slots):
         if k < len(exps):
             e = exps[k]
             a = e.analysis
-            top = "\n".join(f"- {label}: {p:.1%}" for label, p in a.predictions[:3])
+            top = "\n".join(f"- {label}: {p:.1%}" for label, p in a.predictions(3))
             out[col] = gr.update(visible=True)
             out[md] = (
                 f"### {a.variant}\n{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px · {e.facts.total_params:,} params · "
                 f"{a.model_seconds * 1e3:.0f} ms\n\n{top}"
             )
-            out[ro] = ex.render_rollout(e)[0]
-            out[gd] = ex.render_architecture(e)[0]
+            out[ro] = views.render_rollout(e)
+            out[gd] = views.render_architecture(e)[0]
         else:
             out[col], out[md], out[ro], out[gd] = gr.update(visible=False), "", None, None
     return out
 
 
-def api_analyze(image, variant):
+def api_analyze(image: str | None, variant: str) -> Outputs:
     """The `/analyze` endpoint: image and variant in; predictions, rollout, distance plot and an .npz
     (rollout, cls map, distances, probabilities, the crop; the attention stack stays in the page's download)."""
     exp = _run(image, variant)
-    return ex.render_predictions(exp), ex.render_rollout(exp)[0], ex.render_distance(exp), _npz(exp, attentions=False)
+    return {
+        api_pred: views.render_predictions(exp),
+        api_rollout: views.render_rollout(exp),
+        api_distance: views.render_distance(exp),
+        api_npz: DOWNLOADS.npz(exp, attentions=False),
+    }
 
 
-def on_variant_info(variant):
+def on_variant_info(variant: str) -> Outputs:
     try:
-        return ex.spec_line(_variant(variant))
-    except gr.Error:
-        return ""
+        return {variant_info: spec_line(inputs.variant(variant))}
+    except inputs.InputError:
+        return {variant_info: ""}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,8 +288,8 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             image = UploadedImage(label="Image", type="filepath", sources=["upload", "clipboard"], height=320, elem_id="vv-image")
-            variant = gr.Dropdown(ex.variant_choices(), value=DEFAULT_VARIANT, label="Model variant", elem_id="vv-variant")
-            variant_info = gr.Markdown(ex.spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
+            variant = gr.Dropdown(variant_choices(), value=DEFAULT_VARIANT, label="Model variant", elem_id="vv-variant")
+            variant_info = gr.Markdown(spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
             run = gr.Button("Analyse", variant="primary", elem_id="vv-run")
             if EXAMPLES:
                 gr.Examples(EXAMPLES, inputs=image, label="Examples")
@@ -413,7 +368,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                     )
                     with gr.Row():
                         compare_pick = gr.CheckboxGroup(
-                            ex.variant_choices(), value=["shapes_p16", "shapes_p8"], label="Variants (two or three)"
+                            variant_choices(), value=["shapes_p16", "shapes_p8"], label="Variants (two or three)"
                         )
                         compare_run = gr.Button("Compare", variant="primary", elem_id="vv-compare-run")
                     compare_notice = gr.HTML("", elem_id="vv-compare-notice")
@@ -439,7 +394,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
         state, notice, predictions, rollout_img, layer, head, query, query_text, explorer_img, mosaic, distance_img,
         similarity_img, filters_img, grid_img, table, npz, status,
     ]
-    analysis_inputs = [image, variant, head_fusion, discard, layer, head, state]
+    analysis_inputs = [image, variant, head_fusion, discard, state]
     view_inputs = [state, layer, head, query]
     # The session endpoints (undocumented, callable with gradio_client) keep the analysis in the
     # caller's session, as the page does: `python -m vitviz.bench --app` times view changes through them.

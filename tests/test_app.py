@@ -55,7 +55,7 @@ def test_analyze_fills_every_section(app, analysed):
     assert similarity.size[0] > 300 and filters.size[0] > 100 and grid.size == (384, 384)
     assert table[0][0].startswith("Input image") and table[-1][0] == "Classification head"
     assert npz is None  # written on demand
-    data = np.load(app.on_export(ref))
+    data = np.load(app.on_export(ref)[app.npz])
     assert data["attentions"].shape == (6, 3, 37, 37) and data["cls_map"].shape == (6, 6)
     np.testing.assert_allclose(data["rollout"].sum(-1), 1, atol=1e-5)
     assert "shapes_p16" in status
@@ -69,25 +69,26 @@ def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
         raise AssertionError("the model was called for a view change")
 
     monkeypatch.setattr(ViT, "forward", forbidden)
-    monkeypatch.setattr(vitviz.pipeline, "analyze", forbidden)
+    monkeypatch.setattr(ViT, "encode", forbidden)
     before = exp.analysis.attentions.clone()
-    m1, _ = app.on_view(ref, 1, "head 2", 0)
-    m2, _ = app.on_view(ref, 6, "max", 0)
+    m1 = app.on_view(ref, 1, "head 2", 0)[app.explorer_img]
+    m2 = app.on_view(ref, 6, "max", 0)[app.explorer_img]
     assert np.abs(np.asarray(m1, dtype=float) - np.asarray(m2, dtype=float)).sum() > 0
-    app.on_rollout_options(ref, "min", 0.5)
-    new_exp = app.STORE.get(ref.key)
-    assert new_exp.analysis.head_fusion == "min" and new_exp.analysis.attentions is exp.analysis.attentions
-    q, text, clicked, _ = app.on_click(ref, 6, "mean", _Click(383, 0))  # top-right patch
-    assert q == 1 + 5 and "row 1, column 6" in text
-    q, text, _, _ = app.on_cls_query(ref, 6, "mean")
-    assert q == 0
+    r1 = app.on_rollout_options(ref, "min", 0.5)[app.rollout_img]
+    r2 = app.on_rollout_options(ref, "mean", 0.0)[app.rollout_img]
+    assert np.abs(np.asarray(r1, dtype=float) - np.asarray(r2, dtype=float)).sum() > 0
+    assert app.STORE.get(ref.key) is exp  # nothing derived is stored
+    out = app.on_click(ref, 6, "mean", _Click(383, 0))  # top-right patch
+    assert out[app.query] == 1 + 5 and "row 1, column 6" in out[app.query_text]
+    assert set(out) == {app.query, app.query_text, app.explorer_img, app.mosaic}
+    assert app.on_cls_query(ref, 6, "mean")[app.query] == 0
     torch.testing.assert_close(exp.analysis.attentions, before)
 
 
 def test_clicking_a_patch_changes_the_explorer_map(app, analysed):
     ref = analysed[0]
-    _, _, a, _ = app.on_click(ref, 3, "mean", _Click(10, 10))
-    _, _, b, _ = app.on_click(ref, 3, "mean", _Click(300, 300))
+    a = app.on_click(ref, 3, "mean", _Click(10, 10))[app.explorer_img]
+    b = app.on_click(ref, 3, "mean", _Click(300, 300))[app.explorer_img]
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
 
@@ -135,7 +136,8 @@ def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(a
     monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
 
     def unreachable(url, dst, *args, **kwargs):
-        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+        # a reason with angle brackets, which the page would take for an HTML tag
+        raise urllib.error.URLError("<proxy> refused the tunnel: 403 <Forbidden>")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
     out = app.on_analyze(example, "vit_b_32", "mean", 0.0, progress=_quiet)
@@ -151,7 +153,7 @@ def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(a
 
 def test_variant_menu_says_which_are_ready(app, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    labels = dict((v, k) for k, v in vitviz.explorer.variant_choices())
+    labels = dict((v, k) for k, v in vitviz.server.menus.variant_choices())
     assert "embedded" in labels["shapes_p16"] and "needs a download" in labels["vit_l_16"]
 
 
@@ -177,8 +179,8 @@ def test_api_analyze_through_gradio_client(server, example):
     assert data["cls_map"].shape == (6, 6) and data["distances"].shape == (6, 3) and "attentions" not in data
     # the same answer as the Python API
     direct = vitviz.analyze(vitviz.load_model("shapes_p16", device="cpu"), example)
-    assert preds["label"] == direct.predictions[0][0]
-    assert preds["confidences"][0]["confidence"] == pytest.approx(direct.predictions[0][1], abs=1e-4)
+    assert preds["label"] == direct.predictions()[0][0]
+    assert preds["confidences"][0]["confidence"] == pytest.approx(direct.predictions()[0][1], abs=1e-4)
 
 
 def test_session_view_changes_through_gradio_client_never_call_the_model(server, example, monkeypatch):
@@ -188,13 +190,13 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
     client = Client(server, verbose=False)
     with pytest.raises(AppError, match="Analyse an image first"):
         client.predict(2, "mean", 0, api_name="/session_view")
-    client.predict(handle_file(example), "shapes_p16", "mean", 0.0, 6, "mean", api_name="/session_analyze")
+    client.predict(handle_file(example), "shapes_p16", "mean", 0.0, api_name="/session_analyze")
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model was called for a view change")
 
     monkeypatch.setattr(ViT, "forward", forbidden)
-    monkeypatch.setattr(vitviz.pipeline, "analyze", forbidden)
+    monkeypatch.setattr(ViT, "encode", forbidden)
     first, mosaic = client.predict(1, "head 2", 0, api_name="/session_view")
     second, _ = client.predict(1, "head 2", 7, api_name="/session_view")  # the query token counts
     assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(second)))
@@ -209,7 +211,7 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
 
 
 def test_model_cache_is_bounded():
-    from vitviz.explorer import ModelCache
+    from vitviz.server.models import ModelCache
 
     cache = ModelCache(max_models=2, device="cpu")
     for name in ["shapes_p16", "shapes_p8", "shapes_p16", "shapes_p8"]:

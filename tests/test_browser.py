@@ -112,8 +112,8 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     import app
 
     calls = []
-    explore = app.ex.explore
-    monkeypatch.setattr(app.ex, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
+    explore = app.views.explore
+    monkeypatch.setattr(app.views, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
     base, example = url
     page.goto(base)
     page.locator("#vv-image input[type=file]").set_input_files(example)
@@ -149,14 +149,15 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
 
     def unreachable(url, dst, *args, **kwargs):
-        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+        # a reason with angle brackets, which the page would take for an HTML tag
+        raise urllib.error.URLError("<proxy> refused the tunnel: 403 <Forbidden>")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
     rollout = _src(page, "#vv-rollout")
     _choose(page, "Model variant", "vit_b_32 ")
     page.wait_for_function("document.querySelector('#vv-notice').innerText.includes('vit_b_32-d86f8d99.pth')")
     shown = page.locator("#vv-notice").inner_text()
-    assert "<urlopen error [Errno -3] Temporary failure in name resolution>" in shown
+    assert "URLError: <proxy> refused the tunnel: 403 <Forbidden>" in shown
     assert str(tmp_path / "torch" / "hub" / "checkpoints") in shown and "still those of shapes_p8" in shown
     page.wait_for_timeout(500)
     page.screenshot(path=str(tmp_path / "unavailable.png"), full_page=True)

@@ -25,7 +25,7 @@ def test_folder_average_matches_per_image_analyses(tmp_path, capsys):
     rows = list(csv.DictReader(open(out / "shapes_p16_distance.csv")))
     assert len(rows) == 6 * 3 and rows[0]["images"] == "7"
     model = vitviz.load_model("shapes_p16", device="cpu")
-    want = torch.stack([vitviz.analyze(model, p).distances for p in paths]).mean(0)
+    want = torch.stack([vitviz.analyze(model, p).distances() for p in paths]).mean(0)
     got = torch.tensor([float(r["mean_distance_px"]) for r in rows]).reshape(6, 3)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     assert Image.open(out / "shapes_p16_distance.png").size[0] > 300

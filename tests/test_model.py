@@ -122,8 +122,26 @@ def test_scale_is_applied_before_softmax():
 
 def test_wrong_input_shape_says_what_is_expected():
     model = vitviz.get_spec("shapes_p16").build()
-    with pytest.raises(ValueError, match=r"\[B, 3, 96, 96\].*\[1, 3, 64, 64\]"):
-        model(torch.randn(1, 3, 64, 64))
+    with pytest.raises(ValueError, match=r"\[B, 3, 96, 96\].*\[1, 1, 96, 96\]"):
+        model(torch.randn(1, 1, 96, 96))
+    with pytest.raises(ValueError, match=r"50x50 px.*multiples of the patch size 16"):
+        model(torch.randn(1, 3, 50, 50))
+
+
+def test_other_image_sizes_resample_the_position_embeddings():
+    model = vitviz.get_spec("shapes_p16").build().eval()
+    # at the trained size nothing is resampled
+    assert model.patch_pos_embed((6, 6)) is not None
+    torch.testing.assert_close(model.patch_pos_embed((6, 6)), model.pos_embed[:, 1:], atol=0, rtol=0)
+    # elsewhere: bicubic, antialiased, on the [gh, gw] grid of each channel
+    import torch.nn.functional as F
+
+    grid = model.pos_embed[:, 1:].reshape(1, 6, 6, -1).permute(0, 3, 1, 2)
+    want = F.interpolate(grid, size=(10, 8), mode="bicubic", antialias=True).permute(0, 2, 3, 1).reshape(1, 80, -1)
+    torch.testing.assert_close(model.patch_pos_embed((10, 8)), want)
+    with torch.inference_mode(), vitviz.record_attention(model) as rec:
+        logits = model(torch.randn(2, 3, 160, 128))
+    assert logits.shape == (2, 8) and rec.attentions.shape == (6, 2, 3, 81, 81)
 
 
 def test_summary_matches_seed_table_and_real_shapes():

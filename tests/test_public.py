@@ -86,11 +86,11 @@ def test_server_paths_are_refused_alike_whether_or_not_they_exist(server, good, 
         paths = [
             str(outside_image), str(big), "/etc/passwd", "/etc", "/nonexistent/x.png", str(tmp_path / "missing.png"),
             link, os.path.join(folder, "..", "..", "etc", "passwd"), folder, uploaded + "\0.png",
-            str(vitviz.zoo.assets_dir() / "examples" / "star.png"), "file:///etc/passwd", "",
+            str(vitviz.sources.assets_dir() / "examples" / "star.png"), "file:///etc/passwd", "",
         ]
         messages = set()
         for path in paths:
-            for api, extra in [("analyze", []), ("session_analyze", ["mean", 0.0, 6, "mean"])]:
+            for api, extra in [("analyze", []), ("session_analyze", ["mean", 0.0])]:
                 for payload in ({"path": path}, {"path": path, "meta": {"_type": "gradio.FileData"}}):
                     event, message = call(server, api, [payload, "shapes_p16", *extra])
                     assert event == "error", (path, api, payload)
@@ -161,9 +161,11 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     import torchvision
     from gradio_client import Client, handle_file
 
+    from vitviz.server.memory import release_memory
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("VITVIZ_OFFLINE", "1")
-    ckpt = vitviz.zoo.checkpoint_dir()
+    ckpt = vitviz.sources.checkpoint_dir()
     ckpt.mkdir(parents=True)
     torch.manual_seed(0)
     torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / vitviz.get_spec("vit_b_16").filename)
@@ -176,7 +178,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     first, peak = None, 0
     for i in range(30):
         client = Client(server, verbose=False, download_files=i == 0)
-        client.predict(handle_file(str(photo if i else good)), "vit_b_16", "mean", 0.0, 12, "mean", api_name="/session_analyze")
+        client.predict(handle_file(str(photo if i else good)), "vit_b_16", "mean", 0.0, api_name="/session_analyze")
         peak = max(peak, app.STORE.nbytes)
         if i == 0:
             first = client
@@ -184,9 +186,9 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
         else:
             client.close()  # the sessions live on in the server; the clients' own memory is not the server's
         if i == 5:
-            vitviz.explorer.release_memory()
+            release_memory()
             rss5 = _rss_mb()
-    vitviz.explorer.release_memory()
+    release_memory()
     growth = _rss_mb() - rss5
     print(f"\nstate held: peak {peak / 2**20:.0f} MB for 30 sessions (budget {budget / 2**20:.0f} MB, "
           f"{app.STORE.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")

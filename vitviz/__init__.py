@@ -2,9 +2,9 @@
 embeddings and patch filters — from Python or in the browser (`app.py`).
 
     import vitviz
-    model = vitviz.load_model("vit_b_16")            # or "shapes_p16", embedded, offline
+    model = vitviz.load_model("shapes_p16")          # embedded, offline; or "vit_b_16", "timm:...", "hf:..."
     result = vitviz.analyze(model, "photo.jpg")
-    result.predictions, result.cls_map, result.distances
+    result.predictions(), result.cls_map(), result.distances()
 """
 
 from vitviz.analysis import (
@@ -19,10 +19,10 @@ from vitviz.analysis import (
 )
 from vitviz.hooks import AttentionRecord, record_attention
 from vitviz.images import ImageError, load_image
-from vitviz.model import ViT
-from vitviz.pipeline import Analysis, analyze, preprocess
-from vitviz.summary import Summary, summary
-from vitviz.zoo import (
+from vitviz.model import ViT, ViTConfig
+from vitviz.pipeline import Analysis, analyze
+from vitviz.preprocess import Preprocessing, preprocess
+from vitviz.sources import (
     VariantSpec,
     WeightsUnavailableError,
     default_device,
@@ -32,14 +32,17 @@ from vitviz.zoo import (
     load_model,
     weights_status,
 )
+from vitviz.summary import Summary, summary
 
 __all__ = [
     "Analysis",
     "AttentionRecord",
     "ImageError",
+    "Preprocessing",
     "Summary",
     "VariantSpec",
     "ViT",
+    "ViTConfig",
     "WeightsUnavailableError",
     "analyze",
     "attention_rollout",

@@ -112,9 +112,15 @@ def attention_rollout(
     return rollout[0] if unbatched else rollout
 
 
-def cls_map(rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1) -> torch.Tensor:
-    """The cls token's row of a rollout over the patches: [B, N, N] -> [B, gh, gw] (or [N, N] -> [gh, gw])."""
-    row = rollout[..., 0, num_prefix_tokens:]
+def cls_map(
+    rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, token: int = 0
+) -> torch.Tensor:
+    """A prefix token's row of a rollout over the patches: [B, N, N] -> [B, gh, gw] (or [N, N] -> [gh, gw]).
+
+    `token` 0 is the cls token; 1 is DeiT's distillation token."""
+    if not 0 <= token < num_prefix_tokens:
+        raise ValueError(f"token {token} is not a prefix token (there are {num_prefix_tokens})")
+    row = rollout[..., token, num_prefix_tokens:]
     gh, gw = infer_grid(row.shape[-1], grid)
     return row.reshape(*row.shape[:-1], gh, gw)
 

@@ -100,18 +100,18 @@ def model_path_table(arch: str, device: torch.device, *, rounds: int) -> list[tu
 
 
 def _count_model_calls():
-    """Wraps ViT.forward with a counter; returns (counter dict, undo)."""
+    """Wraps ViT.encode (every forward goes through it) with a counter; returns (counter dict, undo)."""
     calls = {"n": 0}
-    original = vitviz.ViT.forward
+    original = vitviz.ViT.encode
 
     def counting(self, *args, **kwargs):
         calls["n"] += 1
         return original(self, *args, **kwargs)
 
-    vitviz.ViT.forward = counting
+    vitviz.ViT.encode = counting
 
     def undo():
-        vitviz.ViT.forward = original
+        vitviz.ViT.encode = original
 
     return calls, undo
 
@@ -178,7 +178,7 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
 def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
     import torchvision
 
-    ckpt = vitviz.zoo.checkpoint_dir()
+    ckpt = vitviz.sources.checkpoint_dir()
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     tv = None
@@ -214,9 +214,9 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
         times = measure({"torchvision forward": tv_forward, "/analyze, new image (gradio_client)": api_new_image}, rounds=rounds)
         base = statistics.median(times["torchvision forward"])
 
-        exp = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[0]
-        layers = exp.analysis.attentions.shape[0]
-        tokens = exp.analysis.attentions.shape[-1]
+        ref = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[app.state]
+        layers = app.STORE.get(ref.key).analysis.attentions.shape[0]
+        tokens = app.STORE.get(ref.key).analysis.attentions.shape[-1]
         # two sessions with an analysis each: one fetches the output images as the client does by
         # default, the other leaves them on the server (a page fetches them itself, in parallel)
         client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")
@@ -236,10 +236,10 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
             return k["i"]
 
         handler_views = {
-            "view: layer (handler)": lambda: app.on_view(exp, 1 + tick() % layers, "mean", 0),
-            "view: head (handler)": lambda: app.on_view(exp, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
-            "view: query patch (handler)": lambda: app.on_click(exp, layers, "mean", _Click(tick())),
-            "view: rollout option (handler)": lambda: app.on_rollout_options(exp, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
+            "view: layer (handler)": lambda: app.on_view(ref, 1 + tick() % layers, "mean", 0),
+            "view: head (handler)": lambda: app.on_view(ref, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
+            "view: query patch (handler)": lambda: app.on_click(ref, layers, "mean", _Click(tick())),
+            "view: rollout option (handler)": lambda: app.on_rollout_options(ref, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
         }
         client_views = {
             "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),

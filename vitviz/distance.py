@@ -20,33 +20,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, uniform_attention_distance
 from vitviz.hooks import record_attention
 from vitviz.images import ImageError, load_image
 from vitviz.model import ViT
-from vitviz.pipeline import preprocess
-from vitviz.zoo import load_model
+from vitviz.preprocess import preprocess
+from vitviz.sources import load_model
 
 __all__ = ["dataset_distance", "main"]
 
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 
 
-def _progress(done: int, total: int, start: float) -> None:
-    width = 30
-    filled = int(width * done / max(1, total))
-    rate = done / max(1e-9, time.perf_counter() - start)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} images, {rate:.1f} img/s")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\n")
-
-
 def _load(path: Path, spec) -> torch.Tensor | None:
     try:
-        return preprocess(load_image(path), spec)[0]
+        return preprocess(load_image(path), spec.preprocessing)[0]
     except ImageError as exc:
         print(f"\nskipping {path.name}: {exc}", file=sys.stderr)
         return None
@@ -77,21 +68,19 @@ def dataset_distance(
         )[0]
 
     start = time.perf_counter()
-    done = 0
-    with ThreadPoolExecutor(max_workers=1) as pool:  # preprocessing overlaps the model
+    bar = tqdm(total=len(paths), unit="img", disable=not progress)
+    with bar, ThreadPoolExecutor(max_workers=1) as pool:  # preprocessing overlaps the model
         batches = [paths[i : i + batch_size] for i in range(0, len(paths), batch_size)]
         pending = pool.submit(lambda b: [_load(p, spec) for p in b], batches[0]) if batches else None
         for k in range(len(batches)):
             tensors = [t for t in pending.result() if t is not None]
             pending = pool.submit(lambda b: [_load(p, spec) for p in b], batches[k + 1]) if k + 1 < len(batches) else None
-            done += len(batches[k])
             if tensors:
                 x = torch.stack(tensors).to(device=param.device, dtype=param.dtype)
                 with torch.inference_mode(), record_attention(model, reduce=per_layer) as rec:
                     model(x)
                 out.append(rec.attentions.permute(1, 0, 2).cpu())  # [L, B, H] -> [B, L, H]
-            if progress:
-                _progress(done, len(paths), start)
+            bar.update(len(batches[k]))
     seconds = time.perf_counter() - start
     distances = torch.cat(out) if out else torch.empty(0, model.depth, model.heads)
     return distances, distances.shape[0], seconds

@@ -71,8 +71,8 @@ def record_attention(
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
         raise TypeError(
-            f"{type(model).__name__} has no vitviz Attention modules; convert torchvision models with "
-            "vitviz.ViT.from_torchvision first"
+            f"{type(model).__name__} has no vitviz Attention modules; convert it first with vitviz.ViT.from_torchvision, "
+            "ViT.from_timm or ViT.from_transformers"
         )
     rec = AttentionRecord(len(modules))
     owner = threading.get_ident()

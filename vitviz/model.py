@@ -1,23 +1,33 @@
 """The Vision Transformer of Dosovitskiy et al., "An Image is Worth 16x16 Words: Transformers for
-Image Recognition at Scale" (ICLR 2021), written to be read top to bottom.
+Image Recognition at Scale" (ICLR 2021), written to be read top to bottom, with the variations of
+its descendants as options of one `ViTConfig`: DeiT's distillation token (Touvron et al. 2021),
+DINOv2's registers and LayerScale (Oquab et al. 2023; Darcet et al. 2024), CLIP's norm before the
+blocks and QuickGELU (Radford et al. 2021), mean pooling, models without a head.
 
-image [B, 3, S, S]
-  -> patch embedding (Conv2d, kernel = stride = P)      [B, gh*gw, D]
-  -> prepend the cls token, add learned position embeddings  [B, N, D],  N = 1 + gh*gw
-  -> L pre-norm encoder blocks: x + MSA(LN(x)), then x + MLP(LN(x))
-  -> final LayerNorm, the cls token                     [B, D]
-  -> linear head                                         [B, classes]
+image [B, 3, H, W]
+  -> patch embedding (Conv2d, kernel = stride = P)            [B, gh*gw, D]
+  -> add position embeddings (resampled when the grid is not the trained one)
+  -> prepend the prefix tokens: cls, distillation, registers   [B, N, D],  N = p + gh*gw
+  -> (optional LayerNorm)
+  -> L pre-norm encoder blocks: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x)))
+  -> final LayerNorm; the cls token (or the mean of the patches)   [B, D]
+  -> linear head                                               [B, classes]
 
 Attention is softmax(q k^T / sqrt(D / H)) — the scale is applied to the logits before the softmax.
 The softmax is its own module (`Attention.attend`), so a forward hook on it sees each layer's
-attention `[B, H, N, N]`. When nobody records, a fused `scaled_dot_product_attention` runs instead;
-both paths give the same output (tests hold them to it).
+attention `[B, H, N, N]`. When nobody observes it, a fused `scaled_dot_product_attention` runs
+instead; both paths give the same output (tests hold them to it).
+
+This module imports nothing else of vitviz. Conversions from torchvision, timm and Hugging Face
+models live with their weights sources, which register themselves as `ViT.from_<library>`.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +35,17 @@ from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
 
-if TYPE_CHECKING:
-    from vitviz.zoo import VariantSpec
-
-__all__ = ["ViT", "Attention", "EncoderBlock", "PatchEmbedding", "recording_in_this_thread"]
+__all__ = [
+    "ViT",
+    "ViTConfig",
+    "Attention",
+    "EncoderBlock",
+    "PatchEmbedding",
+    "LayerScale",
+    "QuickGELU",
+    "recording_in_this_thread",
+    "resample_pos_embed",
+]
 
 _recording = threading.local()
 
@@ -46,17 +63,117 @@ def _leave_recording() -> None:
     _recording.depth -= 1
 
 
+@dataclass(frozen=True)
+class ViTConfig:
+    """The architecture of one ViT.
+
+    Attributes:
+        image_size: the side S the position embeddings were trained for (any multiple of P runs).
+        patch_size: P.
+        width, depth, heads, mlp_dim: D, L, H and the MLP hidden width.
+        num_classes: outputs of the head; 0 for a model without one (DINO, CLIP towers): the
+            forward then returns the pooled features.
+        class_token: a cls token first.
+        distill_token: DeiT's distillation token after the cls token, with a head of its own; in eval
+            the logits are the mean of the two heads'.
+        register_tokens: DINOv2's registers after those (Darcet et al. 2024).
+        pos_embed_prefix: how many of the leading prefix tokens carry a position embedding (all of
+            them in the original ViT and DeiT, the cls token only in Hugging Face's DINOv2 with
+            registers, none in DeiT III's layout); the patches always do.
+        layer_scale: initial LayerScale value (a learned per-channel scale on each residual
+            branch), or None for none.
+        qkv_bias, proj_bias, mlp_bias, patch_bias: whether those projections have biases.
+        norm_pre: a LayerNorm before the first block (CLIP).
+        final_norm: a LayerNorm after the last block.
+        pool: "token" (the cls token) or "avg" (the mean of the patch tokens).
+        fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
+        act: the MLP's activation: "gelu", "gelu_tanh" or "quick_gelu" (x sigmoid(1.702 x), CLIP).
+        eps: LayerNorm epsilon.
+        pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
+            does; Hugging Face does not, which matters when shrinking the grid).
+    """
+
+    image_size: int
+    patch_size: int
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    num_classes: int = 1000
+    class_token: bool = True
+    distill_token: bool = False
+    register_tokens: int = 0
+    pos_embed_prefix: int | None = None
+    layer_scale: float | None = None
+    qkv_bias: bool = True
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    patch_bias: bool = True
+    norm_pre: bool = False
+    final_norm: bool = True
+    pool: Literal["token", "avg"] = "token"
+    fc_norm: bool = False
+    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
+    eps: float = 1e-6
+    pos_embed_antialias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.distill_token and not self.class_token:
+            raise ValueError("a distillation token needs a cls token before it")
+        if self.pool == "token" and not self.class_token:
+            raise ValueError('pool="token" needs a cls token; use pool="avg"')
+        if self.pool not in ("token", "avg"):
+            raise ValueError(f'pool must be "token" or "avg", got {self.pool!r}')
+        if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
+            raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
+        if self.pos_embed_prefix is None:
+            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens)
+        if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
+            raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """p: the tokens before the patches."""
+        return int(self.class_token) + int(self.distill_token) + self.register_tokens
+
+    @property
+    def prefix_names(self) -> tuple[str, ...]:
+        """The prefix tokens in order: "cls", "dist", "reg1", "reg2", ..."""
+        return (("cls",) if self.class_token else ()) + (("dist",) if self.distill_token else ()) + tuple(
+            f"reg{i + 1}" for i in range(self.register_tokens)
+        )
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        side = self.image_size // self.patch_size
+        return side, side
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+    def replace(self, **changes: Any) -> "ViTConfig":
+        """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
+        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
+            changes["pos_embed_prefix"] = None
+        return replace(self, **changes)
+
+
 class PatchEmbedding(nn.Module):
     """Cuts the image into P x P patches and projects each to D dims with one strided Conv2d."""
 
-    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3) -> None:
+    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3, bias: bool = True) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_channels, width, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_channels, width, kernel_size=patch_size, stride=patch_size, bias=bias)
         self.flatten = Rearrange("b d gh gw -> b (gh gw) d")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """[B, 3, S, S] -> [B, gh*gw, D]."""
+        """[B, 3, H, W] -> [B, gh*gw, D]."""
         return self.flatten(self.proj(images))
 
 
@@ -67,15 +184,15 @@ class Attention(nn.Module):
     Set `fused = False` to always take the explicit path.
     """
 
-    def __init__(self, *, width: int, heads: int) -> None:
+    def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}")
         self.heads = heads
         self.scale = (width // heads) ** -0.5
-        self.qkv = nn.Linear(width, 3 * width)
+        self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
         self.attend = nn.Softmax(dim=-1)
-        self.proj = nn.Linear(width, width)
+        self.proj = nn.Linear(width, width, bias=proj_bias)
         self.fused = True
 
     def _observed(self) -> bool:
@@ -97,120 +214,222 @@ class Attention(nn.Module):
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
 
-class EncoderBlock(nn.Module):
-    """Pre-norm Transformer block: x + MSA(LN(x)), then x + MLP(LN(x)) with a GELU MLP."""
+class LayerScale(nn.Module):
+    """A learned per-channel scale of a residual branch (Touvron et al. 2021, CaiT)."""
 
-    def __init__(self, *, width: int, heads: int, mlp_dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, width: int, init: float) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(width, eps=eps)
-        self.attn = Attention(width=width, heads=heads)
-        self.norm2 = nn.LayerNorm(width, eps=eps)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_dim), nn.GELU(), nn.Linear(mlp_dim, width))
+        self.gamma = nn.Parameter(torch.full((width,), float(init)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        return x * self.gamma
+
+
+class QuickGELU(nn.Module):
+    """x sigmoid(1.702 x): the GELU approximation CLIP was trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def _activation(name: str) -> nn.Module:
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "quick_gelu": QuickGELU()}[name]
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm Transformer block: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x))), LS the identity
+    unless the config asks for LayerScale."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        c = config
+        self.norm1 = nn.LayerNorm(c.width, eps=c.eps)
+        self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias)
+        self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
+        self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), _activation(c.act), nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias)
+        )
+        self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x)))
+        return x + self.ls2(self.mlp(self.norm2(x)))
+
+
+def resample_pos_embed(
+    pos: torch.Tensor, *, old_grid: tuple[int, int], new_grid: tuple[int, int], antialias: bool = True
+) -> torch.Tensor:
+    """Patch position embeddings [1, gh*gw, D] for another grid: bicubic on each channel's grid (as
+    timm and Hugging Face resample them; timm antialiases, Hugging Face does not)."""
+    if tuple(old_grid) == tuple(new_grid):
+        return pos
+    d = pos.shape[-1]
+    grid = pos.reshape(1, *old_grid, d).permute(0, 3, 1, 2).float()  # [1, D, gh, gw]
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=antialias)
+    return grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d).to(pos.dtype)
 
 
 class ViT(nn.Module):
-    """Vision Transformer classifying from the cls token after a final LayerNorm.
+    """Vision Transformer, built from a `ViTConfig` (or its fields as keywords).
 
-    Args:
-        image_size: side S of the square input in pixels.
-        patch_size: side P of a patch; S must be a multiple of P.
-        width: token width D.
-        depth: number of encoder blocks L.
-        heads: attention heads H per block.
-        mlp_dim: hidden width of the MLP.
-        num_classes: outputs of the head.
-        eps: LayerNorm epsilon.
+    The original ViT classifies from the cls token after a final LayerNorm; the config's options
+    cover DeiT, DINO, DINOv2 (with registers), CLIP image towers and models without a head.
+    `ViT.from_torchvision`, `ViT.from_timm` and `ViT.from_transformers` convert a model of those
+    libraries into this one (same outputs, attention you can record).
     """
 
-    num_prefix_tokens = 1
+    _converters: ClassVar[dict[str, Callable[..., "ViT"]]] = {}
 
-    def __init__(
-        self,
-        *,
-        image_size: int,
-        patch_size: int,
-        width: int,
-        depth: int,
-        heads: int,
-        mlp_dim: int,
-        num_classes: int,
-        eps: float = 1e-6,
-    ) -> None:
+    def __init__(self, config: ViTConfig | None = None, **fields_: Any) -> None:
         super().__init__()
-        if image_size % patch_size:
-            raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
-        self.image_size = image_size
-        self.patch_size = patch_size
-        self.width = width
-        self.depth = depth
-        self.heads = heads
-        self.mlp_dim = mlp_dim
-        self.num_classes = num_classes
-        self.grid = (image_size // patch_size, image_size // patch_size)
-        num_tokens = self.num_prefix_tokens + self.grid[0] * self.grid[1]
-
-        self.patch_embed = PatchEmbedding(patch_size=patch_size, width=width)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
-        self.pos_embed = nn.Parameter(torch.empty(1, num_tokens, width).normal_(std=0.02))
-        self.blocks = nn.ModuleList(
-            EncoderBlock(width=width, heads=heads, mlp_dim=mlp_dim, eps=eps) for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(width, eps=eps)
-        self.head = nn.Linear(width, num_classes)
-        self.spec: VariantSpec | None = None
+        if config is None:
+            config = ViTConfig(**fields_)
+        elif fields_:
+            raise TypeError("pass a ViTConfig or its fields, not both")
+        self.config = c = config
+        self.patch_embed = PatchEmbedding(patch_size=c.patch_size, width=c.width, bias=c.patch_bias)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.distill_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, c.register_tokens, c.width)) if c.register_tokens else None
+        gh, gw = c.grid
+        self.pos_embed = nn.Parameter(torch.empty(1, c.pos_embed_prefix + gh * gw, c.width).normal_(std=0.02))
+        self.norm_pre = nn.LayerNorm(c.width, eps=c.eps) if c.norm_pre else nn.Identity()
+        self.blocks = nn.ModuleList(EncoderBlock(c) for _ in range(c.depth))
+        self.norm = nn.LayerNorm(c.width, eps=c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
+        self.fc_norm = nn.LayerNorm(c.width, eps=c.eps) if c.fc_norm else nn.Identity()
+        self.head = nn.Linear(c.width, c.num_classes) if c.num_classes else nn.Identity()
+        self.head_dist = nn.Linear(c.width, c.num_classes) if c.num_classes and c.distill_token else None
+        self.spec: Any = None  # the record of where the model came from, attached by its loader
         self._init_weights()
 
     def _init_weights(self) -> None:
-        fan_in = self.patch_embed.proj.in_channels * self.patch_size**2
+        fan_in = self.patch_embed.proj.in_channels * self.config.patch_size**2
         nn.init.trunc_normal_(self.patch_embed.proj.weight, std=(1.0 / fan_in) ** 0.5)
-        nn.init.zeros_(self.patch_embed.proj.bias)
+        if self.patch_embed.proj.bias is not None:
+            nn.init.zeros_(self.patch_embed.proj.bias)
+        for token in (self.dist_token, self.reg_token):
+            if token is not None:
+                nn.init.trunc_normal_(token, std=0.02)
         for module in self.blocks.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.normal_(module.bias, std=1e-6)
+                if module.bias is not None:
+                    nn.init.normal_(module.bias, std=1e-6)
+
+    # the config's facts, as attributes
+    image_size = property(lambda self: self.config.image_size)
+    patch_size = property(lambda self: self.config.patch_size)
+    width = property(lambda self: self.config.width)
+    depth = property(lambda self: self.config.depth)
+    heads = property(lambda self: self.config.heads)
+    mlp_dim = property(lambda self: self.config.mlp_dim)
+    num_classes = property(lambda self: self.config.num_classes)
+    grid = property(lambda self: self.config.grid)
+    num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
+    prefix_names = property(lambda self: self.config.prefix_names)
 
     @property
     def num_tokens(self) -> int:
-        return self.pos_embed.shape[1]
+        """N at the trained image size."""
+        return self.config.num_tokens
+
+    def grid_for(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid of an image of height x width pixels (both multiples of P)."""
+        p = self.config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"the image is {height}x{width} px; both sides must be multiples of the patch size {p}")
+        return height // p, width // p
+
+    def patch_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor:
+        """Position embeddings of the patches for `grid` [1, gh*gw, D], resampled from the trained grid."""
+        c = self.config
+        return resample_pos_embed(self.pos_embed[:, c.pos_embed_prefix :], old_grid=c.grid, new_grid=grid, antialias=c.pos_embed_antialias)
 
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch tokens with the cls token and position embeddings: [B, 3, S, S] -> [B, N, D]."""
-        if images.ndim != 4 or images.shape[1:] != (3, self.image_size, self.image_size):
+        """Prefix and patch tokens with their position embeddings: [B, 3, H, W] -> [B, N, D]."""
+        if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(
-                f"expected images of shape [B, 3, {self.image_size}, {self.image_size}], "
-                f"got {list(images.shape)}"
+                f"expected images of shape [B, 3, {self.image_size}, {self.image_size}] (or another multiple of "
+                f"{self.patch_size} px), got {list(images.shape)}"
             )
-        x = self.patch_embed(images)
-        cls = self.cls_token.expand(x.shape[0], -1, -1)
-        return torch.cat([cls, x], dim=1) + self.pos_embed
+        grid = self.grid_for(images.shape[2], images.shape[3])
+        x = self.patch_embed(images) + self.patch_pos_embed(grid)
+        c = self.config
+        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
+        if prefix:
+            prefix = torch.cat(prefix, dim=1)  # [1, p, D]: cls, dist, registers
+            k = c.pos_embed_prefix
+            if k:
+                prefix = torch.cat([prefix[:, :k] + self.pos_embed[:, :k], prefix[:, k:]], dim=1)
+            x = torch.cat([prefix.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.norm_pre(x)
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Every token after the last block and the final norm: [B, 3, S, S] -> [B, N, D]."""
+        """Every token after the last block and the final norm: [B, 3, H, W] -> [B, N, D]."""
         x = self.tokens(images)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
 
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The encoded tokens [B, N, D] -> the head's input [B, D] (cls and distillation token for DeiT)."""
+        c = self.config
+        if c.pool == "avg":
+            return self.fc_norm(tokens[:, c.num_prefix_tokens :].mean(dim=1))
+        if c.distill_token:
+            return tokens[:, 0], tokens[:, 1]
+        return tokens[:, 0]
+
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The normalised cls token, the input of the head: [B, 3, S, S] -> [B, D]."""
-        return self.encode(images)[:, 0]
+        """The pooled features, the input of the head: [B, 3, H, W] -> [B, D] (for DeiT, the
+        mean of the cls and distillation tokens)."""
+        pooled = self.pool(self.encode(images))
+        return (pooled[0] + pooled[1]) / 2 if isinstance(pooled, tuple) else pooled
+
+    def head_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The encoded tokens [B, N, D] -> logits [B, classes] (the pooled features for a model without a head)."""
+        pooled = self.pool(tokens)
+        if isinstance(pooled, tuple):
+            if self.head_dist is None:
+                return (pooled[0] + pooled[1]) / 2
+            return (self.head(pooled[0]) + self.head_dist(pooled[1])) / 2
+        return self.head(pooled)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Logits [B, classes]."""
-        return self.head(self.forward_features(images))
+        """Logits [B, classes], or the pooled features [B, D] when the model has no head."""
+        return self.head_logits(self.encode(images))
+
+    # --------------------------------------------------------------------------------------------
+    # Conversions, registered by the weights sources (vitviz.sources)
 
     @classmethod
-    def from_torchvision(cls, tv_model: nn.Module) -> "ViT":
-        """A vitviz ViT with the weights of a torchvision `VisionTransformer`, giving the same outputs."""
-        from vitviz.zoo import convert_torchvision_state_dict, spec_for_torchvision_model
+    def register_converter(cls, library: str, convert: Callable[..., "ViT"]) -> None:
+        cls._converters[library] = convert
 
-        spec = spec_for_torchvision_model(tv_model)
-        model = spec.build()
-        model.load_state_dict(convert_torchvision_state_dict(tv_model.state_dict()))
-        model.spec = spec
-        param = next(tv_model.parameters())
-        return model.to(device=param.device, dtype=param.dtype).train(tv_model.training)
+    @classmethod
+    def _convert(cls, library: str, model: nn.Module, **options: Any) -> "ViT":
+        try:
+            convert = cls._converters[library]
+        except KeyError:
+            raise RuntimeError(f"no converter for {library} is registered; `import vitviz` registers them") from None
+        return convert(model, **options)
+
+    @classmethod
+    def from_torchvision(cls, model: nn.Module) -> "ViT":
+        """A vitviz ViT with the weights of a torchvision `VisionTransformer`, giving the same outputs."""
+        return cls._convert("torchvision", model)
+
+    @classmethod
+    def from_timm(cls, model: nn.Module) -> "ViT":
+        """A vitviz ViT with the weights of a timm `VisionTransformer` (ViT, DeiT, DINO, DINOv2, CLIP
+        towers, fine-tuned or not), giving the same outputs; preprocessing and labels from its
+        `pretrained_cfg`."""
+        return cls._convert("timm", model)
+
+    @classmethod
+    def from_transformers(cls, model: nn.Module, *, processor: Any = None) -> "ViT":
+        """A vitviz ViT with the weights of a Hugging Face `ViTModel`, `ViTForImageClassification`,
+        `Dinov2Model` or `Dinov2WithRegistersModel`, giving the same outputs; preprocessing from
+        `processor` (an image processor or its config dict) when given."""
+        return cls._convert("transformers", model, processor=processor)

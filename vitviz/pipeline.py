@@ -1,16 +1,17 @@
-"""One call from an image to everything the app shows: `analyze`.
+"""One call from an image to what a ViT did with it: `analyze`.
 
 image -> `load_image` (checks, RGB) -> `preprocess` (the weights' own resize, centre crop, normalise)
--> model under `record_attention` -> predictions, attention stack, rollout, cls map, mean attention
-distances, all on the CPU.
+-> model under `record_attention` -> an `Analysis`: the raw results (class probabilities, the
+attention stack, the final tokens), on the CPU. Everything derived — rollout, the cls map, mean
+attention distance, predictions — is a method of the record, computed from explicit options when
+asked for.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -18,181 +19,127 @@ from vitviz.analysis import HeadFusion, attention_rollout, cls_map, mean_attenti
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.model import ViT
-from vitviz.zoo import VariantSpec
+from vitviz.preprocess import preprocess, to_input
+from vitviz.sources.base import VariantSpec
 
-__all__ = ["Analysis", "analyze", "analyze_crop", "preprocess", "to_input", "crop", "spec_of"]
-
-_PIL_INTERPOLATION = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
+__all__ = ["Analysis", "analyze", "analyze_crop", "spec_of"]
 
 
 def spec_of(model: ViT) -> VariantSpec:
     if getattr(model, "spec", None) is None:
-        raise ValueError("this model has no VariantSpec; load it with vitviz.load_model or ViT.from_torchvision")
-    return model.spec  # type: ignore[return-value]
-
-
-def crop(image: Image.Image, spec: VariantSpec) -> Image.Image:
-    """Resize the shorter side to `spec.resize_size`, then centre-crop `spec.image_size` (torchvision's rule)."""
-    w, h = image.size
-    short = spec.resize_size or spec.image_size
-    if (w <= h and w != short) or (h < w and h != short):
-        if w <= h:
-            size = (short, int(short * h / w))
-        else:
-            size = (int(short * w / h), short)
-        image = image.resize(size, _PIL_INTERPOLATION[spec.interpolation])
-    w, h = image.size
-    s = spec.image_size
-    if w < s or h < s:  # only when resize_size < image_size; pad like torchvision's center_crop
-        padded = Image.new("RGB", (max(w, s), max(h, s)))
-        padded.paste(image, ((max(w, s) - w) // 2, (max(h, s) - h) // 2))
-        image, (w, h) = padded, padded.size
-    top = int(round((h - s) / 2.0))
-    left = int(round((w - s) / 2.0))
-    return image.crop((left, top, left + s, top + s))
-
-
-def to_input(cropped: Image.Image, spec: VariantSpec) -> torch.Tensor:
-    """The S x S RGB crop -> the normalised tensor [3, S, S] the model takes."""
-    if cropped.size != (spec.image_size, spec.image_size):
-        raise ValueError(f"expected a {spec.image_size}x{spec.image_size} crop, got {cropped.size[0]}x{cropped.size[1]}")
-    x = torch.from_numpy(np.asarray(cropped.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
-    mean = torch.tensor(spec.mean).view(3, 1, 1)
-    std = torch.tensor(spec.std).view(3, 1, 1)
-    return (x - mean) / std
-
-
-def preprocess(image: Image.Image, spec: VariantSpec) -> tuple[torch.Tensor, Image.Image]:
-    """RGB image -> (normalised tensor [3, S, S], the S x S crop the model sees)."""
-    cropped = crop(image, spec)
-    return to_input(cropped, spec), cropped
+        raise ValueError(
+            "this model has no VariantSpec; load it with vitviz.load_model or convert it with ViT.from_torchvision, "
+            "ViT.from_timm or ViT.from_transformers"
+        )
+    return model.spec
 
 
 @dataclass
 class Analysis:
-    """Everything vitviz computes for one image and one model, on the CPU.
+    """What one model did with one image, on the CPU.
 
     Attributes:
         variant: the model's variant name.
         image: the S x S crop the model saw (overlays are drawn on it).
-        predictions: top-k (label, probability), most likely first.
-        probabilities: softmax over all classes [classes].
+        probabilities: softmax over the classes [C], or None for a model without a head.
+        categories: class names, or None for a model without a head.
         attentions: attention stack [L, H, N, N].
-        rollout: attention rollout [N, N] with `head_fusion` and `discard_ratio`.
-        cls_map: the cls token's rollout over the patches [gh, gw].
-        distances: mean attention distance in pixels [L, H].
-        grid, patch_size, num_prefix_tokens: the token layout.
-        head_fusion, discard_ratio: the rollout options used.
+        tokens: every token after the last block and the final norm [N, D].
+        grid, patch_size: the patch layout of this image.
+        prefix_names: the tokens before the patches, in order ("cls", "dist", "reg1", ...).
         device: where the model ran.
         model_seconds: time of the recorded forward.
     """
 
     variant: str
     image: Image.Image = field(repr=False)
-    predictions: list[tuple[str, float]]
-    probabilities: torch.Tensor = field(repr=False)
+    probabilities: torch.Tensor | None = field(repr=False)
+    categories: tuple[str, ...] | None = field(repr=False)
     attentions: torch.Tensor = field(repr=False)
-    rollout: torch.Tensor = field(repr=False)
-    cls_map: torch.Tensor = field(repr=False)
-    distances: torch.Tensor = field(repr=False)
+    tokens: torch.Tensor = field(repr=False)
     grid: tuple[int, int]
     patch_size: int
-    num_prefix_tokens: int
-    head_fusion: str
-    discard_ratio: float
+    prefix_names: tuple[str, ...]
     device: str
     model_seconds: float
 
     @property
+    def num_prefix_tokens(self) -> int:
+        return len(self.prefix_names)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the tensors and the crop (what keeping this analysis costs)."""
-        tensors = (self.probabilities, self.attentions, self.rollout, self.cls_map, self.distances)
+        tensors = [t for t in (self.probabilities, self.attentions, self.tokens) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
-    def with_rollout(self, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> "Analysis":
-        """The same analysis with the rollout recomputed from the stored attention (no model call)."""
-        if head_fusion == self.head_fusion and discard_ratio == self.discard_ratio:
-            return self
-        rollout = attention_rollout(
-            self.attentions, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=self.num_prefix_tokens
-        )
-        return replace(
-            self,
-            rollout=rollout,
-            cls_map=cls_map(rollout, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens),
-            head_fusion=head_fusion,
-            discard_ratio=discard_ratio,
+    def predictions(self, k: int = 5) -> list[tuple[str, float]]:
+        """The top-k (label, probability), most likely first; empty for a model without a head."""
+        if self.probabilities is None or self.categories is None:
+            return []
+        top = self.probabilities.topk(min(k, self.probabilities.numel()))
+        return [(self.categories[i], float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    def rollout(self, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+        """Attention rollout R [N, N] (rows sum to 1)."""
+        return attention_rollout(self.attentions, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=self.num_prefix_tokens)
+
+    def cls_map(self, *, token: int = 0, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+        """A prefix token's rollout over the patches [gh, gw]: the cls token's by default (token 1 is
+        DeiT's distillation token)."""
+        r = self.rollout(head_fusion=head_fusion, discard_ratio=discard_ratio)
+        return cls_map(r, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=token)
+
+    def distances(self, *, renormalize: bool = True) -> torch.Tensor:
+        """Mean attention distance in pixels per layer and head [L, H]."""
+        return mean_attention_distance(
+            self.attentions, patch_size=self.patch_size, num_prefix_tokens=self.num_prefix_tokens, grid=self.grid, renormalize=renormalize
         )
 
 
-def analyze(
-    model: ViT,
-    image: ImageSource,
-    *,
-    top_k: int = 5,
-    head_fusion: HeadFusion = "mean",
-    discard_ratio: float = 0.0,
-) -> Analysis:
-    """Runs `model` once on `image`, recording attention, and computes the analyses.
+def analyze(model: ViT, image: ImageSource) -> Analysis:
+    """Runs `model` once on `image`, recording attention.
 
     Args:
-        model: a vitviz ViT with a spec (from `load_model` or `ViT.from_torchvision`).
+        model: a vitviz ViT with a spec (from `load_model` or a `ViT.from_*` conversion).
         image: anything `vitviz.load_image` accepts (PIL image, path, bytes, file, uint8 array).
-        top_k: number of predictions.
-        head_fusion, discard_ratio: rollout options.
     """
     spec = spec_of(model)
-    x, cropped = preprocess(load_image(image), spec)
-    return _analyze_input(model, x, cropped, top_k=top_k, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    x, cropped = preprocess(load_image(image), spec.preprocessing)
+    return _analyze_input(model, x, cropped)
 
 
-def analyze_crop(model: ViT, cropped: Image.Image, **options) -> Analysis:
+def analyze_crop(model: ViT, cropped: Image.Image) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
-    return _analyze_input(model, to_input(cropped, spec_of(model)), cropped, **options)
+    return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped)
 
 
-def _analyze_input(
-    model: ViT,
-    x: torch.Tensor,
-    cropped: Image.Image,
-    *,
-    top_k: int = 5,
-    head_fusion: HeadFusion = "mean",
-    discard_ratio: float = 0.0,
-) -> Analysis:
+def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysis:
     spec = spec_of(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
-    p = model.num_prefix_tokens
     with torch.inference_mode():
         start = time.perf_counter()
         with record_attention(model) as rec:
-            logits = model(x)
+            tokens = model.encode(x)
+            logits = model.head_logits(tokens) if spec.has_head else None
         attn = rec.attentions[:, 0].float()  # [L, H, N, N]
-        probs = logits[0].float().softmax(-1)
-        rollout = attention_rollout(attn, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        distances = mean_attention_distance(attn, patch_size=spec.patch_size, num_prefix_tokens=p, grid=spec.grid)
         if param.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        attn, probs, rollout, distances = (t.cpu() for t in (attn, probs, rollout, distances))
-    k = min(top_k, probs.numel())
-    top = probs.topk(k)
+        probs = logits[0].float().softmax(-1).cpu() if logits is not None else None
+        attn, tokens = attn.cpu(), tokens[0].float().cpu()
     return Analysis(
         variant=spec.name,
         image=cropped,
-        predictions=[(spec.categories[i], float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())],
         probabilities=probs,
+        categories=spec.categories,
         attentions=attn,
-        rollout=rollout,
-        cls_map=cls_map(rollout, grid=spec.grid, num_prefix_tokens=p),
-        distances=distances,
-        grid=spec.grid,
+        tokens=tokens,
+        grid=model.grid_for(x.shape[2], x.shape[3]),
         patch_size=spec.patch_size,
-        num_prefix_tokens=p,
-        head_fusion=head_fusion,
-        discard_ratio=discard_ratio,
+        prefix_names=spec.prefix_names,
         device=str(param.device),
         model_seconds=seconds,
     )

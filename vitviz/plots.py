@@ -35,22 +35,16 @@ __all__ = [
 ]
 
 
-def _lut(cmap: str) -> np.ndarray:
-    return (matplotlib.colormaps[cmap](np.linspace(0, 1, 256))[:, :3] * 255).astype(np.uint8)
-
-
-_LUTS: dict[str, np.ndarray] = {}
-
-
 def colorize(values: np.ndarray, *, cmap: str = "inferno", vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
-    """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given."""
+    """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given.
+
+    Values are scaled to [0, 1] and quantised to the colormap's 256 entries (matplotlib's own
+    lookup, `Colormap(x, bytes=True)`)."""
     lo = float(values.min()) if vmin is None else vmin
     hi = float(values.max()) if vmax is None else vmax
-    scaled = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)
+    scaled = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values, dtype=np.float64)
     idx = np.clip(np.rint(scaled * 255), 0, 255).astype(np.uint8)
-    if cmap not in _LUTS:
-        _LUTS[cmap] = _lut(cmap)
-    return _LUTS[cmap][idx]
+    return matplotlib.colormaps[cmap](idx, bytes=True)[..., :3]
 
 
 def overlay_many(image: Image.Image, heats: torch.Tensor, *, alpha: float = 0.6, cmap: str = "inferno") -> list[Image.Image]:

@@ -66,25 +66,45 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         expand_blocks: also list each block's attention and MLP.
     """
     b = batch
-    d = model.width
+    c = model.config
+    d = c.width
     gh, gw = model.grid
     n = model.num_tokens
     s = model.image_size
+    p = c.num_prefix_tokens
+    prefix = [t for t in (model.cls_token, model.dist_token, model.reg_token) if t is not None]
+    names = ", ".join(
+        [x for x, on in (("cls", c.class_token), ("distillation", c.distill_token)) if on]
+        + ([f"{c.register_tokens} registers"] if c.register_tokens else [])
+    )
     rows = [
         SummaryRow("Input image", "", (b, 3, s, s), 0),
-        SummaryRow("Patch embedding", f"Conv2d {model.patch_size}x{model.patch_size}, stride {model.patch_size}", (b, d, gh, gw), _count(model.patch_embed.proj)),
+        SummaryRow("Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}", (b, d, gh, gw), _count(model.patch_embed.proj)),
         SummaryRow("Flatten to tokens", "Rearrange b d gh gw -> b (gh gw) d", (b, gh * gw, d), 0),
-        SummaryRow("Prepend cls token", "Parameter [1, 1, D]", (b, n, d), _count(model.cls_token)),
-        SummaryRow("Add position embeddings", "Parameter [1, N, D]", (b, n, d), _count(model.pos_embed)),
+        SummaryRow("Add position embeddings", f"Parameter [1, {c.pos_embed_prefix} + gh*gw, D]", (b, gh * gw, d), _count(model.pos_embed)),
     ]
+    if prefix:
+        rows.append(SummaryRow(f"Prepend {names} token{'s' if p > 1 else ''}", f"Parameter [1, {p}, D]", (b, n, d), _count(*prefix)))
+    if c.norm_pre:
+        rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
+    ls = ", LayerScale" if c.layer_scale is not None else ""
     for i, block in enumerate(model.blocks):
-        rows.append(SummaryRow(f"Encoder block {i + 1}", f"{model.heads} heads, MLP {model.mlp_dim}", (b, n, d), _count(block)))
+        rows.append(SummaryRow(f"Encoder block {i + 1}", f"{c.heads} heads, MLP {c.mlp_dim}{ls}", (b, n, d), _count(block)))
         if expand_blocks:
-            rows.append(SummaryRow("LayerNorm + multi-head attention", "", (b, n, d), _count(block.norm1, block.attn), 1))
-            rows.append(SummaryRow("LayerNorm + MLP (GELU)", "", (b, n, d), _count(block.norm2, block.mlp), 1))
-    rows.append(SummaryRow("Final LayerNorm", "", (b, n, d), _count(model.norm)))
-    rows.append(SummaryRow("Take cls token", "", (b, d), 0))
-    rows.append(SummaryRow("Classification head", "Linear", (b, model.num_classes), _count(model.head)))
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            rows.append(SummaryRow("LayerNorm + multi-head attention", "", (b, n, d), _count(block.norm1, block.attn, block.ls1), 1))
+            rows.append(SummaryRow(f"LayerNorm + MLP ({c.act})", "", (b, n, d), _count(block.norm2, block.mlp, block.ls2), 1))
+    if c.final_norm and not c.fc_norm:
+        rows.append(SummaryRow("Final LayerNorm", "", (b, n, d), _count(model.norm)))
+    if c.pool == "avg":
+        rows.append(SummaryRow("Mean of the patch tokens" + (" + LayerNorm" if c.fc_norm else ""), "", (b, d), _count(model.fc_norm)))
+    elif c.distill_token:
+        rows.append(SummaryRow("Take cls and distillation tokens", "", (b, 2, d), 0))
+    else:
+        rows.append(SummaryRow("Take cls token", "", (b, d), 0))
+    if c.num_classes:
+        heads = [model.head] + ([model.head_dist] if model.head_dist is not None else [])
+        label = "Linear" if len(heads) == 1 else "Linear x 2 (cls, distillation), averaged"
+        rows.append(SummaryRow("Classification head", label, (b, c.num_classes), _count(*heads)))
+    total = sum(t.numel() for t in model.parameters())
+    trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
     return Summary(rows=rows, total_params=total, trainable_params=trainable, batch=batch)

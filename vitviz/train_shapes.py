@@ -2,10 +2,11 @@
 
     python -m vitviz.train_shapes                 # both variants into assets/
     python -m vitviz.train_shapes --variants shapes_p16 --steps 500
+    python -m vitviz.train_shapes --report        # the published figures of the weights in assets/
 
 Both variants share one recipe: a pool of generated images (`vitviz.shapes`, seed `--seed`), each
 batch randomly rotated by multiples of 90 degrees and flipped (every class is invariant to both),
-`Muon` for the encoder blocks' matrices and AdamW for everything else, one linear warm-up and cosine
+Muon (`torch.optim.Muon`) for the encoder blocks' matrices and AdamW for everything else, one linear warm-up and cosine
 decay for both, label smoothing 0.1, gradient clipping at 1.0. Position embeddings start from 2D
 sine-cosine codes and the classifier from zero. Token labelling: every patch token also learns to
 name the shape it belongs to, or "background", from the object mask (a linear head used in training
@@ -29,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from vitviz import shapes
-from vitviz.zoo import SHAPES_IMAGE_SIZE, assets_dir, default_device, get_spec
+from vitviz.sources import default_device, get_spec
+from vitviz.sources.embedded import SHAPES_IMAGE_SIZE, assets_dir
 
 __all__ = [
     "generate_pool",
@@ -37,8 +39,7 @@ __all__ = [
     "patch_whitening",
     "sincos_2d",
     "token_labels",
-    "orthogonalise",
-    "Muon",
+    "muon",
     "train_variant",
     "evaluate",
 ]
@@ -122,67 +123,22 @@ def token_labels(masks: np.ndarray, labels: np.ndarray, patch_size: int, *, cove
     return torch.cat(out)
 
 
-def orthogonalise(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Matrices [k, A, B] mapped close to the orthogonal factor U V^T of their SVDs U S V^T.
+def muon(matrices: list[torch.Tensor], *, lr: float, weight_decay: float, scale: float = 0.8) -> torch.optim.Muon:
+    """`torch.optim.Muon` for the encoder's matrices, set so that an update's root mean square is
+    `scale` x `lr` and weight decay is `lr` x `weight_decay` per step, whatever the shape.
 
-    A quintic Newton-Schulz iteration on g / |g|_F, with coefficients (3.4445, -4.7750, 2.0315) that
-    push every singular value up fast rather than converge exactly: after 5 steps they lie within
-    about 0.7-1.15 while the singular vectors stay g's. Matrix products only, no SVD.
+    Muon orthogonalises the Nesterov momentum direction (five Newton-Schulz steps, close to U V^T
+    of its SVD), so that every direction of the update has about the same size however lopsided the
+    gradient's spectrum. torch's "match_rms_adamw" scales the update by 0.2 sqrt(max(A, B)) x its
+    learning rate (a root mean square of 0.2 x that rate) and decays by that rate x its weight decay;
+    so its rate is `lr` x scale / 0.2 and its decay `weight_decay` x 0.2 / scale. One schedule can
+    then drive Muon and AdamW alike (it multiplies both rates by the same factor).
     """
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g / (g.flatten(1).norm(dim=1).view(-1, 1, 1) + 1e-7)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:  # iterate on the smaller Gram matrix
-        x = x.transpose(-2, -1)
-    for _ in range(steps):
-        s = x @ x.transpose(-2, -1)
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.transpose(-2, -1) if tall else x
-
-
-class Muon(torch.optim.Optimizer):
-    """Momentum with an orthogonalised update, for the 2D weight matrices of a network.
-
-    Per matrix W [A, B] and step: m <- momentum * m + grad; the Nesterov direction grad + momentum * m
-    goes through `orthogonalise`, so that every direction of the update has about the same size
-    however lopsided the gradient's spectrum; then W <- W (1 - lr * weight_decay) - lr * scale *
-    sqrt(max(A, B)) * update. The factor sqrt(max(A, B)) makes the update's root mean square about
-    `scale` * lr whatever the shape (0.2 is about the size of a typical AdamW step), so that Muon and
-    AdamW can share one learning rate and schedule. Matrices of one shape are orthogonalised together
-    as a batch.
-    """
-
-    def __init__(self, params, lr: float, *, momentum: float = 0.95, weight_decay: float = 0.0, scale: float = 0.2):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, scale=scale))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon updates matrices only, got a parameter of shape {tuple(p.shape)}")
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_shape.setdefault(tuple(p.shape), []).append(p)
-            for shape, params in by_shape.items():
-                directions = []
-                for p in params:
-                    state = self.state[p]
-                    if "momentum" not in state:
-                        state["momentum"] = torch.zeros_like(p)
-                    buf = state["momentum"].mul_(group["momentum"]).add_(p.grad)
-                    directions.append(p.grad.add(buf, alpha=group["momentum"]))
-                updates = orthogonalise(torch.stack(directions))
-                size = group["lr"] * group["scale"] * math.sqrt(max(shape))
-                for p, u in zip(params, updates):
-                    p.mul_(1 - group["lr"] * group["weight_decay"]).add_(u, alpha=-size)
-        return loss
+    boost = scale / 0.2
+    return torch.optim.Muon(
+        matrices, lr=lr * boost, weight_decay=weight_decay / boost, momentum=0.95, nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
 
 
 def _dihedral(gen: torch.Generator, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -232,7 +188,7 @@ def train_variant(
 ) -> torch.nn.Module:
     """Trains one shapes variant on `pool` (images, labels, masks) and returns it (eval mode, on CPU).
 
-    `optimizer` is "muon" (`Muon` for the encoder blocks' matrices, with update size `muon_scale` * lr,
+    `optimizer` is "muon" (`muon` for the encoder blocks' matrices, with update size `muon_scale` * lr,
     AdamW for the rest) or "adamw" (AdamW throughout); all follow one learning rate, warm-up and cosine
     schedule.
     """
@@ -272,7 +228,7 @@ def train_variant(
         )
     ]
     if matrices:
-        opts.append(Muon(matrices, lr=lr, weight_decay=weight_decay, scale=muon_scale))
+        opts.append(muon(matrices, lr=lr, weight_decay=weight_decay, scale=muon_scale))
     images = torch.from_numpy(pool[0])
     labels = torch.from_numpy(pool[1])
     tokens = token_labels(pool[2], pool[1], model.patch_size)
@@ -331,6 +287,48 @@ def train_variant(
     return model.eval().cpu()
 
 
+@torch.inference_mode()
+def pointing(model: torch.nn.Module, images: np.ndarray, masks: np.ndarray, *, batch_size: int = 100) -> float:
+    """The pointing game of the cls token's attention rollout (mean fusion, no discard): the share of
+    images whose map peaks inside the object (dilated by one patch)."""
+    from vitviz.analysis import attention_rollout, cls_map, pointing_game
+    from vitviz.hooks import record_attention
+
+    model.eval()
+    hits = []
+    for s in range(0, len(images), batch_size):
+        with record_attention(model) as rec:
+            model(to_batch(images[s : s + batch_size]))
+        maps = cls_map(attention_rollout(rec.attentions), grid=model.grid)
+        hits.append(pointing_game(maps, torch.from_numpy(masks[s : s + batch_size]), patch_size=model.patch_size))
+    return torch.cat(hits).float().mean().item()
+
+
+def report(names: list[str], *, weights_dir: Path) -> list[dict[str, float | str]]:
+    """The published figures of the shapes models: top-1 on 1,000 images of seed 2024 and 5,000 of
+    seed 3000 (never trained on), and the pointing game on the seed-2024 images for the trained
+    model and an untrained one of the same shape (seed 0)."""
+    fresh = generate_pool(1000, seed=2024)
+    more = generate_pool(5000, seed=3000)
+    rows = []
+    for name in names:
+        spec = get_spec(name)
+        model = spec.build()
+        model.load_state_dict(torch.load(weights_dir / spec.filename, map_location="cpu", weights_only=True))
+        torch.manual_seed(0)
+        untrained = spec.build()
+        rows.append(
+            dict(
+                variant=name,
+                top1=evaluate(model, fresh[0], fresh[1]),
+                top1_5000=evaluate(model, more[0], more[1]),
+                pointing=pointing(model, fresh[0], fresh[2]),
+                pointing_untrained=pointing(untrained, fresh[0], fresh[2]),
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["shapes_p16", "shapes_p8"])
@@ -347,10 +345,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: assets/)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--report", action="store_true", help="train nothing: print the figures of the weights in --out")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device) if args.device else default_device()
     out = args.out or assets_dir()
+    if args.report:
+        print("| variant | top-1, seed 2024 (1,000) | top-1, seed 3000 (5,000) | pointing game | same, untrained |")
+        print("|---|---|---|---|---|")
+        for r in report(args.variants, weights_dir=out):
+            print(f"| `{r['variant']}` | {r['top1']:.1%} | {r['top1_5000']:.1%} | {r['pointing']:.1%} | {r['pointing_untrained']:.1%} |", flush=True)
+        return
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     print(f"generating {args.samples} training images (seed {args.seed}) ...", flush=True)

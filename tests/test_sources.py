@@ -1,4 +1,4 @@
-"""Variants, the real weights-loading path (offline), preprocessing parity and clear errors."""
+"""Weights sources: variants, the real weights-loading path (offline), preprocessing parity and clear errors."""
 
 import urllib.error
 
@@ -8,8 +8,7 @@ from conftest import random_torchvision
 from PIL import Image
 
 import vitviz
-from vitviz import zoo
-from vitviz.pipeline import preprocess
+from vitviz.preprocess import preprocess
 
 
 @pytest.fixture
@@ -63,7 +62,7 @@ def test_offline_flag_skips_the_download(empty_torch_home, monkeypatch):
     with pytest.raises(vitviz.WeightsUnavailableError, match="VITVIZ_OFFLINE"):
         vitviz.load_model("vit_b_32", device="cpu")
     name, reason = vitviz.default_variant()
-    assert name == "shapes_p16" and "vit_b_16" in reason and "not cached" in reason
+    assert name == "shapes_p16" and "vit_b_16" in reason and "not cached" in reason and "vit_b_16-c867db91.pth" in reason
 
 
 def test_cached_torchvision_checkpoint_loads_through_the_users_path(empty_torch_home):
@@ -104,7 +103,7 @@ def test_preprocessing_matches_the_weights_own_transforms(name):
     enum, member = spec.weights.split()[1].split(".")
     weights = get_weight(f"{enum}.{member}")
     img = Image.fromarray(torch.randint(0, 256, (300, 451, 3), dtype=torch.uint8).numpy())
-    ours, crop = preprocess(img, spec)
+    ours, crop = preprocess(img, spec.preprocessing)
     theirs = weights.transforms()(img)
     assert crop.size == (spec.image_size, spec.image_size)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)

@@ -1,0 +1,219 @@
+"""The shape of the house: imports go one way, vitviz installs as a package, the README's examples run."""
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "vitviz"
+
+# Modules that stand on nothing else of vitviz: the model, the maths, the pictures, the image gate.
+LEAVES = {"vitviz.model", "vitviz.analysis", "vitviz.plots", "vitviz.images", "vitviz.preprocess", "vitviz.shapes"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, text: str, modules: dict[str, Path], *, is_package: bool = False) -> set[str]:
+    """Every vitviz module that module `name` (source `text`) imports, anywhere in the file (inside
+    functions too)."""
+    package = name if is_package else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            # "from vitviz.x import y": y may be a module of its own
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rsplit(".", 1)[0] if "." in target else ""
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: _imports(name, path.read_text(), modules, is_package=path.name == "__init__.py") for name, path in modules.items()
+    }
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _graph()
+    assert "vitviz.model" in graph and len(graph) > 15
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_imports_inside_functions():
+    modules = _modules()
+    planted = _imports("vitviz.model", "def convert():\n    from vitviz.pipeline import analyze\n", modules)
+    assert planted == {"vitviz.pipeline"}
+    graph = _graph()
+    graph["vitviz.model"] = planted
+    assert _find_cycle(graph) is not None
+
+
+def test_the_model_and_the_maths_import_nothing_else_of_vitviz():
+    graph = _graph()
+    for leaf in LEAVES:
+        assert graph[leaf] == set(), f"{leaf} imports {graph[leaf]}"
+
+
+def test_the_library_never_reaches_up_into_the_app():
+    graph = _graph()
+    for name, targets in graph.items():
+        if not name.startswith("vitviz.server") and name != "vitviz.bench":
+            assert not {t for t in targets if t.startswith("vitviz.server")}, f"{name} imports the app's modules"
+
+
+def _repo_copy(tmp_path: Path) -> Path:
+    """The files git tracks (and those it would track), copied: no build litter in the checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    )
+    if listed.returncode != 0:  # not a git checkout: copy what matters
+        files = [p.relative_to(ROOT) for d in ("vitviz", "assets") for p in (ROOT / d).rglob("*") if p.is_file()]
+        files += [Path("pyproject.toml"), Path("README.md")]
+    else:
+        files = [Path(line) for line in listed.stdout.splitlines() if line]
+    dest = tmp_path / "src"
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dest / rel)
+    return dest
+
+
+@pytest.mark.slow
+def test_vitviz_installs_into_a_fresh_venv_and_loads_an_embedded_model_anywhere(tmp_path):
+    src = _repo_copy(tmp_path)
+    venv = tmp_path / "venv"
+    # the venv sees this machine's torch & co. (installing them again would download gigabytes) and
+    # its setuptools; this interpreter's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import vitviz"], cwd=tmp_path, capture_output=True, text=True)
+    assert probe.returncode != 0, "vitviz is importable before it is installed"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-build-isolation", "--no-deps", "-q", str(src)],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = textwrap.dedent(
+        """
+        import vitviz, pathlib
+        assert "site-packages" in vitviz.__file__, vitviz.__file__
+        model = vitviz.load_model("shapes_p16", device="cpu")
+        star = pathlib.Path(vitviz.sources.assets_dir()) / "examples" / "star.png"
+        print(vitviz.analyze(model, star).predictions(1)[0][0])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VITVIZ_ASSETS")}
+    out = subprocess.run([str(python), "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "star"
+
+
+def _readme_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+@pytest.mark.slow
+def test_the_readmes_python_examples_run_as_written(tmp_path):
+    """Every Python block of the README, in a fresh interpreter from the repository's root (where a
+    reader who cloned it stands); torchvision's weights come from a cache of random weights, offline;
+    the gradio_client examples talk to the app on its default port."""
+    import torch
+    import torchvision
+
+    blocks = _readme_blocks()
+    assert len(blocks) >= 3
+    torch_home = tmp_path / "torch"
+    ckpt = torch_home / "hub" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / "vit_b_16-c867db91.pth")
+    env = dict(os.environ, TORCH_HOME=str(torch_home), VITVIZ_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    env.pop("VITVIZ_ASSETS", None)
+    needs_server = any("Client(" in b for b in blocks)
+    server = None
+    if needs_server:
+        server = subprocess.Popen(
+            [sys.executable, "-c", "import app; app.demo.launch(server_name='127.0.0.1', server_port=7860, **app.LAUNCH_KWARGS)"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        _wait_for("http://127.0.0.1:7860/", server)
+    try:
+        for i, block in enumerate(blocks):
+            out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, f"README block {i + 1} failed:\n{block}\n{out.stderr[-3000:]}"
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def _wait_for(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise AssertionError(f"the app exited:\n{process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")

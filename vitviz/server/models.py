@@ -1,0 +1,106 @@
+"""Loaded models for a server: a bounded cache, and what each model shows whatever the image."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from vitviz import plots
+from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
+from vitviz.model import ViT
+from vitviz.sources import VariantSpec, load_model
+from vitviz.summary import summary
+
+__all__ = ["ModelFacts", "ModelCache"]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a variant shows independently of the image, computed once per loaded model."""
+
+    spec: VariantSpec
+    similarity: torch.Tensor  # [gh, gw, gh, gw] at the trained grid
+    components: torch.Tensor  # [28, 3, P, P]
+    explained: torch.Tensor  # [28]
+    summary_rows: list[list[str]]
+    total_params: int
+    uniform_distance: float
+    distance_chart: plots.DistanceChart = field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, model: ViT) -> "ModelFacts":
+        spec: VariantSpec = model.spec
+        c = model.config
+        with torch.no_grad():
+            patch_pos = model.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
+            sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
+            comps, explained = embedding_filter_components(model.patch_embed.proj.weight.cpu(), k=28)
+        s = summary(model)
+        uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
+        return cls(
+            spec=spec,
+            similarity=sim,
+            components=comps,
+            explained=explained,
+            summary_rows=s.table(),
+            total_params=s.total_params,
+            uniform_distance=uniform,
+            distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
+        )
+
+
+class ModelCache:
+    """Loaded models, least recently used evicted first.
+
+    At most `max_models` models and at most `max_bytes` of parameters are kept; the model just
+    asked for always stays. Loads are serialised per variant, so two sessions asking for the same
+    variant load it once.
+    """
+
+    def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None) -> None:
+        self.max_models = max_models
+        self.max_bytes = max_bytes
+        self.device = device
+        self._models: OrderedDict[str, tuple[ViT, ModelFacts]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}
+
+    @staticmethod
+    def _bytes(model: ViT) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def loaded(self) -> list[str]:
+        with self._lock:
+            return list(self._models)
+
+    def get(self, name: str) -> tuple[ViT, ModelFacts]:
+        """The model and its facts, loading (and maybe downloading) on first use."""
+        with self._lock:
+            if name in self._models:
+                self._models.move_to_end(name)
+                return self._models[name]
+            load_lock = self._loading.setdefault(name, threading.Lock())
+        with load_lock:
+            with self._lock:
+                if name in self._models:
+                    self._models.move_to_end(name)
+                    return self._models[name]
+            model = load_model(name, device=self.device)
+            entry = (model, ModelFacts.of(model))
+            with self._lock:
+                self._models[name] = entry
+                self._evict(keep=name)
+            return entry
+
+    def _evict(self, *, keep: str) -> None:
+        def total() -> int:
+            return sum(self._bytes(m) for m, _ in self._models.values())
+
+        while len(self._models) > 1 and (len(self._models) > self.max_models or total() > self.max_bytes):
+            oldest = next(k for k in self._models if k != keep)
+            del self._models[oldest]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,153 @@
+"""What can be loaded, from every weights source behind one interface (`WeightsSource`).
+
+    vitviz.list_variants()                 # the named variants of every source
+    vitviz.load_model("vit_b_16")          # torchvision weights, downloaded once
+    vitviz.load_model("shapes_p16")        # embedded, offline
+
+A new source is one module with a `WeightsSource` subclass, listed in `SOURCES` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import torch
+
+from vitviz.model import ViT
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.embedded import EmbeddedSource, assets_dir
+from vitviz.sources.torchvision import TorchvisionSource, checkpoint_dir
+
+__all__ = [
+    "SOURCES",
+    "VariantSpec",
+    "WeightsSource",
+    "WeightsUnavailableError",
+    "Status",
+    "list_variants",
+    "get_spec",
+    "source_of",
+    "load_model",
+    "weights_status",
+    "default_variant",
+    "default_device",
+    "assets_dir",
+    "checkpoint_dir",
+]
+
+SOURCES: list[WeightsSource] = [EmbeddedSource(), TorchvisionSource()]
+_LIBRARIES = {"torchvision": "torchvision"}
+
+for _source in SOURCES:
+    if _source.name in _LIBRARIES:
+        ViT.register_converter(_LIBRARIES[_source.name], _source.convert)
+
+_REGISTRY: dict[str, VariantSpec] | None = None
+_LOCK = threading.Lock()
+
+
+def _registry() -> dict[str, VariantSpec]:
+    global _REGISTRY
+    with _LOCK:
+        if _REGISTRY is None:
+            _REGISTRY = {s.name: s for source in SOURCES for s in source.specs()}
+        return _REGISTRY
+
+
+def list_variants() -> list[VariantSpec]:
+    """Every named variant: the embedded ones first, then torchvision's, then the other sources' picks."""
+    return list(_registry().values())
+
+
+_RESOLVED: dict[str, VariantSpec] = {}
+
+
+def get_spec(name: str) -> VariantSpec:
+    """The spec of a named variant, or of any model a prefixed source can name ("timm:...", "hf:...").
+
+    A suffix "@<pixels>" feeds the variant images of that size ("timm:vit_small_patch8_224.dino@480").
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("a variant name is a non-empty string")
+    name = name.strip()
+    spec = _registry().get(name) or _RESOLVED.get(name)
+    if spec is not None:
+        return spec
+    for source in SOURCES:
+        if source.prefix and name.startswith(source.prefix):
+            spec = source.resolve(name)
+            with _LOCK:
+                if len(_RESOLVED) > 256:
+                    _RESOLVED.clear()
+                _RESOLVED[name] = spec
+            return spec
+    base, at, size = name.rpartition("@")
+    if at and size.isdigit() and base in _registry():
+        return dataclasses.replace(_registry()[base].at(int(size)), name=name)
+    prefixes = ", ".join(f"{s.prefix}<name>" for s in SOURCES if s.prefix)
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(_registry())}" + (f"; or {prefixes}" if prefixes else ""))
+
+
+def source_of(spec: VariantSpec) -> WeightsSource:
+    for source in SOURCES:
+        if source.name == spec.source:
+            return source
+    raise ValueError(f"{spec.name} comes from an unknown source {spec.source!r}")
+
+
+def weights_status(name: str) -> Status:
+    """"embedded", "cached" (on this machine) or "download" (fetched on first use)."""
+    spec = get_spec(name)
+    return source_of(spec).status(spec)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_variant(preferred: str = "vit_b_16") -> tuple[str, str]:
+    """The variant a user gets by default, and why: `preferred` when its weights are at hand or
+    downloadable, else the embedded `shapes_p16`."""
+    spec = get_spec(preferred)
+    source = source_of(spec)
+    status = source.status(spec)
+    if status in ("embedded", "cached"):
+        return preferred, f"{preferred}: weights {status}"
+    if source.reachable():
+        return preferred, f"{preferred}: weights will be downloaded on first use"
+    where = f" in {checkpoint_dir()}" if spec.source == "torchvision" else ""
+    return "shapes_p16", (
+        f"{preferred} weights are not cached{where} and cannot be downloaded from here, so the embedded shapes_p16 "
+        f"model is the default" + (f" (put {spec.filename} there to use {preferred})" if spec.filename else "")
+    )
+
+
+def load_model(
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    weights_path: str | os.PathLike | None = None,
+    progress: bool = True,
+    image_size: int | None = None,
+) -> ViT:
+    """A vitviz ViT with the variant's weights, in eval mode, on `device` (default: CUDA if available).
+
+    Args:
+        name: a name from `list_variants()`, or "timm:<name>" / "hf:<repo id>" for any model of those
+            libraries' plain ViT families.
+        device: where to put the model.
+        weights_path: a local checkpoint to use instead of the variant's own weights source (a
+            torchvision or vitviz state dict; for timm and Hugging Face, their checkpoint files).
+        progress: show download progress (a tqdm bar) when weights are fetched.
+        image_size: feed the model images of this side instead of its own (position embeddings are
+            resampled; e.g. 480 for DINO's figures).
+
+    Raises:
+        WeightsUnavailableError: weights neither at hand nor downloadable; the message says what to do.
+    """
+    spec = get_spec(name)
+    model = source_of(spec).load(spec, weights_path=None if weights_path is None else str(weights_path), progress=progress)
+    model.spec = spec.at(image_size) if image_size else spec
+    return model.eval().to(device if device is not None else default_device())
