@@ -78,7 +78,7 @@ def fresh():
 # regressions (the goal is 95 % top-1). An untrained model already hits 81-89 % in the pointing
 # game, so "at least twice as good" is asserted on misses: the trained model misses at most half
 # as often as the untrained one.
-FLOORS = {"shapes_p16": 0.96, "shapes_p8": 0.98}  # measured: 97.3 % and 99.0 %
+FLOORS = {"shapes_p16": 0.96, "shapes_p8": 0.98}  # measured: 96.8 % and 99.2 %
 
 
 @pytest.mark.slow
