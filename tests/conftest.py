@@ -32,3 +32,67 @@ def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
     torch.nn.init.normal_(model.heads.head.weight, std=0.02)
     torch.nn.init.normal_(model.heads.head.bias, std=0.02)
     return model
+
+
+_REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hub_cache(root, repo: str, files: dict[str, bytes]) -> None:
+    """`files` in a Hugging Face cache under `root` (its "hub" folder), as `hf download` leaves them."""
+    from pathlib import Path
+
+    folder = Path(root) / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(_REV)
+    snap = folder / "snapshots" / _REV
+    snap.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+
+
+def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, bytes]:
+    """A timm model with random weights (LayerScale and head away from their inits), and those
+    weights as the model.safetensors a hub repository holds."""
+    import timm
+    from safetensors.torch import save
+
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "LayerScale":
+                module.gamma.normal_(1.0, 0.2)
+        for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
+            if isinstance(head, torch.nn.Linear):
+                head.weight.normal_(std=0.02)
+                head.bias.normal_(std=0.02)
+    return model, save({k: v.contiguous() for k, v in model.state_dict().items()})
+
+
+# small models of each kind the app must handle: no head (DINO), a distillation token, registers
+APP_TIMM_MODELS = ("vit_small_patch16_224.dino", "deit_tiny_distilled_patch16_224.fb_in1k", "vit_small_patch14_reg4_dinov2.lvd142m")
+
+
+@pytest.fixture(scope="session")
+def timm_cache(tmp_path_factory):
+    """A Hugging Face cache holding random weights for APP_TIMM_MODELS: {name: the timm model}."""
+    pytest.importorskip("timm")
+    root = tmp_path_factory.mktemp("hf") / "hub"
+    models = {}
+    for name in APP_TIMM_MODELS:
+        models[name], data = random_timm_weights(name)
+        write_hub_cache(root, f"timm/{name}", {"model.safetensors": data})
+    return root, models
+
+
+@pytest.fixture
+def offline_hub(timm_cache, monkeypatch):
+    """This process reads the Hugging Face hub from `timm_cache` only, offline (as HF_HOME and
+    HF_HUB_OFFLINE=1 would set it up for a fresh process; huggingface_hub reads them at import)."""
+    from huggingface_hub import constants
+
+    root, models = timm_cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return models

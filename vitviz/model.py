@@ -156,6 +156,12 @@ class ViTConfig:
     def num_tokens(self) -> int:
         return self.num_prefix_tokens + self.grid[0] * self.grid[1]
 
+    @property
+    def num_params(self) -> int:
+        """Parameters of a ViT of this config (counted on the meta device: no memory, no weights)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in ViT(self).parameters())
+
     def replace(self, **changes: Any) -> "ViTConfig":
         """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
         if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
@@ -365,11 +371,17 @@ class ViT(nn.Module):
             x = torch.cat([prefix.expand(x.shape[0], -1, -1), x], dim=1)
         return self.norm_pre(x)
 
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Every token after the last block and the final norm: [B, 3, H, W] -> [B, N, D]."""
+    def encode(self, images: torch.Tensor, *, layers: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Every token after the last block and the final norm: [B, 3, H, W] -> [B, N, D].
+
+        Args:
+            layers: when given, each block's output [B, N, D] is appended to it (before the final norm).
+        """
         x = self.tokens(images)
         for block in self.blocks:
             x = block(x)
+            if layers is not None:
+                layers.append(x)
         return self.norm(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

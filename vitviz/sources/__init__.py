@@ -18,6 +18,8 @@ import torch
 from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
 from vitviz.sources.embedded import EmbeddedSource, assets_dir
+from vitviz.sources.hf import HuggingFaceSource
+from vitviz.sources.timm import TimmSource
 from vitviz.sources.torchvision import TorchvisionSource, checkpoint_dir
 
 __all__ = [
@@ -37,8 +39,8 @@ __all__ = [
     "checkpoint_dir",
 ]
 
-SOURCES: list[WeightsSource] = [EmbeddedSource(), TorchvisionSource()]
-_LIBRARIES = {"torchvision": "torchvision"}
+SOURCES: list[WeightsSource] = [EmbeddedSource(), TorchvisionSource(), TimmSource(), HuggingFaceSource()]
+_LIBRARIES = {"torchvision": "torchvision", "timm": "timm", "hf": "transformers"}
 
 for _source in SOURCES:
     if _source.name in _LIBRARIES:

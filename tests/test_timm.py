@@ -1,0 +1,185 @@
+"""timm's ViTs through vitviz: the same outputs and the same attention as timm's own forward, and the
+real weights path through a Hugging Face cache, offline."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitviz
+
+timm = pytest.importorskip("timm")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NAMES = [
+    "vit_base_patch16_224.augreg2_in21k_ft_in1k",
+    "vit_base_patch32_224.augreg_in21k_ft_in1k",
+    "deit_base_distilled_patch16_224.fb_in1k",
+    "deit3_small_patch16_224.fb_in1k",
+    "vit_small_patch16_224.dino",
+    "vit_small_patch8_224.dino",
+    "vit_small_patch14_reg4_dinov2.lvd142m",
+    "vit_base_patch16_clip_224.openai",
+]
+
+
+def random_timm(name: str, **kwargs) -> torch.nn.Module:
+    """A timm model with random weights, its LayerScale and head moved away from their inits (1e-5
+    and zeros), so that a conversion that drops either cannot pass."""
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "LayerScale":
+                module.gamma.normal_(1.0, 0.2)
+        for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
+            if isinstance(head, torch.nn.Linear):
+                head.weight.normal_(std=0.02)
+                head.bias.normal_(std=0.02)
+    return model
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's own softmax outputs, taken by timm's own extractor with fused attention off: [L, B, H, N, N]."""
+    from timm.utils import AttentionExtract
+
+    for block in model.blocks:
+        block.attn.fused_attn = False
+    try:
+        with torch.inference_mode():
+            out = AttentionExtract(model, method="hook")(x)
+    finally:
+        for block in model.blocks:
+            block.attn.fused_attn = True
+    assert len(out) == len(model.blocks)
+    return torch.stack(list(out.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_from_timm_gives_timms_outputs_and_attention(name):
+    torch.manual_seed(0)
+    model = random_timm(name)
+    ours = vitviz.ViT.from_timm(model)
+    size = model.pretrained_cfg["input_size"][-1]
+    x = torch.randn(1, 3, size, size)
+    with torch.inference_mode():
+        want = model(x)
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x)
+    assert want.abs().max() > 1e-3
+    assert got.shape == want.shape and _relative(got, want) < 1e-4
+    attn = _timm_attention(model, x)
+    assert rec.attentions.shape == attn.shape
+    torch.testing.assert_close(rec.attentions, attn, atol=1e-5, rtol=0)
+    # the layout vitviz read
+    spec = ours.spec
+    assert spec.num_prefix_tokens == model.num_prefix_tokens and spec.name == f"timm:{name}"
+    assert spec.preprocessing.image_size == size and spec.preprocessing.mean == tuple(model.pretrained_cfg["mean"])
+    if name.startswith("deit_base_distilled"):
+        assert spec.prefix_names == ("cls", "dist") and ours.head_dist is not None
+    if "reg4" in name:
+        assert spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and spec.config.pos_embed_prefix == 0
+    if name.endswith((".dino", ".lvd142m", ".openai")):
+        assert spec.categories is None  # features only: DINO has no head, CLIP's head is a projection
+    else:
+        assert len(spec.categories) == 1000 and spec.categories[0].startswith("tench")
+
+
+@pytest.mark.slow
+def test_other_image_sizes_match_timms_dynamic_size():
+    """DINO's figures are made at 480 px: vitviz resamples position embeddings as timm does."""
+    torch.manual_seed(1)
+    model = random_timm("vit_small_patch16_224.dino", dynamic_img_size=True)
+    ours = vitviz.ViT.from_timm(model)
+    for side in (480, 160):
+        x = torch.randn(1, 3, side, side)
+        with torch.inference_mode():
+            assert _relative(ours.encode(x), model.forward_features(x)) < 1e-4
+
+
+def test_what_vitviz_does_not_model_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="qk_norm"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", qk_norm=True, pretrained=False))
+    with pytest.raises(NotImplementedError, match="global_pool='map'"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="map", pretrained=False))
+    with pytest.raises(TypeError, match="timm VisionTransformer"):
+        vitviz.ViT.from_timm(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="timm knows no model"):
+        vitviz.get_spec("timm:no_such_model_anywhere")
+
+
+def test_names_offered_by_the_menu_are_described_without_weights():
+    names = [s.name for s in vitviz.list_variants() if s.source == "timm"]
+    assert "timm:deit_base_distilled_patch16_224.fb_in1k" in names and "timm:vit_small_patch8_224.dino" in names
+    dinov2 = vitviz.get_spec("timm:vit_small_patch14_reg4_dinov2.lvd142m@224")
+    assert dinov2.image_size == 224 and dinov2.grid == (16, 16) and dinov2.num_tokens == 5 + 256
+    at480 = vitviz.get_spec("timm:vit_small_patch8_224.dino@480")
+    assert at480.grid == (60, 60) and at480.preprocessing.resize_size == 533  # 480 / 0.9, the same crop share
+
+
+# ------------------------------------------------------------------------------------------------
+# The weights path: a Hugging Face cache with random weights, offline, in a fresh interpreter
+
+
+def _hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> None:
+    """`files` in a Hugging Face cache under `root`, as `hf download` leaves them."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    folder = root / "hub" / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(rev)
+    snap = folder / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+
+
+def _run(code: str, hf_home: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.slow
+def test_load_model_reads_the_hub_cache_offline_and_says_what_to_do_without_it(tmp_path):
+    from safetensors.torch import save
+
+    name = "vit_small_patch16_224.dino"
+    torch.manual_seed(2)
+    model = random_timm(name)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    _hub_cache(tmp_path / "hf", f"timm/{name}", {"model.safetensors": save(weights)})
+    x = torch.randn(1, 3, 224, 224)
+    torch.save(x, tmp_path / "x.pt")
+    with torch.inference_mode():
+        torch.save(model(x), tmp_path / "want.pt")
+    code = f"""
+import torch, vitviz
+assert vitviz.weights_status("timm:{name}") == "cached"
+m = vitviz.load_model("timm:{name}", device="cpu")
+x = torch.load({str(tmp_path / "x.pt")!r})
+with torch.inference_mode():
+    got = m(x)
+want = torch.load({str(tmp_path / "want.pt")!r})
+print(((got - want).abs().max() / want.abs().max()).item(), m.spec.name)
+"""
+    out = _run(code, tmp_path / "hf")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rel, spec_name = out.stdout.split()
+    assert float(rel) < 1e-4 and spec_name == f"timm:{name}"
+
+    missing = _run(
+        "import vitviz\n"
+        "try:\n    vitviz.load_model('timm:vit_small_patch8_224.dino', device='cpu')\n"
+        "except vitviz.WeightsUnavailableError as exc:\n    print('UNAVAILABLE', exc)\n",
+        tmp_path / "hf",
+    )
+    assert "UNAVAILABLE" in missing.stdout, missing.stderr[-3000:]
+    assert "hf download timm/vit_small_patch8_224.dino" in missing.stdout and str(tmp_path / "hf" / "hub") in missing.stdout
+    assert "weights_path=" in missing.stdout

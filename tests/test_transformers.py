@@ -1,0 +1,153 @@
+"""Hugging Face ViT, DINOv2 and DINOv2-with-registers through vitviz: the same outputs and the same
+attention as transformers' own forward (small random configs), and the hub cache path, offline."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitviz
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=48, patch_size=8)
+
+
+def _randomise(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter away from its init (LayerScale 1, biases 0), so a dropped one shows."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "lambda1" in name:
+                p.normal_(1.0, 0.2) if name.endswith(("weight", "lambda1")) else p.normal_(0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def _models():
+    t = transformers
+    return {
+        "vit-classifier": t.ViTForImageClassification(t.ViTConfig(**SMALL, intermediate_size=128, num_labels=7, attn_implementation="eager")),
+        "vit": t.ViTModel(t.ViTConfig(**SMALL, intermediate_size=128, attn_implementation="eager"), add_pooling_layer=False),
+        "dinov2": t.Dinov2Model(t.Dinov2Config(**SMALL, mlp_ratio=2, attn_implementation="eager")),
+        "dinov2-registers": t.Dinov2WithRegistersModel(
+            t.Dinov2WithRegistersConfig(**SMALL, mlp_ratio=2, num_register_tokens=4, attn_implementation="eager")
+        ),
+    }
+
+
+def _relative(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", ["vit-classifier", "vit", "dinov2", "dinov2-registers"])
+def test_from_transformers_gives_the_same_outputs_and_attention(kind):
+    model = _randomise(_models()[kind])
+    ours = vitviz.ViT.from_transformers(model)
+    x = torch.randn(2, 3, 48, 48)
+    with torch.inference_mode():
+        out = model(pixel_values=x, output_attentions=True, output_hidden_states=True)
+        with vitviz.record_attention(ours) as rec:
+            tokens = ours.encode(x)
+            logits = ours.head_logits(tokens)
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:  # the classifier: its logits, and the backbone's tokens through its own forward
+        assert _relative(logits, out.logits) < 1e-4
+        with torch.inference_mode():
+            hidden = model.vit(pixel_values=x).last_hidden_state
+    assert _relative(tokens, hidden) < 1e-4
+    attn = torch.stack(out.attentions)  # [L, B, H, N, N], transformers' softmax (eager)
+    torch.testing.assert_close(rec.attentions, attn, atol=1e-5, rtol=0)
+    spec = ours.spec
+    registers = 4 if kind == "dinov2-registers" else 0
+    assert spec.num_prefix_tokens == 1 + registers and rec.attentions.shape[-1] == 1 + registers + 36
+    assert (spec.categories is not None) == (kind == "vit-classifier")
+    if kind == "vit-classifier":
+        assert spec.categories == tuple(f"LABEL_{i}" for i in range(7))
+
+
+@pytest.mark.parametrize("kind", ["vit", "dinov2", "dinov2-registers"])
+def test_other_image_sizes_match_transformers_interpolation(kind):
+    """transformers resamples position embeddings bicubically, antialiased for DINOv2 with registers
+    only; vitviz does the same for each."""
+    model = _randomise(_models()[kind])
+    ours = vitviz.ViT.from_transformers(model)
+    for side in (80, 32):  # a larger and a smaller grid
+        x = torch.randn(1, 3, side, side)
+        extra = {"interpolate_pos_encoding": True} if kind == "vit" else {}
+        with torch.inference_mode():
+            want = model(pixel_values=x, **extra).last_hidden_state
+            assert _relative(ours.encode(x), want) < 1e-4
+
+
+def test_preprocessing_follows_the_image_processor():
+    vit = transformers.ViTImageProcessor(size={"height": 224, "width": 224}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pre = vitviz.sources.hf.preprocessing_from_processor(vit, 224)
+    assert (pre.mode, pre.image_size, pre.mean, pre.interpolation) == ("squash", 224, (0.5, 0.5, 0.5), "bilinear")
+    bit = transformers.BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, resample=3,
+                                         image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    pre = vitviz.sources.hf.preprocessing_from_processor(bit.to_dict(), 224)
+    assert (pre.mode, pre.image_size, pre.resize_size, pre.interpolation) == ("crop", 224, 256, "bicubic")
+    # and the pixels agree with the processor's own output
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 411, 3), dtype=np.uint8))
+    for processor in (vit, bit):
+        pre = vitviz.sources.hf.preprocessing_from_processor(processor, 224)
+        ours, _ = vitviz.preprocess(img, pre)
+        theirs = torch.as_tensor(processor(images=img, return_tensors="pt")["pixel_values"][0])
+        assert (ours - theirs).abs().mean() < 0.02  # PIL's and the processor's resampling differ by rounding
+
+
+def test_dinov2_classifiers_and_other_models_are_refused_clearly():
+    t = transformers
+    with pytest.raises(NotImplementedError, match="backbone"):
+        vitviz.ViT.from_transformers(t.Dinov2ForImageClassification(t.Dinov2Config(**SMALL, num_labels=3)))
+    with pytest.raises(TypeError, match="model_type 'bert'"):
+        vitviz.ViT.from_transformers(t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)))
+
+
+@pytest.mark.slow
+def test_load_model_reads_the_hub_cache_offline(tmp_path):
+    """A repository saved with save_pretrained into a Hugging Face cache: load_model("hf:...") finds
+    the weights and the image processor there, with HF_HUB_OFFLINE=1, in a fresh interpreter."""
+    model = _randomise(_models()["dinov2-registers"])
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = "vitviz-test/tiny-dinov2-registers"
+    folder = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(rev)
+    snap = folder / "snapshots" / rev
+    model.save_pretrained(snap)
+    transformers.BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 48, "width": 48}, resample=3).save_pretrained(snap)
+    x = torch.randn(1, 3, 48, 48)
+    torch.save(x, tmp_path / "x.pt")
+    with torch.inference_mode():
+        torch.save(model(pixel_values=x).last_hidden_state, tmp_path / "want.pt")
+    code = f"""
+import torch, vitviz
+assert vitviz.weights_status("hf:{repo}") == "cached"
+m = vitviz.load_model("hf:{repo}", device="cpu")
+with torch.inference_mode():
+    got = m.encode(torch.load({str(tmp_path / "x.pt")!r}))
+want = torch.load({str(tmp_path / "want.pt")!r})
+pre = m.spec.preprocessing
+print(((got - want).abs().max() / want.abs().max()).item(), m.spec.prefix_names[-1], pre.resize_size, pre.interpolation)
+try:
+    vitviz.load_model("hf:vitviz-test/not-there", device="cpu")
+except vitviz.WeightsUnavailableError as exc:
+    print("UNAVAILABLE", exc)
+"""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, rest = out.stdout.split("\n", 1)
+    rel, last_prefix, resize, interpolation = first.split()
+    assert float(rel) < 1e-4 and last_prefix == "reg4" and resize == "56" and interpolation == "bicubic"
+    assert "UNAVAILABLE" in rest and "hf download vitviz-test/not-there" in rest

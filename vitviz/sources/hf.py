@@ -1,0 +1,286 @@
+"""Hugging Face transformers' ViTs: `ViTModel`, `ViTForImageClassification`, `Dinov2Model` and
+`Dinov2WithRegistersModel` (from a `Dinov2ForImageClassification` checkpoint, the backbone).
+
+    vitviz.load_model("hf:google/vit-base-patch16-224")
+    vitviz.load_model("hf:facebook/dinov2-with-registers-small")
+    vitviz.ViT.from_transformers(model, processor=processor)   # a model already in hand
+
+transformers is imported only here, and only when used (`pip install vitviz[hf]`); vitviz reads
+the module layout of transformers 5. Weights come from the Hugging Face cache through
+`from_pretrained`; preprocessing from the repository's image processor (resize and crop, or
+resize to the square, with its mean and std), class names from the config's `id2label`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitviz.model import ViT, ViTConfig
+from vitviz.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
+
+__all__ = ["HuggingFaceSource", "config_from_transformers", "convert_transformers_state_dict", "preprocessing_from_processor"]
+
+_TYPES = ("vit", "dinov2", "dinov2_with_registers")
+_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
+_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store them
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("Hugging Face models need transformers: pip install 'vitviz[hf]' (or pip install transformers)") from None
+    return transformers
+
+
+def _backbone(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """(the encoder with its embeddings, the classifier or None)."""
+    base_prefix = getattr(model, "base_model_prefix", "")
+    backbone = getattr(model, base_prefix, None) if base_prefix else None
+    if backbone is None or not hasattr(backbone, "embeddings"):
+        backbone = model
+    classifier = getattr(model, "classifier", None) if backbone is not model else None
+    return backbone, classifier
+
+
+def _layers(backbone: nn.Module) -> nn.ModuleList:
+    layers = getattr(backbone, "layers", None)
+    if layers is None and hasattr(backbone, "encoder"):
+        layers = getattr(backbone.encoder, "layer", None)
+    if layers is None:
+        raise NotImplementedError(f"{type(backbone).__name__}: cannot find its layers (vitviz reads transformers 5's layout)")
+    return layers
+
+
+def config_from_transformers(model: nn.Module) -> ViTConfig:
+    """The `ViTConfig` of a Hugging Face ViT / DINOv2 model, or a clear error."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _TYPES:
+        raise TypeError(f"expected a Hugging Face ViT, DINOv2 or DINOv2-with-registers model, got model_type {kind!r}")
+    if getattr(cfg, "use_swiglu_ffn", False):
+        raise NotImplementedError("DINOv2 with a SwiGLU MLP (the giant model) is not modelled by vitviz")
+    if cfg.hidden_act not in _ACTS:
+        raise NotImplementedError(f"the activation {cfg.hidden_act!r} is not modelled by vitviz")
+    backbone, classifier = _backbone(model)
+    if kind != "vit" and classifier is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} classifies from the cls token and the mean patch token together; load its backbone "
+            f"({type(backbone).__name__}) instead"
+        )
+    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
+    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
+    first = _layers(backbone)[0]
+    mlp_dim = first.mlp.fc1.out_features
+    registers = getattr(cfg, "num_register_tokens", 0) if kind == "dinov2_with_registers" else 0
+    return ViTConfig(
+        image_size=size,
+        patch_size=patch,
+        width=cfg.hidden_size,
+        depth=cfg.num_hidden_layers,
+        heads=cfg.num_attention_heads,
+        mlp_dim=mlp_dim,
+        num_classes=classifier.out_features if classifier is not None else 0,
+        register_tokens=registers,
+        pos_embed_prefix=1,  # the cls token's position embedding; registers have none
+        layer_scale=None if kind == "vit" else float(getattr(cfg, "layerscale_value", 1.0)),
+        qkv_bias=bool(getattr(cfg, "qkv_bias", True)),
+        proj_bias=first.attention.o_proj.bias is not None,
+        mlp_bias=first.mlp.fc1.bias is not None,
+        patch_bias=backbone.embeddings.patch_embeddings.projection.bias is not None,
+        final_norm=True,
+        act=_ACTS[cfg.hidden_act],
+        eps=cfg.layer_norm_eps,
+        # transformers resamples position embeddings bicubically, antialiased only for DINOv2 with registers
+        pos_embed_antialias=kind == "dinov2_with_registers",
+    )
+
+
+def convert_transformers_state_dict(model: nn.Module, config: ViTConfig) -> dict[str, torch.Tensor]:
+    """The model's weights under vitviz's names: q, k and v stacked into one qkv projection (each
+    with its heads contiguous, the same layout as vitviz's "(three h d)")."""
+    backbone, classifier = _backbone(model)
+    emb = backbone.embeddings
+    sd: dict[str, torch.Tensor] = {
+        "patch_embed.proj.weight": emb.patch_embeddings.projection.weight,
+        "cls_token": emb.cls_token,
+        "pos_embed": emb.position_embeddings,
+        "norm.weight": backbone.layernorm.weight,
+        "norm.bias": backbone.layernorm.bias,
+    }
+    if emb.patch_embeddings.projection.bias is not None:
+        sd["patch_embed.proj.bias"] = emb.patch_embeddings.projection.bias
+    if config.register_tokens:
+        sd["reg_token"] = emb.register_tokens
+    dinov2 = hasattr(_layers(backbone)[0], "norm1")
+    for i, layer in enumerate(_layers(backbone)):
+        at = layer.attention
+        norm1, norm2 = (layer.norm1, layer.norm2) if dinov2 else (layer.layernorm_before, layer.layernorm_after)
+        p = f"blocks.{i}."
+        sd[p + "norm1.weight"], sd[p + "norm1.bias"] = norm1.weight, norm1.bias
+        sd[p + "norm2.weight"], sd[p + "norm2.bias"] = norm2.weight, norm2.bias
+        sd[p + "attn.qkv.weight"] = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+        if at.q_proj.bias is not None:
+            sd[p + "attn.qkv.bias"] = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias])
+        sd[p + "attn.proj.weight"] = at.o_proj.weight
+        if at.o_proj.bias is not None:
+            sd[p + "attn.proj.bias"] = at.o_proj.bias
+        for ours, theirs in (("mlp.0", layer.mlp.fc1), ("mlp.2", layer.mlp.fc2)):
+            sd[f"{p}{ours}.weight"] = theirs.weight
+            if theirs.bias is not None:
+                sd[f"{p}{ours}.bias"] = theirs.bias
+        if dinov2:
+            sd[p + "ls1.gamma"] = layer.layer_scale1.lambda1
+            sd[p + "ls2.gamma"] = layer.layer_scale2.lambda1
+    if classifier is not None:
+        sd["head.weight"], sd["head.bias"] = classifier.weight, classifier.bias
+    return {k: v.detach() for k, v in sd.items()}
+
+
+def preprocessing_from_processor(processor: Any, image_size: int) -> Preprocessing:
+    """A Hugging Face image processor (or its config dict) as vitviz's `Preprocessing`."""
+    if processor is None:
+        return Preprocessing(image_size=image_size, resize_size=math.floor(image_size / 0.875), interpolation="bicubic")
+    get = processor.get if isinstance(processor, dict) else (lambda k, d=None: getattr(processor, k, d))
+    size, crop = _size(get("size"), "shortest_edge"), _size(get("crop_size"), "height")
+    resample = get("resample", 2)
+    interpolation = _RESAMPLE.get(int(getattr(resample, "value", resample)), "bilinear")
+    mean = tuple(get("image_mean") or IMAGENET_MEAN) if get("do_normalize", True) else (0.0, 0.0, 0.0)
+    std = tuple(get("image_std") or IMAGENET_STD) if get("do_normalize", True) else (1.0, 1.0, 1.0)
+    if get("do_center_crop", False) and crop.get("height"):
+        side = crop["height"]
+        short = size.get("shortest_edge") or size.get("height") or side
+        return Preprocessing(image_size=side, resize_size=short, mean=mean, std=std, interpolation=interpolation)
+    side = size.get("height") or size.get("shortest_edge") or image_size
+    return Preprocessing(image_size=side, mode="squash", mean=mean, std=std, interpolation=interpolation)
+
+
+def _size(value: Any, key: str) -> dict[str, int]:
+    """An image processor's size (a dict, transformers' SizeDict, or one number) as a dict."""
+    if value is None:
+        return {}
+    if isinstance(value, (int, float)):
+        return {key: int(value), "width": int(value)} if key == "height" else {key: int(value)}
+    keys = ("height", "width", "shortest_edge", "longest_edge")
+    get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))
+    return {k: int(get(k)) for k in keys if get(k)}
+
+
+def _spec(model: nn.Module, config: ViTConfig, *, name: str, weights: str, processor: Any, locator: str = "") -> VariantSpec:
+    labels = getattr(model.config, "id2label", None)
+    categories = None
+    if config.num_classes:
+        categories = tuple(labels.get(i, labels.get(str(i), f"class {i}")) for i in range(config.num_classes)) if labels else tuple(
+            f"class {i}" for i in range(config.num_classes)
+        )
+    kind = "features" if categories is None else f"{len(categories)} classes"
+    return VariantSpec(
+        name=name,
+        config=config,
+        preprocessing=preprocessing_from_processor(processor, config.image_size),
+        categories=categories,
+        source="hf",
+        weights=weights,
+        locator=locator,
+        description=f"Hugging Face {name.removeprefix('hf:')}: {config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
+    )
+
+
+def _split(name: str) -> tuple[str, int | None]:
+    rest = name.removeprefix("hf:")
+    repo, _, size = rest.partition("@")
+    if size and not size.isdigit():
+        raise ValueError(f"{name!r}: after @ comes an image size in pixels")
+    return repo, int(size) if size else None
+
+
+class HuggingFaceSource(WeightsSource):
+    name = "hf"
+    prefix = "hf:"
+
+    def specs(self) -> list[VariantSpec]:
+        return []  # any repository by name ("hf:<repo id>"); its config is only known once fetched
+
+    def _config(self, repo: str):
+        transformers = _transformers()
+        try:
+            return transformers.AutoConfig.from_pretrained(repo, local_files_only=hub_offline() or not hub_reachable())
+        except OSError as exc:
+            raise WeightsUnavailableError(missing_message(f"hf:{repo}", repo, f"its config.json: {exc}", weights_path_hint="a folder saved with save_pretrained")) from None
+
+    def resolve(self, name: str) -> VariantSpec:
+        repo, size = _split(name)
+        cfg = self._config(repo)
+        transformers = _transformers()
+        if getattr(cfg, "model_type", None) not in _TYPES:
+            raise ValueError(f"{repo} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2 and DINOv2 with registers")
+        with torch.device("meta"):
+            model = self._model_class(cfg)._from_config(cfg)
+        processor = self._processor(repo)
+        spec = _spec(model, config_from_transformers(model), name=name, weights=f"Hugging Face {repo}", processor=processor, locator=repo)
+        return spec.at(size) if size else spec
+
+    @staticmethod
+    def _model_class(cfg):
+        transformers = _transformers()
+        archs = getattr(cfg, "architectures", None) or []
+        if cfg.model_type == "vit" and any(a.endswith("ForImageClassification") for a in archs):
+            return transformers.ViTForImageClassification
+        return {"vit": transformers.ViTModel, "dinov2": transformers.Dinov2Model,
+                "dinov2_with_registers": transformers.Dinov2WithRegistersModel}[cfg.model_type]
+
+    @staticmethod
+    def _processor(repo: str) -> dict | None:
+        path = cached_file(repo, ("preprocessor_config.json",))
+        if path is None and not hub_offline() and hub_reachable():
+            from huggingface_hub import hf_hub_download
+
+            try:
+                path = hf_hub_download(repo, "preprocessor_config.json")
+            except OSError:
+                path = None
+        if path is None:
+            return None
+        import json
+
+        with open(path) as f:
+            return json.load(f)
+
+    def status(self, spec: VariantSpec) -> Status:
+        return "cached" if cached_file(spec.locator, ("model.safetensors", "pytorch_model.bin")) else "download"
+
+    def reachable(self) -> bool:
+        return hub_reachable()
+
+    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+        repo, _ = _split(spec.name)
+        source = weights_path or repo
+        local = weights_path is not None or hub_offline() or not hub_reachable()
+        if weights_path is None and local and self.status(spec) != "cached":
+            why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
+            raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a folder saved with save_pretrained"))
+        cfg = self._config(source) if weights_path is None else _transformers().AutoConfig.from_pretrained(source)
+        try:
+            model = self._model_class(cfg).from_pretrained(source, local_files_only=local)
+        except OSError as exc:
+            raise WeightsUnavailableError(
+                missing_message(spec.name, repo, f"{type(exc).__name__}: {exc}", weights_path_hint="a folder saved with save_pretrained")
+            ) from exc
+        ours = self.convert(model.eval(), processor=self._processor(repo) if weights_path is None else None)
+        ours.spec = spec
+        return ours
+
+    def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT:
+        config = config_from_transformers(model)
+        ours = ViT(config)
+        ours.load_state_dict(convert_transformers_state_dict(model, config))
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        ours.spec = _spec(model, config, name=f"hf:{name}", weights="converted from a Hugging Face model instance", processor=processor)
+        param = next(model.parameters())
+        return ours.to(device=param.device, dtype=param.dtype).train(model.training)

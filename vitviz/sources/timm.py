@@ -1,0 +1,280 @@
+"""timm's plain ViT family (`timm.models.VisionTransformer`): ViT and AugReg, DeiT (with its
+distillation token), DeiT III, DINO, DINOv2 (with registers), CLIP image towers, and any fine-tuned
+model of the same class.
+
+    vitviz.load_model("timm:vit_small_patch16_224.dino")
+    vitviz.load_model("timm:vit_small_patch8_224.dino@480")   # at 480 px, position embeddings resampled
+    vitviz.ViT.from_timm(timm_model)                          # a model already in hand
+
+timm is imported only here, and only when used (`pip install vitviz[timm]`). Weights come through
+timm's own loader from the Hugging Face cache; preprocessing from the model's `pretrained_cfg`
+(`timm.data.resolve_data_config`), class names from timm's ImageNet tables when the head is an
+ImageNet classifier (a head of another size, such as CLIP's projection, is read as features).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vitviz.model import ViT, ViTConfig
+from vitviz.preprocess import Preprocessing
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
+
+__all__ = ["TimmSource", "CURATED", "config_from_timm", "convert_timm_state_dict"]
+
+# The timm models the app's menu offers by name: (timm name, image size or None for the model's own).
+CURATED: tuple[tuple[str, int | None], ...] = (
+    ("vit_base_patch16_224.augreg2_in21k_ft_in1k", None),
+    ("vit_base_patch32_224.augreg_in21k_ft_in1k", None),
+    ("deit_base_distilled_patch16_224.fb_in1k", None),
+    ("vit_small_patch8_224.dino", None),
+    ("vit_base_patch16_224.dino", None),
+    ("vit_small_patch14_reg4_dinov2.lvd142m", 224),
+    ("vit_base_patch16_clip_224.openai", None),
+)
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise ImportError("timm models need timm: pip install 'vitviz[timm]' (or pip install timm)") from None
+    return timm
+
+
+def _meta_model(name: str) -> nn.Module:
+    """The timm model `name` without memory or weights (on the meta device): its structure and config."""
+    timm = _timm()
+    try:
+        with torch.device("meta"):
+            return timm.create_model(name, pretrained=False)
+    except RuntimeError as exc:
+        raise ValueError(f"timm knows no model {name!r} ({exc}); timm.list_models(pretrained=True) lists them") from None
+
+
+def _split(name: str) -> tuple[str, int | None]:
+    """"timm:<model>[@<size>]" -> (<model>, size)."""
+    rest = name.removeprefix("timm:")
+    model, _, size = rest.partition("@")
+    if size and not size.isdigit():
+        raise ValueError(f"{name!r}: after @ comes an image size in pixels, e.g. timm:vit_small_patch8_224.dino@480")
+    return model, int(size) if size else None
+
+
+def _is_instance(model: nn.Module, class_name: str) -> bool:
+    return any(c.__name__ == class_name for c in type(model).__mro__)
+
+
+def config_from_timm(model: nn.Module) -> ViTConfig:
+    """The `ViTConfig` of a timm `VisionTransformer`, or a clear error for what vitviz does not model."""
+    if not _is_instance(model, "VisionTransformer"):
+        raise TypeError(f"expected a timm VisionTransformer, got {type(model).__name__}")
+    pe = model.patch_embed
+    problems = []
+    if not isinstance(getattr(pe, "proj", None), nn.Conv2d) or not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity):
+        problems.append("a patch embedding other than one Conv2d")
+    if getattr(model, "pos_embed", None) is None:
+        problems.append("no learned position embedding")
+    if getattr(model, "attn_pool", None) is not None or model.global_pool not in ("token", "avg"):
+        problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token' and 'avg')")
+    if getattr(model, "pool_include_prefix", False):
+        problems.append("pooling over the prefix tokens")
+    if getattr(pe, "dynamic_img_pad", False):
+        problems.append("dynamic image padding")
+    img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
+    if img_size[0] != img_size[1] or patch_size[0] != patch_size[1]:
+        problems.append(f"non-square images or patches ({img_size}, {patch_size})")
+    block = model.blocks[0]
+    acts = set()
+    for b in model.blocks:
+        attn, mlp = b.attn, b.mlp
+        if type(b).__name__ != "Block" or not hasattr(attn, "qkv"):
+            problems.append(f"blocks of type {type(b).__name__}")
+            break
+        if not all(isinstance(getattr(attn, n, nn.Identity()), nn.Identity) for n in ("q_norm", "k_norm", "norm")):
+            problems.append("normalised queries and keys (qk_norm)")
+            break
+        if getattr(attn, "gate", None) is not None or getattr(attn, "attn_dim", model.embed_dim) != model.embed_dim:
+            problems.append("gated or resized attention")
+            break
+        if type(mlp).__name__ != "Mlp" or not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
+            problems.append(f"an MLP of type {type(mlp).__name__} (vitviz models timm's plain Mlp, not SwiGLU and friends)")
+            break
+        acts.add(_act_name(mlp.act))
+    if problems:
+        raise NotImplementedError(f"{type(model).__name__} has " + "; ".join(dict.fromkeys(problems)) + ", which vitviz does not model")
+    if len(acts) != 1 or None in acts:
+        raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU")
+    distilled = getattr(model, "dist_token", None) is not None
+    registers = model.reg_token.shape[1] if getattr(model, "reg_token", None) is not None else 0
+    prefix = int(model.cls_token is not None) + int(distilled) + registers
+    ls = block.ls1
+    return ViTConfig(
+        image_size=img_size[0],
+        patch_size=patch_size[0],
+        width=model.embed_dim,
+        depth=len(model.blocks),
+        heads=block.attn.num_heads,
+        mlp_dim=block.mlp.fc1.out_features,
+        num_classes=model.num_classes,
+        class_token=model.cls_token is not None,
+        distill_token=distilled,
+        register_tokens=registers,
+        pos_embed_prefix=0 if model.no_embed_class else prefix,
+        layer_scale=None if isinstance(ls, nn.Identity) else 1.0,
+        qkv_bias=block.attn.qkv.bias is not None,
+        proj_bias=block.attn.proj.bias is not None,
+        mlp_bias=block.mlp.fc1.bias is not None,
+        patch_bias=pe.proj.bias is not None,
+        norm_pre=not isinstance(model.norm_pre, nn.Identity),
+        final_norm=not isinstance(model.norm, nn.Identity),
+        pool=model.global_pool,
+        fc_norm=not isinstance(model.fc_norm, nn.Identity),
+        act=acts.pop(),
+        eps=block.norm1.eps,
+    )
+
+
+def _act_name(act: nn.Module) -> str | None:
+    if isinstance(act, nn.GELU):
+        return "gelu" if act.approximate == "none" else "gelu_tanh"
+    if type(act).__name__ == "QuickGELU":
+        return "quick_gelu"
+    if type(act).__name__ == "GELUTanh":
+        return "gelu_tanh"
+    return None
+
+
+def convert_timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """timm's names -> vitviz's: the same but for the MLP's layers (fc1, fc2 -> 0, 2)."""
+    return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
+
+
+def _categories(model: nn.Module) -> tuple[str, ...] | None:
+    """ImageNet class names for an ImageNet head, the checkpoint's own label names when it has
+    them, "class i" for another classifier; None for a model without one."""
+    n = model.num_classes
+    if not n:
+        return None
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if cfg.get("label_names") and len(cfg["label_names"]) == n:
+        return tuple(cfg["label_names"])
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+
+    subset = infer_imagenet_subset(model)
+    if subset:
+        info = ImageNetInfo(subset)
+        if info.num_classes() == n:
+            return tuple(info.index_to_description(i) for i in range(n))
+    if cfg.get("num_classes") == n and n != 1000 and "clip" in str(cfg.get("architecture", "")):
+        return None  # CLIP's head is a projection into the text embedding space, not classes
+    return tuple(f"class {i}" for i in range(n))
+
+
+def _preprocessing(model: nn.Module, size: int | None = None) -> Preprocessing:
+    """timm's own data config (`resolve_data_config`), at `size` px when given (the same crop share)."""
+    from timm.data import resolve_data_config
+
+    data = resolve_data_config({}, model=model)
+    size = size or data["input_size"][-1]
+    crop_pct = data.get("crop_pct") or 1.0
+    squash = data.get("crop_mode") == "squash" and crop_pct == 1.0
+    return Preprocessing(
+        image_size=size,
+        resize_size=None if squash else math.floor(size / crop_pct),
+        mode="squash" if squash else "crop",
+        mean=tuple(data["mean"]),
+        std=tuple(data["std"]),
+        interpolation=data.get("interpolation", "bicubic"),
+    )
+
+
+def _spec(model: nn.Module, *, name: str, weights: str, size: int | None = None) -> VariantSpec:
+    config = config_from_timm(model)
+    categories = _categories(model)  # None with a head (CLIP): the head's output is the features
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    kind = "features" if categories is None else f"{len(categories)} classes"
+    if size and size % config.patch_size:
+        raise ValueError(f"{size} px is not a multiple of {name}'s patch size {config.patch_size}")
+    return VariantSpec(
+        name=name,
+        config=config,
+        preprocessing=_preprocessing(model, size),
+        categories=categories,
+        source="timm",
+        weights=weights,
+        locator=cfg.get("hf_hub_id") or "",
+        description=f"timm {name.removeprefix('timm:')}: {config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
+    )
+
+
+class TimmSource(WeightsSource):
+    name = "timm"
+    prefix = "timm:"
+
+    def specs(self) -> list[VariantSpec]:
+        try:
+            _timm()
+        except ImportError:
+            return []
+        out = []
+        for timm_name, size in CURATED:
+            out.append(self.resolve(f"timm:{timm_name}" + (f"@{size}" if size else "")))
+        return out
+
+    def resolve(self, name: str) -> VariantSpec:
+        timm_name, size = _split(name)
+        model = _meta_model(timm_name)
+        return _spec(model, name=name, weights=f"timm {timm_name} (Hugging Face hub)", size=size)
+
+    def _repo(self, spec: VariantSpec) -> str:
+        if not spec.locator:
+            raise WeightsUnavailableError(f"{spec.name} has no pretrained weights on the Hugging Face hub; pass weights_path=")
+        return spec.locator.removeprefix("hf-hub:")
+
+    def status(self, spec: VariantSpec) -> Status:
+        try:
+            return "cached" if cached_file(self._repo(spec), _WEIGHT_FILES) else "download"
+        except WeightsUnavailableError:
+            return "download"
+
+    def reachable(self) -> bool:
+        return hub_reachable()
+
+    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+        timm = _timm()
+        timm_name, _ = _split(spec.name)
+        if weights_path is not None:
+            model = timm.create_model(timm_name, pretrained=False, checkpoint_path=weights_path)
+        else:
+            repo = self._repo(spec)
+            if not cached_file(repo, _WEIGHT_FILES):
+                why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
+                if hub_offline() or not hub_reachable():
+                    raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a timm checkpoint file"))
+            try:
+                model = timm.create_model(timm_name, pretrained=True)
+            except OSError as exc:  # the hub client's errors for a missing file are OSErrors
+                raise WeightsUnavailableError(
+                    missing_message(spec.name, repo, f"{type(exc).__name__}: {exc}", weights_path_hint="a timm checkpoint file")
+                ) from exc
+        ours = self.convert(model.eval())
+        ours.spec = spec
+        return ours
+
+    def convert(self, model: nn.Module, **options) -> ViT:
+        config = config_from_timm(model)
+        ours = ViT(config)
+        ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        arch = cfg.get("architecture") or type(model).__name__
+        tag = cfg.get("tag")
+        ours.spec = _spec(model, name=f"timm:{arch}" + (f".{tag}" if tag else ""), weights="converted from a timm model instance")
+        param = next(model.parameters())
+        return ours.to(device=param.device, dtype=param.dtype).train(model.training)
