@@ -21,6 +21,7 @@ import torch.nn.functional as F
 __all__ = [
     "fuse_heads",
     "attention_rollout",
+    "rollout_fused",
     "cls_map",
     "query_attention",
     "mean_attention_distance",
@@ -30,6 +31,7 @@ __all__ = [
     "embedding_filter_components",
     "pointing_game",
     "infer_grid",
+    "attention_received",
 ]
 
 HeadFusion = Literal["mean", "max", "min"]
@@ -93,11 +95,23 @@ def attention_rollout(
         draws on input token j.
     """
     a, unbatched = _as_batched(attn)
+    rollout = rollout_fused(fuse_heads(a, head_fusion, dim=2), discard_ratio=discard_ratio, num_prefix_tokens=num_prefix_tokens)
+    return rollout[0] if unbatched else rollout
+
+
+def rollout_fused(fused: torch.Tensor, *, discard_ratio: float = 0.0, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Steps 2-4 of rollout on per-layer maps whose heads are already fused: [L, B, N, N] -> [B, N, N].
+
+    Optionally zero the floor(r * (N - p)) smallest patch columns of each row, add the identity,
+    renormalise each row and multiply R = Â_L ··· Â_1. Attention rollout feeds it fused attention;
+    gradient rollout (`vitviz.relevance.gradient_rollout`) the fused gradient-weighted attention.
+    """
+    if fused.ndim != 4 or fused.shape[-1] != fused.shape[-2]:
+        raise ValueError(f"fused must be [L, B, N, N], got {list(fused.shape)}")
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-    n = a.shape[-1]
+    n = fused.shape[-1]
     p = num_prefix_tokens
-    fused = fuse_heads(a, head_fusion, dim=2)  # [L, B, N, N]
     drop = math.floor(discard_ratio * (n - p))
     if drop > 0:
         patch_cols = fused[..., p:]
@@ -109,7 +123,7 @@ def attention_rollout(
     rollout = eye.expand_as(hat[0]).clone()
     for layer in hat:  # R = Â_l @ R, first layer first
         rollout = layer @ rollout
-    return rollout[0] if unbatched else rollout
+    return rollout
 
 
 def cls_map(
@@ -151,6 +165,24 @@ def query_attention(
     row = rows[head] if isinstance(head, int) else fuse_heads(rows, head, dim=0)
     gh, gw = infer_grid(row.shape[-1], grid)
     return row.reshape(gh, gw)
+
+
+def attention_received(attn: torch.Tensor) -> torch.Tensor:
+    """The share of attention each token receives, averaged over the queries: mean_i A[..., i, j].
+
+    Rows of A sum to 1, so over the keys j these shares sum to 1 too: a distribution saying where a
+    layer's attention goes. Prefix tokens (cls, distillation, registers) are where high-norm
+    "artefact" tokens and registers show themselves (Darcet et al. 2024).
+
+    Args:
+        attn: [L, B, H, N, N] or [L, H, N, N] (or any [..., N, N]).
+
+    Returns:
+        [..., N]: the input's leading dims with the key dimension.
+    """
+    if attn.ndim < 2 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be [..., N, N], got {list(attn.shape)}")
+    return attn.mean(dim=-2)
 
 
 def patch_distances(grid: tuple[int, int], *, patch_size: int, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -4,6 +4,10 @@
         logits = model(x)
     rec.attentions            # [L, B, H, N, N]
 
+    with vitviz.record_attention(model, gradients=True) as rec:   # outside inference_mode
+        model(x)[torch.arange(B), targets].sum().backward()
+    rec.gradients             # [L, B, H, N, N]: d(target logit) / d(each layer's softmax output)
+
 The hooks sit on each block's softmax module (`Attention.attend`) and are removed in `finally`, also
 when the forward raises. Each recorder keeps only what runs in the thread that opened it, so several
 threads can analyse different images through one shared model at the same time.
@@ -26,17 +30,25 @@ __all__ = ["AttentionRecord", "record_attention"]
 class AttentionRecord:
     """What one `record_attention` block captured.
 
-    `calls[c][l]` is layer l's attention `[B, H, N, N]` in the c-th forward of the block.
+    `calls[c][l]` is layer l's attention `[B, H, N, N]` in the c-th forward of the block;
+    `grad_calls[c][l]` its gradient, once a backward has run through it (with `gradients=True`).
     """
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.calls: list[list[torch.Tensor | None]] = []
+        self.grad_calls: list[list[torch.Tensor | None]] = []
 
-    def _capture(self, layer: int, attn: torch.Tensor) -> None:
+    def _capture(self, layer: int, attn: torch.Tensor) -> int:
         if layer == 0 or not self.calls:
             self.calls.append([None] * self.num_layers)
+            self.grad_calls.append([None] * self.num_layers)
         self.calls[-1][layer] = attn.detach()
+        return len(self.calls) - 1
+
+    def _capture_grad(self, call: int, layer: int, grad: torch.Tensor) -> None:
+        slot = self.grad_calls[call]
+        slot[layer] = grad.detach() if slot[layer] is None else slot[layer] + grad.detach()  # several backwards add up
 
     @property
     def attentions(self) -> torch.Tensor:
@@ -53,10 +65,31 @@ class AttentionRecord:
             raise RuntimeError(f"the last forward did not reach layers {missing}; nothing complete was captured")
         return torch.stack(last)  # type: ignore[arg-type]
 
+    @property
+    def gradients(self) -> torch.Tensor:
+        """The gradients of the last forward's attention, stacked over layers: [L, B, H, N, N].
+
+        Layer l's entry is the gradient with respect to layer l's own softmax output, whatever the
+        order in which backward reached the layers.
+
+        Raises:
+            RuntimeError: nothing was recorded with gradients=True, or no backward reached every layer.
+        """
+        if not self.grad_calls:
+            raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
+        last = self.grad_calls[-1]
+        missing = [i for i, g in enumerate(last) if g is None]
+        if missing:
+            raise RuntimeError(
+                f"no gradient reached layers {missing}: record with gradients=True, outside torch.inference_mode / no_grad, "
+                "and call .backward() on an output of the last forward"
+            )
+        return torch.stack(last)  # type: ignore[arg-type]
+
 
 @contextmanager
 def record_attention(
-    model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gradients: bool = False
 ) -> Iterator[AttentionRecord]:
     """Records every attention map of `model` (a vitviz ViT) during the block.
 
@@ -64,9 +97,12 @@ def record_attention(
         model: a vitviz ViT.
         reduce: applied to each layer's attention [B, H, N, N] as soon as it is computed; its
             result is stored instead, so a large batch need not hold the whole stack.
+        gradients: also keep the gradient of each layer's softmax output when a backward runs
+            (the forward must run with autograd on).
 
     Yields:
-        an `AttentionRecord`; read `rec.attentions` after the forward ([L, ...] of what was stored).
+        an `AttentionRecord`; read `rec.attentions` after the forward ([L, ...] of what was stored)
+        and `rec.gradients` after a backward.
     """
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
@@ -81,7 +117,10 @@ def record_attention(
     def make_hook(layer: int):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if threading.get_ident() == owner:
-                rec._capture(layer, reduce(output) if reduce is not None else output)
+                call = rec._capture(layer, reduce(output) if reduce is not None else output)
+                if gradients and output.requires_grad:
+                    # a hook on this very tensor: its gradient is d/dA of this layer, paired by index
+                    output.register_hook(lambda grad, call=call: rec._capture_grad(call, layer, grad))
 
         hook._vitviz_recorder = True  # type: ignore[attr-defined]
         return hook

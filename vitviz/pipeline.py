@@ -45,6 +45,8 @@ class Analysis:
         categories: class names, or None for a model without a head.
         attentions: attention stack [L, H, N, N].
         tokens: every token after the last block and the final norm [N, D].
+        token_norms: the L2 norm of every token after each block, before the final norm [L, N]
+            (where high-norm "artefact" tokens appear; Darcet et al. 2024).
         grid, patch_size: the patch layout of this image.
         prefix_names: the tokens before the patches, in order ("cls", "dist", "reg1", ...).
         device: where the model ran.
@@ -57,6 +59,7 @@ class Analysis:
     categories: tuple[str, ...] | None = field(repr=False)
     attentions: torch.Tensor = field(repr=False)
     tokens: torch.Tensor = field(repr=False)
+    token_norms: torch.Tensor = field(repr=False)
     grid: tuple[int, int]
     patch_size: int
     prefix_names: tuple[str, ...]
@@ -70,7 +73,7 @@ class Analysis:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors and the crop (what keeping this analysis costs)."""
-        tensors = [t for t in (self.probabilities, self.attentions, self.tokens) if t is not None]
+        tensors = [t for t in (self.probabilities, self.attentions, self.tokens, self.token_norms) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
     def predictions(self, k: int = 5) -> list[tuple[str, float]]:
@@ -121,15 +124,17 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
     with torch.inference_mode():
         start = time.perf_counter()
+        layers: list[torch.Tensor] = []
         with record_attention(model) as rec:
-            tokens = model.encode(x)
+            tokens = model.encode(x, layers=layers)
             logits = model.head_logits(tokens) if spec.has_head else None
+        norms = torch.stack([h[0].float().norm(dim=-1) for h in layers])  # [L, N]
         attn = rec.attentions[:, 0].float()  # [L, H, N, N]
         if param.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         probs = logits[0].float().softmax(-1).cpu() if logits is not None else None
-        attn, tokens = attn.cpu(), tokens[0].float().cpu()
+        attn, tokens, norms = attn.cpu(), tokens[0].float().cpu(), norms.cpu()
     return Analysis(
         variant=spec.name,
         image=cropped,
@@ -137,6 +142,7 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
         categories=spec.categories,
         attentions=attn,
         tokens=tokens,
+        token_norms=norms,
         grid=model.grid_for(x.shape[2], x.shape[3]),
         patch_size=spec.patch_size,
         prefix_names=spec.prefix_names,

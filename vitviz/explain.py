@@ -1,0 +1,183 @@
+"""Why this class: a map over the patch grid from one of four methods, for a chosen target class.
+
+    vitviz.explain(model, "cat.jpg", method="gradient", target="tabby, tabby cat")
+
+Methods (`METHODS`):
+- "attention": the last layer's attention of the cls token, averaged over heads (no target).
+- "rollout": attention rollout from the cls token (Abnar & Zuidema 2020; no target).
+- "gradient": Chefer et al. 2021's relevance for the target logit (`vitviz.relevance`).
+- "grad_rollout": attention weighted by the same layer's gradient, fused, clipped and rolled out.
+
+`relevance_maps` computes any set of methods for a batch in one forward and, when a gradient
+method is asked for, one backward of the summed per-sample target logits (samples do not interact in
+eval mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+from PIL import Image
+
+from vitviz.analysis import HeadFusion, attention_rollout, cls_map
+from vitviz.hooks import record_attention
+from vitviz.images import ImageSource, load_image
+from vitviz.model import ViT
+from vitviz.pipeline import spec_of
+from vitviz.preprocess import preprocess
+from vitviz.relevance import gradient_relevance, gradient_rollout, last_layer_attention
+
+__all__ = ["METHODS", "Explanation", "explain", "relevance_maps", "resolve_target"]
+
+Method = Literal["attention", "rollout", "gradient", "grad_rollout"]
+METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout")
+_GRADIENT_METHODS = ("gradient", "grad_rollout")
+
+
+@dataclass
+class Explanation:
+    """One map over the patch grid.
+
+    Attributes:
+        map: relevance of each patch [gh, gw] (larger: more relevant).
+        method: one of `METHODS`.
+        target: the class index explained (None for a model without a classifier).
+        label: its name.
+        probability: the model's probability of it.
+        image: the S x S crop the model saw.
+    """
+
+    map: torch.Tensor = field(repr=False)
+    method: str
+    target: int | None
+    label: str | None
+    probability: float | None
+    image: Image.Image = field(repr=False)
+
+
+def resolve_target(target: int | str | None, categories: Sequence[str] | None, probabilities: torch.Tensor | None) -> int | None:
+    """A class index from an index, a class name, or None (the top-1)."""
+    if categories is None:
+        if target is not None:
+            raise ValueError("this model has no classifier: there is no class to explain")
+        return None
+    if target is None:
+        if probabilities is None:
+            raise ValueError("no target given and no probabilities to take the top-1 from")
+        return int(probabilities.argmax())
+    if isinstance(target, str):
+        try:
+            return list(categories).index(target)
+        except ValueError:
+            raise ValueError(f"unknown class {target!r}; the model's classes are in model.spec.categories") from None
+    index = int(target)
+    if not 0 <= index < len(categories):
+        raise ValueError(f"class index {index} is outside 0..{len(categories) - 1}")
+    return index
+
+
+def relevance_maps(
+    model: ViT,
+    x: torch.Tensor,
+    *,
+    methods: Sequence[str] = METHODS,
+    targets: Sequence[int | str | None] | torch.Tensor | None = None,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """Maps of several methods for a batch, from one forward (and one backward for gradient methods).
+
+    Args:
+        model: a vitviz ViT (in eval mode).
+        x: preprocessed images [B, 3, S, S].
+        methods: names from `METHODS`.
+        targets: per sample a class index, a class name or None (top-1); None for all top-1.
+        head_fusion, discard_ratio: for "rollout" and "grad_rollout".
+
+    Returns:
+        ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None).
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}; the methods are {', '.join(METHODS)}")
+    spec = spec_of(model)
+    p = spec.num_prefix_tokens
+    grid = model.grid_for(x.shape[-2], x.shape[-1])
+    need_grad = any(m in _GRADIENT_METHODS for m in methods)
+    if need_grad and not spec.has_head:
+        raise ValueError(f"{spec.name} has no classifier: gradient methods need a class logit; use 'attention' or 'rollout'")
+    if not spec.has_head and targets is not None and any(t is not None for t in targets):
+        raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
+    param = next(model.parameters())
+    with contextlib.ExitStack() as modes:
+        if need_grad:  # autograd on, also when the caller is in inference mode
+            modes.enter_context(torch.inference_mode(False))
+            modes.enter_context(torch.enable_grad())
+            # a fresh leaf that requires grad: every attention map is then on the graph, even for frozen weights
+            x = x.to(device=param.device, dtype=param.dtype).clone().requires_grad_(True)
+        else:
+            modes.enter_context(torch.inference_mode())
+            x = x.to(device=param.device, dtype=param.dtype)
+        with record_attention(model, gradients=need_grad) as rec:
+            tokens = model.encode(x)
+            logits = model.head_logits(tokens) if spec.has_head else None
+            probs = logits.detach().float().softmax(-1) if logits is not None else None
+            chosen = None
+            if logits is not None:
+                wanted = [None] * x.shape[0] if targets is None else list(targets)
+                if len(wanted) != x.shape[0]:
+                    raise ValueError(f"{len(wanted)} targets for {x.shape[0]} images")
+                chosen = torch.tensor([resolve_target(t, spec.categories, probs[i]) for i, t in enumerate(wanted)], device=logits.device)
+            if need_grad:
+                # one backward for the batch: the sum of each sample's own target logit
+                torch.autograd.grad(logits.gather(1, chosen[:, None]).sum(), x)
+        attn = rec.attentions.float()
+        grads = rec.gradients.float() if need_grad else None
+    maps: dict[str, torch.Tensor] = {}
+    for m in methods:
+        if m == "attention":
+            r = last_layer_attention(attn)
+        elif m == "rollout":
+            r = attention_rollout(attn, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
+        elif m == "gradient":
+            r = gradient_relevance(attn, grads)
+        else:
+            r = gradient_rollout(attn, grads, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
+        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p).detach().cpu()
+    return maps, (chosen.cpu() if chosen is not None else None), (probs.cpu() if probs is not None else None)
+
+
+def explain(
+    model: ViT,
+    image: ImageSource,
+    *,
+    method: str = "rollout",
+    target: int | str | None = None,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+) -> Explanation:
+    """The map over the patch grid that `method` gives for `target` (default: the top-1 class).
+
+    Args:
+        model: a vitviz ViT with a spec (`load_model`, `ViT.from_*`).
+        image: anything `vitviz.load_image` accepts.
+        method: "attention", "rollout", "gradient" or "grad_rollout".
+        target: a class index or name; None for the top-1.
+    """
+    spec = spec_of(model)
+    x, cropped = preprocess(load_image(image), spec.preprocessing)
+    maps, targets, probs = relevance_maps(
+        model, x.unsqueeze(0), methods=[method], targets=[target], head_fusion=head_fusion, discard_ratio=discard_ratio
+    )
+    index = int(targets[0]) if targets is not None else None
+    return Explanation(
+        map=maps[method][0],
+        method=method,
+        target=index,
+        label=spec.categories[index] if index is not None and spec.categories else None,
+        probability=float(probs[0, index]) if index is not None else None,
+        image=cropped,
+    )

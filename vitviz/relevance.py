@@ -1,0 +1,143 @@
+"""Explanations beyond rollout, as pure functions of recorded tensors.
+
+- Gradient relevance: Chefer, Gur & Wolf, "Generic Attention-model Explainability for Interpreting
+  Bi-Modal and Encoder-Decoder Transformers" (ICCV 2021), the rule for self-attention: with A_l a
+  block's softmax output and G_l = dy_c/dA_l the gradient of the target logit with respect to that
+  same A_l, R = I and, for l = 1..L in forward order, R <- R + mean_h (G_l ⊙ A_l)⁺ R. No row
+  normalisation. The map is R[cls, patches].
+- Gradient rollout (the idea of vit-explain's `grad_rollout`, with its bugs fixed: each layer's
+  attention with the same layer's gradient, and the gradient of A itself, not of the logits before
+  the softmax): A'_l = fuse_h(G_l ⊙ A_l) with negatives set to 0, then rolled out as attention
+  rollout is (identity, row normalisation, product).
+- DINO's head maps: Caron et al., "Emerging Properties in Self-Supervised Vision Transformers"
+  (ICCV 2021), `visualize_attention.py`: the last block's cls attention per head, and the patches
+  that keep a share t of each head's mass.
+- Patch features: the principal components of the last layer's patch tokens as RGB (Oquab et al.,
+  DINOv2, 2023) and the cosine similarity of one patch's feature to every other.
+
+Shapes: L layers, B batch, H heads, N tokens = p + gh*gw, D width. Stacks are [L, B, H, N, N] or, for
+one image, [L, H, N, N].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vitviz.analysis import HeadFusion, _as_batched, fuse_heads, infer_grid, rollout_fused
+
+__all__ = [
+    "gradient_relevance",
+    "gradient_rollout",
+    "last_layer_attention",
+    "dino_head_maps",
+    "keep_mass",
+    "feature_components",
+    "feature_similarity",
+]
+
+
+def _paired(attn: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    a, unbatched = _as_batched(attn)
+    g, _ = _as_batched(grads, "grads")
+    if a.shape != g.shape:
+        raise ValueError(f"attention {list(a.shape)} and gradients {list(g.shape)} must have the same shape")
+    return a, g, unbatched
+
+
+def gradient_relevance(attn: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """Chefer et al. 2021's relevance R [B, N, N] (or [N, N]): R = I; R <- R + mean_h (G_l ⊙ A_l)⁺ R, first
+    layer first.
+
+    Args:
+        attn: the softmax outputs [L, B, H, N, N] (or [L, H, N, N]).
+        grads: the gradient of the target logit with respect to each of those same tensors, the
+            same shape (layer l of `grads` is the gradient of layer l of `attn`).
+    """
+    a, g, unbatched = _paired(attn, grads)
+    n = a.shape[-1]
+    r = torch.eye(n, dtype=a.dtype, device=a.device).expand(a.shape[1], n, n).clone()
+    for a_l, g_l in zip(a, g):
+        cam = (g_l * a_l).clamp(min=0).mean(dim=1)  # [B, N, N]
+        r = r + cam @ r
+    return r[0] if unbatched else r
+
+
+def gradient_rollout(
+    attn: torch.Tensor,
+    grads: torch.Tensor,
+    *,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """Gradient rollout R [B, N, N] (or [N, N]): A'_l = fuse_h(G_l ⊙ A_l), negatives set to 0, then
+    discard, identity, row normalisation and the product R = Â_L ··· Â_1 as in attention rollout."""
+    a, g, unbatched = _paired(attn, grads)
+    fused = fuse_heads(g * a, head_fusion, dim=2).clamp(min=0)  # [L, B, N, N]
+    r = rollout_fused(fused, discard_ratio=discard_ratio, num_prefix_tokens=num_prefix_tokens)
+    return r[0] if unbatched else r
+
+
+def last_layer_attention(attn: torch.Tensor) -> torch.Tensor:
+    """The last layer's attention averaged over heads: [L, B, H, N, N] -> [B, N, N] (or [L, H, N, N] -> [N, N])."""
+    a, unbatched = _as_batched(attn)
+    out = a[-1].mean(dim=1)
+    return out[0] if unbatched else out
+
+
+def keep_mass(weights: torch.Tensor, share: float) -> torch.Tensor:
+    """DINO's threshold: the entries of each row (last dim) that together hold `share` of its mass.
+
+    Sort ascending, normalise to sum 1, cumulative sum, keep the entries whose cumulative sum exceeds
+    1 - share, and put them back in their places. Returns a bool mask of `weights`' shape.
+    """
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    values, order = weights.sort(dim=-1)
+    cumulative = (values / values.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
+    keep_sorted = cumulative > (1 - share)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def dino_head_maps(
+    attn: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, share: float = 0.6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last block's cls attention per head over the patches, and the patches holding `share` of it.
+
+    Args:
+        attn: the attention stack [L, B, H, N, N] or [L, H, N, N] (the last layer is read).
+        share: t in DINO's recipe (0.6 in their videos).
+
+    Returns:
+        maps [B, H, gh, gw] and masks (bool, same shape); [H, gh, gw] each for one image.
+    """
+    a, unbatched = _as_batched(attn)
+    rows = a[-1, :, :, 0, num_prefix_tokens:]  # [B, H, gh*gw]: the cls query, patch keys
+    gh, gw = infer_grid(rows.shape[-1], grid)
+    maps = rows.reshape(*rows.shape[:2], gh, gw)
+    masks = keep_mass(rows, share).reshape(maps.shape)
+    return (maps[0], masks[0]) if unbatched else (maps, masks)
+
+
+def feature_components(features: torch.Tensor, *, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k principal components of patch features: [M, D] -> (scores [M, k], explained [k]).
+
+    Scores are the centred features projected on the components, each component's sign fixed so
+    that its largest loading is positive; `explained` is the fraction of variance of each."""
+    if features.ndim != 2:
+        raise ValueError(f"features must be [M, D], got {list(features.shape)}")
+    x = features.double()
+    x = x - x.mean(dim=0, keepdim=True)
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    k = min(k, vh.shape[0])
+    comps = vh[:k]
+    comps = comps * torch.sign(comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)))
+    var = s**2
+    return (x @ comps.T).float(), (var[:k] / var.sum()).float()
+
+
+def feature_similarity(features: torch.Tensor, index: int) -> torch.Tensor:
+    """Cosine similarity of feature `index` to every feature: [M, D] -> [M]."""
+    f = F.normalize(features.float(), dim=-1)
+    return f @ f[index]
