@@ -7,7 +7,9 @@ embeddings and patch filters — from Python or in the browser (`app.py`).
     result.predictions(), result.cls_map(), result.distances()
 """
 
+from vitviz.explanations import METHODS, Explanation, explain, relevance_maps
 from vitviz.analysis import (
+    attention_received,
     attention_rollout,
     cls_map,
     embedding_filter_components,
@@ -36,6 +38,8 @@ from vitviz.summary import Summary, summary
 
 __all__ = [
     "Analysis",
+    "Explanation",
+    "METHODS",
     "AttentionRecord",
     "ImageError",
     "Preprocessing",
@@ -45,11 +49,13 @@ __all__ = [
     "ViTConfig",
     "WeightsUnavailableError",
     "analyze",
+    "attention_received",
     "attention_rollout",
     "cls_map",
     "default_device",
     "default_variant",
     "embedding_filter_components",
+    "explain",
     "get_spec",
     "list_variants",
     "load_image",
@@ -60,7 +66,19 @@ __all__ = [
     "preprocess",
     "query_attention",
     "record_attention",
+    "relevance_maps",
     "summary",
     "uniform_attention_distance",
     "weights_status",
 ]
+
+
+def __getattr__(name: str):
+    """Submodules on first use (`vitviz.shapes`, `vitviz.sources`, ...), so that `python -m vitviz.<module>`
+    runs a module the package has not imported yet."""
+    import importlib
+
+    if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
+                "pipeline", "preprocess", "images", "summary", "explanations", "train_shapes", "bench"}:
+        return importlib.import_module(f"vitviz.{name}")
+    raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

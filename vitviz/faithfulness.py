@@ -8,27 +8,21 @@ over the fraction of patches removed (or revealed) in [0, 1], by the trapezoidal
 better for deletion, higher for insertion. A random order is the baseline every figure is read
 against (Petsiuk et al., RISE, BMVC 2018; Chefer et al. 2021 evaluate ViT explanations so).
 
-    python -m vitviz.faithfulness --model shapes_p16 --n 1000 --seed 2024
-
-prints, for the embedded shapes models on generated images never trained on, the pointing game,
-deletion AUC and insertion AUC of every method and of a random map.
+Over a dataset, with the pointing game beside them: `python -m vitviz.evaluate` (on the embedded
+shapes models: `python -m vitviz.shapes DIR --n 1000`, then `python -m vitviz.evaluate DIR --model
+shapes_p16 --methods attention,rollout,gradient,grad_rollout --out RESULTS`).
 """
 
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from vitviz.analysis import pointing_game
-from vitviz.explain import METHODS, relevance_maps
 from vitviz.model import ViT
 from vitviz.pipeline import spec_of
 
-__all__ = ["Curves", "perturbation_curves", "auc", "random_maps", "evaluate_shapes", "main"]
+__all__ = ["Curves", "perturbation_curves", "auc", "random_maps"]
 
 
 @dataclass
@@ -108,57 +102,3 @@ def perturbation_curves(
         t = targets.repeat_interleave(steps + 1).to(probs.device)
         out[mode] = probs[torch.arange(len(t)), t].reshape(b, steps + 1).cpu()
     return Curves(fractions=counts.float() / m, deletion=out["deletion"], insertion=out["insertion"])
-
-
-def evaluate_shapes(
-    name: str, *, n: int = 1000, seed: int = 2024, steps: int = 16, batch_size: int = 50, methods=METHODS, device=None
-) -> dict[str, dict[str, float]]:
-    """Every method's pointing game and deletion/insertion AUC on `n` generated shapes images (and a
-    random map's), for an embedded shapes model. Returns {method: {pointing, deletion, insertion}}."""
-    from vitviz.shapes import generate
-    from vitviz.sources import load_model
-
-    model = load_model(name, device=device or "cpu")
-    pre = model.spec.preprocessing
-    images, labels, masks = generate(n, seed=seed, image_size=pre.image_size)
-    mean, std = torch.tensor(pre.mean).view(1, 3, 1, 1), torch.tensor(pre.std).view(1, 3, 1, 1)
-
-    def to_batch(arrays: np.ndarray) -> torch.Tensor:  # uint8 [B, S, S, 3] at the model's size already
-        return (torch.from_numpy(arrays).permute(0, 3, 1, 2).float() / 255 - mean) / std
-
-    sums: dict[str, dict[str, float]] = {k: {"pointing": 0.0, "deletion": 0.0, "insertion": 0.0} for k in (*methods, "random")}
-    for s in range(0, n, batch_size):
-        x = to_batch(images[s : s + batch_size])
-        maps, targets, _ = relevance_maps(model, x, methods=methods, targets=[int(v) for v in labels[s : s + batch_size]])
-        maps["random"] = random_maps(maps[methods[0]].shape, seed=seed * 100_003 + s)
-        mask = torch.from_numpy(masks[s : s + batch_size])
-        for method, m in maps.items():
-            curves = perturbation_curves(model, x, m, targets, steps=steps)
-            sums[method]["pointing"] += pointing_game(m, mask, patch_size=model.patch_size).float().sum().item()
-            sums[method]["deletion"] += curves.deletion_auc.sum().item()
-            sums[method]["insertion"] += curves.insertion_auc.sum().item()
-    return {method: {k: v / n for k, v in figures.items()} for method, figures in sums.items()}
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", nargs="+", default=["shapes_p16", "shapes_p8"])
-    ap.add_argument("--n", type=int, default=1000, help="generated images (vitviz.shapes)")
-    ap.add_argument("--seed", type=int, default=2024, help="their seed (training used 0 and 1)")
-    ap.add_argument("--steps", type=int, default=16, help="deletion/insertion steps")
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args(argv)
-    print(f"{args.n} generated images, seed {args.seed}; deletion and insertion in {args.steps} steps; target: the true class")
-    print("| model | method | pointing game | deletion AUC (lower is better) | insertion AUC (higher is better) |")
-    print("|---|---|---|---|---|")
-    for name in args.model:
-        start = time.perf_counter()
-        figures = evaluate_shapes(name, n=args.n, seed=args.seed, steps=args.steps, device=args.device)
-        for method, f in figures.items():
-            print(f"| `{name}` | {method} | {f['pointing']:.1%} | {f['deletion']:.3f} | {f['insertion']:.3f} |", flush=True)
-        print(f"<!-- {name}: {time.perf_counter() - start:.0f} s -->", flush=True)
-
-
-if __name__ == "__main__":
-    main()
-

@@ -17,56 +17,141 @@ import torch
 import torch.nn.functional as F
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 __all__ = [
+    "CMAP",
+    "heat_indices",
     "colorize",
     "overlay",
     "overlay_many",
+    "with_colorbar",
+    "named",
     "mark_patch",
     "patch_grid",
     "mosaic",
     "distance_figure",
     "DistanceChart",
     "axis_top",
-    "position_similarity_image",
+    "position_similarity_figure",
     "filters_image",
+    "features_image",
     "figure_to_image",
+    "received_figure",
+    "norms_figure",
+    "faithfulness_figure",
+    "curves_figure",
 ]
 
-
-def colorize(values: np.ndarray, *, cmap: str = "inferno", vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
-    """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given.
-
-    Values are scaled to [0, 1] and quantised to the colormap's 256 entries (matplotlib's own
-    lookup, `Colormap(x, bytes=True)`)."""
-    lo = float(values.min()) if vmin is None else vmin
-    hi = float(values.max()) if vmax is None else vmax
-    scaled = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values, dtype=np.float64)
-    idx = np.clip(np.rint(scaled * 255), 0, 255).astype(np.uint8)
-    return matplotlib.colormaps[cmap](idx, bytes=True)[..., :3]
+CMAP = "inferno"
+COLORBAR_PX = 76  # the width a colour bar adds to the right of a map
+ALPHA_NUM, ALPHA_DEN = 3, 5  # a heat colour covers 3/5 of the image under it
 
 
-def overlay_many(image: Image.Image, heats: torch.Tensor, *, alpha: float = 0.6, cmap: str = "inferno") -> list[Image.Image]:
-    """Heatmaps [K, gh, gw] upsampled (bilinear) onto the image, each min-max scaled: K RGB images."""
+def _font(size: int = 12):
+    return ImageFont.load_default(size=size)
+
+
+def heat_indices(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
+    """Values -> colormap indices 0..255 (uint8): floor((v - vmin) / (vmax - vmin) x 255 + 1/2), in float64.
+
+    The one rule every heat map follows, here and in the browser's own drawing (`vitviz/server/
+    explorer.js`), so that both give the same pixels for the same view. Equal vmin and vmax give 0."""
+    v = np.asarray(values, dtype=np.float64)
+    if not vmax > vmin:
+        return np.zeros(v.shape, dtype=np.uint8)
+    return np.clip(np.floor((v - vmin) / (vmax - vmin) * 255.0 + 0.5), 0, 255).astype(np.uint8)
+
+
+def colorize(values: np.ndarray, *, cmap: str = CMAP, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
+    """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given (matplotlib's
+    own lookup of the 256 colours, `Colormap(i, bytes=True)`)."""
+    lo = float(np.min(values)) if vmin is None else vmin
+    hi = float(np.max(values)) if vmax is None else vmax
+    return matplotlib.colormaps[cmap](heat_indices(values, lo, hi), bytes=True)[..., :3]
+
+
+def _scale_range(heat: np.ndarray, vmin: float | None, vmax: float | None) -> tuple[float, float]:
+    return (float(heat.min()) if vmin is None else float(vmin)), (float(heat.max()) if vmax is None else float(vmax))
+
+
+def overlay_many(
+    image: Image.Image,
+    heats: torch.Tensor,
+    *,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    cmap: str = CMAP,
+) -> list[Image.Image]:
+    """Heat maps [K, gh, gw] over the image, one block of colour per patch: K RGB images.
+
+    Each map is scaled to its own min..max unless vmin/vmax fix a shared scale. Pixel = (2 x image
+    + 3 x colour + 2) // 5 (integers: the heat covers 3/5)."""
     w, h = image.size
-    up = F.interpolate(heats.float().unsqueeze(1), size=(h, w), mode="bilinear", align_corners=False)[:, 0].numpy()
-    base = np.asarray(image.convert("RGB"), dtype=np.float32)
+    k, gh, gw = heats.shape
+    if w % gw or h % gh:
+        raise ValueError(f"a {w}x{h} image does not divide into {gh}x{gw} patches")
+    base = np.asarray(image.convert("RGB"), dtype=np.int32)
+    lut = matplotlib.colormaps[cmap](np.arange(256), bytes=True)[:, :3].astype(np.int32)
+    values = heats.detach().cpu().double().numpy()
     out = []
-    for heat in up:
-        colored = colorize(heat, cmap=cmap).astype(np.float32)
-        out.append(Image.fromarray(np.clip(base * (1 - alpha) + colored * alpha, 0, 255).astype(np.uint8)))
+    for heat in values:
+        lo, hi = _scale_range(heat, vmin, vmax)
+        colour = lut[heat_indices(heat, lo, hi)]  # [gh, gw, 3]
+        colour = colour.repeat(h // gh, axis=0).repeat(w // gw, axis=1)
+        blended = ((ALPHA_DEN - ALPHA_NUM) * base + ALPHA_NUM * colour + ALPHA_DEN // 2) // ALPHA_DEN
+        img = Image.fromarray(blended.astype(np.uint8))
+        img.info["vitviz_range"] = (lo, hi)
+        out.append(img)
     return out
 
 
-def overlay(image: Image.Image, heat: torch.Tensor, *, alpha: float = 0.6, cmap: str = "inferno") -> Image.Image:
-    """One heatmap [gh, gw] over the image."""
-    return overlay_many(image, heat.unsqueeze(0), alpha=alpha, cmap=cmap)[0]
+def overlay(image: Image.Image, heat: torch.Tensor, *, vmin: float | None = None, vmax: float | None = None, cmap: str = CMAP) -> Image.Image:
+    """One heat map [gh, gw] over the image (see `overlay_many`)."""
+    return overlay_many(image, heat.unsqueeze(0), vmin=vmin, vmax=vmax, cmap=cmap)[0]
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    return [lo + (hi - lo) * i / (count - 1) for i in range(count)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
+
+
+def with_colorbar(image: Image.Image, *, vmin: float, vmax: float, label: str = "", cmap: str = CMAP) -> Image.Image:
+    """The image with a colour bar on its right: the scale of its heat map, ticks at five values."""
+    w, h = image.size
+    font = _font(11)
+    bar_w, pad, top, bottom = 12, 8, 24, 8
+    labels = [_fmt(v) for v in _ticks(vmin, vmax)]
+    out = Image.new("RGB", (w + COLORBAR_PX, h), (255, 255, 255))  # a fixed width: views keep their size
+    out.paste(image, (0, 0))
+    bar_h = h - top - bottom
+    ramp = np.linspace(255, 0, bar_h).round().astype(np.uint8)[:, None].repeat(bar_w, axis=1)
+    out.paste(Image.fromarray(matplotlib.colormaps[cmap](ramp, bytes=True)[..., :3]), (w + pad, top))
+    draw = ImageDraw.Draw(out)
+    draw.rectangle((w + pad - 1, top - 1, w + pad + bar_w, top + bar_h), outline=(90, 90, 90))
+    for i, text in enumerate(labels):
+        y = top + bar_h - 1 - round(i * (bar_h - 1) / (len(labels) - 1))
+        draw.line((w + pad + bar_w, y, w + pad + bar_w + 3, y), fill=(90, 90, 90))
+        draw.text((w + pad + bar_w + 5, y), text, fill=(40, 40, 40), font=font, anchor="lm")
+    if label:
+        draw.text((w + pad, 2), label, fill=(40, 40, 40), font=font)
+    return named(out, image.info.get("vitviz_name"))
+
+
+def named(image: Image.Image, name: str | None) -> Image.Image:
+    """Gives the picture a download name (the app writes it under that name)."""
+    if name:
+        image.info["vitviz_name"] = name
+    return image
 
 
 def mark_patch(image: Image.Image, *, patch: tuple[int, int], patch_size: int, color: str = "#00e5ff") -> Image.Image:
     """A copy of the image with patch (row, col) outlined."""
     out = image.copy()
+    out.info.update(image.info)
     r, c = patch
     ImageDraw.Draw(out).rectangle(
         (c * patch_size, r * patch_size, (c + 1) * patch_size - 1, (r + 1) * patch_size - 1), outline=color, width=max(1, patch_size // 8)
@@ -87,20 +172,21 @@ def patch_grid(image: Image.Image, *, patch_size: int, scale: int | None = None)
     return big
 
 
-def mosaic(images: list[Image.Image], *, cols: int | None = None, gap: int = 4, labels: list[str] | None = None) -> Image.Image:
-    """Equal-size images in a grid with gaps, optionally labelled in their top-left corner."""
+def mosaic(images: list[Image.Image], *, cols: int | None = None, gap: int = 6, labels: list[str] | None = None) -> Image.Image:
+    """Equal-size images in a grid with gaps, each label in a strip below its image (never over it)."""
     n = len(images)
     cols = cols or math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     w, h = images[0].size
-    out = Image.new("RGB", (cols * w + (cols - 1) * gap, rows * h + (rows - 1) * gap), (255, 255, 255))
+    font = _font(12)
+    strip = 16 if labels else 0
+    out = Image.new("RGB", (cols * w + (cols - 1) * gap, rows * (h + strip) + (rows - 1) * gap), (255, 255, 255))
     draw = ImageDraw.Draw(out)
     for i, img in enumerate(images):
-        x, y = (i % cols) * (w + gap), (i // cols) * (h + gap)
+        x, y = (i % cols) * (w + gap), (i // cols) * (h + strip + gap)
         out.paste(img, (x, y))
         if labels:
-            draw.rectangle((x, y, x + 8 * len(labels[i]) + 6, y + 14), fill=(0, 0, 0))
-            draw.text((x + 3, y + 2), labels[i], fill=(255, 255, 255))
+            draw.text((x + w // 2, y + h + strip // 2), labels[i], fill=(30, 30, 30), font=font, anchor="mm")
     return out
 
 
@@ -165,7 +251,8 @@ def distance_figure(
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_title(title, fontsize=10)
     ax.set_ylim(0, axis_top(max(max(float(d.max()) for d in series.values()), uniform or 0.0)))
-    ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[1]:  # a single unnamed model without a reference has nothing to list
+        ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
     return fig
 
@@ -210,33 +297,178 @@ class DistanceChart:
             return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
 
 
-def position_similarity_image(similarity: torch.Tensor, *, tile_px: int | None = None, cmap: str = "viridis") -> Image.Image:
-    """The paper's Figure 7 (centre) as pixels: tile (a, b) shows S[a, b] as a gh x gw image.
+def position_similarity_figure(similarity: torch.Tensor, *, cmap: str = "viridis", title: str = "Position embedding similarity") -> Figure:
+    """The paper's Figure 7 (centre): tile (a, b) shows S[a, b] over the gh x gw grid, the tiles laid
+    out by input patch row and column, with a colour bar whose range is fitted to the data.
 
     Args:
-        similarity: [gh, gw, gh, gw] cosine similarities, drawn on the fixed range [-1, 1].
+        similarity: [gh, gw, gh, gw] cosine similarities.
     """
-    gh, gw = similarity.shape[:2]
-    tile_px = tile_px or max(2, 560 // (gw * gw))
+    s = similarity.detach().cpu().float().numpy()
+    gh, gw = s.shape[:2]
     gap = 1
-    colored = colorize(similarity.detach().cpu().float().numpy(), cmap=cmap, vmin=-1.0, vmax=1.0)  # [gh, gw, gh, gw, 3]
-    tile = np.repeat(np.repeat(colored, tile_px, axis=2), tile_px, axis=3)  # [gh, gw, gh*t, gw*t, 3]
-    th, tw = tile.shape[2], tile.shape[3]
-    out = np.full((gh * (th + gap) - gap, gw * (tw + gap) - gap, 3), 255, dtype=np.uint8)
+    canvas = np.full((gh * (gh + gap) - gap, gw * (gw + gap) - gap), np.nan)
     for a in range(gh):
         for b in range(gw):
-            out[a * (th + gap) : a * (th + gap) + th, b * (tw + gap) : b * (tw + gap) + tw] = tile[a, b]
-    return Image.fromarray(out)
+            canvas[a * (gh + gap) : a * (gh + gap) + gh, b * (gw + gap) : b * (gw + gap) + gw] = s[a, b]
+    fig = Figure(figsize=(5.6, 5.0), dpi=100)
+    ax = fig.add_axes((0.1, 0.1, 0.72, 0.8))
+    cax = fig.add_axes((0.85, 0.1, 0.03, 0.8))
+    lo, hi = float(np.nanmin(s)), float(np.nanmax(s))
+    im = ax.imshow(np.ma.masked_invalid(canvas), cmap=cmap, vmin=lo, vmax=hi, interpolation="nearest")
+    step = max(1, gw // 7)
+    ax.set_xticks([b * (gw + gap) + (gw - 1) / 2 for b in range(0, gw, step)], [str(b + 1) for b in range(0, gw, step)])
+    ax.set_yticks([a * (gh + gap) + (gh - 1) / 2 for a in range(0, gh, step)], [str(a + 1) for a in range(0, gh, step)])
+    ax.set_xlabel("Input patch column")
+    ax.set_ylabel("Input patch row")
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(length=0, labelsize=8)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    cb = fig.colorbar(im, cax=cax)
+    cb.set_label("Cosine similarity", fontsize=9)
+    cb.ax.tick_params(labelsize=8)
+    return fig
 
 
-def filters_image(components: torch.Tensor, *, cols: int = 7, scale: int | None = None) -> Image.Image:
-    """The paper's Figure 7 (left): principal components [k, 3, P, P] as RGB tiles, each min-max scaled."""
-    k, _, p, _ = components.shape
-    scale = scale or max(1, 64 // p)
-    tiles = []
-    for comp in components.detach().cpu().float():
-        c = comp.permute(1, 2, 0).numpy()
-        c = (c - c.min()) / (c.max() - c.min() + 1e-12)
-        img = Image.fromarray((c * 255).astype(np.uint8)).resize((p * scale, p * scale), Image.NEAREST)
-        tiles.append(img)
-    return mosaic(tiles, cols=cols, gap=3)
+def _rgb_tile(values: np.ndarray, size: int) -> Image.Image:
+    """[P, P, 3] (or [gh, gw, 3]) floats, min-max scaled together, as an RGB tile of `size` px."""
+    lo, hi = float(values.min()), float(values.max())
+    scaled = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)
+    return Image.fromarray((scaled * 255).round().astype(np.uint8)).resize((size, size), Image.NEAREST)
+
+
+def filters_image(components: torch.Tensor, explained: torch.Tensor | None = None, *, cols: int = 7, tile: int = 64) -> Image.Image:
+    """The paper's Figure 7 (left): principal components [k, 3, P, P] of the patch-embedding filters as
+    RGB tiles (each min-max scaled), with the share of variance each explains beneath it."""
+    tiles = [_rgb_tile(c.permute(1, 2, 0).numpy(), tile) for c in components.detach().cpu().float()]
+    labels = None
+    if explained is not None:
+        labels = [f"{i + 1}: {100 * float(e):.1f}%" for i, e in enumerate(explained)]
+    return mosaic(tiles, cols=cols, gap=4, labels=labels)
+
+
+def features_image(scores: torch.Tensor, grid: tuple[int, int], *, size: int) -> Image.Image:
+    """The first three principal components of the patch features as the red, green and blue of
+    each patch (each component min-max scaled on its own): [gh*gw, 3] -> a size x size image."""
+    s = scores.detach().cpu().double().numpy()
+    lo, hi = s.min(axis=0), s.max(axis=0)
+    rgb = np.where(hi > lo, (s - lo) / np.where(hi > lo, hi - lo, 1), 0.0)
+    gh, gw = grid
+    return Image.fromarray((rgb.reshape(gh, gw, 3) * 255).round().astype(np.uint8)).resize((size, size), Image.NEAREST)
+
+
+def received_figure(received: torch.Tensor, *, prefix_names: tuple[str, ...], title: str = "Attention received", ax=None) -> Figure:
+    """Where each layer's attention goes: one line per prefix token (cls, distillation, registers),
+    and the median and largest share of a patch token, per layer.
+
+    Args:
+        received: [L, N] the share of attention each token receives (`attention_received`, heads averaged).
+        prefix_names: the names of the first p tokens.
+    """
+    if ax is None:
+        fig = Figure(figsize=(5.2, 3.6), dpi=100)
+        fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
+        ax = fig.add_subplot()
+    fig = ax.figure
+    r = received.detach().cpu().float()
+    depth, n = r.shape
+    p = len(prefix_names)
+    layers = np.arange(1, depth + 1)
+    for k, name in enumerate(prefix_names):
+        ax.plot(layers, r[:, k].numpy(), marker="o", ms=3, lw=1.5, label=name)
+    if n > p:
+        patches = r[:, p:]
+        ax.plot(layers, patches.median(dim=1).values.numpy(), color="0.45", ls="--", lw=1, label="patch, median")
+        ax.plot(layers, patches.amax(dim=1).numpy(), color="0.2", ls=":", lw=1, label="patch, largest")
+        ax.axhline(1.0 / n, color="0.75", lw=0.8, label=f"uniform (1/{n})")
+    ax.set_yscale("log")
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Share of attention received")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def norms_figure(norms: torch.Tensor, *, prefix_names: tuple[str, ...], title: str = "Token norms") -> Figure:
+    """The norm of each token after each block: one line per prefix token, and the patches' median
+    and largest (high-norm "artefact" patches stand out; Darcet et al. 2024).
+
+    Args:
+        norms: [L, N].
+    """
+    fig = Figure(figsize=(5.2, 3.6), dpi=100)
+    fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
+    ax = fig.add_subplot()
+    r = norms.detach().cpu().float()
+    depth, n = r.shape
+    p = len(prefix_names)
+    layers = np.arange(1, depth + 1)
+    for k, name in enumerate(prefix_names):
+        ax.plot(layers, r[:, k].numpy(), marker="o", ms=3, lw=1.5, label=name)
+    if n > p:
+        patches = r[:, p:]
+        ax.plot(layers, patches.median(dim=1).values.numpy(), color="0.45", ls="--", lw=1, label="patch, median")
+        ax.plot(layers, patches.amax(dim=1).numpy(), color="0.2", ls=":", lw=1, label="patch, largest")
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Token norm (before the final norm)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def faithfulness_figure(curves: dict, *, title: str = "") -> Figure:
+    """Deletion and insertion curves side by side, each method's area under its curve in the legend.
+
+    Args:
+        curves: {method: `vitviz.faithfulness.Curves`} (the first sample of each is drawn).
+    """
+    fig = Figure(figsize=(8.4, 3.4), dpi=100)
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.86, bottom=0.16, wspace=0.22)
+    axes = fig.subplots(1, 2)
+    for ax, mode, better in zip(axes, ("deletion", "insertion"), ("lower", "higher")):
+        for name, c in curves.items():
+            values = getattr(c, mode)[0].numpy()
+            area = float(getattr(c, f"{mode}_auc")[0])
+            style = dict(color="0.5", ls="--") if name == "random" else {}
+            ax.plot(c.fractions.numpy(), values, lw=1.5, label=f"{name} ({area:.3f})", **style)
+        ax.set_xlabel(f"Fraction of patches {'removed' if mode == 'deletion' else 'revealed'}")
+        ax.set_ylabel("Probability of the class")
+        ax.set_title(f"{mode.capitalize()}: area under the curve, {better} is better", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def curves_figure(curves: dict, *, steps: int, title: str = "") -> Figure:
+    """Mean deletion and insertion curves over a dataset, side by side.
+
+    Args:
+        curves: {(method, "deletion" | "insertion"): mean probability of the class [steps + 1]}.
+    """
+    fig = Figure(figsize=(8.4, 3.4), dpi=100)
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.86, bottom=0.16, wspace=0.22)
+    axes = dict(zip(("deletion", "insertion"), fig.subplots(1, 2)))
+    fractions = np.arange(steps + 1) / steps
+    for (method, mode), values in curves.items():
+        area = float(np.trapezoid(values, fractions))
+        style = dict(color="0.5", ls="--") if method == "random" else {}
+        axes[mode].plot(fractions, values, lw=1.5, label=f"{method} ({area:.3f})", **style)
+    for mode, ax in axes.items():
+        ax.set_xlabel(f"Fraction of patches {'removed' if mode == 'deletion' else 'revealed'}")
+        ax.set_ylabel("Mean probability of the class")
+        ax.set_title(f"{mode.capitalize()} (area under the curve)", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig

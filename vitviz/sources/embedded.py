@@ -12,7 +12,6 @@ import torch
 
 from vitviz.model import ViT, ViTConfig
 from vitviz.preprocess import Preprocessing
-from vitviz.shapes import CLASSES as SHAPE_CLASSES
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
 
 __all__ = ["EmbeddedSource", "assets_dir", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
@@ -40,6 +39,8 @@ class EmbeddedSource(WeightsSource):
     name = "embedded"
 
     def specs(self) -> list[VariantSpec]:
+        from vitviz.shapes import CLASSES as SHAPE_CLASSES  # here, so that `python -m vitviz.shapes` runs it first
+
         return [
             VariantSpec(
                 name=f"shapes_p{patch}",

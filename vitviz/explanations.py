@@ -10,7 +10,7 @@ Methods (`METHODS`):
 
 `relevance_maps` computes any set of methods for a batch in one forward and, when a gradient
 method is asked for, one backward of the summed per-sample target logits (samples do not interact in
-eval mode).
+eval mode); it is `record` (the model's part) then `maps_of` (pure).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vitviz.pipeline import spec_of
 from vitviz.preprocess import preprocess
 from vitviz.relevance import gradient_relevance, gradient_rollout, last_layer_attention
 
-__all__ = ["METHODS", "Explanation", "explain", "relevance_maps", "resolve_target"]
+__all__ = ["METHODS", "Explanation", "Recorded", "explain", "maps_of", "record", "relevance_maps", "resolve_target"]
 
 Method = Literal["attention", "rollout", "gradient", "grad_rollout"]
 METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout")
@@ -79,6 +79,93 @@ def resolve_target(target: int | str | None, categories: Sequence[str] | None, p
     return index
 
 
+@dataclass
+class Recorded:
+    """One forward (and backward) of a batch, as the maps are computed from it.
+
+    Attributes:
+        attentions: [L, B, H, N, N]; gradients: the same shape, or None without a gradient method.
+        targets: the class of each sample [B] (None without a classifier); probabilities [B, C] or None.
+        grid: the patch grid; num_prefix_tokens: p.
+    """
+
+    attentions: torch.Tensor = field(repr=False)
+    gradients: torch.Tensor | None = field(repr=False)
+    targets: torch.Tensor | None
+    probabilities: torch.Tensor | None = field(repr=False)
+    grid: tuple[int, int]
+    num_prefix_tokens: int
+
+
+def _check_methods(methods: Sequence[str]) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}; the methods are {', '.join(METHODS)}")
+
+
+def record(
+    model: ViT, x: torch.Tensor, *, targets: Sequence[int | str | None] | torch.Tensor | None = None, gradients: bool = False
+) -> Recorded:
+    """A batch's attention (and, with `gradients`, the gradient of each sample's target logit with
+    respect to every layer's softmax output, from one backward of their sum)."""
+    spec = spec_of(model)
+    if gradients and not spec.has_head:
+        raise ValueError(f"{spec.name} has no classifier: gradient methods need a class logit; use 'attention' or 'rollout'")
+    if not spec.has_head and targets is not None and any(t is not None for t in targets):
+        raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
+    param = next(model.parameters())
+    with contextlib.ExitStack() as modes:
+        if gradients:  # autograd on, also when the caller is in inference mode
+            modes.enter_context(torch.inference_mode(False))
+            modes.enter_context(torch.enable_grad())
+            # a fresh leaf that requires grad: every attention map is then on the graph, even for frozen weights
+            x = x.to(device=param.device, dtype=param.dtype).clone().requires_grad_(True)
+        else:
+            modes.enter_context(torch.inference_mode())
+            x = x.to(device=param.device, dtype=param.dtype)
+        with record_attention(model, gradients=gradients) as rec:
+            tokens = model.encode(x)
+            logits = model.head_logits(tokens) if spec.has_head else None
+            probs = logits.detach().float().softmax(-1) if logits is not None else None
+            chosen = None
+            if logits is not None:
+                wanted = [None] * x.shape[0] if targets is None else list(targets)
+                if len(wanted) != x.shape[0]:
+                    raise ValueError(f"{len(wanted)} targets for {x.shape[0]} images")
+                chosen = torch.tensor([resolve_target(t, spec.categories, probs[i]) for i, t in enumerate(wanted)], device=logits.device)
+            if gradients:
+                # one backward for the batch: the sum of each sample's own target logit
+                torch.autograd.grad(logits.gather(1, chosen[:, None]).sum(), x)
+        attn = rec.attentions.float()
+        grads = rec.gradients.float() if gradients else None
+    return Recorded(
+        attentions=attn, gradients=grads, targets=chosen, probabilities=probs,
+        grid=model.grid_for(x.shape[-2], x.shape[-1]), num_prefix_tokens=spec.num_prefix_tokens,
+    )
+
+
+def maps_of(
+    recorded: Recorded, methods: Sequence[str] = METHODS, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """{method: maps [B, gh, gw]} from a recorded batch (pure: no model)."""
+    _check_methods(methods)
+    attn, grads, p, grid = recorded.attentions, recorded.gradients, recorded.num_prefix_tokens, recorded.grid
+    if grads is None and any(m in _GRADIENT_METHODS for m in methods):
+        raise ValueError("gradient methods need a batch recorded with gradients=True")
+    maps: dict[str, torch.Tensor] = {}
+    for m in methods:
+        if m == "attention":
+            r = last_layer_attention(attn)
+        elif m == "rollout":
+            r = attention_rollout(attn, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
+        elif m == "gradient":
+            r = gradient_relevance(attn, grads)
+        else:
+            r = gradient_rollout(attn, grads, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
+        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p).detach().cpu()
+    return maps
+
+
 def relevance_maps(
     model: ViT,
     x: torch.Tensor,
@@ -100,54 +187,10 @@ def relevance_maps(
     Returns:
         ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None).
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r}; the methods are {', '.join(METHODS)}")
-    spec = spec_of(model)
-    p = spec.num_prefix_tokens
-    grid = model.grid_for(x.shape[-2], x.shape[-1])
-    need_grad = any(m in _GRADIENT_METHODS for m in methods)
-    if need_grad and not spec.has_head:
-        raise ValueError(f"{spec.name} has no classifier: gradient methods need a class logit; use 'attention' or 'rollout'")
-    if not spec.has_head and targets is not None and any(t is not None for t in targets):
-        raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
-    param = next(model.parameters())
-    with contextlib.ExitStack() as modes:
-        if need_grad:  # autograd on, also when the caller is in inference mode
-            modes.enter_context(torch.inference_mode(False))
-            modes.enter_context(torch.enable_grad())
-            # a fresh leaf that requires grad: every attention map is then on the graph, even for frozen weights
-            x = x.to(device=param.device, dtype=param.dtype).clone().requires_grad_(True)
-        else:
-            modes.enter_context(torch.inference_mode())
-            x = x.to(device=param.device, dtype=param.dtype)
-        with record_attention(model, gradients=need_grad) as rec:
-            tokens = model.encode(x)
-            logits = model.head_logits(tokens) if spec.has_head else None
-            probs = logits.detach().float().softmax(-1) if logits is not None else None
-            chosen = None
-            if logits is not None:
-                wanted = [None] * x.shape[0] if targets is None else list(targets)
-                if len(wanted) != x.shape[0]:
-                    raise ValueError(f"{len(wanted)} targets for {x.shape[0]} images")
-                chosen = torch.tensor([resolve_target(t, spec.categories, probs[i]) for i, t in enumerate(wanted)], device=logits.device)
-            if need_grad:
-                # one backward for the batch: the sum of each sample's own target logit
-                torch.autograd.grad(logits.gather(1, chosen[:, None]).sum(), x)
-        attn = rec.attentions.float()
-        grads = rec.gradients.float() if need_grad else None
-    maps: dict[str, torch.Tensor] = {}
-    for m in methods:
-        if m == "attention":
-            r = last_layer_attention(attn)
-        elif m == "rollout":
-            r = attention_rollout(attn, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        elif m == "gradient":
-            r = gradient_relevance(attn, grads)
-        else:
-            r = gradient_rollout(attn, grads, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p).detach().cpu()
-    return maps, (chosen.cpu() if chosen is not None else None), (probs.cpu() if probs is not None else None)
+    _check_methods(methods)
+    rec = record(model, x, targets=targets, gradients=any(m in _GRADIENT_METHODS for m in methods))
+    maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    return maps, (rec.targets.cpu() if rec.targets is not None else None), (rec.probabilities.cpu() if rec.probabilities is not None else None)
 
 
 def explain(
