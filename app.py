@@ -17,9 +17,12 @@ from gradio.components import Component  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 
 from vitviz.images import MAX_BYTES, ImageError, describe_limits  # noqa: E402
-from vitviz.server import inputs, views  # noqa: E402
-from vitviz.server.export import Downloads  # noqa: E402
-from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text  # noqa: E402
+from vitviz.server import explaining, inputs, views  # noqa: E402
+from vitviz.server import explorer_data  # noqa: E402
+from vitviz.server.export import Downloads, sweep  # noqa: E402
+from vitviz import plots  # noqa: E402
+from vitviz.explanations import METHODS  # noqa: E402
+from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text, upload_folder  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.menus import head_choices, spec_line, variant_choices  # noqa: E402
 from vitviz.server.models import ModelCache  # noqa: E402
@@ -45,6 +48,13 @@ MAX_COMPARE = 3
 QUEUE_SIZE = int(os.environ.get("VITVIZ_QUEUE_SIZE", "32"))
 CONCURRENCY = int(os.environ.get("VITVIZ_CONCURRENCY", "2" if torch.cuda.is_available() else "1"))
 DOWNLOADS = Downloads()
+# the largest model a client may ask for by name (timm:..., hf:...); ViT-H/14 has 632 M
+MAX_PARAMS = int(float(os.environ.get("VITVIZ_MAX_PARAMS", "7e8")))
+SCALES = ("each map", "shared across layers and heads")
+# the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
+EXPLORER_DIR = upload_folder() / "vitviz-explorer"
+EXPLORER_MB = float(os.environ.get("VITVIZ_EXPLORER_MB", "2048"))  # the most those files take on disk
+EXPLORER_WIDGET = explorer_data.widget_files()
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
 # a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
 STORE: SessionStore[views.Exploration] = SessionStore(
@@ -65,10 +75,10 @@ def _error(message: str) -> gr.Error:
     return gr.Error(as_text(message))
 
 
-def _checked(check, *args):
+def _checked(check, *args, **kwargs):
     """A client's field through its check in `vitviz.server.inputs`, or a clear error."""
     try:
-        return check(*args)
+        return check(*args, **kwargs)
     except inputs.InputError as exc:
         raise _error(str(exc)) from None
 
@@ -79,7 +89,7 @@ def _checked(check, *args):
 def _run(image: str | None, variant: str) -> views.Exploration:
     if image is None:
         raise _error("Upload an image first (or pick an example).")
-    variant = _checked(inputs.variant, variant)
+    variant = _checked(inputs.variant, variant, max_params=MAX_PARAMS)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
         return _analyze_on_device(image, variant)
@@ -135,10 +145,11 @@ def _notice(message: str) -> str:
 
 def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio: float, ref: SessionRef | None = None,
                progress=gr.Progress(track_tqdm=True)) -> Outputs:
-    """A new image or variant: the one handler that runs the model.
+    """A new image or variant: the one handler that runs the model for an analysis.
 
     When nothing can be analysed (no image, an image vitviz refuses, weights that cannot be had),
     only the notice changes, saying why: the results on the page stay those of the last analysis.
+    The Explain and Tokens tabs are drawn when shown (`on_tab`).
     """
     progress(0, desc=f"Loading {variant} (a first use may download its weights)")
     try:
@@ -148,22 +159,40 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
         shown = f" The results below are still those of {ref.variant}." if isinstance(ref, SessionRef) else ""
         gr.Warning(exc.message)
         return {notice: _notice(exc.message + as_text(shown))}
+    same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
     _forget(ref)
     a = exp.analysis
     depth, heads = a.attentions.shape[:2]
-    similarity, filters = views.render_position(exp)
     grid, table_rows = views.render_architecture(exp)
+    similarity, filters = views.render_position(exp)
+    distilled = "dist" in a.prefix_names
+    has_head = a.probabilities is not None
+    top = a.predictions(1)
+    classes = gr.update(value=top[0][0] if top else None)
+    if same_model:  # the model's own pictures and class list are on the page already
+        similarity, filters, table_rows = gr.skip(), gr.skip(), gr.skip()
+    else:
+        classes = gr.update(choices=list(a.categories or []), value=top[0][0] if top else None, interactive=has_head)
     return {
         state: _remember(exp),
         notice: "",
-        predictions: views.render_predictions(exp),
+        predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
+        predict_note: "" if has_head else (
+            f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
+            "The maps show what its tokens attend to."
+        ),
         rollout_img: views.render_rollout(exp, head_fusion=head_fusion, discard_ratio=discard_ratio),
+        dist_rollout_img: gr.update(
+            value=views.render_rollout(exp, head_fusion=head_fusion, discard_ratio=discard_ratio, token=1) if distilled else None,
+            visible=distilled,
+        ),
+        target_class: classes,
+        prefix_query: gr.update(choices=list(a.prefix_names), value=None),
         layer: gr.update(maximum=depth, value=depth),
         head: gr.update(choices=head_choices(heads), value="mean"),
         query: 0,
         query_text: views.describe_query(exp, 0),
-        explorer_img: views.render_query(exp, layer=depth, head="mean", query=0),
-        mosaic: views.render_head_mosaic(exp, layer=depth, query=0),
+
         distance_img: views.render_distance(exp),
         similarity_img: similarity,
         filters_img: filters,
@@ -177,6 +206,24 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     }
 
 
+def on_explorer(ref: SessionRef | None) -> Outputs:
+    """After an analysis is on the page: the explorer's data for the browser (written once per
+    analysis), or, for a model too large for it, the server's explorer."""
+    if not isinstance(ref, SessionRef):
+        return {explorer_live: gr.skip()}
+    exp = _recall(ref)
+    sweep(EXPLORER_DIR, max_age=1800, max_bytes=int(EXPLORER_MB * 2**20))
+    live = explorer_data.write_payload(exp, key=ref.key, folder=EXPLORER_DIR)
+    on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
+    depth = exp.analysis.attentions.shape[0]
+    return {
+        explorer_live: live,
+        server_explorer: gr.update(visible=on_server),
+        explorer_img: views.render_query(exp, layer=depth, head="mean", query=0) if on_server else None,
+        mosaic: views.render_head_mosaic(exp, layer=depth, query=0) if on_server else None,
+    }
+
+
 def on_export(ref: SessionRef | None) -> Outputs:
     """The analysis as .npz, written when asked for."""
     return {npz: DOWNLOADS.npz(_recall(ref))}
@@ -186,36 +233,187 @@ def on_rollout_options(ref: SessionRef | None, head_fusion: str, discard_ratio: 
     """Rollout options changed: drawn again from the stored attention."""
     exp = _recall(ref)
     fusion, ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
-    return {rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
+    out: Outputs = {rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
+    if "dist" in exp.analysis.prefix_names:
+        out[dist_rollout_img] = views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
+    return out
 
 
-def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float) -> Outputs:
-    """Layer, head or query changed: the explorer drawn again from the stored attention."""
+def explorer_layer(request: list) -> str:
+    """The browser's call for one layer's file (the "layers" layout): [analysis key, layer] -> its path.
+    The key is the session's own secret; an unknown or dropped one gets an error."""
+    try:
+        key, layer_value = request
+    except (TypeError, ValueError):
+        raise _error("explorer_layer takes [key, layer].") from None
+    exp = STORE.get(key) if isinstance(key, str) else None
+    if exp is None:
+        raise _error("This analysis is no longer kept: analyse the image again.")
+    layer_value = _checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
+    return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=EXPLORER_DIR)
+
+
+def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
+    """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
     exp = _recall(ref)
     depth, heads, tokens = exp.analysis.attentions.shape[:3]
     layer_value = _checked(inputs.index, layer_value, 1, depth, "layer")
     head_value = _checked(inputs.head, head_value, heads)
     query_value = _checked(inputs.index, query_value, 0, tokens - 1, "query token")
+    scale = _scale(scale_value)
     return {
-        explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value),
-        mosaic: views.render_head_mosaic(exp, layer=layer_value, query=query_value),
+        explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value, scale=scale),
+        mosaic: views.render_head_mosaic(exp, layer=layer_value, query=query_value, scale=scale),
     }
 
 
-def on_click(ref: SessionRef | None, layer_value: float, head_value: str, evt: gr.SelectData) -> Outputs:
+def _scale(value: str) -> str:
+    if value not in SCALES:
+        raise _error(f"The colour scale must be one of: {', '.join(SCALES)}.")
+    return "map" if value == SCALES[0] else "shared"
+
+
+def _click_xy(evt: gr.SelectData) -> tuple[float, float]:
+    try:
+        return float(evt.index[0]), float(evt.index[1])
+    except (TypeError, ValueError, IndexError, AttributeError):
+        raise _error("A click must give the pixel (x, y) on the image.") from None
+
+
+def on_click(ref: SessionRef | None, layer_value: float, head_value: str, scale_value: str, evt: gr.SelectData) -> Outputs:
     """A click on the explorer image picks that patch as the query."""
     exp = _recall(ref)
-    try:
-        x, y = float(evt.index[0]), float(evt.index[1])
-    except (TypeError, ValueError, IndexError):
-        raise _error("A click must give the pixel (x, y) on the image.") from None
-    query_value = views.patch_at(exp, x, y)
-    return {query: query_value, query_text: views.describe_query(exp, query_value), **on_view(ref, layer_value, head_value, query_value)}
+    query_value = views.patch_at(exp, *_click_xy(evt))
+    return {
+        query: query_value, query_text: views.describe_query(exp, query_value), prefix_query: None,
+        **on_view(ref, layer_value, head_value, query_value, scale_value),
+    }
 
 
-def on_cls_query(ref: SessionRef | None, layer_value: float, head_value: str) -> Outputs:
+def on_prefix_query(ref: SessionRef | None, layer_value: float, head_value: str, name: str | None, scale_value: str = SCALES[0]) -> Outputs:
+    """A prefix token (cls, distillation, a register) as the query."""
     exp = _recall(ref)
-    return {query: 0, query_text: views.describe_query(exp, 0), **on_view(ref, layer_value, head_value, 0)}
+    names = exp.analysis.prefix_names
+    if name not in names:
+        raise _error(f"The query token must be one of {', '.join(names)}.")
+    index = names.index(name)
+    return {query: index, query_text: views.describe_query(exp, index), **on_view(ref, layer_value, head_value, index, scale_value)}
+
+
+@gpu
+def _explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict, int | None]:
+    return explaining.explain_exploration(CACHE, exp, target=target)
+
+
+def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = SCALES[0]) -> Outputs:
+    """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
+    exp = _recall(ref)
+    a = exp.analysis
+    if a.categories is not None and target not in a.categories:
+        raise _error("Pick one of the model's classes to explain.")
+    maps, index = _explain_on_device(exp, target)
+    label = a.categories[index] if index is not None else "no-class"
+    pictures = views.render_method_maps(exp, maps, label=label, scale=_scale(scale_value))
+    if index is None:
+        note = (f"**{a.variant} has no classifier**: the gradient methods need a class logit, so only the attention of the "
+                "last layer and its rollout are shown.")
+    else:
+        note = f"Explaining **{label}** ({float(a.probabilities[index]):.1%})."
+    return {explain_note: note, faith_img: None, faith_table: None,
+            **{explain_imgs[m]: pictures.get(m) for m in METHODS}}
+
+
+def on_pick_class(ref: SessionRef | None, scale_value: str, evt: gr.SelectData) -> Outputs:
+    """A click on a prediction: that class, explained, in the Explain tab."""
+    label = evt.value if isinstance(evt.value, str) else (evt.value or {}).get("label") if isinstance(evt.value, dict) else None
+    return {target_class: label, tabs: gr.Tabs(selected="explain"), current_tab: "explain", **on_explain(ref, label, scale_value)}
+
+
+@gpu
+def _faithfulness_on_device(exp: views.Exploration, maps: dict, index: int) -> dict:
+    return explaining.faithfulness_of(CACHE, exp, maps, target=index)
+
+
+def on_faithfulness(ref: SessionRef | None, target: str | None, progress=gr.Progress()) -> Outputs:
+    """Deletion and insertion curves of every method for the chosen class, with a random order beside."""
+    exp = _recall(ref)
+    a = exp.analysis
+    if a.categories is None:
+        raise _error(f"{a.variant} has no classifier: deletion and insertion measure the probability of a class.")
+    if target not in a.categories:
+        raise _error("Pick one of the model's classes first.")
+    progress(0, desc="Deleting and inserting patches (every method, 17 steps each)")
+    maps, index = _explain_on_device(exp, target)
+    curves = _faithfulness_on_device(exp, maps, index)
+    figure = plots.faithfulness_figure(curves, title=f"{a.variant}: {target}")
+    rows = [[name, f"{float(c.deletion_auc[0]):.3f}", f"{float(c.insertion_auc[0]):.3f}"] for name, c in curves.items()]
+    return {faith_img: plots.named(plots.figure_to_image(figure), views._name(exp, "faithfulness", target)), faith_table: rows}
+
+
+def on_tokens(ref: SessionRef | None, share: float) -> Outputs:
+    """The Tokens tab: attention received, token norms, DINO's head maps and the patch features."""
+    exp = _recall(ref)
+    share = _checked(inputs.share, share)
+    norms_chart, norms_map = views.render_token_norms(exp)
+    features, features_caption = views.render_features(exp)
+    return {
+        received_img: views.render_received(exp),
+        norms_img: norms_chart,
+        norms_map_img: norms_map,
+        dino_img: views.render_dino_heads(exp, share=share),
+        features_img: features,
+        features_text: features_caption,
+        similarity_map_img: None,
+    }
+
+
+def on_dino_share(ref: SessionRef | None, share: float) -> Outputs:
+    return {dino_img: views.render_dino_heads(_recall(ref), share=_checked(inputs.share, share))}
+
+
+def on_feature_click(ref: SessionRef | None, evt: gr.SelectData) -> Outputs:
+    """A click on the feature image: how similar every patch's feature is to that patch's."""
+    exp = _recall(ref)
+    return {similarity_map_img: views.render_feature_similarity(exp, query=views.patch_at(exp, *_click_xy(evt)))}
+
+
+def on_tab(ref: SessionRef | None, target: str | None, scale_value: str, share: float, evt: gr.SelectData) -> Outputs:
+    """A tab was chosen: the tabs drawn on demand are drawn now (for the session's analysis)."""
+    name = evt.value if isinstance(evt.value, str) else ""
+    return {current_tab: _TAB_IDS.get(name, name), **_draw_tab(ref, _TAB_IDS.get(name, name), target, scale_value, share)}
+
+
+def on_refresh_tab(ref: SessionRef | None, tab: str, target: str | None, scale_value: str, share: float) -> Outputs:
+    """After an analysis: the tab on show, if it is drawn on demand, drawn for the new analysis."""
+    return _draw_tab(ref, tab, target, scale_value, share)
+
+
+def _draw_tab(ref, tab, target, scale_value, share) -> Outputs:
+    if isinstance(ref, SessionRef) and tab == "explain":
+        return on_explain(ref, target, scale_value)
+    if isinstance(ref, SessionRef) and tab == "tokens":
+        return on_tokens(ref, share)
+    return {explain_note: gr.skip()}  # nothing to draw (an empty dict would read as no outputs at all)
+
+
+def on_other_model(name: str, custom: list[str] | None) -> Outputs:
+    """A timm or Hugging Face model by name: checked, added to this session's menus and chosen
+    (choosing it runs the analysis)."""
+    custom = [c for c in (custom or []) if isinstance(c, str)][-8:]
+    try:
+        name = _checked(inputs.variant, name, max_params=MAX_PARAMS)
+    except gr.Error as exc:
+        gr.Warning(exc.message)
+        return {notice: _notice(exc.message)}
+    if name not in custom:
+        custom.append(name)
+    choices = variant_choices(custom)
+    return {
+        custom_models: custom,
+        notice: "",
+        variant: gr.update(choices=choices, value=name),
+        compare_pick: gr.update(choices=choices),
+    }
 
 
 def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
@@ -235,7 +433,7 @@ def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
         if k < len(exps):
             e = exps[k]
             a = e.analysis
-            top = "\n".join(f"- {label}: {p:.1%}" for label, p in a.predictions(3))
+            top = "\n".join(f"- {label}: {p:.1%}" for label, p in a.predictions(3)) or "(no classifier: features only)"
             out[col] = gr.update(visible=True)
             out[md] = (
                 f"### {a.variant}\n{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px · {e.facts.total_params:,} params · "
@@ -253,7 +451,7 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
     (rollout, cls map, distances, probabilities, the crop; the attention stack stays in the page's download)."""
     exp = _run(image, variant)
     return {
-        api_pred: views.render_predictions(exp),
+        api_pred: views.render_predictions(exp) or None,
         api_rollout: views.render_rollout(exp),
         api_distance: views.render_distance(exp),
         api_npz: DOWNLOADS.npz(exp, attentions=False),
@@ -262,9 +460,9 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
 
 def on_variant_info(variant: str) -> Outputs:
     try:
-        return {variant_info: spec_line(inputs.variant(variant))}
-    except inputs.InputError:
-        return {variant_info: ""}
+        return {variant_info: spec_line(inputs.variant(variant, max_params=MAX_PARAMS))}
+    except inputs.InputError as exc:
+        return {variant_info: as_text(str(exc))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,12 +472,31 @@ CSS = """
 .vv-caption { color: var(--body-text-color-subdued); font-size: 0.92em; }
 .vv-error { color: var(--error-text-color); border: 1px solid var(--error-border-color); background: var(--error-background-fill);
             border-radius: 6px; padding: 6px 10px; white-space: pre-wrap; overflow-wrap: anywhere; }
-#vv-explorer img { cursor: crosshair; }
+/* figures start below their label and buttons, which Gradio lays over the top of an image */
+.vv-figure .image-container { padding-top: 38px; }
+#vv-explorer img, #vv-features img { cursor: crosshair; }
 """
+
+_METHOD_TITLES = {  # short: a label that wraps would cover the top of its picture
+    "attention": "Last-layer attention",
+    "rollout": "Attention rollout",
+    "gradient": "Gradient relevance",
+    "grad_rollout": "Gradient rollout",
+}
+_TAB_IDS = {"Predict": "predict", "Explain": "explain", "Explorer": "explorer", "Tokens": "tokens", "Distance": "distance",
+            "Positions": "positions", "Architecture": "architecture", "Compare": "compare"}
+
+
+def _figure(kind=PngImage, **kwargs):
+    """An output picture whose label sits above it, not over it."""
+    return kind(interactive=False, buttons=["download"], elem_classes=["vv-figure"], **kwargs)
+
 
 with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_cache=(600, 1800)) as demo:
     # the session's reference to its analysis (the analysis itself is in STORE)
     state = gr.State(None, time_to_live=3600, delete_callback=_forget)
+    custom_models = gr.State([])  # timm / Hugging Face names this session added to the menus
+    current_tab = gr.State("predict")
     gr.Markdown(
         "# vitviz — look inside Vision Transformers\n"
         f"Upload a photo, pick a ViT, and see what it predicts and how it got there. Running on **{_device_line()}**. "
@@ -288,8 +505,16 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             image = UploadedImage(label="Image", type="filepath", sources=["upload", "clipboard"], height=320, elem_id="vv-image")
-            variant = gr.Dropdown(variant_choices(), value=DEFAULT_VARIANT, label="Model variant", elem_id="vv-variant")
+            variant = gr.Dropdown(
+                variant_choices(), value=DEFAULT_VARIANT, label="Model variant", elem_id="vv-variant", allow_custom_value=True
+            )
             variant_info = gr.Markdown(spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
+            with gr.Row():
+                other_model = gr.Textbox(
+                    placeholder="timm:<name> or hf:<repo id>, @<px> for a size", label="Another timm or Hugging Face ViT",
+                    elem_id="vv-other", scale=3, max_length=200, lines=1, max_lines=1,
+                )
+                use_other = gr.Button("Use", size="sm", scale=1, min_width=60, elem_id="vv-other-use")
             run = gr.Button("Analyse", variant="primary", elem_id="vv-run")
             if EXAMPLES:
                 gr.Examples(EXAMPLES, inputs=image, label="Examples")
@@ -297,73 +522,131 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
         with gr.Column(scale=2, min_width=320):
             notice = gr.HTML("", elem_id="vv-notice")
             status = gr.Markdown("", elem_id="vv-status")
-            with gr.Tabs():
-                with gr.Tab("Predict"):
+            with gr.Tabs() as tabs:
+                with gr.Tab("Predict", id="predict"):
                     gr.Markdown(
-                        "Top-5 classes and **attention rollout**: how much the cls token, after all layers, draws on each "
-                        "patch. Each layer's attention is fused over heads (mean, max or min), its weakest links are "
-                        "optionally discarded, the identity is added for the residual path and each row is renormalised "
-                        "to sum to 1 (with mean fusion and no discard, that is half attention and half identity); the "
+                        "Top-5 classes (click one to explain it) and **attention rollout**: how much the cls token, after "
+                        "all layers, draws on each patch. Each layer's attention is fused over heads (mean, max or min), its "
+                        "weakest links are optionally discarded, the identity is added for the residual path and each row is "
+                        "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
                         "layers are then multiplied from the first up (Abnar & Zuidema 2020).",
                         elem_classes="vv-caption",
                     )
+                    predict_note = gr.Markdown("", elem_id="vv-predict-note")
                     with gr.Row():
                         predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
-                        rollout_img = ViewImage(interactive=False, label="Attention rollout", buttons=["download"], elem_id="vv-rollout")
+                        rollout_img = _figure(ViewImage, label="Attention rollout", elem_id="vv-rollout")
+                        dist_rollout_img = _figure(ViewImage, label="Rollout of the distillation token", visible=False, elem_id="vv-dist-rollout")
                     with gr.Row():
                         head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion", elem_id="vv-fusion")
                         discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio", elem_id="vv-discard")
                     with gr.Row():
                         export = gr.Button("Prepare the analysis as .npz", size="sm")
                         npz = gr.File(label="Attention stack, rollout, distances (.npz)")
-                with gr.Tab("Explorer"):
+                with gr.Tab("Explain", id="explain"):
                     gr.Markdown(
-                        "What one token attends to at one layer: click a patch on the image to make it the query (or use "
-                        "the cls token). Each map is a row of softmax(q·kᵀ/√d) over the patches, for one head or fused "
-                        "over heads; the mosaic shows every head of the layer for the same query.",
+                        "Why this class: four maps over the patches for the class you pick. The last layer's attention and "
+                        "rollout do not depend on the class; **gradient relevance** (Chefer et al. 2021) adds, layer by layer "
+                        "from the first, the head mean of the positive part of gradient x attention times the relevance so "
+                        "far; **gradient-weighted rollout** fuses gradient x attention over heads and rolls it out. Deletion "
+                        "removes patches in each map's order (insertion reveals them) and follows the class probability: a "
+                        "faithful map makes it fall fast and rise fast; a random order is the baseline.",
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
-                        head = gr.Dropdown(["mean", "max"], value="mean", label="Head", elem_id="vv-head")
+                        target_class = gr.Dropdown([], label="Class to explain", filterable=True, elem_id="vv-class", scale=3)
+                        explain_scale = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
+                    explain_note = gr.Markdown("", elem_id="vv-explain-note")
+                    explain_imgs = {}
+                    for pair in (METHODS[:2], METHODS[2:]):
+                        with gr.Row():
+                            for m in pair:
+                                explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
+                    faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run")
+                    faith_img = _figure(label="Deletion and insertion", elem_id="vv-faith")
+                    faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
+                                               label="Area under each curve", elem_id="vv-faith-table")
+                with gr.Tab("Explorer", id="explorer"):
+                    gr.Markdown(
+                        "What one token attends to at one layer: hover over a patch to see its attention, click to pin it "
+                        "(click again to let go), or pick a prefix token. Each map is a row of softmax(q·kᵀ/√d) over the "
+                        "patches, for one head or fused over heads; the mosaic shows every head of the layer for the same "
+                        "query. With a shared colour scale, layers and heads can be compared. Drawn in your browser from "
+                        "the analysis (8 bits per weight).",
+                        elem_classes="vv-caption",
+                    )
+                    explorer_live = gr.HTML(
+                        value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
+                        js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
+                    )
+                    # the server's explorer: the API's, and the page's for models too large for the browser
+                    with gr.Group(visible=False) as server_explorer:
+                        with gr.Row():
+                            layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
+                            head = gr.Dropdown(["mean", "max"], value="mean", label="Head", elem_id="vv-head")
+                            scale_choice = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-scale")
+                        with gr.Row():
+                            query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
+                            query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
+                            prefix_query = gr.Radio(["cls"], value=None, label="Or a prefix token as the query", elem_id="vv-prefix-query")
+                        with gr.Row():
+                            explorer_img = _figure(ViewImage, label="The query's attention (click a patch)", elem_id="vv-explorer")
+                            mosaic = _figure(ViewImage, label="All heads of this layer", elem_id="vv-mosaic")
+                with gr.Tab("Tokens", id="tokens"):
+                    gr.Markdown(
+                        "The tokens themselves. **Attention received**: the share of each layer's attention that goes to each "
+                        "prefix token (cls, distillation, registers) and to the patches. **Token norms**: where high-norm "
+                        "tokens appear — large models dump attention on a few such low-information patches, which registers "
+                        "take over (Darcet et al. 2024). **DINO's heads**: the last block's cls attention per head, the "
+                        "patches holding the chosen share of each head's mass in colour (Caron et al. 2021). **Patch "
+                        "features**: the first three principal components of the last layer's patch tokens as red, green "
+                        "and blue; click a patch to see how similar every other patch's feature is to it.",
+                        elem_classes="vv-caption",
+                    )
                     with gr.Row():
-                        query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
-                        query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
-                        cls_button = gr.Button("Use the cls token", size="sm")
+                        received_img = _figure(label="Attention received per layer", elem_id="vv-received")
+                        norms_img = _figure(label="Token norms per layer", elem_id="vv-norms")
+                    norms_map_img = _figure(label="Token norms after the last block", elem_id="vv-norms-map")
+                    dino_share = gr.Slider(0.05, 1.0, value=0.6, step=0.05, label="DINO: share of each head's attention kept", elem_id="vv-dino-share")
+                    dino_img = _figure(label="Last layer, cls attention per head", elem_id="vv-dino")
+                    features_text = gr.Markdown("", elem_classes="vv-caption", elem_id="vv-features-text")
                     with gr.Row():
-                        explorer_img = ViewImage(interactive=False, label="Attention of the query (click a patch)", elem_id="vv-explorer", buttons=["download"])
-                        mosaic = ViewImage(interactive=False, label="All heads of this layer", buttons=["download"], elem_id="vv-mosaic")
-                with gr.Tab("Distance"):
+                        features_img = _figure(label="Patch features, PCA (click a patch)", elem_id="vv-features")
+                        similarity_map_img = _figure(label="Similarity to the clicked patch", elem_id="vv-feature-similarity")
+                with gr.Tab("Distance", id="distance"):
                     gr.Markdown(
                         "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
                         "between a patch and the patches it attends to, weighted by attention. In the paper's models, early "
                         "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
                         elem_classes="vv-caption",
                     )
-                    distance_img = PngImage(interactive=False, label="Mean attention distance", buttons=["download"])
-                with gr.Tab("Positions"):
+                    distance_img = _figure(label="Mean attention distance", elem_id="vv-distance")
+                with gr.Tab("Positions", id="positions"):
                     gr.Markdown(
                         "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
                         "and all others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: the "
-                        "top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left).",
+                        "top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each "
+                        "with the share of the filters' variance it explains.",
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
-                        similarity_img = PngImage(interactive=False, label="Position-embedding similarity", buttons=["download"])
-                        filters_img = PngImage(interactive=False, label="Patch-embedding filters: principal components", buttons=["download"])
-                with gr.Tab("Architecture"):
+                        similarity_img = _figure(label="Position-embedding similarity", elem_id="vv-similarity")
+                        filters_img = _figure(label="Filters: principal components", elem_id="vv-filters")
+                with gr.Tab("Architecture", id="architecture"):
                     gr.Markdown(
                         "The image as the model sees it: resized, centre-cropped and cut into patches, each becoming one "
                         "token. The table follows the tokens stage by stage with output shapes and parameter counts.",
                         elem_classes="vv-caption",
                     )
-                    with gr.Row():
-                        grid_img = PngImage(interactive=False, label="Patch grid", buttons=["download"])
-                        table = gr.Dataframe(headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True)
-                with gr.Tab("Compare"):
+                    grid_img = _figure(label="Patch grid", elem_id="vv-grid")
+                    table = gr.Dataframe(
+                        headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True, elem_id="vv-table",
+                        column_widths=["30%", "34%", "20%", "16%"],
+                    )
+                with gr.Tab("Compare", id="compare"):
                     gr.Markdown(
                         "Two or three variants on the same image: predictions, rollout and patch grid side by side, and "
-                        "every head's attention distance in one chart, so patch size and model size can be compared.",
+                        "every head's attention distance in one chart, so patch size, model size and training can be compared.",
                         elem_classes="vv-caption",
                     )
                     with gr.Row():
@@ -377,10 +660,10 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                         for k in range(MAX_COMPARE):
                             with gr.Column(visible=k < 2, min_width=220) as col:
                                 md = gr.Markdown("", elem_id=f"vv-compare-{k + 1}")
-                                ro = PngImage(interactive=False, label="Rollout")
-                                gd = PngImage(interactive=False, label="Patch grid")
+                                ro = _figure(label="Rollout")
+                                gd = _figure(label="Patch grid")
                             slots.append((col, md, ro, gd))
-                    compare_distance = PngImage(interactive=False, label="Mean attention distance", buttons=["download"], elem_id="vv-compare-distance")
+                    compare_distance = _figure(label="Mean attention distance", elem_id="vv-compare-distance")
 
     # hidden outputs of the API endpoint
     with gr.Row(visible=False):
@@ -391,27 +674,55 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
         api_npz = gr.File()
 
     analysis_outputs = [
-        state, notice, predictions, rollout_img, layer, head, query, query_text, explorer_img, mosaic, distance_img,
-        similarity_img, filters_img, grid_img, table, npz, status,
+        state, notice, predictions, predict_note, rollout_img, dist_rollout_img, target_class, prefix_query, layer, head,
+        query, query_text, distance_img, similarity_img, filters_img, grid_img, table, npz, status,
     ]
+    explorer_outputs = [explorer_live, server_explorer, explorer_img, mosaic]
+    explain_outputs = [explain_note, faith_img, faith_table, *explain_imgs.values()]
+    tokens_outputs = [received_img, norms_img, norms_map_img, dino_img, features_img, features_text, similarity_map_img]
+    tab_inputs = [state, current_tab, target_class, explain_scale, dino_share]
     analysis_inputs = [image, variant, head_fusion, discard, state]
-    view_inputs = [state, layer, head, query]
+    view_inputs = [state, layer, head, query, scale_choice]
     # The session endpoints (undocumented, callable with gradio_client) keep the analysis in the
     # caller's session, as the page does: `python -m vitviz.bench --app` times view changes through them.
     # Dropdowns and radios answer `.change` (a click on a menu option fires `.input` twice); sliders
     # answer `.input`, which fires while dragging, on arrow keys and on a typed number, and
-    # "always_last" draws the value the control ends on.
-    run.click(on_analyze, analysis_inputs, analysis_outputs, api_visibility="undocumented", api_name="session_analyze")
-    image.upload(on_analyze, analysis_inputs, analysis_outputs, api_visibility="private")
-    variant.change(on_variant_info, variant, variant_info, api_visibility="private").then(
-        on_analyze, analysis_inputs, analysis_outputs, api_visibility="private"
-    )
-    head_fusion.change(on_rollout_options, [state, head_fusion, discard], rollout_img, api_visibility="undocumented", api_name="session_rollout")
-    discard.input(on_rollout_options, [state, head_fusion, discard], rollout_img, api_visibility="private", trigger_mode="always_last")
+    # "always_last" draws the value the control ends on. After an analysis is on the page, the
+    # explorer's data is written for the browser, and the tab on show is drawn for it when it is one
+    # of those drawn on demand (Explain, Tokens).
+    # Progress shows on the rollout and the status line only: a spinner on every output costs the
+    # browser time the analysis needs on a small machine.
+    quiet = dict(show_progress="minimal")
+
+    def _analysis(event):
+        return event.then(on_explorer, state, explorer_outputs, api_visibility="private", show_progress="hidden").then(
+            on_refresh_tab, tab_inputs, [*explain_outputs, *tokens_outputs], api_visibility="private", **quiet
+        )
+
+    analyse = dict(show_progress_on=[rollout_img, status])
+    _analysis(run.click(on_analyze, analysis_inputs, analysis_outputs, api_visibility="undocumented", api_name="session_analyze", **analyse))
+    _analysis(image.upload(on_analyze, analysis_inputs, analysis_outputs, api_visibility="private", **analyse))
+    _analysis(variant.change(on_variant_info, variant, variant_info, api_visibility="private", show_progress="hidden").then(
+        on_analyze, analysis_inputs, analysis_outputs, api_visibility="private", **analyse
+    ))
+    rollout_outputs = [rollout_img, dist_rollout_img]
+    head_fusion.change(on_rollout_options, [state, head_fusion, discard], rollout_outputs, api_visibility="undocumented", api_name="session_rollout")
+    discard.input(on_rollout_options, [state, head_fusion, discard], rollout_outputs, api_visibility="private", trigger_mode="always_last")
     layer.input(on_view, view_inputs, [explorer_img, mosaic], api_visibility="undocumented", api_name="session_view", trigger_mode="always_last")
     head.change(on_view, view_inputs, [explorer_img, mosaic], api_visibility="private", trigger_mode="always_last")
-    explorer_img.select(on_click, [state, layer, head], [query, query_text, explorer_img, mosaic], api_visibility="private")
-    cls_button.click(on_cls_query, [state, layer, head], [query, query_text, explorer_img, mosaic], api_visibility="private")
+    scale_choice.change(on_view, view_inputs, [explorer_img, mosaic], api_visibility="private", trigger_mode="always_last")
+    explorer_img.select(on_click, [state, layer, head, scale_choice], [query, query_text, prefix_query, explorer_img, mosaic], api_visibility="private")
+    prefix_query.input(on_prefix_query, [state, layer, head, prefix_query, scale_choice], [query, query_text, explorer_img, mosaic], api_visibility="private")
+    tabs.select(on_tab, [state, target_class, explain_scale, dino_share], [current_tab, *explain_outputs, *tokens_outputs], api_visibility="private")
+    target_class.input(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="undocumented", api_name="session_explain")
+    explain_scale.change(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="private")
+    predictions.select(on_pick_class, [state, explain_scale], [target_class, tabs, current_tab, *explain_outputs], api_visibility="private")
+    faith_button.click(on_faithfulness, [state, target_class], [faith_img, faith_table], api_visibility="undocumented", api_name="session_faithfulness")
+    dino_share.input(on_dino_share, [state, dino_share], dino_img, api_visibility="private", trigger_mode="always_last")
+    features_img.select(on_feature_click, state, similarity_map_img, api_visibility="private")
+    other_outputs = [custom_models, notice, variant, compare_pick]
+    use_other.click(on_other_model, [other_model, custom_models], other_outputs, api_visibility="private")
+    other_model.submit(on_other_model, [other_model, custom_models], other_outputs, api_visibility="private")
     export.click(on_export, state, npz, api_visibility="private")
     compare_outputs = [compare_notice, compare_distance, *[c for slot in slots for c in slot]]
     compare_run.click(on_compare, [image, compare_pick], compare_outputs, api_visibility="private")

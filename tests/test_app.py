@@ -42,18 +42,30 @@ class _Click:
 def test_analyze_fills_every_section(app, analysed):
     ref, out = analysed
     assert set(out) == set(app.analysis_outputs)
-    preds, rollout, explorer, mosaic = out[app.predictions], out[app.rollout_img], out[app.explorer_img], out[app.mosaic]
+    preds, rollout = out[app.predictions]["value"], out[app.rollout_img]
+    shown = app.on_explorer(ref)
+    explorer, mosaic = shown[app.explorer_img], shown[app.mosaic]
     layer_upd, head_upd, query, query_text = out[app.layer], out[app.head], out[app.query], out[app.query_text]
     distance, similarity, filters, grid = out[app.distance_img], out[app.similarity_img], out[app.filters_img], out[app.grid_img]
     table, npz, status = out[app.table], out[app.npz], out[app.status]
     assert out[app.notice] == ""
     assert len(preds) == 5 and abs(sum(preds.values()) - 1) < 0.5
-    assert rollout.size == (384, 384) and explorer.size == (384, 384)
+    # 384 px maps (the 96 px crop at 4x) with a colour bar beside them
+    assert rollout.size[1] == 384 and 384 < rollout.size[0] < 480
+    # the explorer is the browser's: its data written once, the server's own explorer hidden and not drawn
+    live = shown[app.explorer_live]
+    assert live["mode"] == "stack" and live["id"] == ref.key and shown[app.server_explorer]["visible"] is False
+    assert explorer is None and mosaic is None
+    from pathlib import Path
+
+    assert Path(live["data"]).stat().st_size == 4 * 37 + 6 * 5 * 37 * (4 + 36)  # shared maxima, then per layer
+    assert Path(live["base"]).is_file() and live["lut"][:3] == [0, 0, 3]  # inferno's first colour
     assert layer_upd["maximum"] == 6 and head_upd["choices"][:3] == ["mean", "max", "head 1"]
     assert query == 0 and "cls" in query_text
-    assert mosaic.size[0] > 160 and distance.size[0] > 300
+    assert distance.size[0] > 300
     assert similarity.size[0] > 300 and filters.size[0] > 100 and grid.size == (384, 384)
-    assert table[0][0].startswith("Input image") and table[-1][0] == "Classification head"
+    assert table[0][0].startswith("Input image") and table[-2][0] == "Classification head"
+    assert table[-1] == ["Total", "", "", "527,144"]
     assert npz is None  # written on demand
     data = np.load(app.on_export(ref)[app.npz])
     assert data["attentions"].shape == (6, 3, 37, 37) and data["cls_map"].shape == (6, 6)
@@ -78,17 +90,17 @@ def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
     r2 = app.on_rollout_options(ref, "mean", 0.0)[app.rollout_img]
     assert np.abs(np.asarray(r1, dtype=float) - np.asarray(r2, dtype=float)).sum() > 0
     assert app.STORE.get(ref.key) is exp  # nothing derived is stored
-    out = app.on_click(ref, 6, "mean", _Click(383, 0))  # top-right patch
+    out = app.on_click(ref, 6, "mean", app.SCALES[0], _Click(383, 0))  # top-right patch
     assert out[app.query] == 1 + 5 and "row 1, column 6" in out[app.query_text]
-    assert set(out) == {app.query, app.query_text, app.explorer_img, app.mosaic}
-    assert app.on_cls_query(ref, 6, "mean")[app.query] == 0
+    assert set(out) == {app.query, app.query_text, app.prefix_query, app.explorer_img, app.mosaic}
+    assert app.on_prefix_query(ref, 6, "mean", "cls")[app.query] == 0
     torch.testing.assert_close(exp.analysis.attentions, before)
 
 
 def test_clicking_a_patch_changes_the_explorer_map(app, analysed):
     ref = analysed[0]
-    a = app.on_click(ref, 3, "mean", _Click(10, 10))[app.explorer_img]
-    b = app.on_click(ref, 3, "mean", _Click(300, 300))[app.explorer_img]
+    a = app.on_click(ref, 3, "mean", app.SCALES[0], _Click(10, 10))[app.explorer_img]
+    b = app.on_click(ref, 3, "mean", app.SCALES[0], _Click(300, 300))[app.explorer_img]
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
 
@@ -97,7 +109,7 @@ def test_compare_two_variants(app, example):
     (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = app.slots
     assert out[col1]["visible"] and out[col2]["visible"] and not out[col3]["visible"]
     assert "shapes_p16" in out[md1] and "shapes_p8" in out[md2]
-    assert out[ro1].size == (384, 384) and out[ro2].size == (384, 384)
+    assert out[ro1].size[1] == 384 and out[ro2].size[1] == 384
     assert out[app.compare_notice] == "" and out[app.compare_distance].size[0] > 300
     # too few variants: only the notice changes, saying why
     out = app.on_compare(example, ["shapes_p16"])
@@ -173,7 +185,7 @@ def test_api_analyze_through_gradio_client(server, example):
     client = Client(server, verbose=False)
     preds, rollout, distance, npz = client.predict(handle_file(example), "shapes_p16", api_name="/analyze")
     assert preds["label"] and len(preds["confidences"]) == 5
-    assert Image.open(rollout).size == (384, 384)
+    assert Image.open(rollout).size[1] == 384
     assert Image.open(distance).size[0] > 300
     data = np.load(npz)
     assert data["cls_map"].shape == (6, 6) and data["distances"].shape == (6, 3) and "attentions" not in data
@@ -189,7 +201,7 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
 
     client = Client(server, verbose=False)
     with pytest.raises(AppError, match="Analyse an image first"):
-        client.predict(2, "mean", 0, api_name="/session_view")
+        client.predict(2, "mean", 0, "each map", api_name="/session_view")
     client.predict(handle_file(example), "shapes_p16", "mean", 0.0, api_name="/session_analyze")
 
     def forbidden(*args, **kwargs):
@@ -197,17 +209,17 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
 
     monkeypatch.setattr(ViT, "forward", forbidden)
     monkeypatch.setattr(ViT, "encode", forbidden)
-    first, mosaic = client.predict(1, "head 2", 0, api_name="/session_view")
-    second, _ = client.predict(1, "head 2", 7, api_name="/session_view")  # the query token counts
+    first, mosaic = client.predict(1, "head 2", 0, "each map", api_name="/session_view")
+    second, _ = client.predict(1, "head 2", 7, "each map", api_name="/session_view")  # the query token counts
     assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(second)))
-    second, _ = client.predict(6, "mean", 7, api_name="/session_view")
-    assert Image.open(first).size == (384, 384) and Image.open(mosaic).format == "JPEG"
+    second, _ = client.predict(6, "mean", 7, "each map", api_name="/session_view")
+    assert Image.open(first).size[1] == 384 and Image.open(mosaic).format == "JPEG"
     assert np.abs(np.asarray(Image.open(first), dtype=float) - np.asarray(Image.open(second), dtype=float)).mean() > 1
-    rollout = client.predict("max", 0.5, api_name="/session_rollout")
-    assert Image.open(rollout).size == (384, 384)
+    rollout, _ = client.predict("max", 0.5, api_name="/session_rollout")
+    assert Image.open(rollout).size[1] == 384
     # another session has no analysis of its own
     with pytest.raises(AppError, match="Analyse an image first"):
-        Client(server, verbose=False).predict(2, "mean", 0, api_name="/session_view")
+        Client(server, verbose=False).predict(2, "mean", 0, "each map", api_name="/session_view")
 
 
 def test_model_cache_is_bounded():
@@ -230,7 +242,7 @@ def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
     out = app.PngImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(rollout)
-    assert data.path.startswith(str(tmp_path)) and data.path.endswith(".png")
+    assert data.path.startswith(str(tmp_path)) and data.path.endswith("shapes_p16-rollout-cls-mean-discard0.png")
     # stored under a keyed hash: not the plain SHA-256 of the bytes anybody could compute
     import hashlib
 
@@ -242,7 +254,7 @@ def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
 
 
 def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
-    explorer = analysed[1][app.explorer_img]
+    explorer = app.on_view(analysed[0], 3, "head 1", 9)[app.explorer_img]
     out = app.ViewImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(explorer)
@@ -250,3 +262,142 @@ def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
         assert back.format == "JPEG"
         diff = np.abs(np.asarray(back.convert("RGB"), dtype=np.int16) - np.asarray(explorer.convert("RGB"), dtype=np.int16))
     assert back.size == explorer.size and diff.mean() < 3 and np.percentile(diff, 99) < 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit_small_patch16_224.dino", "deit_tiny_distilled_patch16_224.fb_in1k",
+                                  "vit_small_patch14_reg4_dinov2.lvd142m@224"])
+def test_timm_models_through_the_app(app, example, offline_hub, name):
+    """A timm model named in the other-model box, loaded from the hub cache offline: every section
+    fills, a feature model says it has no classifier, DeiT shows its distillation map, and the
+    registers are prefix tokens of their own."""
+    timm_name = name.split("@")[0]
+    out = app.on_other_model(f"timm:{name}", [])
+    assert out[app.notice] == "" and out[app.variant]["value"] == f"timm:{name}"
+    assert f"timm:{name}" in [v for _, v in out[app.compare_pick]["choices"]]
+    out = app.on_analyze(example, f"timm:{name}", "mean", 0.0, progress=_quiet)
+    assert out[app.notice] == "", out[app.notice]
+    exp = app.STORE.get(out[app.state].key)
+    a = exp.analysis
+    # the model the app ran is the cached one: the same features as timm's own forward
+    model = offline_hub[timm_name]
+    if "@" in name:  # another image size: the same weights in timm's dynamic-size model
+        import timm
+
+        dynamic = timm.create_model(timm_name, pretrained=False, dynamic_img_size=True).eval()
+        dynamic.load_state_dict(model.state_dict())
+        model = dynamic
+    spec = vitviz.get_spec(f"timm:{name}")
+    x, _ = vitviz.preprocess(vitviz.load_image(example), spec.preprocessing)
+    with torch.inference_mode():
+        want = model.forward_features(x.unsqueeze(0))[0]
+    assert ((a.tokens - want).abs().max() / want.abs().max()).item() < 1e-4
+    if "distilled" not in name:  # DINO and DINOv2: features only
+        assert out[app.predictions]["visible"] is False and "no classifier" in out[app.predict_note]
+    else:
+        assert out[app.predictions]["visible"] is True and len(out[app.predictions]["value"]) == 5
+    distilled = "distilled" in name
+    assert out[app.dist_rollout_img]["visible"] is distilled
+    assert out[app.prefix_query]["choices"] == list(spec.prefix_names)
+    assert app.on_explorer(out[app.state])[app.explorer_live]["prefix"] == list(spec.prefix_names)
+    tokens = app.on_tokens(out[app.state], 0.6)
+    assert tokens[app.received_img].size[0] > 300 and tokens[app.norms_img].size[0] > 300
+    if "reg4" in name:
+        assert a.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and a.grid == (16, 16)
+        view = app.on_prefix_query(out[app.state], 12, "mean", "reg2")
+        assert view[app.query] == 2 and "reg2" in view[app.query_text]
+    # the distance chart and the maps cover patches only
+    assert a.distances().shape == (spec.depth, spec.heads)
+    assert a.cls_map().shape == a.grid
+
+
+@pytest.mark.slow
+def test_analyze_endpoint_and_compare_with_a_timm_model(app, server, example, offline_hub):
+    from gradio_client import Client, handle_file
+
+    client = Client(server, verbose=False)
+    preds, rollout, distance, npz = client.predict(handle_file(example), "timm:deit_tiny_distilled_patch16_224.fb_in1k", api_name="/analyze")
+    assert len(preds["confidences"]) == 5 and Image.open(rollout).size[1] == 448
+    data = np.load(npz)
+    assert data["cls_map"].shape == (14, 14) and list(data["prefix_tokens"]) == ["cls", "dist"]
+    preds, *_ = client.predict(handle_file(example), "timm:vit_small_patch16_224.dino", api_name="/analyze")
+    assert not (preds or {}).get("confidences")  # no classifier, no classes
+    # a supervised and a self-supervised model side by side, the same patch size
+    out = app.on_compare(example, ["timm:deit_tiny_distilled_patch16_224.fb_in1k", "timm:vit_small_patch16_224.dino"])
+    assert out[app.compare_notice] == "" and "no classifier" in out[app.slots[1][1]]
+
+
+def test_other_model_names_are_checked(app):
+    for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
+                       ("timm:vit_giant_patch14_dinov2.lvd142m", "SwiGLU"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
+                       ("resnet50", "unknown variant")]:
+        out = app.on_other_model(bad, [])
+        assert set(out) == {app.notice} and words in out[app.notice], (bad, out[app.notice])
+
+
+def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):
+    ref, out = analysed
+    top = out[app.predictions]["value"]
+    label = max(top, key=top.get)
+    assert out[app.target_class]["value"] == label and "circle" in out[app.target_class]["choices"]
+    got = app.on_explain(ref, label)
+    pictures = [got[app.explain_imgs[m]] for m in vitviz.METHODS]
+    assert all(p.size[1] == 384 and p.size[0] > 384 for p in pictures)
+    assert label in got[app.explain_note]
+    # a different class changes the gradient maps but not the class-blind ones
+    other = app.on_explain(ref, "circle")
+    diff = lambda a, b: np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean()  # noqa: E731
+    assert diff(other[app.explain_imgs["gradient"]], got[app.explain_imgs["gradient"]]) > 0.5
+    assert diff(other[app.explain_imgs["rollout"]], got[app.explain_imgs["rollout"]]) == 0
+    # the downloads are named by variant, view, method and class
+    assert got[app.explain_imgs["gradient"]].info["vitviz_name"] == f"shapes_p16-explain-gradient-{label}.png"
+    with pytest.raises(gr.Error, match="classes"):
+        app.on_explain(ref, "<script>")
+
+    class _Pick:
+        value = "circle"
+
+    picked = app.on_pick_class(ref, app.SCALES[0], _Pick())
+    assert picked[app.target_class] == "circle" and picked[app.current_tab] == "explain"
+
+
+def test_faithfulness_tab_measures_every_method_and_a_random_order(app, analysed):
+    ref, _ = analysed
+    out = app.on_faithfulness(ref, "circle", progress=_quiet)
+    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[app.faith_table]}
+    assert set(rows) == {*vitviz.METHODS, "random"}
+    assert all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
+    assert out[app.faith_img].size[0] > 600
+
+
+def test_tokens_tab(app, analysed):
+    ref, _ = analysed
+    out = app.on_tokens(ref, 0.6)
+    assert out[app.received_img].size[0] > 300 and out[app.norms_img].size[0] > 300
+    assert out[app.dino_img].size[0] > 300 and "PC1" in out[app.features_text]
+    assert out[app.features_img].size == (384, 384)
+
+    class _Click:
+        index = [200, 200]
+
+    sim = app.on_feature_click(ref, _Click())[app.similarity_map_img]
+    assert sim.size[1] == 384
+    with pytest.raises(gr.Error, match="share"):
+        app.on_tokens(ref, 7)
+    assert app.on_dino_share(ref, 0.3)[app.dino_img].size == out[app.dino_img].size
+    # drawn on demand: choosing the tab draws it, other tabs draw nothing
+    class _Tab:
+        value = "Tokens"
+
+    assert app.on_tab(ref, "star", app.SCALES[0], 0.6, _Tab())[app.current_tab] == "tokens"
+    assert list(app.on_refresh_tab(ref, "distance", "star", app.SCALES[0], 0.6)) == [app.explain_note]  # nothing drawn
+
+
+def test_shared_colour_scale_compares_layers(app, analysed):
+    ref, _ = analysed
+    a = app.on_view(ref, 1, "mean", 0, app.SCALES[1])[app.explorer_img]
+    b = app.on_view(ref, 1, "mean", 0, app.SCALES[0])[app.explorer_img]
+    assert a.info["vitviz_name"].endswith("shared.png") and b.info["vitviz_name"].endswith("map.png")
+    assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
+    with pytest.raises(gr.Error, match="colour scale"):
+        app.on_view(ref, 1, "mean", 0, "log")

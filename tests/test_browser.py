@@ -39,6 +39,12 @@ def page():
             browser.close()
 
 
+def _analysed(page, name):
+    """Waits until the status line reports an analysis by `name` (the progress text that Gradio
+    lays over the outputs while one runs also names the model, but not "<name> on <device>")."""
+    page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({(name + ' on ')!r})")
+
+
 def _src(page, selector):
     return page.locator(f"{selector} img").first.get_attribute("src")
 
@@ -50,34 +56,37 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.locator("#vv-image input[type=file]").set_input_files(example)
     # the upload runs the analysis; predictions and the rollout image appear
     page.wait_for_selector("#vv-rollout img")
-    page.wait_for_function("document.querySelector('#vv-status') && document.querySelector('#vv-status').innerText.includes('shapes_p16')")
+    _analysed(page, "shapes_p16")
     assert page.locator("#vv-predictions").inner_text().strip()
+    _no_label_covers_a_picture(page)
     page.screenshot(path=str(shots / "1-predict.png"), full_page=True)
 
     page.get_by_role("tab", name="Explorer").click()
-    explorer = page.locator("#vv-explorer img")
-    explorer.wait_for()
-    before = explorer.get_attribute("src")
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    explorer = page.locator("#vv-explorer-live canvas.vvx-map")
     box = explorer.bounding_box()
-    explorer.click(position={"x": box["width"] * 0.8, "y": box["height"] * 0.2})
-    page.wait_for_function("document.querySelector('#vv-query').innerText.includes('patch row')")
-    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {before!r}")
-    clicked = explorer.get_attribute("src")
+    explorer.click(position={"x": box["width"] * 0.8, "y": box["height"] * 0.2})  # pins patch row 2, column 5
+    _shows(page, query=str(1 + 1 * 6 + 4))
+    assert "patch row 2, column 5 (pinned)" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
 
-    # drag the layer slider to the far left (layer 1)
-    slider = page.locator("#vv-layer input[type=range]")
+    # drag the layer slider to the far left (layer 1): the map follows while dragging
+    slider = page.locator("#vv-explorer-live .vvx-layer")
     sbox = slider.bounding_box()
     page.mouse.move(sbox["x"] + sbox["width"] - 2, sbox["y"] + sbox["height"] / 2)
     page.mouse.down()
-    page.mouse.move(sbox["x"] + 1, sbox["y"] + sbox["height"] / 2, steps=8)
+    page.mouse.move(sbox["x"] + sbox["width"] * 0.5, sbox["y"] + sbox["height"] / 2, steps=4)
+    # still dragging: the map already shows a layer between the two ends
+    page.wait_for_function("['3', '4'].includes(document.querySelector('#vv-explorer-live canvas.vvx-map').dataset.layer)")
+    page.mouse.move(sbox["x"] + 1, sbox["y"] + sbox["height"] / 2, steps=4)
     page.mouse.up()
-    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {clicked!r}")
+    _shows(page, layer="1")
     assert slider.input_value() == "1"
     page.screenshot(path=str(shots / "2-explorer.png"), full_page=True)
 
     for i, tab in enumerate(["Distance", "Positions", "Architecture"], start=3):
         page.get_by_role("tab", name=tab).click()
         page.wait_for_timeout(500)
+        _no_label_covers_a_picture(page)
         page.screenshot(path=str(shots / f"{i}-{tab.lower().replace(' ', '-')}.png"), full_page=True)
 
     page.get_by_role("tab", name="Compare").click()
@@ -85,6 +94,7 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.wait_for_function("document.querySelector('#vv-compare-2') && document.querySelector('#vv-compare-2').innerText.includes('shapes_p8')")
     page.wait_for_selector("#vv-compare-distance img")
     assert "shapes_p16" in page.locator("#vv-compare-1").inner_text()
+    _no_label_covers_a_picture(page)
     page.screenshot(path=str(shots / "6-compare.png"), full_page=True)
 
     # phone width: nothing wider than the screen
@@ -115,28 +125,27 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     explore = app.views.explore
     monkeypatch.setattr(app.views, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
     base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
     page.goto(base)
     page.locator("#vv-image input[type=file]").set_input_files(example)
-    page.wait_for_function("document.querySelector('#vv-status').innerText.includes('shapes_p16')")
+    _analysed(page, "shapes_p16")
     assert calls == ["shapes_p16"]
 
     _choose(page, "Model variant", "shapes_p8 ")
-    page.wait_for_function("document.querySelector('#vv-status').innerText.includes('shapes_p8')")
+    _analysed(page, "shapes_p8")
     page.mouse.click(5, 5)  # leaving the menu must not run it again
     page.wait_for_timeout(1500)
     assert calls == ["shapes_p16", "shapes_p8"], calls
 
-    # keyboard and typed values redraw, not only a mouse release
+    # keyboard steps redraw, not only a mouse release
     page.get_by_role("tab", name="Explorer").click()
-    before = _src(page, "#vv-explorer")
-    layer = page.locator("#vv-layer input[type=range]")
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    layer = page.locator("#vv-explorer-live .vvx-layer")
     layer.focus()
     page.keyboard.press("ArrowLeft")
-    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {before!r}")
-    assert layer.input_value() == "5"
-    before = _src(page, "#vv-explorer")
-    page.locator("#vv-layer input[type=number]").fill("2")
-    page.wait_for_function(f"document.querySelector('#vv-explorer img').src !== {before!r}")
+    _shows(page, layer="5")
+    page.keyboard.press("Home")
+    _shows(page, layer="1")
     page.get_by_role("tab", name="Predict").click()
     before = _src(page, "#vv-rollout")
     page.locator("#vv-discard input[type=range]").focus()
@@ -165,3 +174,194 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     assert page.locator("#vv-predictions").inner_text().strip()
     lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
     assert "Error" not in lines, "an output shows Gradio's error badge"
+
+
+def test_a_timm_model_named_in_the_page(url, page, offline_hub):
+    """A timm model typed into the page (random weights from a Hugging Face cache, offline): it is
+    analysed, the page says it has no classifier, and the Tokens tab shows where attention goes."""
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.locator("#vv-other textarea, #vv-other input").first.fill("timm:vit_small_patch16_224.dino")
+    page.locator("#vv-other-use").click()
+    _analysed(page, "timm:vit_small_patch16_224.dino")
+    assert "no classifier" in page.locator("#vv-predict-note").inner_text()
+    assert page.locator("#vv-notice").inner_text().strip() == ""
+    page.get_by_role("tab", name="Tokens").click()
+    page.wait_for_selector("#vv-received img")
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    box = canvas.bounding_box()
+    canvas.click(position={"x": box["width"] * 0.5 + 2, "y": box["height"] * 0.5 + 2})
+    _shows(page, query=str(1 + 7 * 14 + 7))
+    assert "patch row 8, column 8" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+
+
+def _canvas(page, selector):
+    """A canvas's pixels, as the page holds them: uint8 [H, W, 3]."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    data = page.locator(selector).evaluate("c => c.toDataURL('image/png')")
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data.split(",", 1)[1]))).convert("RGB"))
+
+
+def _explorer(page, name):
+    _analysed(page, name)
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    return page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
+
+
+def _shows(page, **want):
+    """Waits until the explorer's map says it shows `want` (its data-* attributes)."""
+    checks = " && ".join(f"c.dataset.{k} === {str(v)!r}" for k, v in want.items())
+    page.wait_for_function(f"(() => {{ const c = document.querySelector('#vv-explorer-live canvas.vvx-map'); return {checks}; }})()")
+
+
+def test_the_browser_draws_the_servers_pixels(url, page):
+    """Hover, click-to-pin, keyboard layer steps, a head and the colour scale, each drawn in the
+    browser, are the pictures the server draws for the same view (map and every head's tile)."""
+    import numpy as np
+
+    import app
+    from vitviz.server import views
+
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    key = _explorer(page, "shapes_p16")
+    exp = app.STORE.get(key)
+    side = exp.display_image.size[0]
+    tile = views.mosaic_tile_px(exp.analysis.grid)
+
+    def same_as_server(layer, head, query, scale):
+        _shows(page, layer=layer, head=head, query=query, scale=scale)
+        got = _canvas(page, "#vv-explorer-live canvas.vvx-map")
+        want = np.asarray(views.render_query(exp, layer=layer, head=head, query=query, scale=scale))[:, :side]
+        assert got.shape == want.shape and np.array_equal(got, want), (layer, head, query, scale, np.abs(got.astype(int) - want).max())
+        mosaic = _canvas(page, "#vv-explorer-live canvas.vvx-mosaic")
+        server = np.asarray(views.render_head_mosaic(exp, layer=layer, query=query, scale=scale))
+        heads = exp.analysis.attentions.shape[1]
+        cols = int(np.ceil(np.sqrt(heads)))
+        for h in range(heads):  # the tiles (the labels beneath are text, drawn by each side's own fonts)
+            x, y = (h % cols) * (tile + 6), (h // cols) * (tile + 16 + 6)
+            assert np.array_equal(mosaic[y : y + tile, x : x + tile], server[y : y + tile, x : x + tile]), (layer, query, h)
+
+    same_as_server(6, "mean", 0, "map")
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    box = canvas.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.6)  # hover: patch row 4, column 3
+    same_as_server(6, "mean", 1 + 3 * 6 + 2, "map")
+    page.mouse.click(box["x"] + box["width"] * 0.9, box["y"] + box["height"] * 0.1)  # pin: row 1, column 6
+    page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.9)  # a pinned query stays
+    same_as_server(6, "mean", 6, "map")
+    assert "pinned" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+    page.locator("#vv-explorer-live .vvx-layer").focus()
+    for layer in (5, 4):
+        page.keyboard.press("ArrowLeft")
+        same_as_server(layer, "mean", 6, "map")
+    page.locator("#vv-explorer-live .vvx-head").select_option(label="head 2")
+    same_as_server(4, "head 2", 6, "map")
+    page.locator("#vv-explorer-live .vvx-scale").select_option(value="shared")
+    same_as_server(4, "head 2", 6, "shared")
+    page.locator("#vv-explorer-live .vvx-token", has_text="cls").click()
+    same_as_server(4, "head 2", 0, "shared")
+
+
+def _no_label_covers_a_picture(page):
+    """Every figure's label sits outside its picture (boxes as laid out on screen)."""
+    overlaps = page.evaluate(
+        """() => [...document.querySelectorAll('.vv-figure')].filter(f => f.offsetParent !== null).flatMap(f => {
+            const label = f.querySelector('[data-testid=block-label]'), img = f.querySelector('img');
+            if (!label || !img) return [];
+            const a = label.getBoundingClientRect(), b = img.getBoundingClientRect();
+            const overlap = a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+            return overlap ? [(f.id || label.innerText) + ' ' + JSON.stringify([a.top, a.bottom, b.top, b.bottom, a.left, a.right, b.left, b.right])] : [];
+        })"""
+    )
+    assert overlaps == [], f"labels over pictures: {overlaps}"
+
+
+def _says(page, selector, text):
+    """Waits until the element exists (a tab mounts when first shown) and its text includes `text`."""
+    page.wait_for_function(f"(document.querySelector({selector!r})?.innerText ?? '').includes({text!r})")
+
+
+def _downloads(page, selector):
+    return page.locator(f"{selector} a[download]").first.get_attribute("download")
+
+
+def test_a_person_asks_why_this_class(url, page, tmp_path_factory):
+    """Click a prediction, type another class, switch the colour scale, measure faithfulness, then
+    the Tokens tab: DINO's share and a click on the features. Labels never cover a picture; every
+    picture has its colour bar; downloads say what they show."""
+    from PIL import Image
+
+    from vitviz.plots import COLORBAR_PX
+
+    shots = tmp_path_factory.mktemp("why")
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    second = page.locator("#vv-predictions button.confidence-set").nth(1)
+    label = second.locator("dt").inner_text().strip()
+    second.click()  # a prediction clicked: the Explain tab, for that class
+    _says(page, "#vv-explain-note", label)
+    page.wait_for_selector("#vv-explain-gradient img")
+    assert page.locator("#vv-explain-note").inner_text().startswith(f"Explaining {label}")
+    for method in ("attention", "rollout", "gradient", "grad_rollout"):
+        name = _downloads(page, f"#vv-explain-{method}")
+        assert name.startswith(f"shapes_p16-explain-{method}-{label}."), name
+    _no_label_covers_a_picture(page)
+    page.screenshot(path=str(shots / "explain.png"), full_page=True)
+
+    # a class typed into the picker
+    typed = "circle" if label != "circle" else "square"
+    box = page.locator("#vv-class input")
+    box.click()
+    box.fill(typed)
+    page.get_by_role("option", name=typed, exact=True).click()
+    _says(page, "#vv-explain-note", typed)
+    page.wait_for_function(f"document.querySelector('#vv-explain-rollout a[download]').download.includes({typed!r})")
+
+    # one colour scale for all four methods: the pictures change, and each keeps its colour bar
+    before = _src(page, "#vv-explain-gradient")
+    page.locator("#vv-explain-scale").get_by_label("shared").check()
+    page.wait_for_function(f"document.querySelector('#vv-explain-gradient img').src !== {before!r}")
+    size = page.locator("#vv-explain-gradient img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
+    assert size[0] >= size[1] + COLORBAR_PX - 2, f"no colour bar beside the map: {size}"
+
+    page.locator("#vv-faith-run").click()
+    page.wait_for_selector("#vv-faith img")
+    table = page.locator("#vv-faith-table").inner_text()
+    for row in ("attention", "rollout", "gradient", "grad_rollout", "random"):
+        assert row in table
+    _no_label_covers_a_picture(page)
+    page.screenshot(path=str(shots / "faithfulness.png"), full_page=True)
+
+    page.get_by_role("tab", name="Tokens").click()
+    page.wait_for_selector("#vv-dino img")
+    page.wait_for_selector("#vv-features img")
+    before = _src(page, "#vv-dino")
+    page.locator("#vv-dino-share input[type=range]").focus()
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function(f"document.querySelector('#vv-dino img').src !== {before!r}")
+    assert _downloads(page, "#vv-dino").startswith("shapes_p16-dino-heads-share0.55."), _downloads(page, "#vv-dino")
+    features = page.locator("#vv-features img")
+    fbox = features.bounding_box()
+    features.click(position={"x": fbox["width"] * 0.25, "y": fbox["height"] * 0.25})
+    page.wait_for_selector("#vv-feature-similarity img")
+    _no_label_covers_a_picture(page)
+    page.screenshot(path=str(shots / "tokens.png"), full_page=True)
+    for shot in shots.glob("*.png"):
+        assert Image.open(shot).size[0] == 1280

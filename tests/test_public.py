@@ -182,7 +182,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
         peak = max(peak, app.STORE.nbytes)
         if i == 0:
             first = client
-            want = np.asarray(Image.open(client.predict(3, "head 2", 17, api_name="/session_view")[0]))
+            want = np.asarray(Image.open(client.predict(3, "head 2", 17, "each map", api_name="/session_view")[0]))
         else:
             client.close()  # the sessions live on in the server; the clients' own memory is not the server's
         if i == 5:
@@ -195,7 +195,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     assert before <= budget and peak <= budget
     assert growth < 150  # kept whole, 25 more B/16 analyses would hold 560 MB
     # the first session's analysis was dropped long ago: its view is computed again, identically
-    got = np.asarray(Image.open(first.predict(3, "head 2", 17, api_name="/session_view")[0]))
+    got = np.asarray(Image.open(first.predict(3, "head 2", 17, "each map", api_name="/session_view")[0]))
     np.testing.assert_array_equal(got, want)
     _alive(server, good)
 
@@ -223,3 +223,17 @@ def test_the_store_keeps_the_newest_and_drops_the_oldest_and_the_idle():
     store.drop(e)
     assert len(store) == 0 and store.evictions == 4
     assert len({store.put(i, 1) for i in range(100)}) == 100  # keys never repeat
+
+
+def test_the_explorer_files_stay_within_their_disk_budget(tmp_path):
+    import time as clock
+
+    from vitviz.server.export import sweep
+
+    for i in range(6):
+        (tmp_path / f"f{i}.bin").write_bytes(b"x" * 1000)
+        os.utime(tmp_path / f"f{i}.bin", (clock.time() - 100 + i, clock.time() - 100 + i))
+    (tmp_path / "old.bin").write_bytes(b"x")
+    os.utime(tmp_path / "old.bin", (clock.time() - 5000, clock.time() - 5000))
+    sweep(tmp_path, max_age=1800, max_bytes=3500)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f3.bin", "f4.bin", "f5.bin"]  # the newest, within 3,500 bytes

@@ -12,7 +12,7 @@ import numpy as np
 
 from vitviz.server.views import Exploration
 
-__all__ = ["export_npz", "Downloads"]
+__all__ = ["export_npz", "Downloads", "sweep"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
@@ -46,6 +46,31 @@ def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -
     return path
 
 
+def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*") -> None:
+    """Removes files in `folder` older than `max_age` seconds, then the oldest until the rest take
+    at most `max_bytes`."""
+    now = time.time()
+    files = []
+    for path in Path(folder).glob(pattern):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if not path.is_file():
+            continue
+        if now - st.st_mtime > max_age:
+            path.unlink(missing_ok=True)
+        else:
+            files.append((st.st_mtime, st.st_size, path))
+    if max_bytes is not None:
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if total <= max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+
 class Downloads:
     """A private folder of downloads with random names; files older than `max_age` seconds (long
     since served) are removed whenever a new one is written."""
@@ -55,9 +80,6 @@ class Downloads:
         self.max_age = max_age
 
     def npz(self, exp: Exploration, *, attentions: bool = True) -> str:
-        now = time.time()
-        for old in self.folder.glob("*.npz"):
-            if now - old.stat().st_mtime > self.max_age:
-                old.unlink(missing_ok=True)
+        sweep(self.folder, max_age=self.max_age, pattern="*.npz")
         path = self.folder / f"vitviz-{exp.analysis.variant.replace(':', '-').replace('/', '-')}-{os.urandom(16).hex()}.npz"
         return str(export_npz(exp, path, attentions=attentions))

@@ -39,6 +39,7 @@ __all__ = [
     "as_text",
     "secret_name",
     "uploaded_path",
+    "upload_folder",
 ]
 
 UPLOAD_REFUSED = (
@@ -57,6 +58,11 @@ def secret_name(data: bytes) -> str:
 def as_text(message: str) -> str:
     """`message` for the page, where Gradio renders error text as HTML: shown as typed."""
     return html.escape(message, quote=False)
+
+
+def upload_folder() -> Path:
+    """Gradio's upload folder, which it serves files from (under secret names only, here)."""
+    return Path(get_upload_folder())
 
 
 def uploaded_path(path: Any) -> str:
@@ -215,7 +221,9 @@ class PngImage(gr.Image):
             data = buf.getvalue()
         folder = Path(self.GRADIO_CACHE) / secret_name(data)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"image.{self.FORMAT}"
+        stem = Path(str(value.info.get("vitviz_name") or "image")).stem  # a view's own download name
+        stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)[:120] or "image"
+        path = folder / f"{stem}.{'jpg' if self.FORMAT == 'jpeg' else self.FORMAT}"
         path.write_bytes(data)
         return ImageData(path=str(path), orig_name=path.name)
 

@@ -5,22 +5,32 @@ from __future__ import annotations
 import math
 
 from vitviz.server.menus import head_choices
-from vitviz.sources import get_spec
+from vitviz.sources import WeightsUnavailableError, get_spec
 
-__all__ = ["InputError", "variant", "fusion", "ratio", "index", "head"]
+__all__ = ["InputError", "variant", "fusion", "ratio", "index", "head", "share"]
 
 
 class InputError(ValueError):
     """A field a client sent that vitviz will not use; the message says what is accepted."""
 
 
-def variant(value: object) -> str:
-    if not isinstance(value, str) or not value:
+def variant(value: object, *, max_params: int | None = None) -> str:
+    """A variant name vitviz can load: a listed one, or "timm:<name>" / "hf:<repo id>" of at most
+    `max_params` parameters."""
+    if not isinstance(value, str) or not value.strip():
         raise InputError("Choose a model variant.")
+    value = value.strip()
+    if len(value) > 200:
+        raise InputError("A model name has at most 200 characters.")
     try:
-        get_spec(value)
-    except ValueError as exc:
+        spec = get_spec(value)
+    except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError) as exc:
         raise InputError(str(exc)) from None
+    if max_params is not None and spec.config.num_params > max_params:
+        raise InputError(
+            f"{value} has {spec.config.num_params / 1e6:,.0f} M parameters; this server loads models of up to "
+            f"{max_params / 1e6:,.0f} M (VITVIZ_MAX_PARAMS)."
+        )
     return value
 
 
@@ -55,3 +65,11 @@ def head(value: object, heads: int) -> str:
     if isinstance(value, str) and value in head_choices(heads):
         return value
     raise InputError(f"The head must be mean, max or one of head 1 to head {heads}.")
+
+
+def share(value: object) -> float:
+    """DINO's share of a head's attention kept: a number in [0.05, 1]."""
+    t = _number(value)
+    if not 0.05 <= t <= 1.0:
+        raise InputError("The share of attention kept must be a number from 0.05 to 1.")
+    return t

@@ -29,6 +29,7 @@ class ModelFacts:
     total_params: int
     uniform_distance: float
     distance_chart: plots.DistanceChart = field(repr=False, compare=False)
+    drawn: dict = field(default_factory=dict, repr=False, compare=False)  # pictures of these facts, drawn once
 
     @classmethod
     def of(cls, model: ViT) -> "ModelFacts":
@@ -45,7 +46,7 @@ class ModelFacts:
             similarity=sim,
             components=comps,
             explained=explained,
-            summary_rows=s.table(),
+            summary_rows=s.table() + [["Total", "", "", f"{s.total_params:,}"]],
             total_params=s.total_params,
             uniform_distance=uniform,
             distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),

@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from PIL import Image
 
 from vitviz import plots
-from vitviz.analysis import query_attention
+from vitviz.analysis import attention_received
+from vitviz.relevance import dino_head_maps, feature_components, feature_similarity
 from vitviz.images import ImageSource
 from vitviz.pipeline import Analysis, analyze, analyze_crop
+from vitviz.server import explorer_data
 from vitviz.server.models import ModelCache, ModelFacts
 
 __all__ = [
@@ -29,12 +33,20 @@ __all__ = [
     "parse_head",
     "render_predictions",
     "render_rollout",
+    "render_received",
     "render_query",
     "render_head_mosaic",
     "render_distance",
     "render_compare_distance",
     "render_position",
     "render_architecture",
+    "render_method_maps",
+    "render_dino_heads",
+    "render_token_norms",
+    "render_features",
+    "render_feature_similarity",
+    "query_range",
+    "mosaic_tile_px",
 ]
 
 DISPLAY_PX = 384  # images are shown at least this wide (nearest-neighbour upscaling keeps patch edges)
@@ -97,49 +109,185 @@ def render_predictions(exp: Exploration) -> dict[str, float]:
     return dict(exp.analysis.predictions(5))
 
 
-def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0) -> Image.Image:
-    """The cls token's rollout over the image, computed from the stored attention."""
-    heat = exp.analysis.cls_map(head_fusion=head_fusion, discard_ratio=discard_ratio)  # type: ignore[arg-type]
-    return plots.overlay(exp.display_image, heat)
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).strip("-")
 
 
-def render_query(exp: Exploration, *, layer: int, head: str, query: int) -> Image.Image:
-    """Layer `layer` (1-based) attention of token `query` over the patches, with the query marked."""
-    a = exp.analysis
-    heat = query_attention(a.attentions, layer=layer - 1, query=query, head=parse_head(head), grid=a.grid, num_prefix_tokens=a.num_prefix_tokens)
+def _name(exp: Exploration, *parts: object) -> str:
+    """A download name: variant, view, and the view's options ("vit_b_16-query-l12-mean-q0.png")."""
+    return "-".join(_slug(str(p)) for p in (exp.analysis.variant, *parts) if p != "") + ".png"
+
+
+def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0, token: int = 0) -> Image.Image:
+    """A prefix token's rollout over the image (the cls token's; token 1 is DeiT's distillation
+    token), computed from the stored attention, with its colour bar."""
+    heat = exp.analysis.cls_map(token=token, head_fusion=head_fusion, discard_ratio=discard_ratio)  # type: ignore[arg-type]
     img = plots.overlay(exp.display_image, heat)
+    lo, hi = img.info["vitviz_range"]
+    name = _name(exp, "rollout", exp.analysis.prefix_names[token], head_fusion, f"discard{discard_ratio:g}")
+    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label="rollout")
+
+
+def render_received(exp: Exploration) -> Image.Image:
+    """Where each layer's attention goes: the prefix tokens (cls, distillation, registers) one by
+    one, and the patches' median and largest share (heads averaged)."""
+    a = exp.analysis
+    received = attention_received(a.attentions).mean(dim=1)  # [L, H, N] -> [L, N]
+    fig = plots.received_figure(received, prefix_names=a.prefix_names, title=f"{a.variant}: attention received per layer")
+    return plots.named(plots.figure_to_image(fig), _name(exp, "attention-received"))
+
+
+def query_range(exp: Exploration, *, query: int, scale: str) -> tuple[float, float] | None:
+    """The colour scale of a query's maps: None for each map its own (min..max); for "shared", 0 to
+    the largest weight the query gives a patch in any layer and head."""
+    if scale != "shared":
+        return None
+    return 0.0, float(explorer_data.shared_max(exp.analysis)[query])
+
+
+def head_index(head: str, heads: int) -> int:
+    """A head choice as the explorer's view index: "head k" -> k - 1, "mean" -> H, "max" -> H + 1."""
+    h = parse_head(head)
+    return h if isinstance(h, int) else heads + ("mean", "max").index(h)
+
+
+def _view_heat(exp: Exploration, *, layer: int, head: int, query: int) -> torch.Tensor:
+    """The 8-bit values the browser draws too (`explorer_data`), as a [gh, gw] map."""
+    a = exp.analysis
+    return torch.from_numpy(explorer_data.row_values(a, layer=layer - 1, head=head, query=query).reshape(a.grid))
+
+
+def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "map") -> Image.Image:
+    """Layer `layer` (1-based) attention of token `query` over the patches, with the query marked and
+    a colour bar; `scale` "map" (its own min..max) or "shared" (across layers and heads). The values
+    are the 8-bit rows the browser draws (`explorer_data`), so both give the same pixels."""
+    a = exp.analysis
+    heat = _view_heat(exp, layer=layer, head=head_index(head, a.attentions.shape[1]), query=query)
+    shared = query_range(exp, query=query, scale=scale)
+    img = plots.overlay(exp.display_image, heat, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
+    lo, hi = img.info["vitviz_range"]
     if query >= a.num_prefix_tokens:
         r, c = divmod(query - a.num_prefix_tokens, a.grid[1])
         img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
-    return img
+    name = _name(exp, "query", f"layer{layer}", head.replace(" ", ""), f"token{query}", scale)
+    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label="attention")
 
 
-def render_head_mosaic(exp: Exploration, *, layer: int, query: int, tile_px: int = 160) -> Image.Image:
-    """Every head of one layer for the same query, as a mosaic."""
+mosaic_tile_px = explorer_data.mosaic_tile_px
+
+
+def render_head_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "map") -> Image.Image:
+    """Every head of one layer for the same query, as a mosaic of tiles about 160 px (4 columns for
+    12 and 16 heads), each head labelled beneath; `scale` "shared" puts all heads on one colour bar."""
     a = exp.analysis
-    p = a.num_prefix_tokens
-    heats = a.attentions[layer - 1, :, query, p:].reshape(-1, *a.grid)  # [H, gh, gw]
-    small = a.image.resize((tile_px, tile_px), Image.BILINEAR)
-    tiles = plots.overlay_many(small, heats)
-    return plots.mosaic(tiles, cols=min(6, len(tiles)), labels=[f"head {h + 1}" for h in range(len(tiles))])
+    heads = a.attentions.shape[1]
+    heats = torch.stack([_view_heat(exp, layer=layer, head=h, query=query) for h in range(heads)])  # [H, gh, gw]
+    tile = mosaic_tile_px(a.grid)
+    small = a.image.resize((tile, tile), Image.BILINEAR)
+    shared = query_range(exp, query=query, scale=scale)
+    tiles = plots.overlay_many(small, heats, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
+    img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=[f"head {h + 1}" for h in range(len(tiles))])
+    plots.named(img, _name(exp, "heads", f"layer{layer}", f"token{query}", scale))
+    return plots.with_colorbar(img, vmin=shared[0], vmax=shared[1], label="attention") if shared else img
 
 
 def render_distance(exp: Exploration) -> Image.Image:
     """The distance chart: only the dots are drawn per image (`plots.DistanceChart`)."""
-    return exp.facts.distance_chart.render(exp.analysis.distances())
+    return plots.named(exp.facts.distance_chart.render(exp.analysis.distances()), _name(exp, "attention-distance"))
 
 
 _COMPARE_CHART = plots.DistanceChart(uniform=None, title="Mean attention distance per head (each variant's own pixels)")
 
 
 def render_compare_distance(exps: list[Exploration]) -> Image.Image:
-    return _COMPARE_CHART.render({e.facts.spec.name: e.analysis.distances() for e in exps})
+    img = _COMPARE_CHART.render({e.facts.spec.name: e.analysis.distances() for e in exps})
+    return plots.named(img, "compare-" + "-".join(_slug(e.facts.spec.name) for e in exps) + "-attention-distance.png")
 
 
 def render_position(exp: Exploration) -> tuple[Image.Image, Image.Image]:
-    """(position-embedding similarity tiles, principal components of the patch filters)."""
-    return plots.position_similarity_image(exp.facts.similarity), plots.filters_image(exp.facts.components)
+    """(position-embedding similarity as the paper's grid, principal components of the patch filters
+    with the variance each explains): the model's own, drawn once per loaded model."""
+    f = exp.facts
+    if "position" not in f.drawn:
+        sim = plots.figure_to_image(plots.position_similarity_figure(f.similarity, title=f"{f.spec.name}: position embedding similarity"))
+        filters = plots.filters_image(f.components, f.explained)
+        f.drawn["position"] = (plots.named(sim, _name(exp, "position-similarity")), plots.named(filters, _name(exp, "filter-components")))
+    return f.drawn["position"]
 
 
 def render_architecture(exp: Exploration) -> tuple[Image.Image, list[list[str]]]:
-    return plots.patch_grid(exp.analysis.image, patch_size=exp.analysis.patch_size), exp.facts.summary_rows
+    grid = plots.named(plots.patch_grid(exp.analysis.image, patch_size=exp.analysis.patch_size), _name(exp, "patch-grid"))
+    return grid, exp.facts.summary_rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Explanations, DINO heads, tokens and features
+
+def render_method_maps(exp: Exploration, maps: dict[str, torch.Tensor], *, label: str, scale: str = "map") -> dict[str, Image.Image]:
+    """One overlay per method ({method: [gh, gw]}), each with its colour bar; "shared" puts every
+    method on 0..the largest value of any (useful when the methods share a unit, as rollouts do)."""
+    shared = (0.0, max(float(m.max()) for m in maps.values())) if scale == "shared" else None
+    out = {}
+    for method, m in maps.items():
+        img = plots.overlay(exp.display_image, m, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
+        lo, hi = img.info["vitviz_range"]
+        plots.named(img, _name(exp, "explain", method, label))
+        out[method] = plots.with_colorbar(img, vmin=lo, vmax=hi, label="relevance")
+    return out
+
+
+def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
+    """DINO's figure: the last block's cls attention per head, the patches that hold `share` of each
+    head's mass in colour and the rest dimmed (Caron et al. 2021)."""
+    a = exp.analysis
+    maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share)
+    tile = mosaic_tile_px(a.grid)
+    small = a.image.resize((tile, tile), Image.BILINEAR)
+    tiles = []
+    for heat, mask, img in zip(maps, masks, plots.overlay_many(small, maps)):
+        keep = np.asarray(mask.numpy(), dtype=bool).repeat(tile // a.grid[0], 0).repeat(tile // a.grid[1], 1)
+        arr = np.asarray(img).copy()
+        arr[~keep] = (np.asarray(small)[~keep] * 0.25).astype(np.uint8)
+        tiles.append(Image.fromarray(arr))
+    labels = [f"head {h + 1}: {int(m.sum())} patches" for h, m in enumerate(masks)]
+    img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=labels)
+    return plots.named(img, _name(exp, "dino-heads", f"share{share:g}"))
+
+
+def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
+    """(token norms per layer, prefix tokens one by one; the last block's patch norms over the image)."""
+    a = exp.analysis
+    chart = plots.figure_to_image(plots.norms_figure(a.token_norms, prefix_names=a.prefix_names, title=f"{a.variant}: token norms per layer"))
+    last = a.token_norms[-1, a.num_prefix_tokens :].reshape(a.grid)
+    img = plots.overlay(exp.display_image, last)
+    lo, hi = img.info["vitviz_range"]
+    plots.named(img, _name(exp, "token-norms-last-layer"))
+    return plots.named(chart, _name(exp, "token-norms")), plots.with_colorbar(img, vmin=lo, vmax=hi, label="norm")
+
+
+def feature_scores(exp: Exploration) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first three principal components of the last layer's patch tokens: scores [M, 3], explained [3]."""
+    a = exp.analysis
+    return feature_components(a.tokens[a.num_prefix_tokens :], k=3)
+
+
+def render_features(exp: Exploration) -> tuple[Image.Image, str]:
+    """(the patch features' first three principal components as RGB, the variance they explain)."""
+    scores, explained = feature_scores(exp)
+    img = plots.features_image(scores, exp.analysis.grid, size=exp.display_image.size[0])
+    text = ", ".join(f"PC{i + 1} {100 * float(e):.1f} %" for i, e in enumerate(explained))
+    return plots.named(img, _name(exp, "feature-pca")), f"Red, green, blue: {text} of the patch features' variance."
+
+
+def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
+    """Cosine similarity of one patch's last-layer feature to every patch's, over the image."""
+    a = exp.analysis
+    p = a.num_prefix_tokens
+    if query < p:
+        raise ValueError("pick a patch, not a prefix token")
+    sim = feature_similarity(a.tokens[p:], query - p).reshape(a.grid)
+    img = plots.overlay(exp.display_image, sim, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
+    r, c = divmod(query - p, a.grid[1])
+    img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
+    plots.named(img, _name(exp, "feature-similarity", f"token{query}"))
+    return plots.with_colorbar(img, vmin=-1.0, vmax=1.0, label="cosine", cmap="RdBu_r")

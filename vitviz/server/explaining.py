@@ -1,0 +1,45 @@
+"""The app's model calls beyond the analysis itself: the maps that need a target class (one forward
+and one backward for every method), and their deletion and insertion curves."""
+
+from __future__ import annotations
+
+import torch
+
+from vitviz.explanations import METHODS, relevance_maps, resolve_target
+from vitviz.faithfulness import Curves, perturbation_curves, random_maps
+from vitviz.preprocess import to_input
+from vitviz.server.models import ModelCache
+from vitviz.server.views import Exploration
+
+__all__ = ["explain_exploration", "faithfulness_of"]
+
+
+def _input(cache: ModelCache, exp: Exploration):
+    model, _ = cache.get(exp.analysis.variant)
+    return model, to_input(exp.analysis.image, model.spec.preprocessing).unsqueeze(0)
+
+
+def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | None) -> tuple[dict[str, torch.Tensor], int | None]:
+    """Every method's map [gh, gw] for `target` (a class name; None: the top-1) on the analysed crop.
+
+    A model without a classifier gets the methods that need none ("attention", "rollout")."""
+    model, x = _input(cache, exp)
+    a = exp.analysis
+    methods = METHODS if a.probabilities is not None else ("attention", "rollout")
+    index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
+    maps, _, _ = relevance_maps(model, x, methods=methods, targets=[index] if index is not None else None)
+    return {m: v[0] for m, v in maps.items()}, index
+
+
+def faithfulness_of(cache: ModelCache, exp: Exploration, maps: dict[str, torch.Tensor], *, target: int, steps: int = 16,
+                    seed: int = 0) -> dict[str, Curves]:
+    """Deletion and insertion curves of each map's order, and of a random order ("random")."""
+    model, x = _input(cache, exp)
+    orders = dict(maps)
+    orders["random"] = random_maps(next(iter(maps.values())).shape, seed=seed)
+    stacked = torch.stack(list(orders.values()))  # one batch: every ordering of the same image
+    curves = perturbation_curves(model, x.expand(len(orders), -1, -1, -1), stacked, torch.full((len(orders),), target), steps=steps)
+    return {
+        name: Curves(fractions=curves.fractions, deletion=curves.deletion[i : i + 1], insertion=curves.insertion[i : i + 1])
+        for i, name in enumerate(orders)
+    }

@@ -1,0 +1,176 @@
+"""The explorer's data, as the browser holds it, and the one rule both sides draw it by.
+
+Every row of attention a view can show — layer l, head h (the heads, then their mean and their
+max), query token q, over the patch keys — is kept as 8 bits relative to the row's own maximum:
+q8 = floor(a / max x 255 + 1/2), read back as q8 x max / 255. A view's heat is then coloured by
+`vitviz.plots.heat_indices` and blended by `vitviz.plots.overlay_many`'s integer rule. The server's
+views (`vitviz.server.views`) and the browser's (`explorer.js`) do exactly this, in float64, so the
+two give the same pixels for the same view.
+
+What the browser gets, per analysis, in one binary file (little-endian):
+
+    float32 shared_max[N]                       the largest weight query q gives a patch, any layer or head
+    then per layer: float32 row_max[H + 2, N]   each row's maximum
+                    uint8   rows[H + 2, N, M]   the rows, 8 bits each
+
+All layers in one file when that fits in `budget` bytes (ViT-B/16: 6.5 MB); otherwise one file per
+layer, fetched when the layer is shown (when one layer fits; DINO S/8: 4.9 MB a layer); otherwise the
+views are the server's (ViT-H/14 at 518 px: 34 MB a layer).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitviz.pipeline import Analysis
+
+__all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
+           "layer_block", "stack_file", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
+
+BUDGET = 24 * 2**20  # bytes the browser is sent at once
+_BILINEAR = Image.BILINEAR
+
+
+def mosaic_tile_px(grid: tuple[int, int], target: int = 160) -> int:
+    """A mosaic tile's side near `target` px that the patch grid divides."""
+    return grid[1] * max(1, -(-target // grid[1]))
+
+
+def fused_rows(attn_layer: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """One layer's rows for every view: the heads, then their mean and max: [H, N, N] -> float32 [H + 2, N, M]."""
+    rows = attn_layer[:, :, num_prefix_tokens:].float()
+    return torch.cat([rows, rows.mean(dim=0, keepdim=True), rows.amax(dim=0, keepdim=True)])
+
+
+def quantise_rows(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """float rows [..., M] -> (uint8 [..., M], float32 row maxima [...]): floor(a / max x 255 + 1/2)."""
+    r = rows.detach().cpu().float().numpy()
+    top = r.max(axis=-1).astype(np.float32)
+    safe = np.where(top > 0, top, 1).astype(np.float64)
+    q = np.floor(r.astype(np.float64) / safe[..., None] * 255.0 + 0.5)
+    return np.clip(q, 0, 255).astype(np.uint8), top
+
+
+def dequantise(q: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """uint8 [..., M] and float32 maxima [...] -> float64 values: q x max / 255 (in that order)."""
+    return q.astype(np.float64) * top.astype(np.float64)[..., None] / 255.0
+
+
+def row_values(a: Analysis, *, layer: int, head: int, query: int) -> np.ndarray:
+    """The values a view of layer `layer` (0-based), head `head` (0..H-1, H: mean, H+1: max) and query
+    token `query` shows over the patches: float64 [M], exactly as the browser reads them."""
+    rows = fused_rows(a.attentions[layer, :, query : query + 1], a.num_prefix_tokens)[head, 0]
+    q, top = quantise_rows(rows)
+    return dequantise(q, np.asarray(top))
+
+
+def shared_max(a: Analysis) -> np.ndarray:
+    """float32 [N]: the largest weight each query gives a patch, in any layer and head (the top of the
+    shared colour scale)."""
+    return a.attentions[:, :, :, a.num_prefix_tokens :].amax(dim=(0, 1, 3)).float().numpy().astype(np.float32)
+
+
+@dataclass(frozen=True)
+class ExplorerLayout:
+    """How an analysis goes to the browser: "stack" (one file), "layers" (a file per layer) or "server"."""
+
+    mode: str
+    layers: int
+    views: int  # H + 2
+    tokens: int
+    patches: int
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.views * self.tokens * (4 + self.patches)
+
+    @property
+    def stack_bytes(self) -> int:
+        return 4 * self.tokens + self.layers * self.layer_bytes
+
+
+def layout_of(a: Analysis, *, budget: int = BUDGET) -> ExplorerLayout:
+    depth, heads, n, _ = a.attentions.shape
+    base = ExplorerLayout("stack", depth, heads + 2, n, n - a.num_prefix_tokens)
+    if base.stack_bytes <= budget:
+        return base
+    if 4 * n + base.layer_bytes <= budget:
+        return ExplorerLayout("layers", depth, heads + 2, n, base.patches)
+    return ExplorerLayout("server", depth, heads + 2, n, base.patches)
+
+
+def layer_block(a: Analysis, layer: int) -> bytes:
+    """One layer as the browser reads it: float32 row maxima [H + 2, N], then uint8 rows [H + 2, N, M]."""
+    q, top = quantise_rows(fused_rows(a.attentions[layer], a.num_prefix_tokens))
+    return top.astype("<f4").tobytes() + q.tobytes()
+
+
+def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
+    """The file for `layers`: float32 shared maxima [N], then each layer's block."""
+    buf = io.BytesIO()
+    buf.write(shared_max(a).astype("<f4").tobytes())
+    for layer in layers:
+        buf.write(layer_block(a, layer))
+    return buf.getvalue()
+
+
+def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
+    """Writes what the browser needs for `exp` (an `Exploration`) into `folder`, under names made
+    from `key` (the session's secret), and returns the explorer's value: its layout, the files' paths
+    and the colour map."""
+    import matplotlib
+    from pathlib import Path
+
+    from vitviz.plots import CMAP
+
+    a = exp.analysis
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layout = layout_of(a, budget=budget)
+    depth, heads = a.attentions.shape[:2]
+    value = dict(
+        id=key, mode=layout.mode, depth=depth, heads=heads, views=heads + 2, tokens=layout.tokens, patches=layout.patches,
+        grid=list(a.grid), prefix=list(a.prefix_names), patch_px=a.patch_size * exp.scale,
+        lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist(),
+    )
+    if layout.mode == "server":
+        value["note"] = (
+            f"{a.variant}'s attention is too large to hold in the browser ({layout.layer_bytes / 2**20:.0f} MB a layer); "
+            "the views below are drawn by the server."
+        )
+        return value
+    tile = mosaic_tile_px(a.grid)
+    for name, draw in (("base", lambda: exp.display_image), ("tile_base", lambda: a.image.resize((tile, tile), _BILINEAR))):
+        path = folder / f"{key}-{name}.png"
+        if not path.exists():
+            draw().save(path, format="PNG", compress_level=1)
+        value[name] = str(path)
+    if layout.mode == "stack":
+        path = folder / f"{key}-stack.bin"
+        if not path.exists():  # one analysis, one key: written once
+            path.write_bytes(stack_file(a, range(depth)))
+        value["data"] = str(path)
+    return value
+
+
+def write_layer(exp, *, key: str, layer: int, folder) -> str:
+    """The file of one layer (1-based) for the "layers" layout; returns its path."""
+    from pathlib import Path
+
+    path = Path(folder) / f"{key}-layer{layer}.bin"
+    if not path.exists():
+        path.write_bytes(stack_file(exp.analysis, [layer - 1]))
+    return str(path)
+
+
+def widget_files() -> dict[str, str]:
+    """The browser side: {"js": ..., "html": ..., "css": ...} (explorer.js, .html, .css of this package)."""
+    from importlib import resources
+
+    folder = resources.files("vitviz.server")
+    return {kind: (folder / f"explorer.{kind}").read_text() for kind in ("js", "html", "css")}
