@@ -3,6 +3,8 @@
     python -m vitviz.bench                   # ViT-B/16, batch 1, CPU (and CUDA when available)
     python -m vitviz.bench --rounds 30 --arch vit_b_32
     python -m vitviz.bench --app             # end to end through the running app (gradio_client)
+    python -m vitviz.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
+    python -m vitviz.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
@@ -12,6 +14,9 @@ Weights are random (the cost does not depend on their values), so no download is
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import platform
 import statistics
 import time
@@ -154,6 +159,14 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
     holds every scratch file of the run (gradio_client's downloads) and is removed at the end, when
     the environment and `tempfile.tempdir` are put back as they were.
     """
+    with _private_weights() as torch_home:
+        return _app_table(arch, second, rounds=rounds, torch_home=torch_home)
+
+
+@contextlib.contextmanager
+def _private_weights():
+    """A temporary $TORCH_HOME (offline) for random checkpoints and every scratch file of a run,
+    removed at the end, when the environment and `tempfile.tempdir` are put back as they were."""
     import os
     import shutil
     import tempfile
@@ -164,7 +177,7 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
     os.environ["TORCH_HOME"] = torch_home
     os.environ["VITVIZ_OFFLINE"] = "1"
     try:
-        return _app_table(arch, second, rounds=rounds, torch_home=torch_home)
+        yield torch_home
     finally:
         tempfile.tempdir = before[0]
         for key, value in before[1].items():
@@ -175,19 +188,23 @@ def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, 
         shutil.rmtree(torch_home, ignore_errors=True)
 
 
-def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
+def _random_torchvision_checkpoints(names) -> dict:
+    """Random torchvision weights for `names` saved where their real weights would be: {name: the model}."""
     import torchvision
 
     ckpt = vitviz.sources.checkpoint_dir()
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    tv = None
-    for name in (arch, second):
-        spec = vitviz.get_spec(name)
+    out = {}
+    for name in names:
         model = getattr(torchvision.models, name)().eval()
-        torch.save(model.state_dict(), ckpt / spec.filename)
-        if name == arch:
-            tv = model
+        torch.save(model.state_dict(), ckpt / vitviz.get_spec(name).filename)
+        out[name] = model
+    return out
+
+
+def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
+    tv = _random_torchvision_checkpoints([arch, second])[arch]
     import app
     from gradio_client import Client, handle_file
 
@@ -238,15 +255,15 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
         handler_views = {
             "view: layer (handler)": lambda: app.on_view(ref, 1 + tick() % layers, "mean", 0),
             "view: head (handler)": lambda: app.on_view(ref, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
-            "view: query patch (handler)": lambda: app.on_click(ref, layers, "mean", _Click(tick())),
+            "view: query patch (handler)": lambda: app.on_click(ref, layers, "mean", app.SCALES[0], _Click(tick())),
             "view: rollout option (handler)": lambda: app.on_rollout_options(ref, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
         }
         client_views = {
-            "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
-            "view: head (gradio_client)": lambda: viewer.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, api_name="/session_view"),
-            "view: query patch (gradio_client)": lambda: viewer.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), api_name="/session_view"),
+            "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, "each map", api_name="/session_view"),
+            "view: head (gradio_client)": lambda: viewer.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, "each map", api_name="/session_view"),
+            "view: query patch (gradio_client)": lambda: viewer.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), "each map", api_name="/session_view"),
             "view: rollout option (gradio_client)": lambda: viewer.predict(["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9), api_name="/session_rollout"),
-            "view: layer (gradio_client, images fetched)": lambda: client.predict(1 + tick() % layers, "mean", 0, api_name="/session_view"),
+            "view: layer (gradio_client, images fetched)": lambda: client.predict(1 + tick() % layers, "mean", 0, "each map", api_name="/session_view"),
             "gradio_client floor: a trivial echo app": lambda: echo.predict("x", api_name="/echo"),
         }
         try:
@@ -277,6 +294,213 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
     return rows
 
 
+# In the page: the watch notes the time stamp of the next input event (pointer, key, change, click)
+# and resolves, once the view it waits for is in the page (an attribute's value, or a new picture
+# decoded), in the next animation frame's callback, just before that frame paints. Latency = the
+# callback's performance.now() - the event's time stamp (the same clock).
+_WATCH_JS = """
+([kind, selector, attribute, expected, previous]) => { window.__vvPending = new Promise((resolve) => {
+  let start = null;
+  const types = ['pointermove', 'mousemove', 'pointerdown', 'click', 'keydown', 'input', 'change'];
+  const onEvent = (e) => { if (start === null) start = e.timeStamp; };
+  types.forEach((t) => document.addEventListener(t, onEvent, { capture: true }));
+  const finish = () => requestAnimationFrame(() => {  // the frame that paints the change
+    const now = performance.now();
+    types.forEach((t) => document.removeEventListener(t, onEvent, { capture: true }));
+    resolve(now - (start === null ? now : start));
+  });
+  const check = async () => {
+    const el = document.querySelector(selector);
+    if (!el) return false;
+    if (kind === 'attr') return el.getAttribute(attribute) === expected;
+    if (el.getAttribute('src') === previous || !el.getAttribute('src')) return false;
+    try { await el.decode(); } catch (e) { return false; }
+    return true;
+  };
+  const observer = new MutationObserver(async () => { if (await check()) { observer.disconnect(); finish(); } });
+  observer.observe(document.body, { subtree: true, attributes: true, childList: true });
+  setTimeout(() => { observer.disconnect(); resolve(-1); }, 120000);
+}); }
+"""
+
+
+def _timed(page, action, kind: str, selector: str, attribute: str | None = None, expected: str | None = None) -> float:
+    """Milliseconds from `action`'s input event to the frame that shows the view it asks for."""
+    previous = page.locator(selector).first.get_attribute("src") if kind == "src" else None
+    page.evaluate(_WATCH_JS, [kind, selector, attribute, expected, previous])
+    action()
+    ms = float(page.evaluate("() => window.__vvPending"))
+    if ms < 0:
+        raise RuntimeError(f"the page never showed {selector} {attribute or 'src'} = {expected or 'a new picture'}")
+    return ms
+
+
+def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[tuple[str, str, float, str]]:
+    """View changes and new analyses in the system Chromium against the app in this process.
+
+    For each model: hover onto a new patch, click to pin one, a layer step from the keyboard, a head
+    change, a rollout option (drawn by the server) and a new analysis (a new 640x480 JPEG uploaded,
+    until its rollout is on screen, and until the explorer holds it); medians over `moves` of each.
+    torchvision variants load through the real weights path, with random weights. Returns
+    (model, what, median ms, note) rows.
+    """
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = os.environ.get("VITVIZ_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise SystemExit("--browser needs the system's Chromium (apt-get install -y chromium)")
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run"]
+    rows = []
+    with _private_weights() as torch_home:
+        models = _random_torchvision_checkpoints([n for n in names if vitviz.get_spec(n).source == "torchvision"])
+        import app
+
+        app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+        rng = np.random.default_rng(3)
+        photos = []
+        for i in range(moves + 2):
+            path = Path(torch_home) / f"photo{i}.jpg"
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
+            photos.append(str(path))
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=chromium, headless=True, args=flags)
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})
+                page.set_default_timeout(120_000)
+                for name in names:
+                    rows += _browser_rows(page, app, name, photos, moves, models.get(name))
+                browser.close()
+        finally:
+            app.demo.close()
+    return rows
+
+
+def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model) -> list[tuple[str, str, float, str]]:
+    page.goto(app.demo.local_url)
+    page.locator("#vv-variant input").first.fill(name)
+    page.keyboard.press("Enter")
+    page.locator("#vv-image input[type=file]").set_input_files(photos[0])
+    page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({name + ' on '!r})")
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    box = canvas.bounding_box()
+    spec = vitviz.get_spec(name)
+    gh, gw = spec.grid
+    p = spec.num_prefix_tokens
+    map_sel = "#vv-explorer-live canvas.vvx-map"
+    timings: dict[str, list[float]] = {k: [] for k in ("hover", "click", "layer", "head")}
+
+    def at(r: int, c: int) -> tuple[float, float]:
+        return box["x"] + (c + 0.5) * box["width"] / gw, box["y"] + (r + 0.5) * box["height"] / gh
+
+    rng = np.random.default_rng(7)
+    cells = [(int(r), int(c)) for r, c in zip(rng.integers(0, gh, 4 * moves), rng.integers(0, gw, 4 * moves))]
+    last = None
+    for r, c in cells[:moves]:
+        if (r, c) == last:
+            continue
+        last = (r, c)
+        timings["hover"].append(_timed(page, lambda: page.mouse.move(*at(r, c)), "attr", map_sel, "data-query", str(p + r * gw + c)))
+    for r, c in cells[moves : 2 * moves]:
+        query = str(p + r * gw + c)
+        timings["click"].append(_timed(page, lambda: page.mouse.click(*at(r, c)), "attr", map_sel, "data-query", query))
+        page.mouse.click(*at(r, c))  # let go of the pin again
+    layer = page.locator("#vv-explorer-live .vvx-layer")
+    layer.focus()
+    depth = spec.depth
+    current = int(canvas.get_attribute("data-layer"))
+    for k in range(moves):
+        step = "ArrowLeft" if current > 1 and (k // (depth - 1)) % 2 == 0 else "ArrowRight"
+        current += -1 if step == "ArrowLeft" else 1
+        current = min(depth, max(1, current))
+        timings["layer"].append(_timed(page, lambda: page.keyboard.press(step), "attr", map_sel, "data-layer", str(current)))
+    heads = ["mean", "max"] + [f"head {h + 1}" for h in range(spec.heads)]
+    head_now = canvas.get_attribute("data-head")
+    for k in range(moves):
+        choice = heads[k % len(heads)]
+        if choice == head_now:
+            choice = heads[(k + 1) % len(heads)]
+        sel = page.locator("#vv-explorer-live .vvx-head")
+        timings["head"].append(_timed(page, lambda: sel.select_option(label=choice), "attr", map_sel, "data-head", choice))
+        head_now = choice
+    page.get_by_role("tab", name="Predict").click()
+    rollout = []
+    fusions = ["max", "min", "mean"]
+    for k in range(moves):
+        radio = page.locator("#vv-fusion label", has_text=fusions[k % 3])
+        rollout.append(_timed(page, lambda: radio.click(), "src", "#vv-rollout img"))
+    model = tv_model if tv_model is not None else vitviz.load_model(name, device="cpu")
+    x = torch.randn(1, 3, spec.image_size, spec.image_size)
+
+    def forward():
+        with torch.inference_mode():
+            model(x)
+
+    forward()
+    analyse, explorer_ready, plain = [], [], []
+    for k in range(moves):  # a plain forward, then an analysis, in turn: the same machine state for both
+        start = time.perf_counter()
+        forward()
+        plain.append((time.perf_counter() - start) * 1e3)
+        photo = photos[1 + (k % (len(photos) - 1))]
+        previous = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
+        analyse.append(_timed(page, lambda: page.locator("#vv-image input[type=file]").set_input_files(photo), "src", "#vv-rollout img"))
+        start = time.perf_counter()
+        page.wait_for_function(f"document.querySelector('#vv-explorer-live .vvx').dataset.analysis && "
+                               f"document.querySelector('#vv-explorer-live .vvx').dataset.analysis !== {previous!r}")
+        explorer_ready.append(analyse[-1] + (time.perf_counter() - start) * 1e3)
+    uploads = page.evaluate(
+        "performance.getEntriesByType('resource').filter(e => e.name.includes('/gradio_api/upload')).map(e => e.duration)"
+    )
+    plain = statistics.median(plain)
+    upload = statistics.median(uploads[-moves:]) if uploads else 0.0
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    rows = [(name, f"view change: {k}", v, f"{len(timings[k])} moves") for k, v in med.items()]
+    rows.append((name, "rollout option (drawn by the server)", statistics.median(rollout), f"{moves} moves"))
+    rows.append((name, "plain forward, batch 1", plain, "in this process, between the analyses"))
+    rows.append((name, "upload of the photo", upload, ""))
+    a = statistics.median(analyse)
+    rows.append((name, "new analysis: upload to rollout on screen", a, f"{a / (plain + upload):.2f}x (forward + upload)"))
+    e = statistics.median(explorer_ready)
+    rows.append((name, "new analysis: until the explorer holds it", e, f"{e / (plain + upload):.2f}x (forward + upload)"))
+    return rows
+
+
+def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2), metrics: str = "distance",
+                   methods: str = "rollout,gradient", batch_size: int = 32) -> list[tuple[str, float, float, float]]:
+    """`python -m vitviz.evaluate` over a folder of 640x480 JPEGs, on 1 process and on N (torchrun,
+    gloo on CPU, NCCL on GPUs): (processes, images/s, plain batched forwards' images/s on the same
+    ranks, ratio). torchvision variants load random weights through the real weights path."""
+    import subprocess
+    import sys
+
+    rows = []
+    with _private_weights() as home:
+        if vitviz.get_spec(arch).source == "torchvision":
+            _random_torchvision_checkpoints([arch])
+        folder = Path(home) / "photos"
+        folder.mkdir()
+        rng = np.random.default_rng(5)
+        for i in range(images):
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(folder / f"{i:04d}.jpg", quality=90)
+        root = Path(__file__).resolve().parent.parent
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        for n in processes:
+            out = Path(home) / f"out{n}"
+            args = ["-m", "vitviz.evaluate", str(folder), "--model", arch, "--metrics", metrics, "--methods", methods,
+                    "--batch-size", str(batch_size), "--out", str(out)]
+            cmd = [sys.executable, *args] if n == 1 else ["torchrun", "--standalone", f"--nproc_per_node={n}", *args]
+            subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            run = json.loads((out / "run.json").read_text())
+            rate, plain = run["images_per_second"], run["plain_forward_images_per_second"]
+            rows.append((n, rate, plain, rate / plain))
+    return rows
+
+
 def _print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"\n{title}")
     print(f"{'path':<46}{'median ms':>12}{'ratio':>9}")
@@ -291,7 +515,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-only", action="store_true")
     ap.add_argument("--app", action="store_true", help="end to end through the app instead of the model paths")
     ap.add_argument("--second", default="vit_b_32", help="the other variant of the Compare timing (with --app)")
+    ap.add_argument("--browser", action="store_true", help="in Chromium: view changes and new analyses as a person sees them")
+    ap.add_argument("--models", nargs="+", default=["shapes_p16", "vit_b_16"], help="the models of --browser")
+    ap.add_argument("--evaluate", action="store_true", help="python -m vitviz.evaluate on 1 and --processes processes")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--images", type=int, default=128)
+    ap.add_argument("--metrics", default="distance", help="the metrics of --evaluate")
     args = ap.parse_args(argv)
+    if args.evaluate:
+        print(f"vitviz.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480, metrics {args.metrics}; "
+              f"{time.strftime('%Y-%m-%d')}; {_machine()}")
+        print(f"\n{'processes':<11}{'images/s':>10}{'plain forwards, images/s':>27}{'ratio':>8}")
+        for n, rate, plain, ratio in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=args.metrics):
+            print(f"{n:<11}{rate:>10.2f}{plain:>27.2f}{ratio:>8.2f}")
+        print("\ntarget (distance only): at least 0.8x plain batched forwards on the same ranks")
+        return
+    if args.browser:
+        print(f"vitviz.bench --browser {' '.join(args.models)}, {args.rounds} moves each; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print("the app in this process, the system's Chromium headless; random weights through the real weights path")
+        print(f"\n{'model':<14}{'what':<46}{'median ms':>11}  note")
+        for model, what, ms, note in browser_table(args.models, moves=args.rounds):
+            print(f"{model:<14}{what:<46}{ms:>11.1f}  {note}")
+        print("\ntargets: view change (hover, click, layer, head) <= 50 ms; new analysis <= 2.0x (forward + upload)")
+        return
     if args.app:
         print(f"vitviz.bench --app {args.arch} + {args.second}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("random weights in a temporary $TORCH_HOME, loaded through the app's real weights path")
