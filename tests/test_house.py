@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import random_timm_weights, write_hub_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vitviz"
@@ -170,8 +171,8 @@ def _readme_blocks() -> list[str]:
 @pytest.mark.slow
 def test_the_readmes_python_examples_run_as_written(tmp_path):
     """Every Python block of the README, in a fresh interpreter from the repository's root (where a
-    reader who cloned it stands); torchvision's weights come from a cache of random weights, offline;
-    the gradio_client examples talk to the app on its default port."""
+    reader who cloned it stands); torchvision's and timm's weights come from caches of random
+    weights, offline; the gradio_client examples talk to the app on its default port."""
     import torch
     import torchvision
 
@@ -181,7 +182,11 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
     ckpt = torch_home / "hub" / "checkpoints"
     ckpt.mkdir(parents=True)
     torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / "vit_b_16-c867db91.pth")
-    env = dict(os.environ, TORCH_HOME=str(torch_home), VITVIZ_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    hf_home = tmp_path / "hf"
+    for name in ("vit_small_patch16_224.dino",):  # the timm models the examples load by name
+        write_hub_cache(hf_home / "hub", f"timm/{name}", {"model.safetensors": random_timm_weights(name)[1]})
+    env = dict(os.environ, TORCH_HOME=str(torch_home), VITVIZ_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               HF_HUB_OFFLINE="1", HF_HOME=str(hf_home))
     env.pop("VITVIZ_ASSETS", None)
     needs_server = any("Client(" in b for b in blocks)
     server = None
