@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from vitviz import plots
 
@@ -65,3 +66,33 @@ def test_distance_chart_with_several_series_matches_the_full_figure():
     three = {"a": torch.rand(6, 3, generator=gen) * 50, "b": torch.rand(12, 12, generator=gen) * 50, "c": torch.rand(24, 16, generator=gen) * 50}
     want = np.asarray(plots.figure_to_image(plots.distance_figure(three, title="compare")))
     np.testing.assert_array_equal(np.asarray(chart.render(three)), want)
+
+
+@pytest.mark.parametrize("spread", ["narrow", "decades"])
+def test_token_charts_keep_every_label_inside_the_figure(spread):
+    """Tick labels and axis titles of the Tokens charts are drawn inside the picture, also when the
+    values span less than a power of ten (random weights: every token receives about 1/N)."""
+    gen = torch.Generator().manual_seed(0)
+    if spread == "narrow":
+        received = torch.rand(6, 38, generator=gen).softmax(-1)
+    else:
+        received = torch.rand(6, 38, generator=gen) * 0.01
+        received[:, 0] = 0.6
+    for fig in (plots.received_figure(received, prefix_names=("cls", "dist")),
+                plots.norms_figure(received * 40, prefix_names=("cls", "dist"))):
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        width, height = canvas.get_width_height()
+        ax = fig.axes[0]
+        texts = [ax.yaxis.label, ax.xaxis.label, ax.title]
+        low, high = ax.get_ylim()
+        shown = [t for t in ax.yaxis.get_major_ticks() + ax.yaxis.get_minor_ticks() if low <= t.get_loc() <= high]
+        ticks = [t.label1 for t in shown if t.label1.get_visible() and t.label1.get_text()]
+        assert len(ticks) >= 2
+        texts += ticks
+        for t in texts:
+            box = t.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, (t.get_text(), box)
+        if spread == "narrow" and ax.get_yscale() == "log":  # no 4x10^-2 on a narrow axis
+            assert not any("times" in t.get_text() for t in ticks), [t.get_text() for t in ticks]

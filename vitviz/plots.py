@@ -12,6 +12,7 @@ import math
 import threading
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -233,10 +234,7 @@ def distance_figure(
         distances: [L, H] for one model, or {name: [L, H]} for several in one chart.
         uniform: the uniform-attention reference (dashed line), in pixels.
     """
-    if ax is None:  # a fixed layout: a third cheaper to draw than layout="constrained"
-        fig = Figure(figsize=(5.2, 3.6), dpi=100)
-        fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
-        ax = fig.add_subplot()
+    ax = ax if ax is not None else _chart_axes()  # a fixed layout: a third cheaper to draw than layout="constrained"
     fig = ax.figure
     series = _as_series(distances)
     markers = "os^D"
@@ -366,29 +364,48 @@ def received_figure(received: torch.Tensor, *, prefix_names: tuple[str, ...], ti
         received: [L, N] the share of attention each token receives (`attention_received`, heads averaged).
         prefix_names: the names of the first p tokens.
     """
-    if ax is None:
-        fig = Figure(figsize=(5.2, 3.6), dpi=100)
-        fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
-        ax = fig.add_subplot()
-    fig = ax.figure
-    r = received.detach().cpu().float()
+    ax = ax if ax is not None else _chart_axes()
+    n = _token_lines(ax, received, prefix_names)
+    if n > len(prefix_names):
+        ax.axhline(1.0 / n, color="0.75", lw=0.8, label=f"uniform (1/{n})")
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    if high / low < 10:  # no power of ten in range: label the 2..9 ticks plainly rather than as 4x10^-2
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.2g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+    ax.figure.subplots_adjust(left=0.15)
+    _finish_token_chart(ax, "Share of attention received", title)
+    return ax.figure
+
+
+def _chart_axes():
+    """The axes of a 520 x 360 px line chart with a fixed layout."""
+    fig = Figure(figsize=(5.2, 3.6), dpi=100)
+    fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
+    return fig.add_subplot()
+
+
+def _token_lines(ax, values: torch.Tensor, prefix_names: tuple[str, ...]) -> int:
+    """One line per prefix token over the layers, and the patch tokens' median and largest; returns N."""
+    r = values.detach().cpu().float()
     depth, n = r.shape
-    p = len(prefix_names)
     layers = np.arange(1, depth + 1)
     for k, name in enumerate(prefix_names):
         ax.plot(layers, r[:, k].numpy(), marker="o", ms=3, lw=1.5, label=name)
-    if n > p:
-        patches = r[:, p:]
+    if n > len(prefix_names):
+        patches = r[:, len(prefix_names):]
         ax.plot(layers, patches.median(dim=1).values.numpy(), color="0.45", ls="--", lw=1, label="patch, median")
         ax.plot(layers, patches.amax(dim=1).numpy(), color="0.2", ls=":", lw=1, label="patch, largest")
-        ax.axhline(1.0 / n, color="0.75", lw=0.8, label=f"uniform (1/{n})")
-    ax.set_yscale("log")
+    return n
+
+
+def _finish_token_chart(ax, ylabel: str, title: str) -> None:
     ax.set_xlabel("Network depth (layer)")
-    ax.set_ylabel("Share of attention received")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="best", ncol=2)
     ax.grid(alpha=0.3)
-    return fig
 
 
 def norms_figure(norms: torch.Tensor, *, prefix_names: tuple[str, ...], title: str = "Token norms") -> Figure:
@@ -398,25 +415,10 @@ def norms_figure(norms: torch.Tensor, *, prefix_names: tuple[str, ...], title: s
     Args:
         norms: [L, N].
     """
-    fig = Figure(figsize=(5.2, 3.6), dpi=100)
-    fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
-    ax = fig.add_subplot()
-    r = norms.detach().cpu().float()
-    depth, n = r.shape
-    p = len(prefix_names)
-    layers = np.arange(1, depth + 1)
-    for k, name in enumerate(prefix_names):
-        ax.plot(layers, r[:, k].numpy(), marker="o", ms=3, lw=1.5, label=name)
-    if n > p:
-        patches = r[:, p:]
-        ax.plot(layers, patches.median(dim=1).values.numpy(), color="0.45", ls="--", lw=1, label="patch, median")
-        ax.plot(layers, patches.amax(dim=1).numpy(), color="0.2", ls=":", lw=1, label="patch, largest")
-    ax.set_xlabel("Network depth (layer)")
-    ax.set_ylabel("Token norm (before the final norm)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="best", ncol=2)
-    ax.grid(alpha=0.3)
-    return fig
+    ax = _chart_axes()
+    _token_lines(ax, norms, prefix_names)
+    _finish_token_chart(ax, "Token norm (before the final norm)", title)
+    return ax.figure
 
 
 def faithfulness_figure(curves: dict, *, title: str = "") -> Figure:
