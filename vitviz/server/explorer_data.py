@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
 from PIL import Image
 
 from vitviz.pipeline import Analysis
+from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
            "layer_block", "stack_file", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
@@ -123,11 +126,6 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
     """Writes what the browser needs for `exp` (an `Exploration`) into `folder`, under names made
     from `key` (the session's secret), and returns the explorer's value: its layout, the files' paths
     and the colour map."""
-    import matplotlib
-    from pathlib import Path
-
-    from vitviz.plots import CMAP
-
     a = exp.analysis
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -160,8 +158,6 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
 
 def write_layer(exp, *, key: str, layer: int, folder) -> str:
     """The file of one layer (1-based) for the "layers" layout; returns its path."""
-    from pathlib import Path
-
     path = Path(folder) / f"{key}-layer{layer}.bin"
     if not path.exists():
         path.write_bytes(stack_file(exp.analysis, [layer - 1]))
