@@ -50,14 +50,12 @@ def write_hub_cache(root, repo: str, files: dict[str, bytes]) -> None:
         (snap / name).write_bytes(data)
 
 
-def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, bytes]:
-    """A timm model with random weights (LayerScale and head away from their inits), and those
-    weights as the model.safetensors a hub repository holds."""
+def random_timm(name: str, **kwargs) -> torch.nn.Module:
+    """A timm model with random weights, its LayerScale and head moved away from their inits (1e-5
+    and zeros), so that a conversion that drops either cannot pass."""
     import timm
-    from safetensors.torch import save
 
-    torch.manual_seed(seed)
-    model = timm.create_model(name, pretrained=False).eval()
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ == "LayerScale":
@@ -66,6 +64,15 @@ def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, byte
             if isinstance(head, torch.nn.Linear):
                 head.weight.normal_(std=0.02)
                 head.bias.normal_(std=0.02)
+    return model
+
+
+def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, bytes]:
+    """`random_timm(name)` seeded, and its weights as the model.safetensors a hub repository holds."""
+    from safetensors.torch import save
+
+    torch.manual_seed(seed)
+    model = random_timm(name)
     return model, save({k: v.contiguous() for k, v in model.state_dict().items()})
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_timm
 
 import vitviz
 
@@ -25,21 +26,6 @@ NAMES = [
     "vit_small_patch14_reg4_dinov2.lvd142m",
     "vit_base_patch16_clip_224.openai",
 ]
-
-
-def random_timm(name: str, **kwargs) -> torch.nn.Module:
-    """A timm model with random weights, its LayerScale and head moved away from their inits (1e-5
-    and zeros), so that a conversion that drops either cannot pass."""
-    model = timm.create_model(name, pretrained=False, **kwargs).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "LayerScale":
-                module.gamma.normal_(1.0, 0.2)
-        for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
-            if isinstance(head, torch.nn.Linear):
-                head.weight.normal_(std=0.02)
-                head.bias.normal_(std=0.02)
-    return model
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:

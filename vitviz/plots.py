@@ -427,25 +427,11 @@ def faithfulness_figure(curves: dict, *, title: str = "") -> Figure:
     Args:
         curves: {method: `vitviz.faithfulness.Curves`} (the first sample of each is drawn).
     """
-    fig = Figure(figsize=(8.4, 3.4), dpi=100)
-    fig.subplots_adjust(left=0.08, right=0.98, top=0.86, bottom=0.16, wspace=0.22)
-    axes = fig.subplots(1, 2)
-    for ax, mode, better in zip(axes, ("deletion", "insertion"), ("lower", "higher")):
-        for name, c in curves.items():
-            values = getattr(c, mode)[0].numpy()
-            area = float(getattr(c, f"{mode}_auc")[0])
-            style = dict(color="0.5", ls="--") if name == "random" else {}
-            ax.plot(c.fractions.numpy(), values, lw=1.5, label=f"{name} ({area:.3f})", **style)
-        ax.set_xlabel(f"Fraction of patches {'removed' if mode == 'deletion' else 'revealed'}")
-        ax.set_ylabel("Probability of the class")
-        ax.set_title(f"{mode.capitalize()}: area under the curve, {better} is better", fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return fig
+    series = {(name, mode): getattr(c, mode)[0].numpy() for name, c in curves.items() for mode in ("deletion", "insertion")}
+    fractions = next(iter(curves.values())).fractions.numpy()
+    return _curve_panels(series, fractions, ylabel="Probability of the class", title=title,
+                         titles={"deletion": "Deletion: area under the curve, lower is better",
+                                 "insertion": "Insertion: area under the curve, higher is better"})
 
 
 def curves_figure(curves: dict, *, steps: int, title: str = "") -> Figure:
@@ -454,18 +440,24 @@ def curves_figure(curves: dict, *, steps: int, title: str = "") -> Figure:
     Args:
         curves: {(method, "deletion" | "insertion"): mean probability of the class [steps + 1]}.
     """
+    return _curve_panels(curves, np.arange(steps + 1) / steps, ylabel="Mean probability of the class", title=title,
+                         titles={"deletion": "Deletion (area under the curve)", "insertion": "Insertion (area under the curve)"})
+
+
+def _curve_panels(series: dict, fractions: np.ndarray, *, ylabel: str, title: str, titles: dict[str, str]) -> Figure:
+    """{(method, mode): values over `fractions`} as two panels, deletion and insertion, each line's
+    area (trapezoidal rule) in the legend; "random" dashed grey."""
     fig = Figure(figsize=(8.4, 3.4), dpi=100)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.86, bottom=0.16, wspace=0.22)
     axes = dict(zip(("deletion", "insertion"), fig.subplots(1, 2)))
-    fractions = np.arange(steps + 1) / steps
-    for (method, mode), values in curves.items():
+    for (method, mode), values in series.items():
         area = float(np.trapezoid(values, fractions))
         style = dict(color="0.5", ls="--") if method == "random" else {}
         axes[mode].plot(fractions, values, lw=1.5, label=f"{method} ({area:.3f})", **style)
     for mode, ax in axes.items():
         ax.set_xlabel(f"Fraction of patches {'removed' if mode == 'deletion' else 'revealed'}")
-        ax.set_ylabel("Mean probability of the class")
-        ax.set_title(f"{mode.capitalize()} (area under the curve)", fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.set_title(titles[mode], fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
