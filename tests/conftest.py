@@ -37,8 +37,9 @@ def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
 _REV = "0123456789abcdef0123456789abcdef01234567"
 
 
-def write_hub_cache(root, repo: str, files: dict[str, bytes]) -> None:
-    """`files` in a Hugging Face cache under `root` (its "hub" folder), as `hf download` leaves them."""
+def write_hub_cache(root, repo: str, files: dict[str, bytes]):
+    """`files` in a Hugging Face cache under `root` (its "hub" folder), as `hf download` leaves them;
+    returns the snapshot folder (for more files, e.g. `save_pretrained`)."""
     from pathlib import Path
 
     folder = Path(root) / f"models--{repo.replace('/', '--')}"
@@ -48,6 +49,7 @@ def write_hub_cache(root, repo: str, files: dict[str, bytes]) -> None:
     snap.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (snap / name).write_bytes(data)
+    return snap
 
 
 def random_timm(name: str, **kwargs) -> torch.nn.Module:

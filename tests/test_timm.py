@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_timm
+from conftest import random_timm, random_timm_weights, write_hub_cache
 
 import vitviz
 
@@ -115,18 +115,6 @@ def test_names_offered_by_the_menu_are_described_without_weights():
 # The weights path: a Hugging Face cache with random weights, offline, in a fresh interpreter
 
 
-def _hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> None:
-    """`files` in a Hugging Face cache under `root`, as `hf download` leaves them."""
-    rev = "0123456789abcdef0123456789abcdef01234567"
-    folder = root / "hub" / f"models--{repo.replace('/', '--')}"
-    (folder / "refs").mkdir(parents=True, exist_ok=True)
-    (folder / "refs" / "main").write_text(rev)
-    snap = folder / "snapshots" / rev
-    snap.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (snap / name).write_bytes(data)
-
-
 def _run(code: str, hf_home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -134,13 +122,9 @@ def _run(code: str, hf_home: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_load_model_reads_the_hub_cache_offline_and_says_what_to_do_without_it(tmp_path):
-    from safetensors.torch import save
-
     name = "vit_small_patch16_224.dino"
-    torch.manual_seed(2)
-    model = random_timm(name)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
-    _hub_cache(tmp_path / "hf", f"timm/{name}", {"model.safetensors": save(weights)})
+    model, weights = random_timm_weights(name, seed=2)
+    write_hub_cache(tmp_path / "hf" / "hub", f"timm/{name}", {"model.safetensors": weights})
     x = torch.randn(1, 3, 224, 224)
     torch.save(x, tmp_path / "x.pt")
     with torch.inference_mode():

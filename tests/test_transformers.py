@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_hub_cache
 
 import vitviz
 
@@ -118,12 +119,8 @@ def test_load_model_reads_the_hub_cache_offline(tmp_path):
     """A repository saved with save_pretrained into a Hugging Face cache: load_model("hf:...") finds
     the weights and the image processor there, with HF_HUB_OFFLINE=1, in a fresh interpreter."""
     model = _randomise(_models()["dinov2-registers"])
-    rev = "0123456789abcdef0123456789abcdef01234567"
     repo = "vitviz-test/tiny-dinov2-registers"
-    folder = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(rev)
-    snap = folder / "snapshots" / rev
+    snap = write_hub_cache(tmp_path / "hf" / "hub", repo, {})
     model.save_pretrained(snap)
     transformers.BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 48, "width": 48}, resample=3).save_pretrained(snap)
     x = torch.randn(1, 3, 48, 48)
