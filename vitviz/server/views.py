@@ -118,14 +118,25 @@ def _name(exp: Exploration, *parts: object) -> str:
     return "-".join(_slug(str(p)) for p in (exp.analysis.variant, *parts) if p != "") + ".png"
 
 
+def _heat_view(exp: Exploration, heat: torch.Tensor, *, name: str, label: str, vmin: float | None = None,
+               vmax: float | None = None, cmap: str = plots.CMAP, mark: int | None = None) -> Image.Image:
+    """A map [gh, gw] over the displayed image, token `mark` outlined when it is a patch, with its
+    colour bar (the range drawn: vmin..vmax, or the map's own) and its download name."""
+    a = exp.analysis
+    img = plots.overlay(exp.display_image, heat, vmin=vmin, vmax=vmax, cmap=cmap)
+    lo, hi = img.info["vitviz_range"]
+    if mark is not None and mark >= a.num_prefix_tokens:
+        r, c = divmod(mark - a.num_prefix_tokens, a.grid[1])
+        img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
+    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label=label, cmap=cmap)
+
+
 def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0, token: int = 0) -> Image.Image:
     """A prefix token's rollout over the image (the cls token's; token 1 is DeiT's distillation
     token), computed from the stored attention, with its colour bar."""
     heat = exp.analysis.cls_map(token=token, head_fusion=head_fusion, discard_ratio=discard_ratio)  # type: ignore[arg-type]
-    img = plots.overlay(exp.display_image, heat)
-    lo, hi = img.info["vitviz_range"]
     name = _name(exp, "rollout", exp.analysis.prefix_names[token], head_fusion, f"discard{discard_ratio:g}")
-    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label="rollout")
+    return _heat_view(exp, heat, name=name, label="rollout")
 
 
 def render_received(exp: Exploration) -> Image.Image:
@@ -163,14 +174,9 @@ def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: 
     are the 8-bit rows the browser draws (`explorer_data`), so both give the same pixels."""
     a = exp.analysis
     heat = _view_heat(exp, layer=layer, head=head_index(head, a.attentions.shape[1]), query=query)
-    shared = query_range(exp, query=query, scale=scale)
-    img = plots.overlay(exp.display_image, heat, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
-    lo, hi = img.info["vitviz_range"]
-    if query >= a.num_prefix_tokens:
-        r, c = divmod(query - a.num_prefix_tokens, a.grid[1])
-        img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
+    lo, hi = query_range(exp, query=query, scale=scale) or (None, None)
     name = _name(exp, "query", f"layer{layer}", head.replace(" ", ""), f"token{query}", scale)
-    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label="attention")
+    return _heat_view(exp, heat, name=name, label="attention", vmin=lo, vmax=hi, mark=query)
 
 
 mosaic_tile_px = explorer_data.mosaic_tile_px
@@ -226,14 +232,9 @@ def render_architecture(exp: Exploration) -> tuple[Image.Image, list[list[str]]]
 def render_method_maps(exp: Exploration, maps: dict[str, torch.Tensor], *, label: str, scale: str = "map") -> dict[str, Image.Image]:
     """One overlay per method ({method: [gh, gw]}), each with its colour bar; "shared" puts every
     method on 0..the largest value of any (useful when the methods share a unit, as rollouts do)."""
-    shared = (0.0, max(float(m.max()) for m in maps.values())) if scale == "shared" else None
-    out = {}
-    for method, m in maps.items():
-        img = plots.overlay(exp.display_image, m, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
-        lo, hi = img.info["vitviz_range"]
-        plots.named(img, _name(exp, "explain", method, label))
-        out[method] = plots.with_colorbar(img, vmin=lo, vmax=hi, label="relevance")
-    return out
+    lo, hi = (0.0, max(float(m.max()) for m in maps.values())) if scale == "shared" else (None, None)
+    return {method: _heat_view(exp, m, name=_name(exp, "explain", method, label), label="relevance", vmin=lo, vmax=hi)
+            for method, m in maps.items()}
 
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
@@ -259,21 +260,14 @@ def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
     a = exp.analysis
     chart = plots.figure_to_image(plots.norms_figure(a.token_norms, prefix_names=a.prefix_names, title=f"{a.variant}: token norms per layer"))
     last = a.token_norms[-1, a.num_prefix_tokens :].reshape(a.grid)
-    img = plots.overlay(exp.display_image, last)
-    lo, hi = img.info["vitviz_range"]
-    plots.named(img, _name(exp, "token-norms-last-layer"))
-    return plots.named(chart, _name(exp, "token-norms")), plots.with_colorbar(img, vmin=lo, vmax=hi, label="norm")
-
-
-def feature_scores(exp: Exploration) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first three principal components of the last layer's patch tokens: scores [M, 3], explained [3]."""
-    a = exp.analysis
-    return feature_components(a.tokens[a.num_prefix_tokens :], k=3)
+    img = _heat_view(exp, last, name=_name(exp, "token-norms-last-layer"), label="norm")
+    return plots.named(chart, _name(exp, "token-norms")), img
 
 
 def render_features(exp: Exploration) -> tuple[Image.Image, str]:
     """(the patch features' first three principal components as RGB, the variance they explain)."""
-    scores, explained = feature_scores(exp)
+    a = exp.analysis
+    scores, explained = feature_components(a.tokens[a.num_prefix_tokens :], k=3)  # the first three principal components
     img = plots.features_image(scores, exp.analysis.grid, size=exp.display_image.size[0])
     text = ", ".join(f"PC{i + 1} {100 * float(e):.1f} %" for i, e in enumerate(explained))
     return plots.named(img, _name(exp, "feature-pca")), f"Red, green, blue: {text} of the patch features' variance."
@@ -286,8 +280,5 @@ def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
     if query < p:
         raise ValueError("pick a patch, not a prefix token")
     sim = feature_similarity(a.tokens[p:], query - p).reshape(a.grid)
-    img = plots.overlay(exp.display_image, sim, vmin=-1.0, vmax=1.0, cmap="RdBu_r")
-    r, c = divmod(query - p, a.grid[1])
-    img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
-    plots.named(img, _name(exp, "feature-similarity", f"token{query}"))
-    return plots.with_colorbar(img, vmin=-1.0, vmax=1.0, label="cosine", cmap="RdBu_r")
+    return _heat_view(exp, sim, name=_name(exp, "feature-similarity", f"token{query}"), label="cosine", vmin=-1.0, vmax=1.0,
+                      cmap="RdBu_r", mark=query)
