@@ -9,18 +9,24 @@
 DATA is a folder of images, searched recursively; in the ImageFolder layout (DATA/<class>/<image>)
 the folder's name is the image's class, and the class explained and scored is that one when the
 model knows it (else its top-1). Object masks for the pointing game lie under DATA/masks/ with the
-image's relative path and stem (any image format; white on the object). `python -m vitviz.shapes DIR
---n 1000` writes such a folder.
+image's relative path and stem (any image format; white on the object; the size of its image).
+Images and masks pass the app's image gate (`vitviz.load_image`); one it refuses is an error in its
+image's row and stops nothing. `python -m vitviz.shapes DIR --n 1000` writes such a folder.
 
 Metrics: "distance" (mean attention distance per layer and head, the paper's Figure 7, averaged over
 images), "pointing" (does each method's map peak on the object, dilated by one patch), "deletion" and
 "insertion" (area under the class probability's curve as patches go in the map's order; a random
-order is scored beside every method). The images are cut into global batches of --batch-size in
-file order, dealt to the ranks in turn: every image is scored once, by the same batch whatever the
-number of processes, and none is repeated to pad a rank. Each rank appends one line per image to its
-shard (DIR/shards/); a run started again skips the images already there. Dataset figures are sums
-reduced over the ranks with `all_reduce`; rank 0 merges the shards into per_image.csv and writes
-summary.csv (mean and 95 % interval per method and metric: Wilson's for the pointing game), distance.csv/.png and curves.png.
+order, seeded by the image's relative path, is scored beside every method). The images are cut into
+global batches of --batch-size in file order, dealt to the ranks in turn: every image is scored
+once, by the same batch whatever the number of processes, and none is repeated to pad a rank. Each
+rank appends one line per image to its shard (DIR/shards/): the image's relative path, its size and
+modification time (and its mask's), the sha256 of the bytes scored, and the results. A run started
+again skips the images already there; run.json holds the settings and the list of files, and a run
+into the same DIR after DATA changed is refused, or with --rescan scores what is new or changed and
+drops the rows of what is gone. Rank 0 checks every shard line, merges the rows of the current
+files into per_image.csv and computes the dataset figures from them in file order, so one process
+and many write the same summary.csv (mean and 95 % interval per method and metric: Wilson's for the
+pointing game), distance.csv/.png and curves.png.
 
     summary = vitviz.evaluate.summarize("results/")     # the same summary, from Python
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
@@ -36,34 +43,57 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image
 
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, pointing_game, uniform_attention_distance
 from vitviz.explanations import METHODS, maps_of, record
-from vitviz.faithfulness import auc, perturbation_curves, random_maps
+from vitviz.faithfulness import perturbation_curves, random_maps
 from vitviz.hooks import record_attention
-from vitviz.images import ImageError, load_image
+from vitviz.images import MAX_BYTES, ImageError, load_image
 from vitviz.model import ViT
 from vitviz.preprocess import Preprocessing, crop, to_input
 
-__all__ = ["METRICS", "Item", "scan", "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
+__all__ = ["METRICS", "Item", "EvaluateError", "scan", "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
 
 METRICS = ("distance", "pointing", "deletion", "insertion")
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95 % interval
+FORMAT = 2  # of run.json and the shard rows: rows keyed by the image's relative path, stamped and hashed
+
+
+class EvaluateError(ValueError):
+    """A run vitviz.evaluate will not start, resume or merge; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
 class Item:
+    """One image of DATA.
+
+    Attributes:
+        index: its place in the sorted list of DATA's images.
+        path: the path to read (DATA joined with `file`).
+        label: its class (the first folder below DATA), or None.
+        mask: the path of its object mask, or None.
+        file: its path relative to DATA, with "/" (what rows are keyed by).
+        stamp: its size and modification time, and its mask's: what a row was scored from.
+    """
+
     index: int
     path: str
     label: str | None
     mask: str | None
+    file: str = ""
+    stamp: str = ""
+
+
+def _stat(path: Path) -> str:
+    s = path.stat()
+    return f"{s.st_size}:{s.st_mtime_ns}"
 
 
 def scan(root: str | Path) -> list[Item]:
@@ -73,21 +103,53 @@ def scan(root: str | Path) -> list[Item]:
     masks_root = root / "masks"
     masks = {}
     if masks_root.is_dir():
-        for p in masks_root.rglob("*"):
-            if p.suffix.lower() in SUFFIXES:
-                masks[p.relative_to(masks_root).with_suffix("").as_posix()] = str(p)
-    paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in SUFFIXES and masks_root not in p.parents)
+        for p in sorted(masks_root.rglob("*")):
+            if p.suffix.lower() in SUFFIXES and p.is_file():
+                masks.setdefault(p.relative_to(masks_root).with_suffix("").as_posix(), p)
+    paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in SUFFIXES and masks_root not in p.parents and p.is_file())
     items = []
     for i, p in enumerate(paths):
         rel = p.relative_to(root)
         label = rel.parts[0] if len(rel.parts) > 1 else None
-        items.append(Item(i, str(p), label, masks.get(rel.with_suffix("").as_posix())))
+        mask = masks.get(rel.with_suffix("").as_posix())
+        stamp = _stat(p) + (f"|{mask.relative_to(root).as_posix()}:{_stat(mask)}" if mask else "")
+        items.append(Item(i, str(p), label, None if mask is None else str(mask), rel.as_posix(), stamp))
     return items
+
+
+def _read(path: str) -> bytes:
+    """The file's bytes, no more than the image gate reads (it refuses what is longer)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ImageError(f"the file cannot be read ({exc.strerror or exc})") from None
+
+
+def _digest(data: bytes) -> str:
+    """The sha256 of `data`, its first 16 bytes in hex."""
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _file_digest(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return _digest(_read(path))
+    except ImageError:
+        return None
+
+
+def _seed(file: str) -> int:
+    """The random order's seed of an image: from its relative path, so that it does not depend on
+    which other images DATA holds."""
+    return int.from_bytes(hashlib.sha256(file.encode()).digest()[:8], "big") >> 1
 
 
 class EvalDataset(torch.utils.data.Dataset):
     """Items read, checked and preprocessed (in DataLoader workers): the model's input, the object
-    mask cropped the same way (nearest), and whether the image could be read at all."""
+    mask cropped the same way (nearest), the digests of the bytes read, and what was wrong with the
+    image (its row counts nowhere) or with its mask (its row counts everywhere but the pointing game)."""
 
     def __init__(self, items: list[Item], pre: Preprocessing) -> None:
         self.items = items
@@ -101,16 +163,27 @@ class EvalDataset(torch.utils.data.Dataset):
         item = self.items[i]
         s = self.pre.image_size
         out = {"index": item.index, "x": torch.zeros(3, s, s), "mask": torch.zeros(s, s, dtype=torch.bool),
-               "has_mask": False, "ok": True, "error": ""}
+               "has_mask": False, "ok": True, "error": "", "mask_error": "", "sha256": None, "mask_sha256": None}
         try:
-            out["x"] = to_input(crop(load_image(item.path), self.pre), self.pre)
+            data = _read(item.path)
+            out["sha256"] = _digest(data)
+            image = load_image(data)
+            out["x"] = to_input(crop(image, self.pre), self.pre)
         except ImageError as exc:
             out.update(ok=False, error=str(exc))
             return out
         if item.mask:
-            with Image.open(item.mask) as m:
-                out["mask"] = torch.from_numpy(np.asarray(crop(m.convert("L"), self.mask_pre)) > 127)
-            out["has_mask"] = True
+            try:
+                data = _read(item.mask)
+                out["mask_sha256"] = _digest(data)
+                mask = load_image(data)
+                if mask.size != image.size:
+                    raise ImageError(f"it is {mask.width}x{mask.height} px and its image {image.width}x{image.height} px; "
+                                     f"a mask has the size of its image")
+                out["mask"] = torch.from_numpy(np.asarray(crop(mask.convert("L"), self.mask_pre)) > 127)
+                out["has_mask"] = True
+            except ImageError as exc:
+                out["mask_error"] = f"mask {item.mask}: {exc}"
         return out
 
 
@@ -131,10 +204,6 @@ class _Batches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def _mine(n: int, batch_size: int, rank: int, world: int) -> set[int]:
-    return {i for k in range(rank, math.ceil(n / batch_size), world) for i in range(k * batch_size, min((k + 1) * batch_size, n))}
-
-
 # ------------------------------------------------------------------------------------------------
 # One batch
 
@@ -150,24 +219,28 @@ def _target(label: str | None, categories) -> int | None:
 
 
 def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, steps: int) -> list[dict]:
-    """Per-image results of one batch (the readable images of it)."""
+    """Per-image results of one batch (the rows of its unreadable images with their error)."""
     spec = model.spec
+    base = {}
+    for b, i in enumerate(batch["index"].tolist()):
+        item = items[i]
+        base[i] = dict(index=i, file=item.file, path=item.path, label=item.label, stamp=item.stamp, sha256=batch["sha256"][b],
+                       mask_sha256=batch["mask_sha256"][b], error=batch["error"][b], mask_error=batch["mask_error"][b])
     keep = [k for k, ok in enumerate(batch["ok"]) if ok]
-    rows = [{"index": int(i), "path": items[int(i)].path, "label": items[int(i)].label, "error": e}
-            for i, ok, e in zip(batch["index"], batch["ok"], batch["error"]) if not ok]
+    rows = [base[int(i)] for i, ok in zip(batch["index"], batch["ok"]) if not ok]
     if not keep:
         return rows
     x = batch["x"][keep]
     index = batch["index"][keep].tolist()
     mask, has_mask = batch["mask"][keep], batch["has_mask"][keep]
     need_maps = bool({"pointing", "deletion", "insertion"} & set(metrics)) and bool(methods)
-    scored = [dict(index=i, path=items[i].path, label=items[i].label, error="") for i in index]
+    scored = [base[i] for i in index]
     if need_maps:
         targets = [_target(items[i].label, spec.categories) for i in index] if spec.has_head else None
         rec = record(model, x, targets=targets, gradients=any(m in ("gradient", "grad_rollout") for m in methods))
         attn = rec.attentions
         maps = maps_of(rec, methods)
-        maps["random"] = torch.stack([random_maps(rec.grid, seed=i) for i in index])  # seeded by the image
+        maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
     else:  # distance only: each layer reduced as it is recorded, no stack held
         def per_layer(a: torch.Tensor) -> torch.Tensor:
             return mean_attention_distance(a.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens, grid=spec.grid)[0]
@@ -208,21 +281,150 @@ def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, step
 
 
 # ------------------------------------------------------------------------------------------------
-# Shards, reductions, outputs
+# Shards: every line checked before it is merged
 
 
-def _read_shards(folder: Path) -> dict[int, dict]:
-    """Every complete line of every shard: {image index: its row} (a line cut short by an interrupted
-    run is skipped, and its image scored again)."""
-    rows: dict[int, dict] = {}
+_SLACK = 1e-6  # float32 probabilities and their trapezoids may pass 1 by a rounding
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _unit(v) -> bool:
+    return _number(v) and -_SLACK <= v <= 1 + _SLACK
+
+
+def _digest_or_none(v) -> bool:
+    return v is None or (isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v))
+
+
+Check = tuple[str, Callable[[object], bool]]
+
+
+def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes: int) -> tuple[dict[str, Check], dict[str, Check]]:
+    """(the keys of every row, the keys a scored row adds), each with what it holds and its test."""
+    every: dict[str, Check] = {
+        "index": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+        "file": ("a relative path", lambda v: isinstance(v, str) and bool(v) and not v.startswith("/")),
+        "path": ("a path", lambda v: isinstance(v, str) and bool(v)),
+        "label": ("a class name or null", lambda v: v is None or isinstance(v, str)),
+        "stamp": ("the file's size and modification time", lambda v: isinstance(v, str) and bool(v)),
+        "sha256": ("32 hex digits or null", _digest_or_none),
+        "mask_sha256": ("32 hex digits or null", _digest_or_none),
+        "error": ("text", lambda v: isinstance(v, str)),
+        "mask_error": ("text", lambda v: isinstance(v, str)),
+    }
+    scored: dict[str, Check] = {}
+    if classes:
+        cls = (f"a class index in 0..{classes - 1}", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < classes)
+        scored.update(target=cls, predicted=cls, probability=("a probability in [0, 1]", _unit))
+    if "distance" in metrics:
+        scored["distance"] = (f"{depth} lists of {heads} distances >= 0", lambda v: isinstance(v, list) and len(v) == depth and all(
+            isinstance(h, list) and len(h) == heads and all(_number(d) and d >= 0 for d in h) for h in v))
+    curve = (f"a list of {steps + 1} probabilities in [0, 1]",
+             lambda v: isinstance(v, list) and len(v) == steps + 1 and all(_unit(p) for p in v))
+    for method in (*methods, "random"):
+        if "pointing" in metrics:
+            scored[f"{method}_pointing"] = ("0, 1 or null", lambda v: v is None or (_number(v) and v in (0, 1)))
+        for mode in ("deletion", "insertion"):
+            if mode in metrics:
+                scored[f"{method}_{mode}"] = ("an area in [0, 1]", _unit)
+                scored[f"{method}_{mode}_curve"] = curve
+    return every, scored
+
+
+def _row_problem(row: object, schema: tuple[dict[str, Check], dict[str, Check]]) -> str | None:
+    """What is wrong with a shard row, or None."""
+    if not isinstance(row, dict):
+        return f"a row is a JSON object, this is a {type(row).__name__}"
+    every, scored = schema
+    for want in (every, scored if row.get("error") == "" else {}):
+        missing = [k for k in want if k not in row]
+        if missing:
+            return f"missing {', '.join(map(repr, missing))}"
+        for key, (what, test) in want.items():
+            if not test(row[key]):
+                return f"{key!r} is {json.dumps(row[key])[:60]}, not {what}"
+    extra = sorted(k for k in row if k not in every and (row["error"] or k not in scored))
+    if extra:
+        return f"unexpected {', '.join(map(repr, extra))}"
+    return None
+
+
+def _read_shards(folder: Path, schema) -> list[dict]:
+    """Every row of every shard, in order. A last line cut short by an interrupted run is skipped (its
+    image is scored again); any other line that is not a row of this run stops the merge.
+
+    Raises:
+        EvaluateError: naming the shard and the line.
+    """
+    rows = []
     for shard in sorted(folder.glob("*.jsonl")):
-        for line in shard.read_text().splitlines():
+        lines = shard.read_text(errors="replace").split("\n")
+        last = len(lines)  # the text after the final newline: "" unless the last write was cut short
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows[int(row["index"])] = row
+            except json.JSONDecodeError as exc:
+                if n == last:
+                    continue
+                problem = f"not JSON ({exc.msg})"
+            else:
+                problem = _row_problem(row, schema)
+            if problem:
+                raise EvaluateError(
+                    f"{shard}, line {n}: {problem}. Every line of {folder} is merged into the results and this one is not "
+                    f"a row of this run: move that file out of the folder (its images are scored again) or use another --out."
+                )
+            rows.append(row)
     return rows
+
+
+def _current(rows: list[dict], items: list[Item]) -> dict[int, dict]:
+    """{index: row} for the images of `items` whose row was scored from the file as it is now (same
+    relative path, size and modification time, and the same for its mask); the others' are dropped."""
+    where = {item.file: item for item in items}
+    out = {}
+    for row in rows:
+        item = where.get(row["file"])
+        if item is not None and row["stamp"] == item.stamp:
+            out[item.index] = dict(row, index=item.index, path=item.path)
+    return out
+
+
+def _restamped(rows: list[dict], items: list[Item]) -> list[dict]:
+    """Rows of images whose stamp changed but whose bytes did not (a copy, a touch), and their masks'
+    neither: copies with the new stamp, so that --rescan scores only what changed."""
+    valid = _current(rows, items)
+    latest = {}
+    for row in rows:
+        latest[row["file"]] = row
+    out = []
+    for item in items:
+        row = latest.get(item.file)
+        if item.index in valid or row is None or row["sha256"] is None:
+            continue
+        if _file_digest(item.path) == row["sha256"] and _file_digest(item.mask) == row["mask_sha256"]:
+            out.append(dict(row, index=item.index, path=item.path, stamp=item.stamp))
+    return out
+
+
+def _changes(before: dict[str, str], now: dict[str, str]) -> str | None:
+    """How the images differ between two file lists ({relative path: stamp}), with an example of each kind."""
+    added = sorted(now.keys() - before.keys())
+    removed = sorted(before.keys() - now.keys())
+    changed = sorted(f for f in now.keys() & before.keys() if now[f] != before[f])
+    if not (added or removed or changed):
+        return None
+    examples = "; ".join(f"{what} {names[0]}" for what, names in (("added", added), ("removed", removed), ("changed", changed)) if names)
+    return f"images added: {len(added)}, removed: {len(removed)}, changed: {len(changed)} ({examples})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Dataset figures, from the merged rows in file order
 
 
 def _scores(rows, methods, metrics) -> dict[tuple[str, str], list[float]]:
@@ -249,22 +451,39 @@ def wilson(hits: float, n: float, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _summary_rows(sums: dict[tuple[str, str], tuple[float, float, float]]) -> list[dict]:
-    """(method, metric) -> (count, sum, sum of squares) as rows with the mean and its 95 % interval:
-    Wilson's for the pointing game (a proportion), else the normal one, mean ± 1.96 s / sqrt(n)."""
+def _summary_rows(values: dict[tuple[str, str], list[float]], order: list[tuple[str, str]]) -> list[dict]:
+    """(method, metric) -> values as rows with the mean and its 95 % interval: Wilson's for the
+    pointing game (a proportion), else the normal one, mean ± 1.96 s / sqrt(n). The sums are exact
+    (`math.fsum`): the figures do not depend on the order of the values."""
     rows = []
-    for (method, metric), (n, total, squares) in sums.items():
-        if n <= 0:
+    for method, metric in order:
+        v = values.get((method, metric), [])
+        n = len(v)
+        if n == 0:
             continue
+        total = math.fsum(v)
         mean = total / n
         if metric == "pointing":
             low, high = wilson(total, n)
         else:
-            var = max(0.0, (squares - n * mean * mean) / (n - 1)) if n > 1 else 0.0
+            var = math.fsum((x - mean) ** 2 for x in v) / (n - 1) if n > 1 else 0.0
             half = Z95 * math.sqrt(var / n)
             low, high = mean - half, mean + half
-        rows.append(dict(method=method, metric=metric, n=int(n), mean=mean, ci95_low=low, ci95_high=high))
+        rows.append(dict(method=method, metric=metric, n=n, mean=mean, ci95_low=low, ci95_high=high))
     return rows
+
+
+def _order(methods, metrics):
+    out = [("model", "distance")] if "distance" in metrics else []
+    return out + [(m, k) for m in (*methods, "random") for k in ("pointing", "deletion", "insertion") if k in metrics]
+
+
+def _columns(methods, metrics) -> list[str]:
+    columns = ["index", "path", "label", "error", "mask_error", "target", "predicted", "probability"]
+    if "distance" in metrics:
+        columns.append("distance_mean")
+    columns += [f"{m}_{k}" for m, k in _order(methods, metrics) if m != "model"]
+    return columns + ["sha256", "mask_sha256"]
 
 
 def summarize(out: str | Path) -> list[dict]:
@@ -273,33 +492,23 @@ def summarize(out: str | Path) -> list[dict]:
     run = json.loads((out / "run.json").read_text())
     with open(out / "per_image.csv", newline="") as f:
         table = list(csv.DictReader(f))
-    sums = {}
+    order = _order(run["methods"], run["metrics"])
+    values: dict[tuple[str, str], list[float]] = {}
     for row in table:
         if row["error"]:
             continue
-        for key, value in row.items():
-            if value in ("", None) or key in ("index", "path", "label", "error", "target", "predicted", "probability"):
-                continue
-            method, _, metric = key.rpartition("_")
-            name = ("model", "distance") if key == "distance_mean" else (method, metric)
-            n, s, q = sums.get(name, (0.0, 0.0, 0.0))
-            v = float(value)
-            sums[name] = (n + 1, s + v, q + v * v)
-    order = {(m, k): i for i, (m, k) in enumerate(_order(run["methods"], run["metrics"]))}
-    return sorted(_summary_rows(sums), key=lambda r: order.get((r["method"], r["metric"]), 1e9))
+        for method, metric in order:
+            value = row.get("distance_mean" if method == "model" else f"{method}_{metric}", "")
+            if value:
+                values.setdefault((method, metric), []).append(float(value))
+    return _summary_rows(values, order)
 
 
-def _order(methods, metrics):
-    out = [("model", "distance")] if "distance" in metrics else []
-    return out + [(m, k) for m in (*methods, "random") for k in ("pointing", "deletion", "insertion") if k in metrics]
-
-
-def _write_outputs(out: Path, rows: list[dict], run: dict, sums, distance, curves, spec) -> None:
-    methods, metrics = run["methods"], run["metrics"]
-    columns = ["index", "path", "label", "error", "target", "predicted", "probability"]
-    if "distance" in metrics:
-        columns.append("distance_mean")
-    columns += [f"{m}_{k}" for m in (*methods, "random") for k in ("pointing", "deletion", "insertion") if k in metrics]
+def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
+    """per_image.csv, summary.csv/.md, distance.csv/.png and curves.png from the merged rows (sorted
+    by index); returns the summary rows."""
+    methods, metrics, steps = run["methods"], run["metrics"], run["steps"]
+    columns = _columns(methods, metrics)
     with open(out / "per_image.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
@@ -308,7 +517,7 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, sums, distance, curve
             if row.get("distance") is not None:
                 flat["distance_mean"] = repr(float(np.mean(row["distance"])))
             w.writerow(flat)
-    summary = sorted(_summary_rows(sums), key=lambda r: _order(methods, metrics).index((r["method"], r["metric"])))
+    summary = _summary_rows(_scores(rows, methods, metrics), _order(methods, metrics))
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["method", "metric", "n", "mean", "ci95_low", "ci95_high"])
         w.writeheader()
@@ -319,22 +528,30 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, sums, distance, curve
         fmt = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.2f} px" if r["metric"] == "distance" else f"{v:.3f}")
         lines.append(f"| {r['method']} | {r['metric']} | {r['n']} | {fmt(r['mean'])} | {fmt(r['ci95_low'])} to {fmt(r['ci95_high'])} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    if distance is not None and distance[0] > 0:
-        n, total, squares = distance
-        mean = total / n
-        sd = np.sqrt(np.maximum(0, squares / n - mean**2))
+    scored = [r for r in rows if not r.get("error")]
+    distances = [r["distance"] for r in scored if r.get("distance") is not None]
+    if "distance" in metrics and distances:
+        stack = np.asarray(distances, dtype=np.float64)  # [images, L, H], in file order
+        n, mean, sd = len(stack), stack.mean(0), stack.std(0)
         with open(out / "distance.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["layer", "head", "mean_distance_px", "sd_px", "images"])
             for layer in range(mean.shape[0]):
                 for head in range(mean.shape[1]):
-                    w.writerow([layer + 1, head + 1, f"{mean[layer, head]:.4f}", f"{sd[layer, head]:.4f}", int(n)])
+                    w.writerow([layer + 1, head + 1, f"{mean[layer, head]:.4f}", f"{sd[layer, head]:.4f}", n])
         fig = plots.distance_figure(torch.from_numpy(mean), uniform=uniform_attention_distance(spec.grid, patch_size=spec.patch_size),
-                                    title=f"{spec.name}: mean attention distance over {int(n)} images")
+                                    title=f"{spec.name}: mean attention distance over {n} images")
         plots.figure_to_image(fig).save(out / "distance.png")
+    curves = {}
+    for method in (*methods, "random"):
+        for mode in ("deletion", "insertion"):
+            with_curve = [r[f"{method}_{mode}_curve"] for r in scored if r.get(f"{method}_{mode}_curve") is not None]
+            if mode in metrics and with_curve:
+                curves[(method, mode)] = np.asarray(with_curve, dtype=np.float64).mean(0)
     if curves:
-        fig = plots.curves_figure(curves, steps=run["steps"], title=f"{spec.name}: mean over the images")
+        fig = plots.curves_figure(curves, steps=steps, title=f"{spec.name}: mean over the images")
         plots.figure_to_image(fig).save(out / "curves.png")
+    return summary
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,6 +572,11 @@ def _setup() -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _all_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not dist.is_initialized():
         return values
@@ -368,8 +590,7 @@ def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device)
     x = x.to(device)
     with torch.inference_mode():
         model(x)  # warm-up
-        if dist.is_initialized():
-            dist.barrier()
+        _barrier()
         start = time.perf_counter()
         for _ in range(batches):
             model(x)
@@ -378,6 +599,38 @@ def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device)
         seconds = time.perf_counter() - start
     rate = torch.tensor([batches * x.shape[0] / seconds], dtype=torch.float64)
     return float(_all_sum(rate, device))
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """`value` as `path`, replaced at once: an interrupted write leaves the previous file."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value, indent=1))
+    os.replace(part, path)
+
+
+def _check_previous(out: Path, run: dict, *, rescan: bool) -> bool:
+    """Whether `out` holds a run of these settings on another list of files (allowed with `rescan`).
+
+    Raises:
+        EvaluateError: other settings, an older format, or DATA changed without `rescan`.
+    """
+    previous = out / "run.json"
+    if not previous.exists():
+        return False
+    before = json.loads(previous.read_text())
+    if before.get("format") != FORMAT:
+        raise EvaluateError(f"{out} holds a run written by an earlier vitviz.evaluate (its rows are not keyed by file); use another --out")
+    settings = ("data", "model", "methods", "metrics", "steps", "batch_size")
+    if any(before.get(k) != run[k] for k in settings):
+        raise EvaluateError(f"{out} holds a run with other settings ({ {k: before.get(k) for k in settings} }); use another --out")
+    changes = _changes(before["files"], run["files"])
+    if changes and not rescan:
+        raise EvaluateError(
+            f"the images under {run['data']} changed since the run in {out} began: {changes} (changed: the size or "
+            f"modification time of the image or of its mask). Run again with --rescan to score what is new or changed "
+            f"and drop the rows of what is gone, or use another --out."
+        )
+    return changes is not None
 
 
 def evaluate(
@@ -393,41 +646,49 @@ def evaluate(
     max_images: int | None = None,
     compare: bool = True,
     progress: bool = True,
+    rescan: bool = False,
 ) -> list[dict] | None:
-    """Scores every image of `data` (see the module's doc); on rank 0 returns the summary rows."""
+    """Scores every image of `data` (see the module's doc); on rank 0 returns the summary rows.
+
+    Args:
+        rescan: resume a run into `out` although DATA changed since it began: score the images that
+            are new or changed, drop the rows of those that are gone.
+
+    Raises:
+        EvaluateError: unknown names, no images, or a run in `out` this one cannot resume.
+    """
     from tqdm import tqdm
 
     from vitviz.sources import load_model
 
     unknown = [m for m in metrics if m not in METRICS] + [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown metric or method {unknown[0]!r}; metrics: {', '.join(METRICS)}; methods: {', '.join(METHODS)}")
+        raise EvaluateError(f"unknown metric or method {unknown[0]!r}; metrics: {', '.join(METRICS)}; methods: {', '.join(METHODS)}")
     rank, world, device = _setup()
     out = Path(out)
     shards = out / "shards"
-    if rank == 0:
-        shards.mkdir(parents=True, exist_ok=True)
     net = load_model(model, device=device)
     spec = net.spec
     if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or {"gradient", "grad_rollout"} & set(methods)):
-        raise ValueError(f"{spec.name} has no classifier: deletion, insertion and the gradient methods need a class")
+        raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the gradient methods need a class")
     items = scan(data)
     if not items:
-        raise ValueError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}")
-    run = dict(data=str(data), model=model, methods=list(methods), metrics=list(metrics), steps=steps, batch_size=batch_size,
-               images=len(items))
+        raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}")
+    run = dict(format=FORMAT, data=str(data), model=model, methods=list(methods), metrics=list(metrics), steps=steps,
+               batch_size=batch_size, images=len(items), files={item.file: item.stamp for item in items})
+    schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes)
+    changed = _check_previous(out, run, rescan=rescan)  # on every rank: all refuse alike
+    _barrier()
     if rank == 0:
-        previous = out / "run.json"
-        if previous.exists():
-            before = {k: v for k, v in json.loads(previous.read_text()).items() if k in run}
-            if before != run:
-                raise ValueError(f"{out} holds a run with other settings ({before}); use another --out")
-        previous.write_text(json.dumps(run, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-    done_rows = _read_shards(shards)
-    mine = _mine(len(items), batch_size, rank, world)
-    done = {i for i in done_rows if i in mine}
+        shards.mkdir(parents=True, exist_ok=True)
+        if changed:  # files only touched or copied keep their rows
+            kept = _restamped(_read_shards(shards, schema), items)
+            if kept:
+                with open(shards / f"rescan-{os.getpid()}-{int(time.time())}.jsonl", "a") as f:
+                    f.write("".join(json.dumps(row) + "\n" for row in kept))
+        _write_json(out / "run.json", run)
+    _barrier()
+    done = set(_current(_read_shards(shards, schema), items))
     sampler = _Batches(len(items), batch_size, rank, world, done)
     if max_images is not None:  # stop after about this many new images (a run in parts)
         kept, total = [], 0
@@ -449,62 +710,32 @@ def evaluate(
     with open(shard, "a") as f:
         for batch in loader:
             for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps):
+                problem = _row_problem(row, schema)
+                if problem:  # e.g. non-finite outputs: an error row, so that every line written passes the merge's check
+                    row = {key: row[key] for key in schema[0]} | {"error": f"the results are not usable: {problem}"}
                 f.write(json.dumps(row) + "\n")
-                done_rows[row["index"]] = row
                 scored_now += 1
             f.flush()
             bar.update(len(batch["index"]) * world)
     bar.close()
     seconds = time.perf_counter() - start
-
-    # dataset figures: this rank's images (scored now or in an earlier run), summed over the ranks
-    my_rows = [done_rows[i] for i in sorted(mine) if i in done_rows]
-    keys = _order(methods, metrics)
-    values = _scores(my_rows, methods, metrics)
-    sums = torch.zeros(len(keys), 3, dtype=torch.float64)
-    for k, key in enumerate(keys):
-        v = np.asarray(values.get(key, []), dtype=np.float64)
-        sums[k] = torch.tensor([len(v), v.sum(), (v * v).sum()])
-    sums = _all_sum(sums, device)
-    distance = None
-    if "distance" in metrics:
-        d = [np.asarray(r["distance"]) for r in my_rows if r.get("distance") is not None]
-        shape = (spec.depth, spec.heads)
-        stack = np.stack(d) if d else np.zeros((0, *shape))
-        dsum = _all_sum(torch.from_numpy(np.stack([stack.sum(0), (stack**2).sum(0)]).astype(np.float64)) if d else torch.zeros(2, *shape, dtype=torch.float64), device)
-        dn = _all_sum(torch.tensor([float(len(d))], dtype=torch.float64), device)
-        distance = (float(dn), dsum[0].numpy(), dsum[1].numpy())
-    curves = {}
-    for method in (*methods, "random"):
-        for mode in ("deletion", "insertion"):
-            if mode not in metrics:
-                continue
-            rows_with = [r[f"{method}_{mode}_curve"] for r in my_rows if r.get(f"{method}_{mode}_curve") is not None]
-            total = torch.tensor(np.sum(rows_with, axis=0) if rows_with else np.zeros(steps + 1), dtype=torch.float64)
-            n = _all_sum(torch.tensor([float(len(rows_with))], dtype=torch.float64), device)
-            total = _all_sum(total, device)
-            curves[(method, mode)] = (total / n.clamp(min=1)).numpy()
-    counts = _all_sum(torch.tensor([float(scored_now), seconds], dtype=torch.float64), device)
+    counts = _all_sum(torch.tensor([float(scored_now)], dtype=torch.float64), device)
     rate = float(counts[0]) / max(1e-9, seconds)
     plain = None
     if compare and counts[0] > 0:  # the same decision on every rank: the timing is collective
         x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
         plain = _plain_rate(net, x, batches=max(1, min(8, math.ceil(len(items) / batch_size / world))), device=device)
-    if dist.is_initialized():
-        dist.barrier()
+    _barrier()
     summary = None
-    if rank == 0:
-        rows = [r for _, r in sorted(_read_shards(shards).items())]
-        reduced = {key: tuple(float(v) for v in sums[k]) for k, key in enumerate(keys)}
-        _write_outputs(out, rows, run, reduced, distance, curves, spec)
-        summary = _summary_rows(reduced)
+    if rank == 0:  # the dataset figures from the merged rows in file order: the same for any number of ranks
+        rows = [row for _, row in sorted(_current(_read_shards(shards, schema), items).items())]
+        summary = _write_outputs(out, rows, run, spec)
         run.update(scored_now=int(counts[0]))
         if counts[0] > 0:  # a run that found everything scored keeps the timing of the one that scored it
             run.update(world_size=world, images_per_second=rate, plain_forward_images_per_second=plain, seconds=seconds,
                        device=str(device))
-        (out / "run.json").write_text(json.dumps(run, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
+        _write_json(out / "run.json", run)
+    _barrier()
     return summary
 
 
@@ -514,8 +745,7 @@ def _collate(samples: list[dict]) -> dict:
         "x": torch.stack([s["x"] for s in samples]),
         "mask": torch.stack([s["mask"] for s in samples]),
         "has_mask": torch.tensor([s["has_mask"] for s in samples]),
-        "ok": [s["ok"] for s in samples],
-        "error": [s["error"] for s in samples],
+        **{key: [s[key] for s in samples] for key in ("ok", "error", "mask_error", "sha256", "mask_sha256")},
     }
 
 
@@ -530,12 +760,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=None, help="decoding processes per rank")
     ap.add_argument("--max-images", type=int, default=None, help="stop after about this many new images (run again to go on)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rescan", action="store_true",
+                    help="resume although DATA changed: score what is new or changed, drop the rows of what is gone")
     ap.add_argument("--no-compare", action="store_true", help="skip timing plain batched forwards")
     args = ap.parse_args(argv)
     methods = tuple(m for m in args.methods.split(",") if m)
     metrics = tuple(m for m in args.metrics.split(",") if m)
-    summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
-                       batch_size=args.batch_size, workers=args.workers, max_images=args.max_images, compare=not args.no_compare)
+    try:
+        summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
+                           batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
+                           compare=not args.no_compare, rescan=args.rescan)
+    except EvaluateError as exc:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(f"vitviz.evaluate: {exc}") from None
     if summary is not None:
         run = json.loads((args.out / "run.json").read_text())
         print((args.out / "summary.md").read_text())
