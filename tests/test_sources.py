@@ -113,3 +113,24 @@ def test_device_default_and_override():
     assert vitviz.default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
     model = vitviz.load_model("shapes_p16", device="cpu")
     assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("size", ["0", "-16", "abc", "", "16.5", " 96", "096", "٩٦"])
+def test_a_size_suffix_is_a_whole_number_of_pixels(size):
+    with pytest.raises(ValueError) as info:
+        vitviz.get_spec(f"shapes_p16@{size}")
+    assert "after @ comes the side of the images the model is fed, a whole number of pixels above 0" in str(info.value)
+    assert "multiple of the model's patch size" in str(info.value) and f"got {size!r}" in str(info.value)
+
+
+def test_a_size_suffix_is_a_multiple_of_the_patch_size():
+    with pytest.raises(ValueError, match="90 px is not a multiple of shapes_p16's patch size 16: 80 or 96 px would be"):
+        vitviz.get_spec("shapes_p16@90")
+    with pytest.raises(ValueError, match="8 px is not a multiple of shapes_p16's patch size 16: 16 px would be"):
+        vitviz.get_spec("shapes_p16@8")
+    spec = vitviz.get_spec("shapes_p16@160")
+    assert spec.name == "shapes_p16@160" and spec.image_size == 160 and spec.grid == (10, 10)
+    with pytest.raises(ValueError, match="a whole number of pixels above 0"):
+        vitviz.get_spec("shapes_p16").at(-16)
+    with pytest.raises(ValueError, match="unknown variant 'vit_x@96'"):
+        vitviz.get_spec("vit_x@96")

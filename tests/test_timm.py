@@ -1,6 +1,7 @@
 """timm's ViTs through vitviz: the same outputs and the same attention as timm's own forward, and the
 real weights path through a Hugging Face cache, offline."""
 
+import math
 import os
 import subprocess
 import sys
@@ -89,6 +90,57 @@ def test_other_image_sizes_match_timms_dynamic_size():
         x = torch.randn(1, 3, side, side)
         with torch.inference_mode():
             assert _relative(ours.encode(x), model.forward_features(x)) < 1e-4
+
+
+def test_a_model_created_at_another_size_is_analysed_at_that_size():
+    """timm's model takes only the size it was created for (img_size=224 for a 518 px DINOv2): vitviz
+    reads that size, and preprocesses to it with the pretrained config's crop share."""
+    from PIL import Image
+    from timm.data import resolve_data_config
+
+    model = random_timm("vit_small_patch14_reg4_dinov2", img_size=224, num_classes=10)
+    assert model.pretrained_cfg["input_size"][-1] == 518
+    ours = vitviz.ViT.from_timm(model)
+    spec = ours.spec
+    assert spec.image_size == 224 and spec.grid == (16, 16) and spec.name == "timm:vit_small_patch14_reg4_dinov2.lvd142m@224"
+    assert spec.preprocessing.resize_size == math.floor(224 / resolve_data_config({}, model=model)["crop_pct"])
+    image = Image.fromarray(torch.randint(0, 256, (300, 451, 3), dtype=torch.uint8).numpy())
+    x = vitviz.preprocess(image, spec.preprocessing)[0][None]
+    with torch.inference_mode():
+        want = model(x)
+        got = ours(x)
+    assert x.shape[-1] == 224 and want.abs().max() > 1e-3 and _relative(got, want) < 1e-4
+
+
+NOT_NAMES = ["timm:local-dir:/etc", "timm:hf-hub:org/name", "timm:org/name", "timm:/etc/passwd", "timm:../vit_small_patch16_224",
+             "timm:Vit_small_patch16_224", "timm:vit_small_patch16_224.", "timm:vit_small_patch16_224.a/b", "timm:vit small", "timm:",
+             "timm:local-dir:/etc@224"]
+BAD_SIZES = ["@0", "@-16", "@abc", "@", "@16.5", "@ 96", "@096"]
+
+
+def test_timm_takes_model_names_only_checked_before_timm_sees_them(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("timm was asked")
+
+    monkeypatch.setattr(timm, "create_model", never)
+    monkeypatch.setattr(vitviz.sources.timm, "_meta_model", never)
+    messages = set()
+    for name in NOT_NAMES:
+        with pytest.raises(ValueError) as info:
+            vitviz.get_spec(name)
+        messages.add(str(info.value))
+    assert len(messages) == 1
+    message = messages.pop()
+    assert message.startswith("timm:<name> takes a timm model name such as") and "weights_path=<file>" in message
+    for size in BAD_SIZES:
+        with pytest.raises(ValueError, match="after @ comes the side of the images .* a whole number of pixels above 0"):
+            vitviz.get_spec(f"timm:vit_small_patch16_224.dino{size}")
+
+
+def test_a_size_must_be_a_multiple_of_the_patch_size():
+    with pytest.raises(ValueError, match="90 px is not a multiple of .* patch size 16: 80 or 96 px would be"):
+        vitviz.get_spec("timm:vit_small_patch16_224.dino@90")
+    assert vitviz.get_spec("timm:vit_small_patch16_224.dino@96").image_size == 96
 
 
 def test_what_vitviz_does_not_model_is_refused_clearly():

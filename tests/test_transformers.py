@@ -106,6 +106,40 @@ def test_preprocessing_follows_the_image_processor():
         assert (ours - theirs).abs().mean() < 0.02  # PIL's and the processor's resampling differ by rounding
 
 
+NOT_REPO_IDS = ["hf:/etc/passwd", "hf:/etc", "hf:../../etc", "hf:./mymodel", "hf:~/x", "hf:C:\\x", "hf:/no/such/folder", "hf:",
+                "hf:a/b/c", "hf:-name", "hf:name-", "hf:.name", "hf:org/a--b", "hf:org/a..b", "hf:" + "a" * 97, "hf:org/a b",
+                "hf:org/name@96@96", "hf:/etc@224"]
+
+
+def test_hf_takes_repository_ids_only_checked_before_anything_is_fetched_or_opened(monkeypatch, tmp_path):
+    def never(*args, **kwargs):
+        raise AssertionError("the hub or the disk was asked")
+
+    source = vitviz.sources.hf
+    for name in ("_config", "_processor", "status", "load"):
+        monkeypatch.setattr(source.HuggingFaceSource, name, never)
+    monkeypatch.setattr(source, "cached_file", never)
+    monkeypatch.setattr(source, "hub_reachable", never)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", never)
+    (tmp_path / "mymodel").mkdir()
+    messages = set()
+    for name in [*NOT_REPO_IDS, f"hf:{tmp_path / 'mymodel'}"]:
+        for ask in (vitviz.get_spec, lambda n: vitviz.load_model(n, device="cpu")):
+            with pytest.raises(ValueError) as info:
+                ask(name)
+            messages.add(str(info.value))
+    assert len(messages) == 1  # the same whether the path exists or not
+    message = messages.pop()
+    assert message.startswith("hf:<repo id> takes a Hugging Face repository id such as google/vit-base-patch16-224")
+    assert "weights_path=<folder>" in message and "/etc" not in message and str(tmp_path) not in message
+    for size in ("@0", "@-16", "@abc", "@", "@16.5", "@ 96"):
+        with pytest.raises(ValueError, match="after @ comes the side of the images .* a whole number of pixels above 0"):
+            vitviz.get_spec(f"hf:google/vit-base-patch16-224{size}")
+    split = source._split
+    assert split("hf:google/vit-base-patch16-224@384") == ("google/vit-base-patch16-224", 384)
+    assert split("hf:" + "a" * 96) == ("a" * 96, None) and split("hf:_org.x/model_v1.5") == ("_org.x/model_v1.5", None)
+
+
 def test_dinov2_classifiers_and_other_models_are_refused_clearly():
     t = transformers
     with pytest.raises(NotImplementedError, match="backbone"):
@@ -117,16 +151,22 @@ def test_dinov2_classifiers_and_other_models_are_refused_clearly():
 @pytest.mark.slow
 def test_load_model_reads_the_hub_cache_offline(tmp_path):
     """A repository saved with save_pretrained into a Hugging Face cache: load_model("hf:...") finds
-    the weights and the image processor there, with HF_HUB_OFFLINE=1, in a fresh interpreter."""
+    the weights and the image processor there, with HF_HUB_OFFLINE=1, in a fresh interpreter; and
+    weights_path= loads a folder saved on disk under that repository's name."""
     model = _randomise(_models()["dinov2-registers"])
     repo = "vitviz-test/tiny-dinov2-registers"
     snap = write_hub_cache(tmp_path / "hf" / "hub", repo, {})
     model.save_pretrained(snap)
     transformers.BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 48, "width": 48}, resample=3).save_pretrained(snap)
+    other = _randomise(_models()["dinov2-registers"])  # other weights, saved on disk outside the cache
+    with torch.no_grad():
+        other.embeddings.cls_token.add_(1.0)
+    other.save_pretrained(tmp_path / "saved")
     x = torch.randn(1, 3, 48, 48)
     torch.save(x, tmp_path / "x.pt")
     with torch.inference_mode():
         torch.save(model(pixel_values=x).last_hidden_state, tmp_path / "want.pt")
+        torch.save(other(pixel_values=x).last_hidden_state, tmp_path / "saved.pt")
     code = f"""
 import torch, vitviz
 assert vitviz.weights_status("hf:{repo}") == "cached"
@@ -136,6 +176,11 @@ with torch.inference_mode():
 want = torch.load({str(tmp_path / "want.pt")!r})
 pre = m.spec.preprocessing
 print(((got - want).abs().max() / want.abs().max()).item(), m.spec.prefix_names[-1], pre.resize_size, pre.interpolation)
+saved = vitviz.load_model("hf:{repo}", device="cpu", weights_path={str(tmp_path / "saved")!r})
+with torch.inference_mode():
+    got = saved.encode(torch.load({str(tmp_path / "x.pt")!r}))
+want = torch.load({str(tmp_path / "saved.pt")!r})
+assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, "weights_path"
 try:
     vitviz.load_model("hf:vitviz-test/not-there", device="cpu")
 except vitviz.WeightsUnavailableError as exc:

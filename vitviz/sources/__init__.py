@@ -16,7 +16,7 @@ import threading
 import torch
 
 from vitviz.model import ViT
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, split_size
 from vitviz.sources.embedded import EmbeddedSource, assets_dir
 from vitviz.sources.hf import HuggingFaceSource
 from vitviz.sources.timm import TimmSource
@@ -69,7 +69,8 @@ _RESOLVED: dict[str, VariantSpec] = {}
 def get_spec(name: str) -> VariantSpec:
     """The spec of a named variant, or of any model a prefixed source can name ("timm:...", "hf:...").
 
-    A suffix "@<pixels>" feeds the variant images of that size ("timm:vit_small_patch8_224.dino@480").
+    A suffix "@<pixels>" feeds the variant images of that size ("timm:vit_small_patch8_224.dino@480"):
+    a whole number above 0 that is a multiple of the patch size, else a ValueError says so.
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a variant name is a non-empty string")
@@ -85,9 +86,10 @@ def get_spec(name: str) -> VariantSpec:
                     _RESOLVED.clear()
                 _RESOLVED[name] = spec
             return spec
-    base, at, size = name.rpartition("@")
-    if at and size.isdigit() and base in _registry():
-        return dataclasses.replace(_registry()[base].at(int(size)), name=name)
+    base, at, _ = name.rpartition("@")
+    if at and base in _registry():
+        _, size = split_size(name)
+        return dataclasses.replace(_registry()[base].at(size), name=name)
     prefixes = ", ".join(f"{s.prefix}<name>" for s in SOURCES if s.prefix)
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(_registry())}" + (f"; or {prefixes}" if prefixes else ""))
 

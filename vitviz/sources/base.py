@@ -8,6 +8,7 @@ them; nothing outside a source branches on where weights come from.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
@@ -17,9 +18,44 @@ from torch import nn
 from vitviz.model import ViT, ViTConfig
 from vitviz.preprocess import Preprocessing
 
-__all__ = ["VariantSpec", "WeightsSource", "WeightsUnavailableError", "Status"]
+__all__ = ["VariantSpec", "WeightsSource", "WeightsUnavailableError", "Status", "split_size", "check_size"]
 
 Status = Literal["embedded", "cached", "download"]
+
+_PIXELS = re.compile(r"[1-9][0-9]*")
+_SIZE_RULE = "a whole number of pixels above 0, without sign or leading zeros, that is a multiple of the model's patch size"
+
+
+def split_size(name: str) -> tuple[str, int | None]:
+    """"<name>@<pixels>" -> (<name>, pixels); a name without "@" -> (name, None).
+
+    Raises:
+        ValueError: what follows the last "@" is not a size (it is checked against the patch size
+            where the model is known: `check_size`).
+    """
+    base, at, size = name.rpartition("@")
+    if not at:
+        return name, None
+    if not _PIXELS.fullmatch(size):
+        raise ValueError(f"{name!r}: after @ comes the side of the images the model is fed, {_SIZE_RULE} (e.g. "
+                         f"shapes_p16@96, timm:vit_small_patch8_224.dino@480); got {size!r}")
+    return base, int(size)
+
+
+def check_size(image_size: object, *, patch_size: int, name: str) -> int:
+    """`image_size` when a model of `patch_size` can be fed images of that side.
+
+    Raises:
+        ValueError: not a whole number above 0, or not a multiple of the patch size; the message
+            names the nearest sizes that are.
+    """
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size <= 0:
+        raise ValueError(f"the image size of {name} is {_SIZE_RULE} ({patch_size} px); got {image_size!r}")
+    if image_size % patch_size:
+        below = image_size // patch_size * patch_size
+        near = " or ".join(str(s) for s in (below, below + patch_size) if s > 0)
+        raise ValueError(f"{image_size} px is not a multiple of {name}'s patch size {patch_size}: {near} px would be")
+    return image_size
 
 
 class WeightsUnavailableError(RuntimeError):
@@ -92,8 +128,7 @@ class VariantSpec:
 
     def at(self, image_size: int) -> "VariantSpec":
         """The same variant fed images of another size (position embeddings are resampled)."""
-        if image_size % self.patch_size:
-            raise ValueError(f"{image_size} px is not a multiple of {self.name}'s patch size {self.patch_size}")
+        check_size(image_size, patch_size=self.patch_size, name=self.name)
         return replace(self, preprocessing=self.preprocessing.at(image_size))
 
     def build(self) -> ViT:

@@ -9,11 +9,16 @@ transformers is imported only here, and only when used (`pip install vitviz[hf]`
 the module layout of transformers 5. Weights come from the Hugging Face cache through
 `from_pretrained`; preprocessing from the repository's image processor (resize and crop, or
 resize to the square, with its mean and std), class names from the config's `id2label`.
+
+"hf:" takes a hub repository id only ("org/name" or "name"), never a path: `from_pretrained` would
+read a folder of this machine, so the id is checked before anything is fetched or opened. A folder
+saved with `save_pretrained` loads with `load_model("hf:<its repo id>", weights_path=<folder>)`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -21,7 +26,7 @@ from torch import nn
 
 from vitviz.model import ViT, ViTConfig
 from vitviz.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, split_size
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
 __all__ = ["HuggingFaceSource", "config_from_transformers", "convert_transformers_state_dict", "preprocessing_from_processor"]
@@ -192,12 +197,27 @@ def _spec(model: nn.Module, config: ViTConfig, *, name: str, weights: str, proce
     )
 
 
+_REPO_PART = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+_NOT_A_REPO = (
+    "hf:<repo id> takes a Hugging Face repository id such as google/vit-base-patch16-224 (an owner and a name, or a name: "
+    "letters, digits, -, _ and ., at most 96 characters each), optionally with @<pixels>; a model saved on disk loads "
+    "with load_model('hf:<its repo id>', weights_path=<folder>)"
+)
+
+
+def _is_repo_id(repo: str) -> bool:
+    """Whether `repo` is a hub repository id: never a path, so nothing on this machine is looked up by it."""
+    parts = repo.split("/")
+    return len(parts) <= 2 and all(_REPO_PART.fullmatch(p) and ".." not in p and "--" not in p for p in parts)
+
+
 def _split(name: str) -> tuple[str, int | None]:
+    """"hf:<repo id>[@<size>]" -> (<repo id>, size), checked before anything is fetched or opened."""
     rest = name.removeprefix("hf:")
-    repo, _, size = rest.partition("@")
-    if size and not size.isdigit():
-        raise ValueError(f"{name!r}: after @ comes an image size in pixels")
-    return repo, int(size) if size else None
+    repo = rest.rpartition("@")[0] if "@" in rest else rest
+    if not _is_repo_id(repo):
+        raise ValueError(_NOT_A_REPO)
+    return repo, split_size(name)[1]
 
 
 class HuggingFaceSource(WeightsSource):

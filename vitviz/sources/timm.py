@@ -8,20 +8,26 @@ model of the same class.
 
 timm is imported only here, and only when used (`pip install vitviz[timm]`). Weights come through
 timm's own loader from the Hugging Face cache; preprocessing from the model's `pretrained_cfg`
-(`timm.data.resolve_data_config`), class names from timm's ImageNet tables when the head is an
-ImageNet classifier (a head of another size, such as CLIP's projection, is read as features).
+(`timm.data.resolve_data_config`) at the size the model was created for, class names from timm's
+ImageNet tables when the head is an ImageNet classifier (a head of another size, such as CLIP's
+projection, is read as features).
+
+"timm:" takes timm's model names only (`[a-z0-9_]+`, optionally "." and a pretrained tag), checked
+before timm sees them: timm itself would also read "hf-hub:<repo>" and "local-dir:<folder>". A
+checkpoint on disk loads with `load_model("timm:<name>", weights_path=<file>)`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
 
 from vitviz.model import ViT, ViTConfig
 from vitviz.preprocess import Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, check_size, split_size
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
 __all__ = ["TimmSource", "CURATED", "config_from_timm", "convert_timm_state_dict"]
@@ -58,13 +64,23 @@ def _meta_model(name: str) -> nn.Module:
         raise ValueError(f"timm knows no model {name!r} ({exc}); timm.list_models(pretrained=True) lists them") from None
 
 
+_NAME = re.compile(r"[a-z0-9_]+(\.[A-Za-z0-9_.-]+)?")
+_NOT_A_NAME = (
+    "timm:<name> takes a timm model name such as vit_small_patch16_224.dino (lower-case letters, digits and _, then "
+    "optionally a dot and a pretrained tag of letters, digits, _, . and -; timm.list_models(pretrained=True) lists them), "
+    "optionally with @<pixels>; not a path, hf-hub: or local-dir:. A checkpoint on disk loads with "
+    "load_model('timm:<name>', weights_path=<file>)"
+)
+
+
 def _split(name: str) -> tuple[str, int | None]:
-    """"timm:<model>[@<size>]" -> (<model>, size)."""
+    """"timm:<model>[@<size>]" -> (<model>, size), checked before timm sees the name (timm would
+    also read "hf-hub:<repo>" and "local-dir:<folder>")."""
     rest = name.removeprefix("timm:")
-    model, _, size = rest.partition("@")
-    if size and not size.isdigit():
-        raise ValueError(f"{name!r}: after @ comes an image size in pixels, e.g. timm:vit_small_patch8_224.dino@480")
-    return model, int(size) if size else None
+    model = rest.rpartition("@")[0] if "@" in rest else rest
+    if not _NAME.fullmatch(model):
+        raise ValueError(_NOT_A_NAME)
+    return model, split_size(name)[1]
 
 
 def _is_instance(model: nn.Module, class_name: str) -> bool:
@@ -178,7 +194,8 @@ def _categories(model: nn.Module) -> tuple[str, ...] | None:
 
 
 def _preprocessing(model: nn.Module, size: int | None = None) -> Preprocessing:
-    """timm's own data config (`resolve_data_config`), at `size` px when given (the same crop share)."""
+    """timm's own data config (`resolve_data_config`), at `size` px when given (the same crop share);
+    its size is the pretrained config's, not the model's own when it was built for another."""
     from timm.data import resolve_data_config
 
     data = resolve_data_config({}, model=model)
@@ -196,12 +213,13 @@ def _preprocessing(model: nn.Module, size: int | None = None) -> Preprocessing:
 
 
 def _spec(model: nn.Module, *, name: str, weights: str, size: int | None = None) -> VariantSpec:
+    """The model's spec at `size` px, by default at the size it was built for (`patch_embed.img_size`,
+    which is the pretrained config's unless the model was created with another `img_size`)."""
     config = config_from_timm(model)
     categories = _categories(model)  # None with a head (CLIP): the head's output is the features
     cfg = getattr(model, "pretrained_cfg", None) or {}
     kind = "features" if categories is None else f"{len(categories)} classes"
-    if size and size % config.patch_size:
-        raise ValueError(f"{size} px is not a multiple of {name}'s patch size {config.patch_size}")
+    size = config.image_size if size is None else check_size(size, patch_size=config.patch_size, name=name)
     return VariantSpec(
         name=name,
         config=config,
@@ -275,6 +293,8 @@ class TimmSource(WeightsSource):
         cfg = getattr(model, "pretrained_cfg", None) or {}
         arch = cfg.get("architecture") or type(model).__name__
         tag = cfg.get("tag")
-        ours.spec = _spec(model, name=f"timm:{arch}" + (f".{tag}" if tag else ""), weights="converted from a timm model instance")
+        pretrained = cfg.get("input_size")
+        built = f"@{config.image_size}" if pretrained and pretrained[-1] != config.image_size else ""  # created with img_size=
+        ours.spec = _spec(model, name=f"timm:{arch}" + (f".{tag}" if tag else "") + built, weights="converted from a timm model instance")
         param = next(model.parameters())
         return ours.to(device=param.device, dtype=param.dtype).train(model.training)
