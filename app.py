@@ -7,6 +7,8 @@ the app's logic without Gradio). Run with `python app.py`; deploys unchanged as 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -16,18 +18,25 @@ import torch  # noqa: E402
 from gradio.components import Component  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 
+from vitviz.cost import price, together  # noqa: E402
 from vitviz.images import MAX_BYTES, ImageError, describe_limits  # noqa: E402
 from vitviz.server import explaining, inputs, views  # noqa: E402
 from vitviz.server import explorer_data  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
 from vitviz import plots  # noqa: E402
 from vitviz.explanations import METHODS  # noqa: E402
-from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text, upload_folder  # noqa: E402
+from vitviz.server.gradio_io import (  # noqa: E402
+    BodyLimit, GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text, upload_folder,
+)
 from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.menus import head_choices, spec_line, variant_choices  # noqa: E402
 from vitviz.server.models import ModelCache  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
-from vitviz.sources import WeightsUnavailableError, assets_dir, checkpoint_dir, default_device, default_variant  # noqa: E402
+from vitviz.server.settings import Settings  # noqa: E402
+from vitviz.server.work import Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
+from vitviz.sources import (  # noqa: E402
+    WeightsUnavailableError, assets_dir, checkpoint_dir, default_device, default_variant, get_spec, list_variants,
+)
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
     import spaces
@@ -41,26 +50,24 @@ except ImportError:  # pragma: no cover - depends on the host
 
 Outputs = dict[Component, Any]
 
-CACHE = ModelCache(max_models=int(os.environ.get("VITVIZ_MAX_MODELS", "3")))
+MENU = list_variants()
+# every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
+SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
+CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes, menu={s.name for s in MENU})
+# one budget of model work for every event and the explorer's calls: priced before, bounded while running
+WORK = ModelWork(budget_bytes=SETTINGS.work_bytes, lanes=SETTINGS.concurrency, seconds=SETTINGS.request_seconds)
 DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
 EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
 MAX_COMPARE = 3
-QUEUE_SIZE = int(os.environ.get("VITVIZ_QUEUE_SIZE", "32"))
-CONCURRENCY = int(os.environ.get("VITVIZ_CONCURRENCY", "2" if torch.cuda.is_available() else "1"))
-DOWNLOADS = Downloads()
-# the largest model a client may ask for by name (timm:..., hf:...); ViT-H/14 has 632 M
-MAX_PARAMS = int(float(os.environ.get("VITVIZ_MAX_PARAMS", "7e8")))
+DOWNLOADS = Downloads(max_bytes=SETTINGS.downloads_bytes)
 SCALES = ("each map", "shared across layers and heads")
 # the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
 EXPLORER_DIR = upload_folder() / "vitviz-explorer"
-EXPLORER_MB = float(os.environ.get("VITVIZ_EXPLORER_MB", "2048"))  # the most those files take on disk
 EXPLORER_WIDGET = explorer_data.widget_files()
+EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
 # a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
-STORE: SessionStore[views.Exploration] = SessionStore(
-    budget_bytes=int(float(os.environ.get("VITVIZ_STATE_MB", "3072")) * 2**20),
-    idle_seconds=float(os.environ.get("VITVIZ_STATE_IDLE", "900")),
-)
+STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle)
 
 
 def _device_line() -> str:
@@ -83,20 +90,57 @@ def _checked(check, *args, **kwargs):
         raise _error(str(exc)) from None
 
 
+def _variant(name: object) -> str:
+    """A variant a client named, within this server's bounds (menu, parameters, tokens)."""
+    return _checked(inputs.variant, name, max_params=SETTINGS.max_params, max_tokens=SETTINGS.max_tokens,
+                    open_models=SETTINGS.open_models)
+
+
+def _job(kind: str, variant: str, request: gr.Request | None = None):
+    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget."""
+    return _priced(price(get_spec(variant), kind, budget=WORK.budget_bytes), request)
+
+
+@contextmanager
+def _priced(cost, request: gr.Request | None = None):
+    try:
+        with WORK.job(cost, session=getattr(request, "session_hash", None)) as job:
+            yield job
+    except (RequestRefused, Cancelled) as exc:
+        raise _error(str(exc)) from None
+
+
+def _files_sweep() -> None:
+    """Uploads and Gradio's copies of pictures within VITVIZ_FILES_MB, oldest first (examples stay)."""
+    sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=_is_example)
+
+
+_EXAMPLE_FILES = {(Path(p).name, Path(p).stat().st_size) for p in EXAMPLES}
+
+
+def _is_example(path: Path) -> bool:
+    try:
+        return (path.name, path.stat().st_size) in _EXAMPLE_FILES
+    except OSError:
+        return False
+
+
 # ------------------------------------------------------------------------------------------------
 # Running the model, and the analyses kept for sessions
 
 def _run(image: str | None, variant: str) -> views.Exploration:
     if image is None:
         raise _error("Upload an image first (or pick an example).")
-    variant = _checked(inputs.variant, variant, max_params=MAX_PARAMS)
+    variant = _variant(variant)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
-        return _analyze_on_device(image, variant)
+        with _job("analyse", variant):
+            return _analyze_on_device(image, variant)
     except (ImageError, WeightsUnavailableError) as exc:
-        raise _error(str(exc)) from None
+        raise _error(inputs.public_text(str(exc))) from None
     finally:
         release_memory()
+        _files_sweep()
 
 
 @gpu
@@ -122,9 +166,10 @@ def _recall(ref: SessionRef | None) -> views.Exploration:
     exp = STORE.get(ref.key)
     if exp is None:
         try:
-            exp = _reanalyze_on_device(ref)
+            with _job("analyse", ref.variant):
+                exp = _reanalyze_on_device(ref)
         except WeightsUnavailableError as exc:
-            raise _error(str(exc)) from None
+            raise _error(inputs.public_text(str(exc))) from None
         STORE.put(exp, exp.analysis.nbytes, key=ref.key)
     return exp
 
@@ -212,8 +257,9 @@ def on_explorer(ref: SessionRef | None) -> Outputs:
     if not isinstance(ref, SessionRef):
         return {explorer_live: gr.skip()}
     exp = _recall(ref)
-    sweep(EXPLORER_DIR, max_age=1800, max_bytes=int(EXPLORER_MB * 2**20))
-    live = explorer_data.write_payload(exp, key=ref.key, folder=EXPLORER_DIR)
+    with EXPLORER_LOCKS.hold(ref.key), _job("explorer", ref.variant) as job:
+        sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=job.cost.kept_bytes)
+        live = explorer_data.write_payload(exp, key=ref.key, folder=EXPLORER_DIR)
     on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
     depth = exp.analysis.attentions.shape[0]
     return {
@@ -225,8 +271,10 @@ def on_explorer(ref: SessionRef | None) -> Outputs:
 
 
 def on_export(ref: SessionRef | None) -> Outputs:
-    """The analysis as .npz, written when asked for."""
-    return {npz: DOWNLOADS.npz(_recall(ref))}
+    """The analysis as .npz, written when asked for (within VITVIZ_DOWNLOADS_MB on disk)."""
+    exp = _recall(ref)
+    with _job("export", ref.variant) as job:
+        return {npz: DOWNLOADS.npz(exp, size=job.cost.kept_bytes)}
 
 
 def on_rollout_options(ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
@@ -250,7 +298,9 @@ def explorer_layer(request: list) -> str:
     if exp is None:
         raise _error("This analysis is no longer kept: analyse the image again.")
     layer_value = _checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
-    return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=EXPLORER_DIR)
+    with EXPLORER_LOCKS.hold((key, layer_value)), _job("explorer_layer", exp.analysis.variant) as job:
+        sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=job.cost.kept_bytes)
+        return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=EXPLORER_DIR)
 
 
 def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
@@ -305,15 +355,17 @@ def _explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict
     return explaining.explain_exploration(CACHE, exp, target=target)
 
 
-def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = SCALES[0]) -> Outputs:
+def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = SCALES[0], request: gr.Request = None) -> Outputs:
     """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
     exp = _recall(ref)
     a = exp.analysis
     if a.categories is not None and target not in a.categories:
         raise _error("Pick one of the model's classes to explain.")
-    maps, index = _explain_on_device(exp, target)
+    scale = _scale(scale_value)
+    with _job("explain", a.variant, request):
+        maps, index = _explain_on_device(exp, target)
     label = a.categories[index] if index is not None else "no-class"
-    pictures = views.render_method_maps(exp, maps, label=label, scale=_scale(scale_value))
+    pictures = views.render_method_maps(exp, maps, label=label, scale=scale)
     if index is None:
         note = (f"**{a.variant} has no classifier**: the gradient methods need a class logit, so only the attention of the "
                 "last layer and its rollout are shown.")
@@ -330,11 +382,11 @@ def on_pick_class(ref: SessionRef | None, scale_value: str, evt: gr.SelectData) 
 
 
 @gpu
-def _faithfulness_on_device(exp: views.Exploration, maps: dict, index: int) -> dict:
-    return explaining.faithfulness_of(CACHE, exp, maps, target=index)
+def _faithfulness_on_device(exp: views.Exploration, maps: dict, index: int, batch_size: int, check) -> dict:
+    return explaining.faithfulness_of(CACHE, exp, maps, target=index, batch_size=batch_size, check=check)
 
 
-def on_faithfulness(ref: SessionRef | None, target: str | None, progress=gr.Progress()) -> Outputs:
+def on_faithfulness(ref: SessionRef | None, target: str | None, progress=gr.Progress(), request: gr.Request = None) -> Outputs:
     """Deletion and insertion curves of every method for the chosen class, with a random order beside."""
     exp = _recall(ref)
     a = exp.analysis
@@ -343,11 +395,18 @@ def on_faithfulness(ref: SessionRef | None, target: str | None, progress=gr.Prog
     if target not in a.categories:
         raise _error("Pick one of the model's classes first.")
     progress(0, desc="Deleting and inserting patches (every method, 17 steps each)")
-    maps, index = _explain_on_device(exp, target)
-    curves = _faithfulness_on_device(exp, maps, index)
+    with _job("faithfulness", a.variant, request) as job:
+        maps, index = _explain_on_device(exp, target)
+        curves = _faithfulness_on_device(exp, maps, index, job.cost.batch, job.check)
     figure = plots.faithfulness_figure(curves, title=f"{a.variant}: {target}")
     rows = [[name, f"{float(c.deletion_auc[0]):.3f}", f"{float(c.insertion_auc[0]):.3f}"] for name, c in curves.items()]
     return {faith_img: plots.named(plots.figure_to_image(figure), views._name(exp, "faithfulness", target)), faith_table: rows}
+
+
+def on_stop(request: gr.Request = None) -> Outputs:
+    """Stops this session's running model work (the faithfulness curves)."""
+    stopped = WORK.cancel(getattr(request, "session_hash", None))
+    return {explain_note: "Stopped." if stopped else gr.skip()}
 
 
 def on_tokens(ref: SessionRef | None, share: float) -> Outputs:
@@ -401,7 +460,7 @@ def on_other_model(name: str, custom: list[str] | None) -> Outputs:
     (choosing it runs the analysis)."""
     custom = [c for c in (custom or []) if isinstance(c, str)][-8:]
     try:
-        name = _checked(inputs.variant, name, max_params=MAX_PARAMS)
+        name = _variant(name)
     except gr.Error as exc:
         gr.Warning(exc.message)
         return {notice: _notice(exc.message)}
@@ -424,7 +483,9 @@ def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
     try:
         if not 2 <= len(variants) <= MAX_COMPARE:
             raise _error(f"Pick two or three variants to compare (you picked {len(variants)}).")
-        exps = [_run(image, v) for v in variants]
+        names = [_variant(v) for v in variants]
+        with _priced(together([price(get_spec(v), "analyse") for v in names])):  # the analyses are held together
+            exps = [_run(image, v) for v in names]
     except gr.Error as exc:
         gr.Warning(exc.message)
         return {compare_notice: _notice(exc.message)}
@@ -450,17 +511,20 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
     """The `/analyze` endpoint: image and variant in; predictions, rollout, distance plot and an .npz
     (rollout, cls map, distances, probabilities, the crop; the attention stack stays in the page's download)."""
     exp = _run(image, variant)
+    with _job("export", exp.analysis.variant) as job:
+        path = DOWNLOADS.npz(exp, attentions=False, size=job.cost.kept_bytes)
     return {
         api_pred: views.render_predictions(exp) or None,
         api_rollout: views.render_rollout(exp),
         api_distance: views.render_distance(exp),
-        api_npz: DOWNLOADS.npz(exp, attentions=False),
+        api_npz: path,
     }
 
 
 def on_variant_info(variant: str) -> Outputs:
     try:
-        return {variant_info: spec_line(inputs.variant(variant, max_params=MAX_PARAMS))}
+        return {variant_info: spec_line(inputs.variant(variant, max_params=SETTINGS.max_params, max_tokens=SETTINGS.max_tokens,
+                                                       open_models=SETTINGS.open_models))}
     except inputs.InputError as exc:
         return {variant_info: as_text(str(exc))}
 
@@ -562,7 +626,9 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                         with gr.Row():
                             for m in pair:
                                 explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
-                    faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run")
+                    with gr.Row():
+                        faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run", scale=3)
+                        faith_stop = gr.Button("Stop", size="sm", elem_id="vv-faith-stop", scale=1, min_width=60)
                     faith_img = _figure(label="Deletion and insertion", elem_id="vv-faith")
                     faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
                                                label="Area under each curve", elem_id="vv-faith-table")
@@ -695,11 +761,14 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     quiet = dict(show_progress="minimal")
 
     def _analysis(event):
-        return event.then(on_explorer, state, explorer_outputs, api_visibility="private", show_progress="hidden").then(
-            on_refresh_tab, tab_inputs, [*explain_outputs, *tokens_outputs], api_visibility="private", **quiet
+        return event.then(on_explorer, state, explorer_outputs, api_visibility="private", show_progress="hidden", **model).then(
+            on_refresh_tab, tab_inputs, [*explain_outputs, *tokens_outputs], api_visibility="private", **quiet, **model
         )
 
-    analyse = dict(show_progress_on=[rollout_img, status])
+    # Everything that runs a model or builds analysis data shares one concurrency group (and, inside
+    # it, WORK's budget, which the explorer's component-server calls take too).
+    model = dict(concurrency_id="model", concurrency_limit=SETTINGS.concurrency)
+    analyse = dict(show_progress_on=[rollout_img, status], **model)
     _analysis(run.click(on_analyze, analysis_inputs, analysis_outputs, api_visibility="undocumented", api_name="session_analyze", **analyse))
     _analysis(image.upload(on_analyze, analysis_inputs, analysis_outputs, api_visibility="private", **analyse))
     _analysis(variant.change(on_variant_info, variant, variant_info, api_visibility="private", show_progress="hidden").then(
@@ -713,29 +782,35 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     scale_choice.change(on_view, view_inputs, [explorer_img, mosaic], api_visibility="private", trigger_mode="always_last")
     explorer_img.select(on_click, [state, layer, head, scale_choice], [query, query_text, prefix_query, explorer_img, mosaic], api_visibility="private")
     prefix_query.input(on_prefix_query, [state, layer, head, prefix_query, scale_choice], [query, query_text, explorer_img, mosaic], api_visibility="private")
-    tabs.select(on_tab, [state, target_class, explain_scale, dino_share], [current_tab, *explain_outputs, *tokens_outputs], api_visibility="private")
-    target_class.input(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="undocumented", api_name="session_explain")
-    explain_scale.change(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="private")
-    predictions.select(on_pick_class, [state, explain_scale], [target_class, tabs, current_tab, *explain_outputs], api_visibility="private")
-    faith_button.click(on_faithfulness, [state, target_class], [faith_img, faith_table], api_visibility="undocumented", api_name="session_faithfulness")
+    tabs.select(on_tab, [state, target_class, explain_scale, dino_share], [current_tab, *explain_outputs, *tokens_outputs], api_visibility="private", **model)
+    target_class.input(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="undocumented", api_name="session_explain", **model)
+    explain_scale.change(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="private", **model)
+    predictions.select(on_pick_class, [state, explain_scale], [target_class, tabs, current_tab, *explain_outputs], api_visibility="private", **model)
+    faith = faith_button.click(on_faithfulness, [state, target_class], [faith_img, faith_table], api_visibility="undocumented",
+                               api_name="session_faithfulness", **model)
+    faith_stop.click(on_stop, None, explain_note, cancels=[faith], api_visibility="private", queue=False)
     dino_share.input(on_dino_share, [state, dino_share], dino_img, api_visibility="private", trigger_mode="always_last")
     features_img.select(on_feature_click, state, similarity_map_img, api_visibility="private")
     other_outputs = [custom_models, notice, variant, compare_pick]
     use_other.click(on_other_model, [other_model, custom_models], other_outputs, api_visibility="private")
     other_model.submit(on_other_model, [other_model, custom_models], other_outputs, api_visibility="private")
-    export.click(on_export, state, npz, api_visibility="private")
+    export.click(on_export, state, npz, api_visibility="private", **model)
     compare_outputs = [compare_notice, compare_distance, *[c for slot in slots for c in slot]]
-    compare_run.click(on_compare, [image, compare_pick], compare_outputs, api_visibility="private")
-    api_button.click(api_analyze, [image, variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze")
+    compare_run.click(on_compare, [image, compare_pick], compare_outputs, api_visibility="private", **model)
+    api_button.click(api_analyze, [image, variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze", **model)
 
-demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=CONCURRENCY)
+demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency,
+           client_jobs=SETTINGS.client_jobs, address_jobs=SETTINGS.address_jobs)
 
 LAUNCH_KWARGS = dict(
     css=CSS,
     theme=gr.themes.Soft(),
     max_file_size=MAX_BYTES,
     ssr_mode=False,
-    app_kwargs={"middleware": [Middleware(UploadLimit, max_bytes=MAX_BYTES)]},
+    app_kwargs={"middleware": [
+        Middleware(BodyLimit, max_bytes=SETTINGS.body_bytes),
+        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=_files_sweep),
+    ]},
 )
 
 if __name__ == "__main__":

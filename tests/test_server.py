@@ -57,6 +57,9 @@ def test_hostile_files_get_clear_errors_and_the_server_keeps_serving(server, tmp
             preds, data = _analyze(client, path)
             assert len(preds["confidences"]) == 5, name
             results[name] = data
+        elif expect in ("not an image", "empty"):  # no image's first bytes: refused at the upload door, nothing kept
+            with pytest.raises(Exception, match="415"):
+                _analyze(client, path)
         else:
             with pytest.raises(AppError, match=expect):
                 _analyze(client, path)
@@ -77,7 +80,11 @@ def test_hostile_files_get_clear_errors_and_the_server_keeps_serving(server, tmp
     assert grey[48, 0] < 15 and grey[48, -1] > 240 and 100 < grey[48, 48] < 155
 
 
-def test_sixteen_concurrent_clients_each_get_their_own_answer(server, tmp_path):
+def test_sixteen_concurrent_clients_each_get_their_own_answer(server, tmp_path, monkeypatch):
+    import app
+
+    # sixteen clients would come from sixteen addresses; here they share 127.0.0.1
+    monkeypatch.setattr(app.demo, "address_jobs", 16)
     paths = []
     for i in range(16):
         path = tmp_path / f"img{i}.png"

@@ -15,6 +15,7 @@ shapes_p16 --methods attention,rollout,gradient,grad_rollout --out RESULTS`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,8 @@ def _patch_mask(order: torch.Tensor, counts: torch.Tensor, grid: tuple[int, int]
 
 @torch.inference_mode()
 def perturbation_curves(
-    model: ViT, x: torch.Tensor, maps: torch.Tensor, targets: torch.Tensor, *, steps: int = 16, batch_size: int = 64
+    model: ViT, x: torch.Tensor, maps: torch.Tensor, targets: torch.Tensor, *, steps: int = 16, batch_size: int = 64,
+    check: Callable[[], None] | None = None,
 ) -> Curves:
     """Deletion and insertion curves of the orderings `maps` gives.
 
@@ -81,6 +83,8 @@ def perturbation_curves(
         maps: relevance [B, gh, gw]; patches are taken in decreasing order (ties in index order).
         targets: the class of each sample [B].
         steps: equal steps from no patch to every patch (the fractions are i / steps).
+        batch_size: perturbed images per forward.
+        check: called before each forward; raising there stops the measurement (a deadline, a cancel).
     """
     spec = spec_of(model)
     if not spec.has_head:
@@ -98,7 +102,12 @@ def perturbation_curves(
     for mode, keep in (("deletion", ~removed), ("insertion", removed)):
         batch = x[:, None] * keep[:, :, None].to(x.device, x.dtype)  # [B, S + 1, 3, H, W]; 0 = the mean colour
         flat = batch.reshape(-1, *x.shape[1:])
-        probs = torch.cat([model(flat[i : i + batch_size]).float().softmax(-1) for i in range(0, len(flat), batch_size)])
+        chunks = []
+        for i in range(0, len(flat), batch_size):
+            if check is not None:
+                check()
+            chunks.append(model(flat[i : i + batch_size]).float().softmax(-1))
+        probs = torch.cat(chunks)
         t = targets.repeat_interleave(steps + 1).to(probs.device)
         out[mode] = probs[torch.arange(len(t)), t].reshape(b, steps + 1).cpu()
     return Curves(fractions=counts.float() / m, deletion=out["deletion"], insertion=out["insertion"])

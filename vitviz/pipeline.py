@@ -122,19 +122,31 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
     spec = spec_of(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
+    gh, gw = model.grid_for(x.shape[2], x.shape[3])
+    depth, heads, n = model.config.depth, model.config.heads, model.config.num_prefix_tokens + gh * gw
+    # each layer's attention goes straight into its slot of one stack on the CPU, as the layer runs:
+    # the analysis never holds a second copy of the stack (the peak is one stack plus one layer)
+    attn = torch.empty(depth, heads, n, n, dtype=torch.float32)
+    slot = iter(range(depth))
+
+    def keep(a: torch.Tensor) -> torch.Tensor:
+        layer = next(slot)
+        attn[layer].copy_(a[0])
+        return attn[layer]
+
     with torch.inference_mode():
         start = time.perf_counter()
         layers: list[torch.Tensor] = []
-        with record_attention(model) as rec:
+        with record_attention(model, reduce=keep):
             tokens = model.encode(x, layers=layers)
             logits = model.head_logits(tokens) if spec.has_head else None
         norms = torch.stack([h[0].float().norm(dim=-1) for h in layers])  # [L, N]
-        attn = rec.attentions[:, 0].float()  # [L, H, N, N]
+        del layers
         if param.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         probs = logits[0].float().softmax(-1).cpu() if logits is not None else None
-        attn, tokens, norms = attn.cpu(), tokens[0].float().cpu(), norms.cpu()
+        tokens, norms = tokens[0].float().cpu(), norms.cpu()
     return Analysis(
         variant=spec.name,
         image=cropped,
@@ -143,7 +155,7 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
         attentions=attn,
         tokens=tokens,
         token_norms=norms,
-        grid=model.grid_for(x.shape[2], x.shape[3]),
+        grid=(gh, gw),
         patch_size=spec.patch_size,
         prefix_names=spec.prefix_names,
         device=str(param.device),

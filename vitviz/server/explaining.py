@@ -3,6 +3,8 @@ and one backward for every method), and their deletion and insertion curves."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vitviz.explanations import METHODS, relevance_maps, resolve_target
@@ -32,13 +34,15 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
 
 
 def faithfulness_of(cache: ModelCache, exp: Exploration, maps: dict[str, torch.Tensor], *, target: int, steps: int = 16,
-                    seed: int = 0) -> dict[str, Curves]:
-    """Deletion and insertion curves of each map's order, and of a random order ("random")."""
+                    seed: int = 0, batch_size: int = 64, check: Callable[[], None] | None = None) -> dict[str, Curves]:
+    """Deletion and insertion curves of each map's order, and of a random order ("random"),
+    `batch_size` perturbed images per forward; `check` is called before each (a deadline, a cancel)."""
     model, x = _input(cache, exp)
     orders = dict(maps)
     orders["random"] = random_maps(next(iter(maps.values())).shape, seed=seed)
     stacked = torch.stack(list(orders.values()))  # one batch: every ordering of the same image
-    curves = perturbation_curves(model, x.expand(len(orders), -1, -1, -1), stacked, torch.full((len(orders),), target), steps=steps)
+    curves = perturbation_curves(model, x.expand(len(orders), -1, -1, -1), stacked, torch.full((len(orders),), target), steps=steps,
+                                  batch_size=batch_size, check=check)
     return {
         name: Curves(fractions=curves.fractions, deletion=curves.deletion[i : i + 1], insertion=curves.insertion[i : i + 1])
         for i, name in enumerate(orders)

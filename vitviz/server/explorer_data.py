@@ -29,13 +29,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitviz.cost import BROWSER_BYTES
 from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
            "layer_block", "stack_file", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
 
-BUDGET = 24 * 2**20  # bytes the browser is sent at once
+BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
 
 

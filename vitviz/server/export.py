@@ -2,84 +2,117 @@
 
 from __future__ import annotations
 
-import io
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from vitviz.cost import export_plan
 from vitviz.server.views import Exploration
 
 __all__ = ["export_npz", "Downloads", "sweep"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
-    """The analysis as an .npz: attentions (optional: L x H x N x N floats, 22 MB for B/16), the cls
-    rollout (mean fusion, no discard) and its map, distances, probabilities, the crop.
+    """The analysis as an .npz: attentions (optional: L x H x N x N; float32 up to 64 MB, float16
+    beyond, relative error at most 2^-11), the cls rollout (mean fusion, no discard: all N rows up
+    to 1,024 tokens, the prefix tokens' rows beyond) and its map, distances, probabilities, the crop.
+    `vitviz.cost.export_plan` says what an export holds and weighs before it is written.
 
     Uncompressed: zlib on a float attention stack costs far more time than it saves bytes.
     """
     a = exp.analysis
+    plan = export_plan(exp.facts.spec)
     path = Path(path)
-    buf = io.BytesIO()
-    extra = {"attentions": a.attentions.numpy()} if attentions else {}
+    extra = {}
+    if attentions:
+        extra["attentions"] = a.attentions.numpy().astype(plan["attention_dtype"], copy=False)
     if a.probabilities is not None:
         extra.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
     rollout = a.rollout()
-    np.savez(
-        buf,
-        **extra,
-        rollout=rollout.numpy(),
-        cls_map=a.cls_map().numpy(),
-        distances=a.distances().numpy(),
-        image=np.asarray(a.image),
-        patch_size=a.patch_size,
-        grid=np.array(a.grid),
-        prefix_tokens=np.array(a.prefix_names),
-        head_fusion="mean",
-        discard_ratio=0.0,
-        variant=a.variant,
-    )
-    path.write_bytes(buf.getvalue())
+    with open(path, "wb") as f:
+        np.savez(
+            f,
+            **extra,
+            rollout=rollout[: plan["rollout_rows"]].numpy(),
+            cls_map=a.cls_map().numpy(),
+            distances=a.distances().numpy(),
+            image=np.asarray(a.image),
+            patch_size=a.patch_size,
+            grid=np.array(a.grid),
+            prefix_tokens=np.array(a.prefix_names),
+            head_fusion="mean",
+            discard_ratio=0.0,
+            variant=a.variant,
+        )
     return path
 
 
-def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*") -> None:
-    """Removes files in `folder` older than `max_age` seconds, then the oldest until the rest take
-    at most `max_bytes`."""
+def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*", room: int = 0,
+          recursive: bool = False, skip: tuple[Path, ...] = (), keep=None) -> int:
+    """Removes files in `folder` older than `max_age` seconds, then the oldest until the rest take at
+    most `max_bytes - room` (room for a file about to be written); returns the bytes the rest take.
+
+    Args:
+        recursive: also files in folders below (emptied folders are removed).
+        skip: folders below `folder` left alone.
+        keep: a predicate on a path: files it accepts are never removed (and still counted).
+    """
     now = time.time()
     files = []
-    for path in Path(folder).glob(pattern):
+    root = Path(folder)
+    found = root.rglob(pattern) if recursive else root.glob(pattern)
+    skip = tuple(Path(p) for p in skip)
+    for path in found:
+        if skip and any(path == s or s in path.parents for s in skip):
+            continue
         try:
-            st = path.stat()
+            st = path.lstat()
         except OSError:
             continue
-        if not path.is_file():
+        if not stat.S_ISREG(st.st_mode):
             continue
-        if now - st.st_mtime > max_age:
+        kept = keep is not None and keep(path)
+        if now - st.st_mtime > max_age and not kept:
             path.unlink(missing_ok=True)
         else:
-            files.append((st.st_mtime, st.st_size, path))
+            files.append((st.st_mtime, st.st_size, path, kept))
+    total = sum(f[1] for f in files)
     if max_bytes is not None:
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files, key=lambda f: f[0]):
-            if total <= max_bytes:
+        for _, size, path, kept in sorted(files, key=lambda f: f[0]):
+            if total + room <= max_bytes:
                 break
+            if kept:
+                continue
             path.unlink(missing_ok=True)
             total -= size
+    if recursive:
+        for sub in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            if not any(sub == s or s in sub.parents for s in skip):
+                try:
+                    if now - sub.stat().st_mtime < 60:  # a folder just made may be about to get its file
+                        continue
+                    sub.rmdir()  # only when empty
+                except OSError:
+                    pass
+    return total
 
 
 class Downloads:
-    """A private folder of downloads with random names; files older than `max_age` seconds (long
-    since served) are removed whenever a new one is written."""
+    """A private folder of downloads with random names, within `max_bytes` on disk: before a file is
+    written, files older than `max_age` seconds (long since served) go, then the oldest until the new
+    one fits."""
 
-    def __init__(self, *, max_age: float = 600) -> None:
+    def __init__(self, *, max_age: float = 600, max_bytes: int = 1024 * 2**20) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="vitviz-"))
         self.max_age = max_age
+        self.max_bytes = max_bytes
 
-    def npz(self, exp: Exploration, *, attentions: bool = True) -> str:
-        sweep(self.folder, max_age=self.max_age, pattern="*.npz")
+    def npz(self, exp: Exploration, *, attentions: bool = True, size: int | None = None) -> str:
+        """Writes the .npz of `exp`; `size`: its expected bytes (`export_plan`), to make room first."""
+        sweep(self.folder, max_age=self.max_age, max_bytes=self.max_bytes, pattern="*.npz", room=size or 0)
         path = self.folder / f"vitviz-{exp.analysis.variant.replace(':', '-').replace('/', '-')}-{os.urandom(16).hex()}.npz"
         return str(export_npz(exp, path, attentions=attentions))

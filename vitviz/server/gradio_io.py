@@ -21,6 +21,7 @@ import html
 import io
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ __all__ = [
     "GuardedBlocks",
     "UploadedImage",
     "UploadLimit",
+    "BodyLimit",
+    "client_address",
+    "looks_like_image",
     "PngImage",
     "ViewImage",
     "as_text",
@@ -115,8 +119,23 @@ class UploadedImage(gr.Image):
         return uploaded_path(payload.path)
 
 
+FAILED = "{what} could not be done: {why}. The page's own controls send valid values; analyse the image again if this persists."
+
+
 class GuardedBlocks(gr.Blocks):
-    """`gr.Blocks` that checks every `UploadedImage` payload before Gradio moves, fetches or decodes it."""
+    """`gr.Blocks` for a public server.
+
+    - Every `UploadedImage` payload is checked before Gradio moves, fetches or decodes it.
+    - A failure that is not a `gr.Error` (a value Gradio's own preprocessing cannot read, a bug)
+      reaches the client as a message that says what failed, never a bare "Error" and never a
+      server path.
+    - `queue(client_jobs=..., address_jobs=...)`: one session, and one network address, may hold at
+      most that many jobs waiting or running; more are answered "one at a time, please" while the
+      queue keeps serving everyone else.
+    """
+
+    client_jobs: int | None = None
+    address_jobs: int | None = None
 
     def validate_inputs(self, block_fn, inputs: list[Any]) -> None:
         super().validate_inputs(block_fn, inputs)
@@ -124,20 +143,109 @@ class GuardedBlocks(gr.Blocks):
             if isinstance(block, UploadedImage):
                 _check_image_payload(value)
 
+    async def process_api(self, block_fn, inputs, *args, **kwargs):
+        try:
+            return await super().process_api(block_fn, inputs, *args, **kwargs)
+        except gr.Error:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every other failure becomes one readable message
+            name = getattr(block_fn, "name", None) or getattr(getattr(block_fn, "fn", None), "__name__", "this request")
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            from vitviz.server.inputs import public_text
+
+            raise gr.Error(as_text(FAILED.format(what=str(name).replace("_", " ").strip().capitalize(), why=public_text(why)[:300]))) from exc
+
+    def queue(self, *args, client_jobs: int | None = None, address_jobs: int | None = None, **kwargs):
+        out = super().queue(*args, **kwargs)
+        self.client_jobs, self.address_jobs = client_jobs, address_jobs
+        _fair(self)
+        return out
+
+
+ONE_AT_A_TIME = (
+    "One at a time, please: {count} of your requests are already waiting or running on this server; "
+    "send the next when one has finished."
+)
+
+
+def client_address(request: Any) -> str:
+    """The address a request came from: behind Hugging Face's proxy (SPACE_ID is set) the address it
+    appended last to X-Forwarded-For, otherwise the peer's."""
+    headers = getattr(request, "headers", None) or {}
+    forwarded = headers.get("x-forwarded-for") if os.environ.get("SPACE_ID") else None
+    if forwarded:
+        return forwarded.split(",")[-1].strip()
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or "?"
+
+
+def _fair(blocks: GuardedBlocks) -> None:
+    """Wraps the queue's `push` so that no client holds more than its share of jobs."""
+    queue = blocks._queue
+    if getattr(queue, "_vitviz_fair", False):
+        return
+    push = queue.push
+
+    async def fair_push(body, request, username):
+        per_session, per_address = blocks.client_jobs, blocks.address_jobs
+        if per_session or per_address:
+            events = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
+            events += [e for job in queue.active_jobs if job for e in job]
+            address = client_address(request)
+            mine = sum(1 for e in events if body.session_hash and e.session_hash == body.session_hash)
+            here = sum(1 for e in events if client_address(e.request) == address)
+            if per_session and mine >= per_session:
+                return False, ONE_AT_A_TIME.format(count=mine), "queue_full"
+            if per_address and here >= per_address:
+                return False, ONE_AT_A_TIME.format(count=here), "queue_full"
+        return await push(body, request, username)
+
+    queue.push = fair_push
+    queue._vitviz_fair = True
+
+
+IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def looks_like_image(head: bytes) -> bool:
+    """Whether a file's first bytes are those of a format the image gate accepts (JPEG, PNG, GIF,
+    WebP, BMP, TIFF)."""
+    return head.startswith(IMAGE_SIGNATURES) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+
 
 class UploadLimit:
-    """ASGI middleware: an upload request may carry one file of at most `max_bytes`.
+    """ASGI middleware: an upload request carries one image of at most `max_bytes`, and one address
+    uploads at most `per_minute` bytes a minute.
 
     The request must state its length (411 otherwise) and stay within `max_bytes` plus `overhead`
-    for the multipart framing (413 otherwise, before a byte is read); a body with more than one part
-    is cut off as soon as the second part's boundary arrives, and answered 413.
+    for the multipart framing (413 otherwise, before a byte is read); an address past its minute's
+    volume is answered 429 before a byte is read; a part whose first bytes are not an image's is
+    cut off there (415), and so is a body with more than one part, as soon as the second part's
+    boundary arrives (413). `after()` runs after each upload that went through (a disk sweep).
     """
 
-    def __init__(self, app, *, max_bytes: int, overhead: int = 64 * 1024, path_suffix: str = "/gradio_api/upload") -> None:
+    def __init__(self, app, *, max_bytes: int, per_minute: int | None = None, after=None, overhead: int = 64 * 1024,
+                 path_suffix: str = "/gradio_api/upload") -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_minute = per_minute
+        self.after = after
         self.overhead = overhead
         self.path_suffix = path_suffix
+        self._volume: dict[str, list[tuple[float, int]]] = {}
+
+    def _over_volume(self, address: str, length: int) -> bool:
+        if self.per_minute is None:
+            return False
+        now = time.monotonic()
+        if len(self._volume) > 10_000:  # forget addresses idle for a minute
+            self._volume = {a: v for a, v in self._volume.items() if v and now - v[-1][0] < 60}
+        recent = [(t, n) for t, n in self._volume.get(address, []) if now - t < 60]
+        if sum(n for _, n in recent) + length > self.per_minute:
+            self._volume[address] = recent
+            return True
+        self._volume[address] = recent + [(now, length)]
+        return False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").endswith(self.path_suffix):
@@ -151,21 +259,40 @@ class UploadLimit:
         if int(length) > self.max_bytes + self.overhead:
             await _plain(send, 413, f"An upload may carry one image of at most {self.max_bytes // 2**20} MB.")
             return
+        address = client_address(_Scope(scope, headers))
+        if self._over_volume(address, int(length)):
+            await _plain(send, 429, f"Uploads from one address are limited to {self.per_minute // 2**20} MB a minute: wait a little.")
+            return
         boundary = _boundary(headers.get(b"content-type", b""))
         if boundary is None:
             await self.app(scope, receive, send)  # Gradio answers 400 to anything but multipart
             return
         delimiter = b"--" + boundary
-        seen = {"count": 0, "tail": b"", "refused": False, "started": False}
+        seen = {"count": 0, "tail": b"", "refused": None, "started": False, "head": b"", "sniffed": False}
 
-        async def counting_receive():
+        def inspect(data: bytes) -> str | None:
+            seen["count"] += (seen["tail"] + data).count(delimiter)
+            seen["tail"] = (seen["tail"] + data)[-(len(delimiter) - 1) :]
+            if seen["count"] > 2:  # the opening delimiter of a second part (one part: open + close)
+                return "parts"
+            if not seen["sniffed"]:
+                seen["head"] += data
+                body = seen["head"]
+                at = body.find(b"\r\n\r\n", body.find(delimiter) + len(delimiter)) if delimiter in body else -1
+                if at >= 0 and len(body) >= at + 4 + 16:
+                    seen["sniffed"] = True
+                    if not looks_like_image(body[at + 4 : at + 4 + 16]):
+                        return "kind"
+                    seen["head"] = b""
+                elif len(body) > 64 * 1024:
+                    return "kind"
+            return None
+
+        async def checking_receive():
             message = await receive()
             if message["type"] == "http.request" and not seen["refused"]:
-                data = seen["tail"] + message.get("body", b"")
-                seen["count"] += data.count(delimiter)
-                seen["tail"] = data[-(len(delimiter) - 1) :]
-                if seen["count"] > 2:  # the opening delimiter of a second part (one part: open + close)
-                    seen["refused"] = True
+                seen["refused"] = inspect(message.get("body", b""))
+                if seen["refused"]:
                     return {"type": "http.disconnect"}
             return message
 
@@ -176,12 +303,72 @@ class UploadLimit:
             await send(message)
 
         try:
+            await self.app(scope, checking_receive, guarded_send)
+        except Exception:
+            if not seen["refused"]:
+                raise
+        if seen["refused"] and not seen["started"]:
+            if seen["refused"] == "kind":
+                await _plain(send, 415, "Only images can be uploaded here (JPEG, PNG, WebP, GIF, BMP or TIFF).")
+            else:
+                await _plain(send, 413, "An upload may carry one image per request.")
+        elif self.after is not None:
+            self.after()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body other than an upload's is at most `max_bytes` (413 otherwise),
+    checked against its stated length before a byte is read, and counted as it arrives when no
+    length is stated."""
+
+    def __init__(self, app, *, max_bytes: int, skip_suffix: str = "/gradio_api/upload") -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.skip_suffix = skip_suffix
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS") or scope.get("path", "").endswith(self.skip_suffix):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        length = headers.get(b"content-length")
+        message = f"A request body may be at most {self.max_bytes // 1024} kB here (images go through the upload)."
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await _plain(send, 413, message)
+            return
+        seen = {"bytes": 0, "refused": False, "started": False}
+
+        async def counting_receive():
+            got = await receive()
+            if got["type"] == "http.request" and not seen["refused"]:
+                seen["bytes"] += len(got.get("body", b""))
+                if seen["bytes"] > self.max_bytes:
+                    seen["refused"] = True
+                    return {"type": "http.disconnect"}
+            return got
+
+        async def guarded_send(out):
+            if seen["refused"]:
+                return
+            seen["started"] = True
+            await send(out)
+
+        try:
             await self.app(scope, counting_receive, guarded_send)
         except Exception:
             if not seen["refused"]:
                 raise
         if seen["refused"] and not seen["started"]:
-            await _plain(send, 413, "An upload may carry one image per request.")
+            await _plain(send, 413, message)
+
+
+class _Scope:
+    """An ASGI scope read like a request (its headers and peer) by `client_address`."""
+
+    def __init__(self, scope, headers: dict[bytes, bytes]) -> None:
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
+        peer = scope.get("client")
+        self.client = type("Peer", (), {"host": peer[0] if peer else None})()
 
 
 def _boundary(content_type: bytes) -> bytes | None:

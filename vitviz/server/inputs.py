@@ -3,35 +3,66 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import tempfile
 
 from vitviz.server.menus import head_choices
-from vitviz.sources import WeightsUnavailableError, get_spec
+from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants
 
-__all__ = ["InputError", "variant", "fusion", "ratio", "index", "head", "share"]
+__all__ = ["InputError", "variant", "public_text", "fusion", "ratio", "index", "head", "share"]
 
 
 class InputError(ValueError):
     """A field a client sent that vitviz will not use; the message says what is accepted."""
 
 
-def variant(value: object, *, max_params: int | None = None) -> str:
+def variant(value: object, *, max_params: int | None = None, max_tokens: int | None = None, open_models: bool = True) -> str:
     """A variant name vitviz can load: a listed one, or "timm:<name>" / "hf:<repo id>" of at most
-    `max_params` parameters."""
+    `max_params` parameters (when `open_models`), at a size of at most `max_tokens` tokens."""
     if not isinstance(value, str) or not value.strip():
-        raise InputError("Choose a model variant.")
+        raise InputError("Choose a model variant from the menu (or type timm:<name> or hf:<repo id> in the box below it).")
     value = value.strip()
     if len(value) > 200:
         raise InputError("A model name has at most 200 characters.")
+    if not open_models and value.partition("@")[0] not in {s.name for s in list_variants()}:
+        raise InputError("This server analyses the models of its menu only (VITVIZ_OPEN_MODELS=0): choose one there.")
     try:
         spec = get_spec(value)
-    except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError) as exc:
-        raise InputError(str(exc)) from None
+    except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError, OSError) as exc:
+        raise InputError(public_text(str(exc))) from None
     if max_params is not None and spec.config.num_params > max_params:
         raise InputError(
             f"{value} has {spec.config.num_params / 1e6:,.0f} M parameters; this server loads models of up to "
             f"{max_params / 1e6:,.0f} M (VITVIZ_MAX_PARAMS)."
         )
+    if max_tokens is not None and spec.num_tokens > max_tokens:
+        side = math.isqrt(max_tokens - spec.num_prefix_tokens) * spec.patch_size
+        raise InputError(
+            f"{value} cuts a {spec.image_size} px image into {spec.num_tokens:,} tokens; this server analyses at most "
+            f"{max_tokens:,} (VITVIZ_MAX_TOKENS): for this model, sizes up to @{side}."
+        )
     return value
+
+
+def public_text(message: str) -> str:
+    """`message` with this machine's folders named by what they are, not where they are."""
+    places = []
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        places.append((HF_HUB_CACHE, "$HF_HOME/hub"))
+    except ImportError:
+        pass
+    places += [(str(checkpoint_dir()), "$TORCH_HOME/hub/checkpoints"), (tempfile.gettempdir(), "<temp>"),
+               (os.getcwd(), "<server>"), (os.path.expanduser("~"), "~")]
+    for folder, name in sorted(places, key=lambda p: -len(p[0])):
+        if folder and folder != "/":
+            message = message.replace(folder, name)
+    return _ABSOLUTE.sub("<path>", message)
+
+
+_ABSOLUTE = re.compile(r"(?<![\w:/.~<>$])/(?:[\w.\-]+/)*[\w.\-]+")
 
 
 def fusion(value: object) -> str:

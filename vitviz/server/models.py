@@ -2,19 +2,55 @@
 
 from __future__ import annotations
 
+import shutil
+import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from vitviz import plots
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
 from vitviz.model import ViT
-from vitviz.sources import VariantSpec, load_model
+from vitviz.sources import VariantSpec, list_variants, load_model
 from vitviz.summary import summary
 
-__all__ = ["ModelFacts", "ModelCache"]
+__all__ = ["ModelFacts", "ModelCache", "prune_hub_cache"]
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
+
+
+def prune_hub_cache(repos: "OrderedDict[str, None]", *, max_bytes: int, keep: str | None = None, cache: str | Path | None = None) -> int:
+    """Removes the Hugging Face cache folders of `repos` (oldest first, never `keep`) until those left
+    take at most `max_bytes`; removed repos leave `repos`. Returns the bytes left."""
+    if cache is None:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        cache = HF_HUB_CACHE
+    folders = {r: Path(cache) / f"models--{r.replace('/', '--')}" for r in repos}
+    sizes = {r: _folder_bytes(f) if f.is_dir() else 0 for r, f in folders.items()}
+    total = sum(sizes.values())
+    for repo in list(repos):
+        if total <= max_bytes:
+            break
+        if repo == keep:
+            continue
+        shutil.rmtree(folders[repo], ignore_errors=True)
+        total -= sizes[repo]
+        del repos[repo]
+    return total
 
 
 @dataclass(frozen=True)
@@ -61,13 +97,17 @@ class ModelCache:
     variant load it once.
     """
 
-    def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None) -> None:
+    def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None,
+                 hub_bytes: int | None = None, menu: set[str] | None = None) -> None:
         self.max_models = max_models
         self.max_bytes = max_bytes
         self.device = device
+        self.hub_bytes = hub_bytes
+        self.menu = menu if menu is not None else {s.name for s in list_variants()}
         self._models: OrderedDict[str, tuple[ViT, ModelFacts]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        self._hub_repos: OrderedDict[str, None] = OrderedDict()  # repos fetched for names outside the menu, oldest first
 
     @staticmethod
     def _bytes(model: ViT) -> int:
@@ -94,6 +134,11 @@ class ModelCache:
             with self._lock:
                 self._models[name] = entry
                 self._evict(keep=name)
+                repo = model.spec.locator if model.spec.source in ("timm", "hf") else ""
+                if repo and name.partition("@")[0] not in self.menu and self.hub_bytes is not None:
+                    self._hub_repos[repo.removeprefix("hf-hub:")] = None
+                    self._hub_repos.move_to_end(repo.removeprefix("hf-hub:"))
+                    prune_hub_cache(self._hub_repos, max_bytes=self.hub_bytes, keep=repo.removeprefix("hf-hub:"))
             return entry
 
     def _evict(self, *, keep: str) -> None:

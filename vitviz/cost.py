@@ -1,0 +1,166 @@
+"""What a request on a model variant costs, from its arguments alone, before anything runs.
+
+Every figure is an upper estimate written from the architecture (`VariantSpec`: layers L, heads H,
+width D, MLP width F, tokens N at the requested image size) and the work each kind of request does;
+`docs/serving.md` sets each beside the peak resident memory measured for it. With
+`layer = H N^2 x 4` bytes (one layer's attention for one image) and `A = L x layer` (the stack):
+
+- "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
+  transients and the rollout's L fused N x N maps.
+- "explain": one forward and one backward with attention and its gradient recorded (2A) and the
+  activations autograd keeps per layer.
+- "faithfulness": "explain", then deletion and insertion forwards of (steps + 1) x 2 perturbed
+  images per ordering, `batch` images at a time (the batch is chosen to fit the budget).
+- "export": the .npz written (attention in float16 beyond `FLOAT32_ATTENTION_BYTES`, the N x N
+  rollout only up to `FULL_ROLLOUT_TOKENS`), and its bytes twice in memory while written.
+- "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`,
+  else of one layer ("explorer_layer"), else nothing (the server draws the views).
+- "compare": `analyse` for each variant, all held at once.
+
+A fixed `BASE_BYTES` covers what any request allocates whatever the model (thread pools, images,
+figures). Model work is counted in multiply-adds x 2 (`forward_flops`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "Kind",
+    "Cost",
+    "price",
+    "together",
+    "forward_flops",
+    "attention_bytes",
+    "export_plan",
+    "BASE_BYTES",
+    "FLOAT32_ATTENTION_BYTES",
+    "FULL_ROLLOUT_TOKENS",
+    "FAITHFULNESS_BATCH",
+    "BROWSER_BYTES",
+]
+
+Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer"]
+
+BASE_BYTES = 64 * 2**20
+FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up to this size, float16 beyond
+FULL_ROLLOUT_TOKENS = 1024  # an export holds the whole N x N rollout up to this many tokens, the prefix rows beyond
+FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
+BROWSER_BYTES = 24 * 2**20  # the explorer's data a browser is sent at once
+FAITHFULNESS_ORDERS = 5  # four methods and a random order
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one request may take.
+
+    Attributes:
+        kind: the kind of request.
+        variant: the variant's name (with its size suffix).
+        tokens: N, tokens per image at the requested size.
+        bytes: peak memory the request may take beyond the model's weights.
+        kept_bytes: what stays afterwards (the analysis kept for a session; for "export" and
+            "explorer", the bytes written to disk).
+        flops: model work (forward and backward passes, multiply-adds x 2).
+        batch: for "faithfulness", the perturbed images per forward the estimate assumes.
+    """
+
+    kind: str
+    variant: str
+    tokens: int
+    bytes: int
+    kept_bytes: int
+    flops: float
+    batch: int = 1
+
+    @property
+    def mib(self) -> float:
+        return self.bytes / 2**20
+
+
+def together(costs: list[Cost], *, kind: str = "compare") -> Cost:
+    """Requests run one after another whose results are all held at the end (a comparison)."""
+    held, peak = 0, 0
+    for c in costs:
+        peak = max(peak, held + c.bytes)
+        held += c.kept_bytes
+    return Cost(kind, " and ".join(c.variant for c in costs), max(c.tokens for c in costs), peak, held, sum(c.flops for c in costs))
+
+
+def _shape(spec) -> tuple[int, int, int, int, int]:
+    c = spec.config
+    return c.depth, c.heads, spec.num_tokens, c.width, c.mlp_dim
+
+
+def attention_bytes(spec) -> int:
+    """A: the float32 attention stack [L, H, N, N] of one image."""
+    depth, heads, n, _, _ = _shape(spec)
+    return depth * heads * n * n * 4
+
+
+def forward_flops(spec) -> float:
+    """Multiply-adds x 2 of one forward of one image: the projections and MLPs (2 x weights x N)
+    and the two attention products (4 x L x N^2 x D)."""
+    depth, _, n, width, mlp = _shape(spec)
+    block_weights = 4 * width * width + 2 * width * mlp
+    return 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width
+
+
+def export_plan(spec) -> dict:
+    """What an .npz export of an analysis holds: {"attention_dtype", "rollout_rows", "bytes"}."""
+    depth, heads, n, width, _ = _shape(spec)
+    a32 = attention_bytes(spec)
+    dtype = "float32" if a32 <= FLOAT32_ATTENTION_BYTES else "float16"
+    attention = a32 if dtype == "float32" else a32 // 2
+    rows = n if n <= FULL_ROLLOUT_TOKENS else spec.num_prefix_tokens
+    side = spec.image_size
+    other = rows * n * 4 + n * 4 + depth * heads * 8 + 4 * spec.num_classes + 3 * side * side + 64 * 1024
+    return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other}
+
+
+def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None) -> Cost:
+    """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
+
+    Args:
+        spec: the variant.
+        kind: what is asked (see the module's doc).
+        steps: deletion and insertion steps ("faithfulness").
+        budget: bytes the request may take; "faithfulness" picks the largest batch that fits it.
+    """
+    depth, heads, n, width, mlp = _shape(spec)
+    layer = heads * n * n * 4
+    stack = depth * layer
+    token_row = n * width * 4
+    kept = stack + token_row + depth * n * 4 + 3 * spec.image_size**2
+    analyse = stack + 4 * layer + 2 * depth * n * n * 4 + 2 * depth * token_row + BASE_BYTES
+    per_layer_backward = 2 * layer + 12 * token_row + 2 * n * mlp * 4
+    explain = 2 * stack + depth * per_layer_backward + BASE_BYTES
+    flops = forward_flops(spec)
+    if kind == "analyse":
+        return Cost(kind, spec.name, n, analyse, kept, flops)
+    if kind == "explain":
+        return Cost(kind, spec.name, n, explain, 0, 3 * flops)
+    if kind == "faithfulness":
+        per_image = 2 * layer + 8 * token_row + 2 * n * mlp * 4
+        images = 2 * FAITHFULNESS_ORDERS * (steps + 1) * 3 * spec.image_size**2 * 4  # the perturbed inputs of one mode
+        room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
+        batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
+        forwards = (steps + 1) * 2 * FAITHFULNESS_ORDERS
+        peak = max(explain, batch * per_image + images + BASE_BYTES)
+        return Cost(kind, spec.name, n, peak, 0, 3 * flops + forwards * flops, batch)
+    if kind == "export":
+        plan = export_plan(spec)
+        converted = stack // 2 if plan["attention_dtype"] == "float16" else 0
+        return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], 0.0)
+    if kind in ("explorer", "explorer_layer"):
+        views = heads + 2
+        one = views * n * (4 + (n - spec.num_prefix_tokens))
+        whole = depth * one + 4 * n
+        if kind == "explorer":  # the whole stack when the browser can hold it, else a layer at a time, else nothing
+            written = whole if whole <= BROWSER_BYTES else (0 if one + 4 * n > BROWSER_BYTES else one + 4 * n)
+        else:
+            written = one + 4 * n
+        transient = views * n * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
+        return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
+    raise ValueError(f"unknown kind of request {kind!r}")

@@ -1,0 +1,93 @@
+"""The server's bounds, read once from the environment: every limit a public vitviz keeps, in one place.
+
+| variable | default | what it bounds |
+|---|---|---|
+| VITVIZ_QUEUE_SIZE | 32 | jobs waiting in Gradio's queue, all clients together |
+| VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting or running |
+| VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running |
+| VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together |
+| VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |
+| VITVIZ_REQUEST_SECONDS | 300 | one model job's time (estimated before, enforced while it runs) |
+| VITVIZ_MAX_TOKENS | the largest menu model's (ViT-H/14 at 518 px: 1,370) | tokens per image |
+| VITVIZ_MAX_PARAMS | 7e8 | parameters of a model named in the page |
+| VITVIZ_OPEN_MODELS | 1 | 0: only the menu's models, no timm:/hf: names from the page |
+| VITVIZ_MAX_MODELS | 3 | models kept loaded (and 3 GiB of parameters) |
+| VITVIZ_STATE_MB, VITVIZ_STATE_IDLE | 3072, 900 | analyses kept for sessions, and how long an idle one stays |
+| VITVIZ_BODY_KB | 1024 | a request body other than an upload |
+| VITVIZ_UPLOAD_MB_PER_MIN | 100 | what one address may upload in a minute |
+| VITVIZ_FILES_MB | 1024 | uploads and Gradio's copies of pictures on disk |
+| VITVIZ_EXPLORER_MB | 2048 | the explorer's files for browsers on disk |
+| VITVIZ_DOWNLOADS_MB | 1024 | .npz exports on disk |
+| VITVIZ_HUB_MB | 4096 | hub models named in the page, in the Hugging Face cache |
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+__all__ = ["Settings", "SettingsError"]
+
+
+class SettingsError(ValueError):
+    """An environment variable that is not a number vitviz can use."""
+
+
+def _number(name: str, default: float, *, minimum: float = 0) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value < minimum:
+        raise SettingsError(f"{name}={raw!r} must be a number of at least {minimum:g}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    queue_size: int
+    client_jobs: int
+    address_jobs: int
+    concurrency: int
+    work_bytes: int
+    request_seconds: float
+    max_tokens: int
+    max_params: int
+    open_models: bool
+    max_models: int
+    state_bytes: int
+    state_idle: float
+    body_bytes: int
+    upload_bytes_per_minute: int
+    files_bytes: int
+    explorer_bytes: int
+    downloads_bytes: int
+    hub_bytes: int
+
+    @classmethod
+    def from_env(cls, *, gpu: bool, menu_tokens: int) -> "Settings":
+        mb = 2**20
+        return cls(
+            queue_size=int(_number("VITVIZ_QUEUE_SIZE", 32, minimum=1)),
+            client_jobs=int(_number("VITVIZ_CLIENT_JOBS", 2, minimum=1)),
+            address_jobs=int(_number("VITVIZ_ADDRESS_JOBS", 8, minimum=1)),
+            concurrency=int(_number("VITVIZ_CONCURRENCY", 2 if gpu else 1, minimum=1)),
+            work_bytes=int(_number("VITVIZ_WORK_MB", 6144, minimum=64) * mb),
+            request_seconds=_number("VITVIZ_REQUEST_SECONDS", 300, minimum=1),
+            max_tokens=int(_number("VITVIZ_MAX_TOKENS", menu_tokens, minimum=2)),
+            max_params=int(_number("VITVIZ_MAX_PARAMS", 7e8, minimum=1)),
+            open_models=os.environ.get("VITVIZ_OPEN_MODELS", "1").strip().lower() not in ("0", "false", "no", "off"),
+            max_models=int(_number("VITVIZ_MAX_MODELS", 3, minimum=1)),
+            state_bytes=int(_number("VITVIZ_STATE_MB", 3072) * mb),
+            state_idle=_number("VITVIZ_STATE_IDLE", 900, minimum=1),
+            body_bytes=int(_number("VITVIZ_BODY_KB", 1024, minimum=16) * 1024),
+            upload_bytes_per_minute=int(_number("VITVIZ_UPLOAD_MB_PER_MIN", 100, minimum=1) * mb),
+            files_bytes=int(_number("VITVIZ_FILES_MB", 1024, minimum=64) * mb),
+            explorer_bytes=int(_number("VITVIZ_EXPLORER_MB", 2048, minimum=16) * mb),
+            downloads_bytes=int(_number("VITVIZ_DOWNLOADS_MB", 1024, minimum=16) * mb),
+            hub_bytes=int(_number("VITVIZ_HUB_MB", 4096, minimum=0) * mb),
+        )

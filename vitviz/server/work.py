@@ -1,0 +1,159 @@
+"""One budget of model work for the whole server: every request is priced before it runs, refused
+when it could never fit, and otherwise waits until its memory and a lane are free.
+
+    WORK = ModelWork(budget_bytes=6 * 2**30, lanes=1, seconds=300)
+    with WORK.job(price(spec, "analyse"), session=session_hash) as job:
+        ...                      # job.check() between steps: raises when cancelled or out of time
+
+Whatever runs a model or builds analysis data (analyse, explain, faithfulness, compare, export, the
+explorer's files, an analysis computed again after the store dropped it) takes a job, whether it came
+through Gradio's queue or outside it (component-server calls run on a thread pool). A thread that
+already holds a job runs nested work under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from vitviz.cost import Cost
+
+__all__ = ["RequestRefused", "Cancelled", "Job", "ModelWork", "KeyedLocks"]
+
+
+class RequestRefused(ValueError):
+    """A request this server will not run; the message says why and what would be accepted."""
+
+
+class Cancelled(RuntimeError):
+    """A job stopped before its end: cancelled by its client, or past its time."""
+
+
+@dataclass
+class Job:
+    """A running piece of model work."""
+
+    cost: Cost
+    session: str | None
+    deadline: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        """Raises `Cancelled` when the job was cancelled or its time is up; cheap, call it between steps."""
+        if self.cancelled.is_set():
+            raise Cancelled(f"{self.cost.kind} of {self.cost.variant} was stopped.")
+        if time.monotonic() > self.deadline:
+            raise Cancelled(
+                f"{self.cost.kind} of {self.cost.variant} ran out of time on this server; try a smaller model or image size "
+                "(VITVIZ_REQUEST_SECONDS sets the limit)."
+            )
+
+
+class ModelWork:
+    """At most `lanes` jobs at once, together within `budget_bytes`; each job within `seconds`.
+
+    `rate` is the server's measured model speed (flops per second), learned from the jobs that ran;
+    a job whose estimate exceeds `seconds` at that speed is refused before it starts.
+    """
+
+    def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 2e10) -> None:
+        self.budget_bytes = budget_bytes
+        self.lanes = lanes
+        self.seconds = seconds
+        self.rate = rate
+        self._free = budget_bytes
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self._local = threading.local()
+
+    def refusal(self, cost: Cost) -> str | None:
+        """Why `cost` can never run here, or None."""
+        if cost.bytes > self.budget_bytes:
+            return (
+                f"{cost.kind.capitalize()} of {cost.variant} ({cost.tokens:,} tokens) may take {cost.bytes / 2**20:,.0f} MB; this "
+                f"server runs requests of up to {self.budget_bytes / 2**20:,.0f} MB (VITVIZ_WORK_MB): choose a smaller model or "
+                "image size."
+            )
+        estimate = cost.flops / self.rate
+        if estimate > self.seconds:
+            return (
+                f"{cost.kind.capitalize()} of {cost.variant} would take about {estimate:,.0f} s on this server, more than its "
+                f"limit of {self.seconds:,.0f} s (VITVIZ_REQUEST_SECONDS): choose a smaller model or image size."
+            )
+        return None
+
+    def current(self) -> Job | None:
+        """The job the calling thread runs under, if any."""
+        return getattr(self._local, "job", None)
+
+    @contextmanager
+    def job(self, cost: Cost, *, session: str | None = None) -> Iterator[Job]:
+        """Runs the block as a job priced `cost`; nested jobs of one thread share the outer one.
+
+        Raises:
+            RequestRefused: the job can never fit this server's bounds.
+        """
+        outer = self.current()
+        if outer is not None:
+            yield outer
+            return
+        why = self.refusal(cost)
+        if why:
+            raise RequestRefused(why)
+        job = Job(cost, session, deadline=time.monotonic() + self.seconds)
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._running) < self.lanes and self._free >= cost.bytes)
+            self._free -= cost.bytes
+            self._running.append(job)
+        self._local.job = job
+        start = time.perf_counter()
+        try:
+            yield job
+            spent = time.perf_counter() - start
+            if cost.flops > 0 and spent > 0.05:  # learn the speed from work long enough to time
+                self.rate = 0.7 * self.rate + 0.3 * cost.flops / spent
+        finally:
+            self._local.job = None
+            with self._cond:
+                self._free += cost.bytes
+                self._running.remove(job)
+                self._cond.notify_all()
+
+    def cancel(self, session: str | None) -> int:
+        """Cancels the running jobs of `session`; returns how many."""
+        with self._cond:
+            jobs = [j for j in self._running if session is not None and j.session == session]
+        for j in jobs:
+            j.cancelled.set()
+        return len(jobs)
+
+    def running(self) -> list[Job]:
+        with self._cond:
+            return list(self._running)
+
+
+class KeyedLocks:
+    """One lock per key, so that work for one key is done once while other keys go on."""
+
+    def __init__(self) -> None:
+        self._locks: dict[object, tuple[threading.Lock, int]] = {}
+        self._guard = threading.Lock()
+
+    @contextmanager
+    def hold(self, key: object) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users <= 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
