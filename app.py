@@ -274,7 +274,10 @@ def on_export(ref: SessionRef | None) -> Outputs:
     """The analysis as .npz, written when asked for (within VITVIZ_DOWNLOADS_MB on disk)."""
     exp = _recall(ref)
     with _job("export", ref.variant) as job:
-        return {npz: DOWNLOADS.npz(exp, size=job.cost.kept_bytes)}
+        try:
+            return {npz: DOWNLOADS.npz(exp, size=job.cost.kept_bytes)}
+        except ValueError as exc:
+            raise _error(str(exc)) from None
 
 
 def on_rollout_options(ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
@@ -799,7 +802,9 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     compare_run.click(on_compare, [image, compare_pick], compare_outputs, api_visibility="private", **model)
     api_button.click(api_analyze, [image, variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze", **model)
 
-demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency,
+# api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
+# client's share holds however it calls
+demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency, api_open=False,
            client_jobs=SETTINGS.client_jobs, address_jobs=SETTINGS.address_jobs)
 
 LAUNCH_KWARGS = dict(

@@ -160,6 +160,7 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
 def write_layer(exp, *, key: str, layer: int, folder) -> str:
     """The file of one layer (1-based) for the "layers" layout; returns its path."""
     path = Path(folder) / f"{key}-layer{layer}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         path.write_bytes(stack_file(exp.analysis, [layer - 1]))
     return str(path)

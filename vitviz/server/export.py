@@ -112,7 +112,16 @@ class Downloads:
         self.max_bytes = max_bytes
 
     def npz(self, exp: Exploration, *, attentions: bool = True, size: int | None = None) -> str:
-        """Writes the .npz of `exp`; `size`: its expected bytes (`export_plan`), to make room first."""
+        """Writes the .npz of `exp`; `size`: its expected bytes (`export_plan`), to make room first.
+
+        Raises:
+            ValueError: `size` is more than the folder may hold.
+        """
+        if size is not None and size > self.max_bytes:
+            raise ValueError(
+                f"This analysis as .npz takes {size / 2**20:,.0f} MB, more than this server keeps for downloads "
+                f"({self.max_bytes / 2**20:,.0f} MB, VITVIZ_DOWNLOADS_MB)."
+            )
         sweep(self.folder, max_age=self.max_age, max_bytes=self.max_bytes, pattern="*.npz", room=size or 0)
         path = self.folder / f"vitviz-{exp.analysis.variant.replace(':', '-').replace('/', '-')}-{os.urandom(16).hex()}.npz"
         return str(export_npz(exp, path, attentions=attentions))

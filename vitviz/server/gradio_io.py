@@ -131,7 +131,7 @@ class GuardedBlocks(gr.Blocks):
       server path.
     - `queue(client_jobs=..., address_jobs=...)`: one session, and one network address, may hold at
       most that many jobs waiting or running; more are answered "one at a time, please" while the
-      queue keeps serving everyone else.
+      queue keeps serving everyone else, and sessions take turns in each waiting line.
     """
 
     client_jobs: int | None = None
@@ -149,11 +149,15 @@ class GuardedBlocks(gr.Blocks):
         except gr.Error:
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure becomes one readable message
-            name = getattr(block_fn, "name", None) or getattr(getattr(block_fn, "fn", None), "__name__", "this request")
-            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             from vitviz.server.inputs import public_text
 
-            raise gr.Error(as_text(FAILED.format(what=str(name).replace("_", " ").strip().capitalize(), why=public_text(why)[:300]))) from exc
+            name = str(getattr(block_fn, "name", None) or "this request")
+            for prefix in ("on_", "api_", "session_"):
+                name = name.removeprefix(prefix)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            why = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+            what = name.rstrip("_0123456789").replace("_", " ").strip().capitalize()
+            raise gr.Error(as_text(FAILED.format(what=what, why=public_text(why)[:300].rstrip(".")))) from exc
 
     def queue(self, *args, client_jobs: int | None = None, address_jobs: int | None = None, **kwargs):
         out = super().queue(*args, **kwargs)
@@ -179,6 +183,23 @@ def client_address(request: Any) -> str:
     return getattr(client, "host", None) or "?"
 
 
+def _take_turns(queue) -> None:
+    """Orders each waiting line so that clients take turns: a session's k-th job (counting its jobs
+    already running) waits behind every other session's earlier ones; within a session, in order."""
+    running: dict[str, int] = {}
+    for job in queue.active_jobs:
+        for e in job or ():
+            running[e.session_hash] = running.get(e.session_hash, 0) + 1
+    for line in queue.event_queue_per_concurrency_id.values():
+        seen = dict(running)
+        turns = []
+        for e in line.queue:
+            turns.append(seen.get(e.session_hash, 0))
+            seen[e.session_hash] = turns[-1] + 1
+        order = sorted(range(len(line.queue)), key=lambda i: turns[i])  # stable: arrival order within a turn
+        line.queue[:] = [line.queue[i] for i in order]
+
+
 def _fair(blocks: GuardedBlocks) -> None:
     """Wraps the queue's `push` so that no client holds more than its share of jobs."""
     queue = blocks._queue
@@ -198,7 +219,10 @@ def _fair(blocks: GuardedBlocks) -> None:
                 return False, ONE_AT_A_TIME.format(count=mine), "queue_full"
             if per_address and here >= per_address:
                 return False, ONE_AT_A_TIME.format(count=here), "queue_full"
-        return await push(body, request, username)
+        result = await push(body, request, username)
+        if result[0]:
+            _take_turns(queue)
+        return result
 
     queue.push = fair_push
     queue._vitviz_fair = True

@@ -59,7 +59,7 @@ class ModelWork:
     a job whose estimate exceeds `seconds` at that speed is refused before it starts.
     """
 
-    def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 2e10) -> None:
+    def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 5e10) -> None:
         self.budget_bytes = budget_bytes
         self.lanes = lanes
         self.seconds = seconds
@@ -81,7 +81,7 @@ class ModelWork:
         if estimate > self.seconds:
             return (
                 f"{cost.kind.capitalize()} of {cost.variant} would take about {estimate:,.0f} s on this server, more than its "
-                f"limit of {self.seconds:,.0f} s (VITVIZ_REQUEST_SECONDS): choose a smaller model or image size."
+                f"limit of {self.seconds:,.4g} s (VITVIZ_REQUEST_SECONDS): choose a smaller model or image size."
             )
         return None
 
@@ -113,7 +113,7 @@ class ModelWork:
         try:
             yield job
             spent = time.perf_counter() - start
-            if cost.flops > 0 and spent > 0.05:  # learn the speed from work long enough to time
+            if cost.flops >= 1e10 and spent > 0.2:  # learn the speed from work large enough for overheads not to count
                 self.rate = 0.7 * self.rate + 0.3 * cost.flops / spent
         finally:
             self._local.job = None

@@ -1,0 +1,385 @@
+"""Every request bounded before it runs, against the running app through raw HTTP: sizes and
+names, one budget of model work, fair shares of the queue, request bodies, uploads, disk, and no
+bare "Error" — private events and component-server calls included. After each hostile call a
+normal analysis still works and the server's resident memory is back near where it started."""
+
+import dataclasses
+import functools
+import json
+import os
+import threading
+import time
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+import vitviz
+from vitviz.server.memory import release_memory
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def app():
+    import app as app_module
+
+    return app_module
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+    try:
+        yield app.demo.local_url.rstrip("/")
+    finally:
+        app.demo.close()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "star.png"
+    Image.fromarray(vitviz.shapes.render(3, seed=5, index=0)[0]).save(path)
+    return path
+
+
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def upload(base: str, path) -> dict:
+    with open(path, "rb") as f:
+        r = httpx.post(f"{base}/gradio_api/upload", files=[("files", (os.path.basename(path), f.read()))], timeout=60)
+    r.raise_for_status()
+    return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
+
+
+@functools.lru_cache(maxsize=None)
+def _fn_index(base: str, name: str) -> int:
+    config = httpx.get(f"{base}/config", timeout=30).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == name)
+
+
+def join(base: str, name: str, data: list, session: str, *, event_data=None) -> httpx.Response:
+    """`POST /gradio_api/queue/join` for the event named `name` (private ones too)."""
+    body = {"data": data, "fn_index": _fn_index(base, name), "session_hash": session, "event_data": event_data, "trigger_id": None}
+    return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
+
+
+def results(base: str, session: str, count: int, *, timeout: float = 300) -> list[dict]:
+    """The next `count` completed events of `session` (each {"success", "output", ...})."""
+    done = []
+    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=timeout) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            msg = json.loads(line[5:])
+            if msg.get("msg") == "process_completed":
+                done.append(msg)
+                if len(done) == count:
+                    return done
+            if msg.get("msg") == "close_stream":
+                break
+    raise AssertionError(f"{len(done)} of {count} results arrived")
+
+
+def run(base: str, name: str, data: list, *, session: str | None = None, event_data=None) -> tuple[bool, object]:
+    """One event through the queue: (success, outputs or the error message)."""
+    session = session or uuid.uuid4().hex
+    r = join(base, name, data, session, event_data=event_data)
+    assert r.status_code == 200, r.text
+    (msg,) = results(base, session, 1)
+    out = msg.get("output", {})
+    return bool(msg.get("success")), out.get("data") if msg.get("success") else out.get("error")
+
+
+def _alive(base: str, good) -> None:
+    ok, out = run(base, "analyze", [upload(base, good), "shapes_p16"])
+    assert ok and out[0]["label"] == "star", out
+
+
+@pytest.fixture()
+def steady(server, good):
+    """After the test: a normal analysis works and resident memory is within 200 MB of the start."""
+    _alive(server, good)
+    release_memory()
+    before = _rss()
+    yield
+    _alive(server, good)
+    release_memory()
+    assert _rss() - before < 200 * 2**20, f"resident memory grew by {(_rss() - before) / 2**20:.0f} MB"
+
+
+def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, app, steady):
+    calls = []
+    original = app.CACHE.get
+    app.CACHE.get = lambda name: (calls.append(name), original(name))[1]
+    try:
+        image = upload(server, good)
+        for name in ["shapes_p16@1024", "shapes_p16@4096", "shapes_p8@1536"]:
+            start = time.perf_counter()
+            ok, message = run(server, "analyze", [image, name])
+            assert not ok and "VITVIZ_MAX_TOKENS" in message and "sizes up to @" in message, message
+            ok, out = run(server, "session_analyze", [image, name, "mean", 0.0, None])  # the page's: the notice says why
+            assert ok and "VITVIZ_MAX_TOKENS" in json.dumps(out), out
+            ok, message = run(server, "on_other_model", [name, []])
+            assert ok and "VITVIZ_MAX_TOKENS" in str(message), message  # the notice says why
+            assert time.perf_counter() - start < 5
+        for name in ["shapes_p16@0", "shapes_p16@-16", "shapes_p16@abc", "shapes_p16@17", "shapes_p16@"]:
+            ok, message = run(server, "analyze", [image, name])
+            assert not ok and message != "Error" and ("multiple" in message or "number" in message), message
+        assert not [c for c in calls if "@" in c and not c.endswith("@384")]
+        ok, out = run(server, "analyze", [image, "shapes_p16@384"])  # 577 tokens: within the bound
+        assert ok and out[0]["label"]
+    finally:
+        app.CACHE.get = original
+
+
+def test_the_worst_cases_the_readme_states(app):
+    from vitviz.cost import price
+    from vitviz.server.work import ModelWork
+    from vitviz.sources import get_spec
+
+    assert app.SETTINGS.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
+    work = ModelWork(budget_bytes=app.SETTINGS.work_bytes, lanes=1, seconds=app.SETTINGS.request_seconds)  # not yet timed
+    h14 = get_spec("vit_h_14")
+    assert work.refusal(price(h14, "analyse")) is None  # every menu model can be analysed: 5.0 GiB at most
+    assert "VITVIZ_WORK_MB" in work.refusal(price(h14, "explain"))  # its explanation needs more than 6 GiB
+    assert work.refusal(price(get_spec("vit_b_16"), "faithfulness", budget=work.budget_bytes)) is None
+
+
+def test_one_budget_of_model_work_across_events(server, good, app, steady):
+    """Four analyses through four different events at once run one at a time (one lane on CPU)."""
+    live, peak = [0], [0]
+    lock = threading.Lock()
+    original = app.views.explore
+
+    def counted(*args, **kwargs):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        try:
+            time.sleep(0.3)
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                live[0] -= 1
+
+    app.views.explore = counted
+    try:
+        image = upload(server, good)
+        sessions = [uuid.uuid4().hex for _ in range(4)]
+        for session, (name, extra) in zip(sessions, [("analyze", []), ("session_analyze", ["mean", 0.0, None]),
+                                                     ("on_analyze", ["mean", 0.0, None]), ("on_compare", [])]):
+            data = [image, ["shapes_p16", "shapes_p8"]] if name == "on_compare" else [image, "shapes_p16", *extra]
+            assert join(server, name, data, session).status_code == 200
+        for session in sessions:
+            (msg,) = results(server, session, 1)
+            assert msg["success"], msg
+        assert peak[0] == 1
+    finally:
+        app.views.explore = original
+
+
+def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(server, good, app, monkeypatch):
+    """Six concurrent component-server calls for one layer of a large analysis write its file once."""
+    from vitviz.server import explorer_data
+
+    session = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
+    assert ok
+    (key,) = [k for k, (e, _, _) in app.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
+    written = []
+    original = explorer_data.stack_file
+    monkeypatch.setattr(explorer_data, "stack_file", lambda a, layers: (written.append(list(layers)), original(a, layers))[1])
+    config = httpx.get(f"{server}/config").json()
+    component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
+    body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 3]}
+    answers = [None] * 6
+
+    def call(i):
+        answers[i] = httpx.post(f"{server}/gradio_api/component_server", json=body, timeout=60)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert len({a.json() for a in answers}) == 1 and written == [[2]]
+
+
+def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady):
+    """33 joins from one session: two are taken, the rest told to wait their turn; another client's
+    analysis is served meanwhile, within twice its time alone. (Each analysis is made to last two
+    seconds, so that the joins arrive while the first ones still run.)"""
+    original = app.views.explore
+    monkeypatch.setattr(app.views, "explore", lambda *a, **k: (time.sleep(2.0), original(*a, **k))[1])
+    image = upload(server, good)
+    start = time.perf_counter()
+    ok, _ = run(server, "analyze", [image, "shapes_p8@192"])
+    solo = time.perf_counter() - start
+    assert ok
+    hog = uuid.uuid4().hex
+    codes, texts = [], []
+    for _ in range(33):
+        r = join(server, "analyze", [image, "shapes_p8@192"], hog)
+        codes.append(r.status_code)
+        texts.append(r.text)
+    assert codes.count(200) == app.SETTINGS.client_jobs and codes.count(503) == 33 - app.SETTINGS.client_jobs
+    assert "One at a time, please" in texts[-1]
+    start = time.perf_counter()
+    ok, _ = run(server, "analyze", [image, "shapes_p8@192"])
+    waited = time.perf_counter() - start
+    assert ok and waited < 2 * solo + 1.0, (waited, solo)
+    assert all(m["success"] for m in results(server, hog, app.SETTINGS.client_jobs))
+
+
+def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, monkeypatch):
+    session = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
+    assert ok
+    monkeypatch.setattr(app.WORK, "seconds", 0.5)
+    ok, message = run(server, "session_faithfulness", [None, "star"], session=session)  # priced: about 4 s here
+    assert not ok and "would take about" in message and "VITVIZ_REQUEST_SECONDS" in message, message
+    monkeypatch.setattr(app.WORK, "rate", 1e15)  # an estimate that lets it start: the deadline stops it
+    ok, message = run(server, "session_faithfulness", [None, "star"], session=session)
+    assert not ok and "ran out of time" in message and "VITVIZ_REQUEST_SECONDS" in message, message
+    monkeypatch.setattr(app.WORK, "rate", 5e10)
+    monkeypatch.setattr(app.WORK, "seconds", 300.0)
+    assert join(server, "session_faithfulness", [None, "star"], session).status_code == 200
+    deadline = time.monotonic() + 30
+    while not app.WORK.running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop = httpx.post(f"{server}/gradio_api/run/on_stop", timeout=30, json={"data": [], "session_hash": session})
+    assert stop.status_code == 200, stop.text
+    (msg,) = results(server, session, 1)
+    assert not msg["success"] and "stopped" in msg["output"]["error"], msg
+
+
+def test_request_bodies_are_bounded_before_they_are_read(server, good, steady):
+    for size in (2 * 2**20, 100 * 2**20):
+        start = time.perf_counter()
+        r = httpx.post(f"{server}/gradio_api/queue/join", content=b"{" + b" " * size, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and time.perf_counter() - start < 5, r.text
+
+    def chunks():  # no stated length: counted as it arrives, cut off past the bound
+        for _ in range(64):
+            yield b" " * 2**16
+
+    r = httpx.post(f"{server}/gradio_api/component_server", content=chunks(), timeout=60)
+    assert r.status_code == 413
+
+
+def test_uploads_that_are_not_images_are_dropped_at_the_door_and_volume_is_bounded(server, good, app, monkeypatch, tmp_path):
+    folder = app.upload_folder()
+    before = {p for p in folder.rglob("*") if p.is_file()}
+    for _ in range(5):
+        r = httpx.post(f"{server}/gradio_api/upload", files=[("files", ("x.png", os.urandom(2 * 2**20)))], timeout=60)
+        assert r.status_code == 415 and "Only images" in r.text
+    assert not [p for p in folder.rglob("*") if p.is_file() and p not in before and p.stat().st_size > 2**20]
+    # an address's volume per minute
+    middleware = next(m for m in app.LAUNCH_KWARGS["app_kwargs"]["middleware"] if m.cls.__name__ == "UploadLimit")
+    assert middleware.kwargs["per_minute"] == app.SETTINGS.upload_bytes_per_minute
+    big = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (1800, 1800, 3), dtype=np.uint8)).save(big, compress_level=0)
+    statuses = []
+    for _ in range(app.SETTINGS.upload_bytes_per_minute // big.stat().st_size + 2):
+        with open(big, "rb") as f:
+            statuses.append(httpx.post(f"{server}/gradio_api/upload", files=[("files", ("n.png", f.read()))], timeout=60).status_code)
+    assert statuses[0] == 200 and statuses[-1] == 429
+
+
+def test_model_names_are_names_and_refusals_name_no_server_path(server, good, app, monkeypatch, steady):
+    image = upload(server, good)
+    messages = {}
+    for name in ["hf:/etc/passwd", "hf:/etc", "hf:/nonexistent/x", "hf:../../etc", "hf:./models", "hf:~/x"]:
+        start = time.perf_counter()
+        ok, message = run(server, "analyze", [image, name])
+        assert not ok and time.perf_counter() - start < 5
+        messages[name] = message
+    assert len(set(messages.values())) == 1, messages
+    (message,) = set(messages.values())
+    assert "/etc" not in message and "repository id" in message
+    for name in ["timm:local-dir:/etc", "timm:hf-hub:timm/vit_tiny_patch16_224.augreg_in21k"]:
+        start = time.perf_counter()
+        ok, message = run(server, "analyze", [image, name])
+        assert not ok and "/etc" not in message and time.perf_counter() - start < 5, message
+    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, open_models=False))
+    ok, message = run(server, "analyze", [image, "timm:vit_tiny_patch16_224"])
+    assert not ok and "VITVIZ_OPEN_MODELS" in message
+    ok, _ = run(server, "analyze", [image, "shapes_p8"])
+    assert ok
+
+
+def test_no_bare_error_for_junk_values(server, good, steady):
+    session = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p16", "mean", 0.0, None], session=session)
+    assert ok
+    cases = [
+        ("session_view", ["abc", "mean", 0, "each map"]),
+        ("session_view", [float("nan"), "mean", 0, "each map"]),
+        ("session_view", [3, "head 9", 0, "each map"]),
+        ("session_view", [3, "mean", 1e30, "each map"]),
+        ("session_rollout", ["mean", "x"]),
+        ("session_explain", [12, "each map"]),
+        ("on_click", [3, "mean", "each map"]),
+        ("on_dino_share", ["lots"]),
+    ]
+    for name, data in cases:
+        event_data = {"index": [float("nan"), "x"], "value": None} if name == "on_click" else None
+        body = json.dumps({"data": data, "fn_index": _fn_index(server, name), "session_hash": session, "event_data": event_data,
+                           "trigger_id": None}).replace("NaN", "NaN")
+        r = httpx.post(f"{server}/gradio_api/queue/join", content=body, headers={"content-type": "application/json"}, timeout=30)
+        if r.status_code != 200:  # refused by Gradio's own validation: a message, not a bare "Error"
+            assert r.text and "Error" != r.text.strip(), r.text
+            continue
+        (msg,) = results(server, session, 1)
+        assert not msg["success"], (name, msg)
+        error = msg["output"].get("error")
+        assert error and error.strip() != "Error" and len(error) > 20, (name, error)
+
+
+def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monkeypatch):
+    """100 exports (24 MB each) under a 60 MB budget, one too large for it refused, the explorer's
+    files under 8 MB, uploads under 64 MB."""
+    session = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
+    assert ok
+    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 60 * 2**20)
+    sizes = []
+    for _ in range(100):
+        ok, out = run(server, "on_export", [None], session=session)
+        assert ok, out
+        sizes.append(sum(p.stat().st_size for p in app.DOWNLOADS.folder.glob("*.npz")))
+    assert max(sizes) <= 60 * 2**20
+    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 20 * 2**20)
+    ok, message = run(server, "on_export", [None], session=session)
+    assert not ok and "VITVIZ_DOWNLOADS_MB" in message
+    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=64 * 2**20))
+    for i in range(12):
+        ok, _ = run(server, "session_analyze", [upload(server, good), f"shapes_p8@{96 + 16 * (i % 4)}", "mean", 0.0, None], session=session)
+        assert ok
+        ok, _ = run(server, "on_explorer", [None], session=session)
+        explorer = sum(p.stat().st_size for p in app.EXPLORER_DIR.glob("*"))
+        assert explorer <= 8 * 2**20
+    app._files_sweep()
+    files = sum(p.stat().st_size for p in app.upload_folder().rglob("*") if p.is_file() and app.EXPLORER_DIR not in p.parents)
+    assert files <= 64 * 2**20
+
+
+def test_hub_models_named_by_clients_stay_within_their_budget(tmp_path):
+    from collections import OrderedDict
+
+    from vitviz.server.models import prune_hub_cache
+
+    for repo, size in [("org/a", 3), ("org/b", 3), ("org/c", 3)]:
+        folder = tmp_path / f"models--{repo.replace('/', '--')}" / "blobs"
+        folder.mkdir(parents=True)
+        (folder / "weights").write_bytes(b"\0" * size * 2**20)
+    repos = OrderedDict.fromkeys(["org/a", "org/b", "org/c"])
+    left = prune_hub_cache(repos, max_bytes=5 * 2**20, keep="org/a", cache=tmp_path)
+    assert left == 3 * 2**20 and list(repos) == ["org/a"]
+    assert not (tmp_path / "models--org--b").exists() and (tmp_path / "models--org--a").exists()
