@@ -5,6 +5,7 @@
     python -m vitviz.bench --app             # end to end through the running app (gradio_client)
     python -m vitviz.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
     python -m vitviz.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
+    python -m vitviz.bench --serving         # each kind of request priced and measured; one client's share of the queue
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
@@ -501,6 +502,116 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
     return rows
 
 
+_KIND_CODE = """
+import json, os, sys, time, torch
+torch.set_num_threads({threads})
+import vitviz
+from vitviz.cost import price
+from vitviz.server import explaining, explorer_data, views
+from vitviz.server.export import Downloads
+from vitviz.server.models import ModelCache
+from vitviz.server.memory import release_memory
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+variant, kind = {variant!r}, {kind!r}
+cache = ModelCache()
+model, facts = cache.get(variant)
+image = "{image}"
+exp = views.explore(cache, image, variant)
+maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
+cost = price(model.spec, kind, budget={budget})
+release_memory()
+open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
+base = status("VmRSS")
+start = time.perf_counter()
+if kind == "analyse":
+    e = views.explore(cache, image, variant); e.analysis.distances(); views.render_rollout(e)
+elif kind == "explain":
+    explaining.explain_exploration(cache, exp, target=None)
+elif kind == "faithfulness":
+    explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
+elif kind == "export":
+    Downloads().npz(exp, size=cost.kept_bytes)
+elif kind == "explorer":
+    explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
+seconds = time.perf_counter() - start
+print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops)))
+"""
+
+
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer"),
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float]]:
+    """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
+    peak MB above the process's resident memory before the request, seconds)."""
+    import subprocess
+    import sys
+
+    rows = []
+    with _private_weights() as torch_home:
+        _random_torchvision_checkpoints([v for v in variants if v in {s.name for s in vitviz.list_variants()} and vitviz.get_spec(v).source == "torchvision"])
+        image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+        for variant in variants:
+            for kind in kinds:
+                code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=image, budget=budget)
+                env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["seconds"]))
+    return rows
+
+
+def fairness_table(arch: str = "vit_b_16", *, joins: int = 33) -> dict:
+    """One client sends `joins` analyses at once through the running app while another sends one:
+    the other's time against its time alone, and what the first got."""
+    import uuid
+
+    import httpx
+
+    with _private_weights():
+        _random_torchvision_checkpoints([arch])
+        import app
+
+        app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+        base = app.demo.local_url.rstrip("/")
+        try:
+            image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+            with open(image, "rb") as f:
+                path = httpx.post(f"{base}/gradio_api/upload", files=[("files", ("star.png", f.read()))], timeout=60).json()[0]
+            payload = {"path": path, "meta": {"_type": "gradio.FileData"}}
+            config = httpx.get(f"{base}/config").json()
+            index = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "analyze")
+
+            def join(session):
+                body = {"data": [payload, arch], "fn_index": index, "session_hash": session, "event_data": None, "trigger_id": None}
+                return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=60)
+
+            def wait(session, count):
+                done = 0
+                with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=600) as s:
+                    for line in s.iter_lines():
+                        if line.startswith("data:") and json.loads(line[5:]).get("msg") == "process_completed":
+                            done += 1
+                            if done == count:
+                                return
+
+            solo = []
+            for _ in range(3):
+                session, start = uuid.uuid4().hex, time.perf_counter()
+                join(session)
+                wait(session, 1)
+                solo.append(time.perf_counter() - start)
+            hog = uuid.uuid4().hex
+            codes = [join(hog).status_code for _ in range(joins)]
+            session, start = uuid.uuid4().hex, time.perf_counter()
+            join(session)
+            wait(session, 1)
+            waited = time.perf_counter() - start
+            wait(hog, codes.count(200))
+            return dict(solo=statistics.median(solo), waited=waited, accepted=codes.count(200), refused=codes.count(503))
+        finally:
+            app.demo.close()
+
+
 def _print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"\n{title}")
     print(f"{'path':<46}{'median ms':>12}{'ratio':>9}")
@@ -521,7 +632,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--images", type=int, default=128)
     ap.add_argument("--metrics", default="distance", help="the metrics of --evaluate")
+    ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     args = ap.parse_args(argv)
+    if args.serving:
+        print(f"vitviz.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
+        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'seconds':>10}")
+        for variant, kind, priced, peak, seconds in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
+            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{seconds:>10.2f}")
+        got = fairness_table(args.arch)
+        print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent 33 joins at once "
+              f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
+        return
     if args.evaluate:
         print(f"vitviz.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480, metrics {args.metrics}; "
               f"{time.strftime('%Y-%m-%d')}; {_machine()}")
