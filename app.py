@@ -60,7 +60,8 @@ DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
 EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
 MAX_COMPARE = 3
 DOWNLOADS = Downloads(max_bytes=SETTINGS.downloads_bytes)
-SCALES = ("each map", "shared across layers and heads")
+SCALES = ("each map", "shared across layers and heads")  # the explorer's
+EXPLAIN_SCALES = ("each map", "shared by the four maps")  # the Explain tab's
 # the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
 EXPLORER_DIR = upload_folder() / "vitviz-explorer"
 EXPLORER_WIDGET = explorer_data.widget_files()
@@ -201,7 +202,8 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
         exp = _run(image, variant)
         head_fusion, discard_ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
     except gr.Error as exc:
-        shown = f" The results below are still those of {ref.variant}." if isinstance(ref, SessionRef) else ""
+        stop = "" if exc.message.rstrip().endswith((".", "!", "?", ":")) else "."
+        shown = f"{stop} The results below are still those of {ref.variant}." if isinstance(ref, SessionRef) else ""
         gr.Warning(exc.message)
         return {notice: _notice(exc.message + as_text(shown))}
     same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
@@ -244,6 +246,8 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
         grid_img: grid,
         table: table_rows,
         npz: None,
+        faith_img: None,
+        faith_table: None,
         status: (
             f"**{a.variant}** on {a.device}: {spec_line(a.variant)}. Model call {a.model_seconds * 1e3:.0f} ms; "
             f"{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
@@ -320,10 +324,10 @@ def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_v
     }
 
 
-def _scale(value: str) -> str:
-    if value not in SCALES:
-        raise _error(f"The colour scale must be one of: {', '.join(SCALES)}.")
-    return "map" if value == SCALES[0] else "shared"
+def _scale(value: str, choices: tuple[str, str] = SCALES) -> str:
+    if value not in choices:
+        raise _error(f"The colour scale must be one of: {', '.join(choices)}.")
+    return "map" if value == choices[0] else "shared"
 
 
 def _click_xy(evt: gr.SelectData) -> tuple[float, float]:
@@ -358,13 +362,14 @@ def _explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict
     return explaining.explain_exploration(CACHE, exp, target=target)
 
 
-def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = SCALES[0], request: gr.Request = None) -> Outputs:
+def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = EXPLAIN_SCALES[0], request: gr.Request = None,
+               *, keep_faithfulness: bool = False) -> Outputs:
     """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
     exp = _recall(ref)
     a = exp.analysis
     if a.categories is not None and target not in a.categories:
         raise _error("Pick one of the model's classes to explain.")
-    scale = _scale(scale_value)
+    scale = _scale(scale_value, EXPLAIN_SCALES)
     with _job("explain", a.variant, request):
         maps, index = _explain_on_device(exp, target)
     label = a.categories[index] if index is not None else "no-class"
@@ -374,8 +379,13 @@ def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = SC
                 "last layer and its rollout are shown.")
     else:
         note = f"Explaining **{label}** ({float(a.probabilities[index]):.1%})."
-    return {explain_note: note, faith_img: None, faith_table: None,
-            **{explain_imgs[m]: pictures.get(m) for m in METHODS}}
+    faith = {faith_img: gr.skip(), faith_table: gr.skip()} if keep_faithfulness else {faith_img: None, faith_table: None}
+    return {explain_note: note, **faith, **{explain_imgs[m]: pictures.get(m) for m in METHODS}}
+
+
+def on_explain_scale(ref: SessionRef | None, target: str | None, scale_value: str, request: gr.Request = None) -> Outputs:
+    """The Explain tab's colour scale changed: the maps drawn again; the curves do not depend on it."""
+    return on_explain(ref, target, scale_value, request, keep_faithfulness=True)
 
 
 def on_pick_class(ref: SessionRef | None, scale_value: str, evt: gr.SelectData) -> Outputs:
@@ -542,6 +552,8 @@ CSS = """
 /* figures start below their label and buttons, which Gradio lays over the top of an image */
 .vv-figure .image-container { padding-top: 38px; }
 #vv-explorer img, #vv-features img { cursor: crosshair; }
+/* the Use button sits beside the box it applies to, level with it, not with its label */
+#vv-other-use { align-self: flex-end; margin-bottom: 2px; }
 """
 
 _METHOD_TITLES = {  # short: a label that wraps would cover the top of its picture
@@ -578,7 +590,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
             variant_info = gr.Markdown(spec_line(DEFAULT_VARIANT), elem_classes="vv-caption")
             with gr.Row():
                 other_model = gr.Textbox(
-                    placeholder="timm:<name> or hf:<repo id>, @<px> for a size", label="Another timm or Hugging Face ViT",
+                    placeholder="timm:<name> or hf:<org/name>", label="Another timm or Hugging Face ViT (@<px> for a size)",
                     elem_id="vv-other", scale=3, max_length=200, lines=1, max_lines=1,
                 )
                 use_other = gr.Button("Use", size="sm", scale=1, min_width=60, elem_id="vv-other-use")
@@ -622,7 +634,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                     )
                     with gr.Row():
                         target_class = gr.Dropdown([], label="Class to explain", filterable=True, elem_id="vv-class", scale=3)
-                        explain_scale = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
+                        explain_scale = gr.Radio(EXPLAIN_SCALES, value=EXPLAIN_SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
                     explain_note = gr.Markdown("", elem_id="vv-explain-note")
                     explain_imgs = {}
                     for pair in (METHODS[:2], METHODS[2:]):
@@ -744,7 +756,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
 
     analysis_outputs = [
         state, notice, predictions, predict_note, rollout_img, dist_rollout_img, target_class, prefix_query, layer, head,
-        query, query_text, distance_img, similarity_img, filters_img, grid_img, table, npz, status,
+        query, query_text, distance_img, similarity_img, filters_img, grid_img, table, npz, faith_img, faith_table, status,
     ]
     explorer_outputs = [explorer_live, server_explorer, explorer_img, mosaic]
     explain_outputs = [explain_note, faith_img, faith_table, *explain_imgs.values()]
@@ -787,7 +799,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     prefix_query.input(on_prefix_query, [state, layer, head, prefix_query, scale_choice], [query, query_text, explorer_img, mosaic], api_visibility="private")
     tabs.select(on_tab, [state, target_class, explain_scale, dino_share], [current_tab, *explain_outputs, *tokens_outputs], api_visibility="private", **model)
     target_class.input(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="undocumented", api_name="session_explain", **model)
-    explain_scale.change(on_explain, [state, target_class, explain_scale], explain_outputs, api_visibility="private", **model)
+    explain_scale.change(on_explain_scale, [state, target_class, explain_scale], explain_outputs, api_visibility="private", **model)
     predictions.select(on_pick_class, [state, explain_scale], [target_class, tabs, current_tab, *explain_outputs], api_visibility="private", **model)
     faith = faith_button.click(on_faithfulness, [state, target_class], [faith_img, faith_table], api_visibility="undocumented",
                                api_name="session_faithfulness", **model)

@@ -276,6 +276,27 @@
     if (view.pinned && q === view.query) { view.pinned = false; } else { Object.assign(view, { query: q, pinned: true }); }
     draw();
   });
+  // by keyboard: the map takes focus (Tab); arrows move the query patch, Enter pins it, Escape lets go
+  const STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+  mapCanvas.addEventListener("keydown", (event) => {
+    if (!meta) return;
+    const p = meta.prefix.length;
+    if (event.key in STEPS) {
+      const [dr, dc] = STEPS[event.key];
+      const at = Math.max(0, view.query - p);  // a prefix token as the query: start from the first patch
+      const r = Math.min(meta.grid[0] - 1, Math.max(0, Math.floor(at / meta.grid[1]) + (view.query < p ? 0 : dr)));
+      const c = Math.min(meta.grid[1] - 1, Math.max(0, (at % meta.grid[1]) + (view.query < p ? 0 : dc)));
+      view.query = p + r * meta.grid[1] + c;
+    } else if (event.key === "Enter" || event.key === " ") {
+      view.pinned = !view.pinned;
+    } else if (event.key === "Escape") {
+      view.pinned = false;
+    } else {
+      return;
+    }
+    event.preventDefault();
+    draw();
+  });
   layerInput.addEventListener("input", () => { view.layer = Number(layerInput.value); draw(); });
   headSelect.addEventListener("change", () => { view.head = Number(headSelect.value); draw(); });
   scaleSelect.addEventListener("change", () => { view.scale = scaleSelect.value; draw(); });

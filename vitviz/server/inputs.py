@@ -46,7 +46,9 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
 
 
 def public_text(message: str) -> str:
-    """`message` with this machine's folders named by what they are, not where they are."""
+    """`message` for a web user: this machine's folders named by what they are, not where they are,
+    and no advice that only a Python caller can follow."""
+    message = _PYTHON_ONLY.sub(".", message)
     places = []
     try:
         from huggingface_hub.constants import HF_HUB_CACHE
@@ -62,6 +64,7 @@ def public_text(message: str) -> str:
     return _ABSOLUTE.sub("<path>", message)
 
 
+_PYTHON_ONLY = re.compile(r",? or pass weights_path= to load_model(?: \([^)]*\))?\.")
 _ABSOLUTE = re.compile(r"(?<![\w:/.~<>$])/(?:[\w.\-]+/)*[\w.\-]+")
 
 

@@ -233,8 +233,13 @@ def render_method_maps(exp: Exploration, maps: dict[str, torch.Tensor], *, label
     """One overlay per method ({method: [gh, gw]}), each with its colour bar; "shared" puts every
     method on 0..the largest value of any (useful when the methods share a unit, as rollouts do)."""
     lo, hi = (0.0, max(float(m.max()) for m in maps.values())) if scale == "shared" else (None, None)
-    return {method: _heat_view(exp, m, name=_name(exp, "explain", method, label), label="relevance", vmin=lo, vmax=hi)
+    return {method: _heat_view(exp, m, name=_name(exp, "explain", method, label), label=METHOD_UNITS.get(method, "relevance"),
+                               vmin=lo, vmax=hi)
             for method, m in maps.items()}
+
+
+# what each method's colour bar measures
+METHOD_UNITS = {"attention": "attention", "rollout": "rollout", "gradient": "relevance", "grad_rollout": "gradient rollout"}
 
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
@@ -250,7 +255,7 @@ def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
         arr = np.asarray(img).copy()
         arr[~keep] = (np.asarray(small)[~keep] * 0.25).astype(np.uint8)
         tiles.append(Image.fromarray(arr))
-    labels = [f"head {h + 1}: {int(m.sum())} patches" for h, m in enumerate(masks)]
+    labels = [f"head {h + 1}: {int(m.sum())} patch{'' if int(m.sum()) == 1 else 'es'}" for h, m in enumerate(masks)]
     img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=labels)
     return plots.named(img, _name(exp, "dino-heads", f"share{share:g}"))
 
