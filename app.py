@@ -521,8 +521,18 @@ def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
 
 
 def api_analyze(image: str | None, variant: str) -> Outputs:
-    """The `/analyze` endpoint: image and variant in; predictions, rollout, distance plot and an .npz
-    (rollout, cls map, distances, probabilities, the crop; the attention stack stays in the page's download)."""
+    """Analyse an image with a Vision Transformer: its top-5 classes, the attention rollout (where the
+    cls token draws from, over all layers), every head's mean attention distance, and the numbers.
+
+    Args:
+        image: the photo (an uploaded file).
+        variant: the model, e.g. "shapes_p16" (embedded, offline), "vit_b_16", "timm:<name>" or
+            "hf:<org/name>", optionally with "@<pixels>" for another image size.
+
+    Returns:
+        The top-5 classes with probabilities, the rollout over the image, the distance chart, and an
+        .npz (rollout, cls map, distances, probabilities, the crop).
+    """
     exp = _run(image, variant)
     with _job("export", exp.analysis.variant) as job:
         path = DOWNLOADS.npz(exp, attentions=False, size=job.cost.kept_bytes)
@@ -532,6 +542,54 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
         api_distance: views.render_distance(exp),
         api_npz: path,
     }
+
+
+def api_explain(image: str | None, variant: str, target: str, method: str) -> Outputs:
+    """Explain why a Vision Transformer sees a class in an image: a relevance map over the patches.
+
+    Args:
+        image: the photo (an uploaded file).
+        variant: the model, as for analyze (e.g. "shapes_p16").
+        target: the class to explain, by name (empty: the top-1 class).
+        method: "gradient" (Chefer et al. 2021, the default), "grad_rollout", "rollout" or "attention".
+
+    Returns:
+        The map over the image, with its colour bar; its file is named by the variant, method and class.
+    """
+    if method not in METHODS:
+        raise _error(f"The method must be one of {', '.join(METHODS)}.")
+    exp = _run(image, variant)
+    a = exp.analysis
+    target = target or None
+    if target is not None and (a.categories is None or target not in a.categories):
+        raise _error(f"{a.variant} has no class {target!r}: leave it empty for the top-1, or name one of its classes.")
+    with _job("explain", a.variant):
+        maps, index = _explain_on_device(exp, target)
+    if method not in maps:
+        raise _error(f"{a.variant} has no classifier: only attention and rollout can be shown.")
+    label = a.categories[index] if index is not None else "no-class"
+    return {api_map: views.render_method_maps(exp, {method: maps[method]}, label=label)[method]}
+
+
+def api_attention(image: str | None, variant: str, layer: float, head: str, query: float) -> Outputs:
+    """What one token attends to at one layer of a Vision Transformer, over the image.
+
+    Args:
+        image: the photo (an uploaded file).
+        variant: the model, as for analyze (e.g. "shapes_p16").
+        layer: the layer, 1 to the model's depth.
+        head: "mean", "max" or "head <k>" (1-based).
+        query: the query token: 0 is the cls token; patches follow in raster order after the prefix tokens.
+
+    Returns:
+        The query's attention over the patches, drawn on the image.
+    """
+    exp = _run(image, variant)
+    depth, heads, tokens = exp.analysis.attentions.shape[:3]
+    layer = _checked(inputs.index, layer, 1, depth, "layer")
+    head = _checked(inputs.head, head, heads)
+    query = _checked(inputs.index, query, 0, tokens - 1, "query token")
+    return {api_map: views.render_query(exp, layer=layer, head=head, query=query)}
 
 
 def on_variant_info(variant: str) -> Outputs:
@@ -749,10 +807,19 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     # hidden outputs of the API endpoint
     with gr.Row(visible=False):
         api_button = gr.Button("api")
+        api_explain_button = gr.Button("explain")
+        api_attention_button = gr.Button("attention")
         api_pred = gr.Label()
         api_rollout = PngImage(interactive=False)
         api_distance = PngImage(interactive=False)
         api_npz = gr.File()
+        api_variant = gr.Textbox(label="variant")  # any name, not only the menu's (the server checks it)
+        api_target = gr.Textbox(label="class")
+        api_method = gr.Textbox(label="method", value="gradient")
+        api_layer = gr.Number(label="layer", precision=0)
+        api_head = gr.Textbox(label="head", value="mean")
+        api_query = gr.Number(label="query token", precision=0)
+        api_map = PngImage(interactive=False)
 
     analysis_outputs = [
         state, notice, predictions, predict_note, rollout_img, dist_rollout_img, target_class, prefix_query, layer, head,
@@ -812,7 +879,9 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     export.click(on_export, state, npz, api_visibility="private", **model)
     compare_outputs = [compare_notice, compare_distance, *[c for slot in slots for c in slot]]
     compare_run.click(on_compare, [image, compare_pick], compare_outputs, api_visibility="private", **model)
-    api_button.click(api_analyze, [image, variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze", **model)
+    api_button.click(api_analyze, [image, api_variant], [api_pred, api_rollout, api_distance, api_npz], api_name="analyze", **model)
+    api_explain_button.click(api_explain, [image, api_variant, api_target, api_method], api_map, api_name="explain", **model)
+    api_attention_button.click(api_attention, [image, api_variant, api_layer, api_head, api_query], api_map, api_name="attention", **model)
 
 # api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
 # client's share holds however it calls
@@ -824,6 +893,7 @@ LAUNCH_KWARGS = dict(
     theme=gr.themes.Soft(),
     max_file_size=MAX_BYTES,
     ssr_mode=False,
+    mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
         Middleware(BodyLimit, max_bytes=SETTINGS.body_bytes),
         Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=_files_sweep),
