@@ -6,7 +6,9 @@ the app's logic without Gradio). Run with `python app.py`; deploys unchanged as 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ Outputs = dict[Component, Any]
 MENU = list_variants()
 # every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
 SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
-CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes, menu={s.name for s in MENU})
+CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes)
 # one budget of model work for every event and the explorer's calls: priced before, bounded while running
 WORK = ModelWork(budget_bytes=SETTINGS.work_bytes, lanes=SETTINGS.concurrency, seconds=SETTINGS.request_seconds)
 DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
@@ -66,6 +68,7 @@ EXPLAIN_SCALES = ("each map", "shared by the four maps")  # the Explain tab's
 EXPLORER_DIR = upload_folder() / "vitviz-explorer"
 EXPLORER_WIDGET = explorer_data.widget_files()
 EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
+EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (they run on Gradio's thread pool)
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
 # a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
 STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle)
@@ -97,15 +100,15 @@ def _variant(name: object) -> str:
                     open_models=SETTINGS.open_models)
 
 
-def _job(kind: str, variant: str, request: gr.Request | None = None):
+def _job(kind: str, variant: str, request: gr.Request | None = None, *, wait: float | None = None, **options):
     """Model work of `kind` on `variant`, priced before it starts and run within the server's budget."""
-    return _priced(price(get_spec(variant), kind, budget=WORK.budget_bytes), request)
+    return _priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait)
 
 
 @contextmanager
-def _priced(cost, request: gr.Request | None = None):
+def _priced(cost, request: gr.Request | None = None, *, wait: float | None = None):
     try:
-        with WORK.job(cost, session=getattr(request, "session_hash", None)) as job:
+        with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait) as job:
             yield job
     except (RequestRefused, Cancelled) as exc:
         raise _error(str(exc)) from None
@@ -116,12 +119,14 @@ def _files_sweep() -> None:
     sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=_is_example)
 
 
-_EXAMPLE_FILES = {(Path(p).name, Path(p).stat().st_size) for p in EXAMPLES}
+_EXAMPLE_FILES = {(Path(p).name, Path(p).stat().st_size): hashlib.sha256(Path(p).read_bytes()).digest() for p in EXAMPLES}
 
 
 def _is_example(path: Path) -> bool:
+    """Whether `path` is Gradio's copy of one of the examples (same name, size and bytes)."""
     try:
-        return (path.name, path.stat().st_size) in _EXAMPLE_FILES
+        digest = _EXAMPLE_FILES.get((path.name, path.stat().st_size))
+        return digest is not None and hashlib.sha256(path.read_bytes()).digest() == digest
     except OSError:
         return False
 
@@ -130,18 +135,39 @@ def _is_example(path: Path) -> bool:
 # Running the model, and the analyses kept for sessions
 
 def _run(image: str | None, variant: str) -> views.Exploration:
+    """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
+    the two was the problem ("image" or "variant")."""
     if image is None:
         raise _error("Upload an image first (or pick an example).")
-    variant = _variant(variant)
+    try:
+        variant = _variant(variant)
+    except gr.Error as exc:
+        exc.cause = "variant"
+        raise
     release_memory()  # what the previous request's rendering and encoding freed
     try:
-        with _job("analyse", variant):
+        with _job("analyse", variant) as job:
+            job.unpriced = variant not in CACHE.loaded()  # loading (or downloading) is not model speed
             return _analyze_on_device(image, variant)
-    except (ImageError, WeightsUnavailableError) as exc:
-        raise _error(inputs.public_text(str(exc))) from None
+    except ImageError as exc:
+        error = _error(f"{_file_name(image)}: {inputs.public_text(str(exc))}")
+        error.cause = "image"
+        raise error from None
+    except WeightsUnavailableError as exc:
+        error = _error(inputs.public_text(str(exc)))
+        error.cause = "variant"
+        raise error from None
+    except gr.Error as exc:  # priced above this server's bounds: the variant (at its size) is the problem
+        exc.cause = "variant"
+        raise
     finally:
         release_memory()
         _files_sweep()
+
+
+def _file_name(path: str | None) -> str:
+    """An uploaded file's name as its owner named it (Gradio keeps it, in a folder of its own)."""
+    return Path(str(path)).name if path else "the image"
 
 
 @gpu
@@ -154,10 +180,10 @@ def _reanalyze_on_device(ref: SessionRef) -> views.Exploration:
     return views.explore_crop(CACHE, ref.crop, ref.variant)
 
 
-def _remember(exp: views.Exploration) -> SessionRef:
+def _remember(exp: views.Exploration, source: str = "") -> SessionRef:
     """Keeps `exp` in the store; the session holds only the returned reference."""
     key = STORE.put(exp, exp.analysis.nbytes)
-    return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image)
+    return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image, image=_file_name(source), source=source)
 
 
 def _recall(ref: SessionRef | None) -> views.Exploration:
@@ -197,15 +223,37 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     only the notice changes, saying why: the results on the page stay those of the last analysis.
     The Explain and Tokens tabs are drawn when shown (`on_tab`).
     """
+    if isinstance(ref, SessionRef) and image == ref.source and isinstance(variant, str) and variant.strip() == ref.variant:
+        return {results_box: gr.update(elem_classes=["vv-results"])}  # what is shown is this very analysis
     progress(0, desc=f"Loading {variant} (a first use may download its weights)")
     try:
-        exp = _run(image, variant)
         head_fusion, discard_ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
+        with _analysis_job(image, variant):  # the job lasts until every picture of the analysis is drawn
+            exp = _run(image, variant)
+            return _analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
     except gr.Error as exc:
-        stop = "" if exc.message.rstrip().endswith((".", "!", "?", ":")) else "."
-        shown = f"{stop} The results below are still those of {ref.variant}." if isinstance(ref, SessionRef) else ""
-        gr.Warning(exc.message)
-        return {notice: _notice(exc.message + as_text(shown))}
+        return _refused(exc, ref)
+
+
+@contextmanager
+def _analysis_job(image: str | None, variant: object):
+    """The job of an analysis and its pictures (`_run` inside it takes no second one)."""
+    if image is None:
+        raise _error("Upload an image first (or pick an example).")
+    try:
+        name = _variant(variant)
+    except gr.Error as exc:
+        exc.cause = "variant"
+        raise
+    try:
+        with _job("analyse", name) as job:
+            yield job
+    except gr.Error as exc:
+        exc.cause = getattr(exc, "cause", None) or "variant"
+        raise
+
+
+def _analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
     same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
     _forget(ref)
     a = exp.analysis
@@ -221,8 +269,10 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     else:
         classes = gr.update(choices=list(a.categories or []), value=top[0][0] if top else None, interactive=has_head)
     return {
-        state: _remember(exp),
+        state: _remember(exp, image),
         notice: "",
+        results_box: gr.update(elem_classes=["vv-results"]),
+        result_thumb: a.image,
         predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
         predict_note: "" if has_head else (
             f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
@@ -249,10 +299,35 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
         faith_img: None,
         faith_table: None,
         status: (
-            f"**{a.variant}** on {a.device}: {spec_line(a.variant)}. Model call {a.model_seconds * 1e3:.0f} ms; "
-            f"{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
+            f"**{_md(_file_name(image))}** on **{a.variant}** ({a.device}): {spec_line(a.variant)}. Model call "
+            f"{a.model_seconds * 1e3:.0f} ms; {a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
         ),
     }
+
+
+def _md(text: str) -> str:
+    """`text` shown as typed in Markdown."""
+    return "".join("\\" + c if c in "\\`*_{}[]<>()#+-.!|~" else c for c in as_text(text))
+
+
+def _refused(exc: gr.Error, ref: SessionRef | None) -> Outputs:
+    """Nothing could be analysed: say why, mark the results on the page as those of their own image
+    and variant, put the menu back on a variant that works, and drop a file that is no image."""
+    cause = getattr(exc, "cause", None)
+    out: Outputs = {}
+    message = exc.message
+    if isinstance(ref, SessionRef):
+        stop = "" if message.rstrip().endswith((".", "!", "?", ":")) else "."
+        message += as_text(f"{stop} The results below are still those of {ref.image} on {ref.variant}.")
+        out[results_box] = gr.update(elem_classes=["vv-results", "vv-stale"])
+        if cause == "variant":  # the menu goes back to the variant that works
+            out[variant] = gr.update(value=ref.variant)
+            message += as_text(f" The menu is back on {ref.variant}.")
+    if cause == "image":
+        out[image] = None  # no broken preview left behind
+    gr.Warning(exc.message)
+    out[notice] = _notice(message)
+    return out
 
 
 def on_explorer(ref: SessionRef | None) -> Outputs:
@@ -262,7 +337,7 @@ def on_explorer(ref: SessionRef | None) -> Outputs:
         return {explorer_live: gr.skip()}
     exp = _recall(ref)
     with EXPLORER_LOCKS.hold(ref.key), _job("explorer", ref.variant) as job:
-        sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=job.cost.kept_bytes)
+        _explorer_sweep(room=job.cost.kept_bytes)
         live = explorer_data.write_payload(exp, key=ref.key, folder=EXPLORER_DIR)
     on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
     depth = exp.analysis.attentions.shape[0]
@@ -281,16 +356,17 @@ def on_export(ref: SessionRef | None) -> Outputs:
         try:
             return {npz: DOWNLOADS.npz(exp, size=job.cost.kept_bytes)}
         except ValueError as exc:
-            raise _error(str(exc)) from None
+            raise _error(inputs.public_text(str(exc))) from None
 
 
 def on_rollout_options(ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
-    """Rollout options changed: drawn again from the stored attention."""
+    """Rollout options changed: drawn again from the stored attention (a rollout is model-sized work)."""
     exp = _recall(ref)
     fusion, ratio = _checked(inputs.fusion, head_fusion), _checked(inputs.ratio, discard_ratio)
-    out: Outputs = {rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
-    if "dist" in exp.analysis.prefix_names:
-        out[dist_rollout_img] = views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
+    with _job("view", ref.variant):
+        out: Outputs = {rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
+        if "dist" in exp.analysis.prefix_names:
+            out[dist_rollout_img] = views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
     return out
 
 
@@ -305,9 +381,24 @@ def explorer_layer(request: list) -> str:
     if exp is None:
         raise _error("This analysis is no longer kept: analyse the image again.")
     layer_value = _checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
-    with EXPLORER_LOCKS.hold((key, layer_value)), _job("explorer_layer", exp.analysis.variant) as job:
-        sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=job.cost.kept_bytes)
-        return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=EXPLORER_DIR)
+    # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
+    if not EXPLORER_CALLS.acquire(blocking=False):
+        raise _error("The server is busy: the layer will be fetched again when you show it.")
+    try:
+        with EXPLORER_LOCKS.hold((key, layer_value)), _job("explorer_layer", exp.analysis.variant, wait=10.0) as job:
+            return _write_layer(exp, key, layer_value, job)
+    finally:
+        EXPLORER_CALLS.release()
+
+
+def _write_layer(exp: views.Exploration, key: str, layer_value: int, job) -> str:
+    _explorer_sweep(room=job.cost.kept_bytes)
+    return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=EXPLORER_DIR)
+
+
+def _explorer_sweep(*, room: int) -> None:
+    """The explorer's files within VITVIZ_EXPLORER_MB, with `room` for one about to be written."""
+    sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=room)
 
 
 def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
@@ -497,11 +588,14 @@ def on_compare(image: str | None, variants: list[str] | None) -> Outputs:
         if not 2 <= len(variants) <= MAX_COMPARE:
             raise _error(f"Pick two or three variants to compare (you picked {len(variants)}).")
         names = [_variant(v) for v in variants]
-        with _priced(together([price(get_spec(v), "analyse") for v in names])):  # the analyses are held together
-            exps = [_run(image, v) for v in names]
+        with _priced(together([price(get_spec(v), "analyse") for v in names])):  # held together, until drawn
+            return _compare_outputs([_run(image, v) for v in names])
     except gr.Error as exc:
         gr.Warning(exc.message)
         return {compare_notice: _notice(exc.message)}
+
+
+def _compare_outputs(exps: list[views.Exploration]) -> Outputs:
     out: Outputs = {compare_notice: "", compare_distance: views.render_compare_distance(exps)}
     for k, (col, md, ro, gd) in enumerate(slots):
         if k < len(exps):
@@ -533,15 +627,19 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
         The top-5 classes with probabilities, the rollout over the image, the distance chart, and an
         .npz (rollout, cls map, distances, probabilities, the crop).
     """
-    exp = _run(image, variant)
-    with _job("export", exp.analysis.variant) as job:
-        path = DOWNLOADS.npz(exp, attentions=False, size=job.cost.kept_bytes)
-    return {
-        api_pred: views.render_predictions(exp) or None,
-        api_rollout: views.render_rollout(exp),
-        api_distance: views.render_distance(exp),
-        api_npz: path,
-    }
+    with _analysis_job(image, variant):
+        exp = _run(image, variant)
+        size = price(get_spec(exp.analysis.variant), "export", attentions=False).kept_bytes
+        try:
+            path = DOWNLOADS.npz(exp, attentions=False, size=size)
+        except ValueError as exc:
+            raise _error(inputs.public_text(str(exc))) from None
+        return {
+            api_pred: views.render_predictions(exp) or None,
+            api_rollout: views.render_rollout(exp),
+            api_distance: views.render_distance(exp),
+            api_npz: path,
+        }
 
 
 def api_explain(image: str | None, variant: str, target: str, method: str) -> Outputs:
@@ -594,10 +692,9 @@ def api_attention(image: str | None, variant: str, layer: float, head: str, quer
 
 def on_variant_info(variant: str) -> Outputs:
     try:
-        return {variant_info: spec_line(inputs.variant(variant, max_params=SETTINGS.max_params, max_tokens=SETTINGS.max_tokens,
-                                                       open_models=SETTINGS.open_models))}
-    except inputs.InputError as exc:
-        return {variant_info: as_text(str(exc))}
+        return {variant_info: spec_line(_variant(variant))}
+    except gr.Error as exc:
+        return {variant_info: exc.message}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -610,6 +707,8 @@ CSS = """
 /* figures start below their label and buttons, which Gradio lays over the top of an image */
 .vv-figure .image-container { padding-top: 38px; }
 #vv-explorer img, #vv-features img { cursor: crosshair; }
+/* results that are not those of the image and variant chosen now */
+.vv-stale #vv-status, .vv-stale .tabs { opacity: 0.45; }
 /* the Use button sits beside the box it applies to, level with it, not with its label */
 #vv-other-use { align-self: flex-end; margin-bottom: 2px; }
 """
@@ -658,151 +757,155 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
             gr.Markdown(f"Images: {describe_limits()}.", elem_classes="vv-caption")
         with gr.Column(scale=2, min_width=320):
             notice = gr.HTML("", elem_id="vv-notice")
-            status = gr.Markdown("", elem_id="vv-status")
-            with gr.Tabs() as tabs:
-                with gr.Tab("Predict", id="predict"):
-                    gr.Markdown(
-                        "Top-5 classes (click one to explain it) and **attention rollout**: how much the cls token, after "
-                        "all layers, draws on each patch. Each layer's attention is fused over heads (mean, max or min), its "
-                        "weakest links are optionally discarded, the identity is added for the residual path and each row is "
-                        "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
-                        "layers are then multiplied from the first up (Abnar & Zuidema 2020).",
-                        elem_classes="vv-caption",
-                    )
-                    predict_note = gr.Markdown("", elem_id="vv-predict-note")
-                    with gr.Row():
-                        predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
-                        rollout_img = _figure(ViewImage, label="Attention rollout", elem_id="vv-rollout")
-                        dist_rollout_img = _figure(ViewImage, label="Rollout of the distillation token", visible=False, elem_id="vv-dist-rollout")
-                    with gr.Row():
-                        head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion", elem_id="vv-fusion")
-                        discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio", elem_id="vv-discard")
-                    with gr.Row():
-                        export = gr.Button("Prepare the analysis as .npz", size="sm")
-                        npz = gr.File(label="Attention stack, rollout, distances (.npz)")
-                with gr.Tab("Explain", id="explain"):
-                    gr.Markdown(
-                        "Why this class: four maps over the patches for the class you pick. The last layer's attention and "
-                        "rollout do not depend on the class; **gradient relevance** (Chefer et al. 2021) adds, layer by layer "
-                        "from the first, the head mean of the positive part of gradient x attention times the relevance so "
-                        "far; **gradient-weighted rollout** fuses gradient x attention over heads and rolls it out. Deletion "
-                        "removes patches in each map's order (insertion reveals them) and follows the class probability: a "
-                        "faithful map makes it fall fast and rise fast; a random order is the baseline.",
-                        elem_classes="vv-caption",
-                    )
-                    with gr.Row():
-                        target_class = gr.Dropdown([], label="Class to explain", filterable=True, elem_id="vv-class", scale=3)
-                        explain_scale = gr.Radio(EXPLAIN_SCALES, value=EXPLAIN_SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
-                    explain_note = gr.Markdown("", elem_id="vv-explain-note")
-                    explain_imgs = {}
-                    for pair in (METHODS[:2], METHODS[2:]):
-                        with gr.Row():
-                            for m in pair:
-                                explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
-                    with gr.Row():
-                        faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run", scale=3)
-                        faith_stop = gr.Button("Stop", size="sm", elem_id="vv-faith-stop", scale=1, min_width=60)
-                    faith_img = _figure(label="Deletion and insertion", elem_id="vv-faith")
-                    faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
-                                               label="Area under each curve", elem_id="vv-faith-table")
-                with gr.Tab("Explorer", id="explorer"):
-                    gr.Markdown(
-                        "What one token attends to at one layer: hover over a patch to see its attention, click to pin it "
-                        "(click again to let go), or pick a prefix token. Each map is a row of softmax(q·kᵀ/√d) over the "
-                        "patches, for one head or fused over heads; the mosaic shows every head of the layer for the same "
-                        "query. With a shared colour scale, layers and heads can be compared. Drawn in your browser from "
-                        "the analysis (8 bits per weight).",
-                        elem_classes="vv-caption",
-                    )
-                    explorer_live = gr.HTML(
-                        value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
-                        js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
-                    )
-                    # the server's explorer: the API's, and the page's for models too large for the browser
-                    with gr.Group(visible=False) as server_explorer:
-                        with gr.Row():
-                            layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
-                            head = gr.Dropdown(["mean", "max"], value="mean", label="Head", elem_id="vv-head")
-                            scale_choice = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-scale")
-                        with gr.Row():
-                            query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
-                            query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
-                            prefix_query = gr.Radio(["cls"], value=None, label="Or a prefix token as the query", elem_id="vv-prefix-query")
-                        with gr.Row():
-                            explorer_img = _figure(ViewImage, label="The query's attention (click a patch)", elem_id="vv-explorer")
-                            mosaic = _figure(ViewImage, label="All heads of this layer", elem_id="vv-mosaic")
-                with gr.Tab("Tokens", id="tokens"):
-                    gr.Markdown(
-                        "The tokens themselves. **Attention received**: the share of each layer's attention that goes to each "
-                        "prefix token (cls, distillation, registers) and to the patches. **Token norms**: where high-norm "
-                        "tokens appear — large models dump attention on a few such low-information patches, which registers "
-                        "take over (Darcet et al. 2024). **DINO's heads**: the last block's cls attention per head, the "
-                        "patches holding the chosen share of each head's mass in colour (Caron et al. 2021). **Patch "
-                        "features**: the first three principal components of the last layer's patch tokens as red, green "
-                        "and blue; click a patch to see how similar every other patch's feature is to it.",
-                        elem_classes="vv-caption",
-                    )
-                    with gr.Row():
-                        received_img = _figure(label="Attention received per layer", elem_id="vv-received")
-                        norms_img = _figure(label="Token norms per layer", elem_id="vv-norms")
-                    norms_map_img = _figure(label="Token norms after the last block", elem_id="vv-norms-map")
-                    dino_share = gr.Slider(0.05, 1.0, value=0.6, step=0.05, label="DINO: share of each head's attention kept", elem_id="vv-dino-share")
-                    dino_img = _figure(label="Last layer, cls attention per head", elem_id="vv-dino")
-                    features_text = gr.Markdown("", elem_classes="vv-caption", elem_id="vv-features-text")
-                    with gr.Row():
-                        features_img = _figure(label="Patch features, PCA (click a patch)", elem_id="vv-features")
-                        similarity_map_img = _figure(label="Similarity to the clicked patch", elem_id="vv-feature-similarity")
-                with gr.Tab("Distance", id="distance"):
-                    gr.Markdown(
-                        "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
-                        "between a patch and the patches it attends to, weighted by attention. In the paper's models, early "
-                        "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
-                        elem_classes="vv-caption",
-                    )
-                    distance_img = _figure(label="Mean attention distance", elem_id="vv-distance")
-                with gr.Tab("Positions", id="positions"):
-                    gr.Markdown(
-                        "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
-                        "and all others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: the "
-                        "top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each "
-                        "with the share of the filters' variance it explains.",
-                        elem_classes="vv-caption",
-                    )
-                    with gr.Row():
-                        similarity_img = _figure(label="Position-embedding similarity", elem_id="vv-similarity")
-                        filters_img = _figure(label="Filters: principal components", elem_id="vv-filters")
-                with gr.Tab("Architecture", id="architecture"):
-                    gr.Markdown(
-                        "The image as the model sees it: resized, centre-cropped and cut into patches, each becoming one "
-                        "token. The table follows the tokens stage by stage with output shapes and parameter counts.",
-                        elem_classes="vv-caption",
-                    )
-                    grid_img = _figure(label="Patch grid", elem_id="vv-grid")
-                    table = gr.Dataframe(
-                        headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True, elem_id="vv-table",
-                        column_widths=["30%", "34%", "20%", "16%"],
-                    )
-                with gr.Tab("Compare", id="compare"):
-                    gr.Markdown(
-                        "Two or three variants on the same image: predictions, rollout and patch grid side by side, and "
-                        "every head's attention distance in one chart, so patch size, model size and training can be compared.",
-                        elem_classes="vv-caption",
-                    )
-                    with gr.Row():
-                        compare_pick = gr.CheckboxGroup(
-                            variant_choices(), value=["shapes_p16", "shapes_p8"], label="Variants (two or three)"
+            with gr.Column(elem_classes=["vv-results"], elem_id="vv-results") as results_box:
+                with gr.Row(equal_height=True):
+                    result_thumb = gr.Image(None, show_label=False, interactive=False, container=False, height=56, width=56,
+                                            min_width=56, scale=0, elem_id="vv-result-thumb", buttons=[])
+                    status = gr.Markdown("", elem_id="vv-status")
+                with gr.Tabs() as tabs:
+                    with gr.Tab("Predict", id="predict"):
+                        gr.Markdown(
+                            "Top-5 classes (click one to explain it) and **attention rollout**: how much the cls token, after "
+                            "all layers, draws on each patch. Each layer's attention is fused over heads (mean, max or min), its "
+                            "weakest links are optionally discarded, the identity is added for the residual path and each row is "
+                            "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
+                            "layers are then multiplied from the first up (Abnar & Zuidema 2020).",
+                            elem_classes="vv-caption",
                         )
-                        compare_run = gr.Button("Compare", variant="primary", elem_id="vv-compare-run")
-                    compare_notice = gr.HTML("", elem_id="vv-compare-notice")
-                    slots = []
-                    with gr.Row():
-                        for k in range(MAX_COMPARE):
-                            with gr.Column(visible=k < 2, min_width=220) as col:
-                                md = gr.Markdown("", elem_id=f"vv-compare-{k + 1}")
-                                ro = _figure(label="Rollout")
-                                gd = _figure(label="Patch grid")
-                            slots.append((col, md, ro, gd))
-                    compare_distance = _figure(label="Mean attention distance", elem_id="vv-compare-distance")
+                        predict_note = gr.Markdown("", elem_id="vv-predict-note")
+                        with gr.Row():
+                            predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
+                            rollout_img = _figure(ViewImage, label="Attention rollout", elem_id="vv-rollout")
+                            dist_rollout_img = _figure(ViewImage, label="Rollout of the distillation token", visible=False, elem_id="vv-dist-rollout")
+                        with gr.Row():
+                            head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion", elem_id="vv-fusion")
+                            discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio", elem_id="vv-discard")
+                        with gr.Row():
+                            export = gr.Button("Prepare the analysis as .npz", size="sm")
+                            npz = gr.File(label="Attention stack, rollout, distances (.npz)")
+                    with gr.Tab("Explain", id="explain"):
+                        gr.Markdown(
+                            "Why this class: four maps over the patches for the class you pick. The last layer's attention and "
+                            "rollout do not depend on the class; **gradient relevance** (Chefer et al. 2021) adds, layer by layer "
+                            "from the first, the head mean of the positive part of gradient x attention times the relevance so "
+                            "far; **gradient-weighted rollout** fuses gradient x attention over heads and rolls it out. Deletion "
+                            "removes patches in each map's order (insertion reveals them) and follows the class probability: a "
+                            "faithful map makes it fall fast and rise fast; a random order is the baseline.",
+                            elem_classes="vv-caption",
+                        )
+                        with gr.Row():
+                            target_class = gr.Dropdown([], label="Class to explain", filterable=True, elem_id="vv-class", scale=3)
+                            explain_scale = gr.Radio(EXPLAIN_SCALES, value=EXPLAIN_SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
+                        explain_note = gr.Markdown("", elem_id="vv-explain-note")
+                        explain_imgs = {}
+                        for pair in (METHODS[:2], METHODS[2:]):
+                            with gr.Row():
+                                for m in pair:
+                                    explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
+                        with gr.Row():
+                            faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run", scale=3)
+                            faith_stop = gr.Button("Stop", size="sm", elem_id="vv-faith-stop", scale=1, min_width=60)
+                        faith_img = _figure(label="Deletion and insertion", elem_id="vv-faith")
+                        faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
+                                                   label="Area under each curve", elem_id="vv-faith-table")
+                    with gr.Tab("Explorer", id="explorer"):
+                        gr.Markdown(
+                            "What one token attends to at one layer: hover over a patch to see its attention, click to pin it "
+                            "(click again to let go), or pick a prefix token. Each map is a row of softmax(q·kᵀ/√d) over the "
+                            "patches, for one head or fused over heads; the mosaic shows every head of the layer for the same "
+                            "query. With a shared colour scale, layers and heads can be compared. Drawn in your browser from "
+                            "the analysis (8 bits per weight).",
+                            elem_classes="vv-caption",
+                        )
+                        explorer_live = gr.HTML(
+                            value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
+                            js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
+                        )
+                        # the server's explorer: the API's, and the page's for models too large for the browser
+                        with gr.Group(visible=False) as server_explorer:
+                            with gr.Row():
+                                layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
+                                head = gr.Dropdown(["mean", "max"], value="mean", label="Head", elem_id="vv-head")
+                                scale_choice = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-scale")
+                            with gr.Row():
+                                query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
+                                query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
+                                prefix_query = gr.Radio(["cls"], value=None, label="Or a prefix token as the query", elem_id="vv-prefix-query")
+                            with gr.Row():
+                                explorer_img = _figure(ViewImage, label="The query's attention (click a patch)", elem_id="vv-explorer")
+                                mosaic = _figure(ViewImage, label="All heads of this layer", elem_id="vv-mosaic")
+                    with gr.Tab("Tokens", id="tokens"):
+                        gr.Markdown(
+                            "The tokens themselves. **Attention received**: the share of each layer's attention that goes to each "
+                            "prefix token (cls, distillation, registers) and to the patches. **Token norms**: where high-norm "
+                            "tokens appear — large models dump attention on a few such low-information patches, which registers "
+                            "take over (Darcet et al. 2024). **DINO's heads**: the last block's cls attention per head, the "
+                            "patches holding the chosen share of each head's mass in colour (Caron et al. 2021). **Patch "
+                            "features**: the first three principal components of the last layer's patch tokens as red, green "
+                            "and blue; click a patch to see how similar every other patch's feature is to it.",
+                            elem_classes="vv-caption",
+                        )
+                        with gr.Row():
+                            received_img = _figure(label="Attention received per layer", elem_id="vv-received")
+                            norms_img = _figure(label="Token norms per layer", elem_id="vv-norms")
+                        norms_map_img = _figure(label="Token norms after the last block", elem_id="vv-norms-map")
+                        dino_share = gr.Slider(0.05, 1.0, value=0.6, step=0.05, label="DINO: share of each head's attention kept", elem_id="vv-dino-share")
+                        dino_img = _figure(label="Last layer, cls attention per head", elem_id="vv-dino")
+                        features_text = gr.Markdown("", elem_classes="vv-caption", elem_id="vv-features-text")
+                        with gr.Row():
+                            features_img = _figure(label="Patch features, PCA (click a patch)", elem_id="vv-features")
+                            similarity_map_img = _figure(label="Similarity to the clicked patch", elem_id="vv-feature-similarity")
+                    with gr.Tab("Distance", id="distance"):
+                        gr.Markdown(
+                            "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
+                            "between a patch and the patches it attends to, weighted by attention. In the paper's models, early "
+                            "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
+                            elem_classes="vv-caption",
+                        )
+                        distance_img = _figure(label="Mean attention distance", elem_id="vv-distance")
+                    with gr.Tab("Positions", id="positions"):
+                        gr.Markdown(
+                            "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
+                            "and all others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: the "
+                            "top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each "
+                            "with the share of the filters' variance it explains.",
+                            elem_classes="vv-caption",
+                        )
+                        with gr.Row():
+                            similarity_img = _figure(label="Position-embedding similarity", elem_id="vv-similarity")
+                            filters_img = _figure(label="Filters: principal components", elem_id="vv-filters")
+                    with gr.Tab("Architecture", id="architecture"):
+                        gr.Markdown(
+                            "The image as the model sees it: resized, centre-cropped and cut into patches, each becoming one "
+                            "token. The table follows the tokens stage by stage with output shapes and parameter counts.",
+                            elem_classes="vv-caption",
+                        )
+                        grid_img = _figure(label="Patch grid", elem_id="vv-grid")
+                        table = gr.Dataframe(
+                            headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True, elem_id="vv-table",
+                            column_widths=["30%", "34%", "20%", "16%"],
+                        )
+                    with gr.Tab("Compare", id="compare"):
+                        gr.Markdown(
+                            "Two or three variants on the same image: predictions, rollout and patch grid side by side, and "
+                            "every head's attention distance in one chart, so patch size, model size and training can be compared.",
+                            elem_classes="vv-caption",
+                        )
+                        with gr.Row():
+                            compare_pick = gr.CheckboxGroup(
+                                variant_choices(), value=["shapes_p16", "shapes_p8"], label="Variants (two or three)"
+                            )
+                            compare_run = gr.Button("Compare", variant="primary", elem_id="vv-compare-run")
+                        compare_notice = gr.HTML("", elem_id="vv-compare-notice")
+                        slots = []
+                        with gr.Row():
+                            for k in range(MAX_COMPARE):
+                                with gr.Column(visible=k < 2, min_width=220) as col:
+                                    md = gr.Markdown("", elem_id=f"vv-compare-{k + 1}")
+                                    ro = _figure(label="Rollout")
+                                    gd = _figure(label="Patch grid")
+                                slots.append((col, md, ro, gd))
+                        compare_distance = _figure(label="Mean attention distance", elem_id="vv-compare-distance")
 
     # hidden outputs of the API endpoint
     with gr.Row(visible=False):
@@ -822,7 +925,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
         api_map = PngImage(interactive=False)
 
     analysis_outputs = [
-        state, notice, predictions, predict_note, rollout_img, dist_rollout_img, target_class, prefix_query, layer, head,
+        state, notice, results_box, result_thumb, image, variant, predictions, predict_note, rollout_img, dist_rollout_img, target_class, prefix_query, layer, head,
         query, query_text, distance_img, similarity_img, filters_img, grid_img, table, npz, faith_img, faith_table, status,
     ]
     explorer_outputs = [explorer_live, server_explorer, explorer_img, mosaic]
@@ -885,6 +988,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
 
 # api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
 # client's share holds however it calls
+demo.after_event = _files_sweep  # Gradio's copies of pictures and downloads are written by every kind of event
 demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency, api_open=False,
            client_jobs=SETTINGS.client_jobs, address_jobs=SETTINGS.address_jobs)
 

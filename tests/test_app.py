@@ -41,7 +41,7 @@ class _Click:
 
 def test_analyze_fills_every_section(app, analysed):
     ref, out = analysed
-    assert set(out) == set(app.analysis_outputs)
+    assert set(out) == set(app.analysis_outputs) - {app.image, app.variant}  # what the user chose stays
     preds, rollout = out[app.predictions]["value"], out[app.rollout_img]
     shown = app.on_explorer(ref)
     explorer, mosaic = shown[app.explorer_img], shown[app.mosaic]
@@ -116,7 +116,7 @@ def test_compare_two_variants(app, example):
     assert set(out) == {app.compare_notice} and "two or three" in out[app.compare_notice]
 
 
-def test_missing_inputs_and_bad_images_change_only_the_notice(app, tmp_path):
+def test_missing_inputs_and_bad_images_change_only_the_notice_and_the_preview(app, tmp_path):
     out = app.on_analyze(None, "shapes_p16", "mean", 0.0, progress=_quiet)
     assert set(out) == {app.notice} and "Upload an image" in out[app.notice]
     with pytest.raises(gr.Error, match="Analyse an image first"):
@@ -124,7 +124,7 @@ def test_missing_inputs_and_bad_images_change_only_the_notice(app, tmp_path):
     bad = tmp_path / "notes.jpg"
     bad.write_text("this is not a picture")
     out = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert set(out) == {app.notice} and "not an image" in out[app.notice]
+    assert set(out) == {app.notice, app.image} and "not an image" in out[app.notice] and out[app.image] is None
 
 
 def test_hostile_view_values_get_clear_errors(app, analysed):
@@ -402,3 +402,25 @@ def test_shared_colour_scale_compares_layers(app, analysed):
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
     with pytest.raises(gr.Error, match="colour scale"):
         app.on_view(ref, 1, "mean", 0, "log")
+
+
+def test_results_say_which_image_and_variant_they_belong_to(app, example, tmp_path):
+    from pathlib import Path
+
+    out = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    ref = out[app.state]
+    assert ref.image == Path(example).name and Path(example).stem in out[app.status] and "**shapes_p16**" in out[app.status]
+    assert out[app.results_box]["elem_classes"] == ["vv-results"] and out[app.result_thumb] is not None
+    # a variant that cannot be analysed: the menu goes back, the results are marked as those of their image and variant
+    failed = app.on_analyze(example, "shapes_p16@4096", "mean", 0.0, ref, progress=_quiet)
+    assert failed[app.variant]["value"] == "shapes_p16" and "vv-stale" in failed[app.results_box]["elem_classes"]
+    assert f"still those of {ref.image} on shapes_p16" in failed[app.notice] and "The menu is back on shapes_p16" in failed[app.notice]
+    # ... and going back to it shows those results again, unmarked, without running the model
+    back = app.on_analyze(example, "shapes_p16", "mean", 0.0, ref, progress=_quiet)
+    assert back == {app.results_box: {"__type__": "update", "elem_classes": ["vv-results"]}}
+    # a file that is no image: its broken preview is cleared and the message names it; the menu stays
+    bad = tmp_path / "notes.png"
+    bad.write_bytes(b"hello, not a picture\n" * 50)
+    refused = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, ref, progress=_quiet)
+    assert refused[app.image] is None and app.variant not in refused and "notes.png:" in refused[app.notice]
+    assert "vv-stale" in refused[app.results_box]["elem_classes"]

@@ -150,41 +150,48 @@ def test_the_worst_cases_the_readme_states(app):
     assert work.refusal(price(get_spec("vit_b_16"), "faithfulness", budget=work.budget_bytes)) is None
 
 
-def test_one_budget_of_model_work_across_events(server, good, app, steady):
-    """Four analyses through four different events at once run one at a time (one lane on CPU)."""
+def test_one_budget_of_model_work_across_events(server, good, app, monkeypatch, steady):
+    """Analyses through four different events, and rollouts redrawn through an event outside their
+    concurrency group, all at once: one runs at a time (one lane on CPU)."""
     live, peak = [0], [0]
     lock = threading.Lock()
-    original = app.views.explore
 
-    def counted(*args, **kwargs):
-        with lock:
-            live[0] += 1
-            peak[0] = max(peak[0], live[0])
-        try:
-            time.sleep(0.3)
-            return original(*args, **kwargs)
-        finally:
+    def counted(original):
+        def run_alone(*args, **kwargs):
             with lock:
-                live[0] -= 1
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            try:
+                time.sleep(0.3)
+                return original(*args, **kwargs)
+            finally:
+                with lock:
+                    live[0] -= 1
+        return run_alone
 
-    app.views.explore = counted
-    try:
-        image = upload(server, good)
-        sessions = [uuid.uuid4().hex for _ in range(4)]
-        for session, (name, extra) in zip(sessions, [("analyze", []), ("session_analyze", ["mean", 0.0, None]),
-                                                     ("on_analyze", ["mean", 0.0, None]), ("on_compare", [])]):
-            data = [image, ["shapes_p16", "shapes_p8"]] if name == "on_compare" else [image, "shapes_p16", *extra]
-            assert join(server, name, data, session).status_code == 200
-        for session in sessions:
-            (msg,) = results(server, session, 1)
-            assert msg["success"], msg
-        assert peak[0] == 1
-    finally:
-        app.views.explore = original
+    image = upload(server, good)
+    owner = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [image, "shapes_p16", "mean", 0.0, None], session=owner)
+    assert ok
+    monkeypatch.setattr(app.views, "explore", counted(app.views.explore))
+    monkeypatch.setattr(app.views, "render_rollout", counted(app.views.render_rollout))
+    sessions = [uuid.uuid4().hex for _ in range(4)]
+    for session, (name, extra) in zip(sessions, [("analyze", []), ("session_analyze", ["mean", 0.0, None]),
+                                                 ("on_analyze", ["mean", 0.0, None]), ("on_compare", [])]):
+        data = [image, ["shapes_p16", "shapes_p8"]] if name == "on_compare" else [image, "shapes_p16", *extra]
+        assert join(server, name, data, session).status_code == 200
+    for ratio in (0.1, 0.2):  # `session_rollout` is not in the model group: only the shared budget holds it back
+        assert join(server, "session_rollout", [None, "max", ratio], owner).status_code == 200
+    for session in sessions:
+        (msg,) = results(server, session, 1)
+        assert msg["success"], msg
+    assert all(m["success"] for m in results(server, owner, 2))
+    assert peak[0] == 1
 
 
 def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(server, good, app, monkeypatch):
-    """Six concurrent component-server calls for one layer of a large analysis write its file once."""
+    """Six concurrent component-server calls for one layer of a large analysis write its file once
+    (with lanes enough for all of them: the lock per layer, not the budget, makes it once)."""
     from vitviz.server import explorer_data
 
     session = uuid.uuid4().hex
@@ -193,7 +200,9 @@ def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(serve
     (key,) = [k for k, (e, _, _) in app.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
     written = []
     original = explorer_data.stack_file
-    monkeypatch.setattr(explorer_data, "stack_file", lambda a, layers: (written.append(list(layers)), original(a, layers))[1])
+    monkeypatch.setattr(explorer_data, "stack_file", lambda a, layers: (written.append(list(layers)), time.sleep(0.3), original(a, layers))[2])
+    monkeypatch.setattr(app.WORK, "lanes", 6)
+    monkeypatch.setattr(app, "EXPLORER_CALLS", threading.BoundedSemaphore(6))
     config = httpx.get(f"{server}/config").json()
     component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
     body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 3]}
@@ -212,7 +221,7 @@ def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(serve
 
 
 def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady):
-    """33 joins from one session: two are taken, the rest told to wait their turn; another client's
+    """33 joins from one session: two wait (and one may run), the rest are told to wait their turn; another client's
     analysis is served meanwhile, within twice its time alone. (Each analysis is made to last two
     seconds, so that the joins arrive while the first ones still run.)"""
     original = app.views.explore
@@ -228,13 +237,14 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
         r = join(server, "analyze", [image, "shapes_p8@192"], hog)
         codes.append(r.status_code)
         texts.append(r.text)
-    assert codes.count(200) == app.SETTINGS.client_jobs and codes.count(503) == 33 - app.SETTINGS.client_jobs
+    # two waiting, and the one running if the queue had already started it
+    assert app.SETTINGS.client_jobs <= codes.count(200) <= app.SETTINGS.client_jobs + 1 and codes.count(503) == 33 - codes.count(200)
     assert "One at a time, please" in texts[-1]
     start = time.perf_counter()
     ok, _ = run(server, "analyze", [image, "shapes_p8@192"])
     waited = time.perf_counter() - start
     assert ok and waited < 2 * solo + 1.0, (waited, solo)
-    assert all(m["success"] for m in results(server, hog, app.SETTINGS.client_jobs))
+    assert all(m["success"] for m in results(server, hog, codes.count(200)))
 
 
 def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, monkeypatch):
@@ -344,7 +354,7 @@ def test_no_bare_error_for_junk_values(server, good, steady):
 
 def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monkeypatch):
     """100 exports (24 MB each) under a 60 MB budget, one too large for it refused, the explorer's
-    files under 8 MB, uploads under 64 MB."""
+    files under 8 MB, uploads and Gradio's copies of pictures and downloads under 256 kB (examples aside)."""
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
     assert ok
@@ -358,16 +368,17 @@ def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monk
     monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 20 * 2**20)
     ok, message = run(server, "on_export", [None], session=session)
     assert not ok and "VITVIZ_DOWNLOADS_MB" in message
-    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=64 * 2**20))
+    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))
+    monkeypatch.setattr(app.demo, "after_every", 0.0)  # the app sweeps after every event, not every 5 s
     for i in range(12):
-        ok, _ = run(server, "session_analyze", [upload(server, good), f"shapes_p8@{96 + 16 * (i % 4)}", "mean", 0.0, None], session=session)
-        assert ok
+        ok, out = run(server, "session_analyze", [upload(server, good), f"shapes_p8@{96 + 16 * (i % 4)}", "mean", 0.0, None], session=session)
+        assert ok and "vv-error" not in json.dumps(out), out
         ok, _ = run(server, "on_explorer", [None], session=session)
         explorer = sum(p.stat().st_size for p in app.EXPLORER_DIR.glob("*"))
         assert explorer <= 8 * 2**20
-    app._files_sweep()
-    files = sum(p.stat().st_size for p in app.upload_folder().rglob("*") if p.is_file() and app.EXPLORER_DIR not in p.parents)
-    assert files <= 64 * 2**20
+    time.sleep(0.5)  # the last sweep runs beside the event that triggered it
+    files = [p for p in app.upload_folder().rglob("*") if p.is_file() and app.EXPLORER_DIR not in p.parents and not app._is_example(p)]
+    assert sum(p.stat().st_size for p in files) <= 256 * 1024, len(files)
 
 
 def test_hub_models_named_by_clients_stay_within_their_budget(tmp_path):

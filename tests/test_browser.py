@@ -41,8 +41,8 @@ def page():
 
 def _analysed(page, name):
     """Waits until the status line reports an analysis by `name` (the progress text that Gradio
-    lays over the outputs while one runs also names the model, but not "<name> on <device>")."""
-    page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({(name + ' on ')!r})")
+    lays over the outputs while one runs also names the model, but not "on <name> (<device>)")."""
+    page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({('on ' + name + ' (')!r})")
 
 
 def _src(page, selector):
@@ -146,6 +146,25 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     _shows(page, layer="5")
     page.keyboard.press("Home")
     _shows(page, layer="1")
+    # the map by keyboard: Tab reaches it, arrows move the query patch, Enter pins it, Escape lets go
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    canvas.focus()
+    assert page.evaluate("document.activeElement.classList.contains('vvx-map')")
+    start = int(canvas.get_attribute("data-query"))
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowDown")
+    box = page.locator("#vv-explorer-live .vvx")
+    (gh, gw), p = map(int, box.get_attribute("data-grid").split("x")), int(box.get_attribute("data-prefix"))
+    r, c = divmod(max(0, start - p), gw)
+    if start >= p:  # a patch: one step right, one down (at the edges, they stay)
+        r, c = min(gh - 1, r + 1), min(gw - 1, c + 1)
+    else:  # a prefix token: the first key moves to the first patch, the second one row down
+        r, c = min(gh - 1, 1), 0
+    _shows(page, query=str(p + r * gw + c))
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx-query-text').innerText.includes('pinned')")
+    page.keyboard.press("Escape")
+    page.wait_for_function("!document.querySelector('#vv-explorer-live .vvx-query-text').innerText.includes('pinned')")
     page.get_by_role("tab", name="Predict").click()
     before = _src(page, "#vv-rollout")
     page.locator("#vv-discard input[type=range]").focus()
@@ -167,11 +186,25 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     page.wait_for_function("document.querySelector('#vv-notice').innerText.includes('vit_b_32-d86f8d99.pth')")
     shown = page.locator("#vv-notice").inner_text()
     assert "URLError: <proxy> refused the tunnel: 403 <Forbidden>" in shown
-    assert "$TORCH_HOME/hub/checkpoints" in shown and str(tmp_path) not in shown and "still those of shapes_p8" in shown
+    assert "$TORCH_HOME/hub/checkpoints" in shown and str(tmp_path) not in shown and "still those of" in shown
+    # the menu goes back to the variant that works, so the results on the page are current again
+    assert "on shapes_p8." in shown and "The menu is back on shapes_p8" in shown
+    page.wait_for_function("document.querySelector('#vv-variant input').value.startsWith('shapes_p8')")
     page.wait_for_timeout(500)
     page.screenshot(path=str(tmp_path / "unavailable.png"), full_page=True)
     assert _src(page, "#vv-rollout") == rollout
     assert page.locator("#vv-predictions").inner_text().strip()
+    assert "vv-stale" not in (page.locator("#vv-results").get_attribute("class") or "")
+    # an upload the image gate refuses: the results are marked as another image's, the preview cleared
+    from PIL import Image
+
+    tiny = tmp_path / "tiny.png"
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(tiny)
+    page.locator("#vv-image input[type=file]").set_input_files(str(tiny))
+    page.wait_for_function("document.querySelector('#vv-notice').innerText.includes('tiny.png')")
+    page.wait_for_function("document.querySelector('#vv-results').className.includes('vv-stale')")
+    assert page.locator("#vv-image img").count() == 0
+    assert float(page.eval_on_selector("#vv-status", "e => getComputedStyle(e).opacity")) < 0.6
     lines = [line.strip() for line in page.locator("body").inner_text().splitlines()]
     assert "Error" not in lines, "an output shows Gradio's error badge"
 

@@ -4,6 +4,14 @@ each typed and documented; an agent lists them and analyses an image."""
 import asyncio
 import base64
 import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 
 import pytest
 from PIL import Image
@@ -11,6 +19,7 @@ from PIL import Image
 import vitviz
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data_url() -> str:
@@ -19,15 +28,38 @@ def _data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def test_an_agent_lists_the_tools_and_analyses_an_image():
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, timeout: float = 180) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise AssertionError(f"the app exited:\n{process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")
+
+
+def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
+    """`VITVIZ_MCP=1 python app.py`, as the README says, in a process of its own (Gradio's MCP
+    server can start once per app and process)."""
     pytest.importorskip("mcp")
     from mcp import ClientSession
     from mcp.client.streamable_http import streamablehttp_client
 
-    import app
-
-    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **{**app.LAUNCH_KWARGS, "mcp_server": True})
-    url = app.demo.local_url.rstrip("/") + "/gradio_api/mcp/http/"
+    port = _free_port()
+    env = dict(os.environ, VITVIZ_MCP="1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path))
+    server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    url = f"{base}/gradio_api/mcp/http/"
 
     async def talk():
         async with streamablehttp_client(url) as (read, write, _), ClientSession(read, write) as session:
@@ -55,6 +87,11 @@ def test_an_agent_lists_the_tools_and_analyses_an_image():
             assert result.isError and "VITVIZ_MAX_TOKENS" in text
 
     try:
+        _wait_for(base + "/", server)
         asyncio.run(talk())
     finally:
-        app.demo.close()
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

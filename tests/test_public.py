@@ -170,7 +170,10 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     torch.manual_seed(0)
     torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / vitviz.get_spec("vit_b_16").filename)
     budget = 100 * 2**20  # four and a half B/16 analyses (22.4 MB each)
-    monkeypatch.setattr(app.STORE, "budget_bytes", budget)
+    from vitviz.server.sessions import SessionStore
+
+    # a store of its own: what earlier tests in this process left in the app's is not these sessions'
+    monkeypatch.setattr(app, "STORE", SessionStore(budget_bytes=budget, idle_seconds=app.SETTINGS.state_idle))
     before = app.STORE.nbytes
     photo = tmp_path / "photo.jpg"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (240, 320, 3), dtype=np.uint8)).save(photo)

@@ -11,8 +11,10 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
   activations autograd keeps per layer.
 - "faithfulness": "explain", then deletion and insertion forwards of (steps + 1) x 2 perturbed
   images per ordering, `batch` images at a time (the batch is chosen to fit the budget).
-- "export": the .npz written (attention in float16 beyond `FLOAT32_ATTENTION_BYTES`, the N x N
-  rollout only up to `FULL_ROLLOUT_TOKENS`), and its bytes twice in memory while written.
+- "export": the .npz written straight to its file (attention in float16 beyond
+  `FLOAT32_ATTENTION_BYTES`, the N x N rollout only up to `FULL_ROLLOUT_TOKENS`); in memory, the
+  float16 copy of the stack and the rollout.
+- "view": a view drawn again from a kept analysis with new options (a rollout).
 - "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`,
   else of one layer ("explorer_layer"), else nothing (the server draws the views).
 - "compare": `analyse` for each variant, all held at once.
@@ -41,7 +43,7 @@ __all__ = [
     "BROWSER_BYTES",
 ]
 
-Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer"]
+Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view"]
 
 BASE_BYTES = 64 * 2**20
 FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up to this size, float16 beyond
@@ -107,19 +109,20 @@ def forward_flops(spec) -> float:
     return 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width
 
 
-def export_plan(spec) -> dict:
-    """What an .npz export of an analysis holds: {"attention_dtype", "rollout_rows", "bytes"}."""
+def export_plan(spec, *, attentions: bool = True) -> dict:
+    """What an .npz export of an analysis holds: {"attention_dtype", "rollout_rows", "bytes"}
+    (`attentions=False`: without the attention stack)."""
     depth, heads, n, width, _ = _shape(spec)
     a32 = attention_bytes(spec)
     dtype = "float32" if a32 <= FLOAT32_ATTENTION_BYTES else "float16"
-    attention = a32 if dtype == "float32" else a32 // 2
+    attention = 0 if not attentions else a32 if dtype == "float32" else a32 // 2
     rows = n if n <= FULL_ROLLOUT_TOKENS else spec.num_prefix_tokens
     side = spec.image_size
     other = rows * n * 4 + n * 4 + depth * heads * 8 + 4 * spec.num_classes + 3 * side * side + 64 * 1024
     return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other}
 
 
-def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None) -> Cost:
+def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -127,6 +130,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None) -> Co
         kind: what is asked (see the module's doc).
         steps: deletion and insertion steps ("faithfulness").
         budget: bytes the request may take; "faithfulness" picks the largest batch that fits it.
+        attentions: whether an "export" holds the attention stack.
     """
     depth, heads, n, width, mlp = _shape(spec)
     layer = heads * n * n * 4
@@ -150,9 +154,11 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None) -> Co
         peak = max(explain, batch * per_image + images + BASE_BYTES)
         return Cost(kind, spec.name, n, peak, 0, 3 * flops + forwards * flops, batch)
     if kind == "export":
-        plan = export_plan(spec)
-        converted = stack // 2 if plan["attention_dtype"] == "float16" else 0
+        plan = export_plan(spec, attentions=attentions)
+        converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
         return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], 0.0)
+    if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
+        return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
     if kind in ("explorer", "explorer_layer"):
         views = heads + 2
         one = views * n * (4 + (n - spec.num_prefix_tokens))

@@ -78,7 +78,12 @@
         return parseLayer(buffer, 4 * meta.tokens)[0];
       })();
     }
-    layers[layer - 1] = await layers[layer - 1];
+    try {
+      layers[layer - 1] = await layers[layer - 1];
+    } catch (error) {
+      layers[layer - 1] = null;  // not kept: the layer is asked for again when it is next shown
+      throw error;
+    }
     return layers[layer - 1];
   }
 
@@ -113,7 +118,7 @@
     layerInput.value = view.layer;
     headSelect.value = String(view.head);
     await draw();
-    if (ticket === loading) root.dataset.analysis = meta.id;
+    if (ticket === loading) { root.dataset.analysis = meta.id; root.dataset.grid = meta.grid.join("x"); root.dataset.prefix = String(meta.prefix.length); }
   }
 
   function setupControls() {
@@ -209,7 +214,13 @@
   async function draw() {
     if (!meta || meta.mode === "server" || !base) return;
     const want = { ...view };
-    await ensureLayer(want.layer);
+    try {
+      await ensureLayer(want.layer);
+    } catch (error) {
+      statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+      return;
+    }
+    statusText.textContent = "";
     if (meta.mode === "layers" && !sharedMax) return;
     const v = values(want.layer, want.head, want.query);
     const [lo, hi] = range(v, want.query);

@@ -59,7 +59,7 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
     Args:
         recursive: also files in folders below (emptied folders are removed).
         skip: folders below `folder` left alone.
-        keep: a predicate on a path: files it accepts are never removed (and still counted).
+        keep: a predicate on a path: files it accepts are never removed, nor counted.
     """
     now = time.time()
     files = []
@@ -80,7 +80,7 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
             path.unlink(missing_ok=True)
         else:
             files.append((st.st_mtime, st.st_size, path, kept))
-    total = sum(f[1] for f in files)
+    total = sum(f[1] for f in files if not f[3])
     if max_bytes is not None:
         for _, size, path, kept in sorted(files, key=lambda f: f[0]):
             if total + room <= max_bytes:

@@ -21,14 +21,17 @@ import html
 import io
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import gradio as gr
 from gradio.data_classes import ImageData
 from gradio.utils import get_upload_folder
 from PIL import Image
+from starlette.requests import HTTPConnection
 
 __all__ = [
     "UPLOAD_REFUSED",
@@ -129,13 +132,25 @@ class GuardedBlocks(gr.Blocks):
     - A failure that is not a `gr.Error` (a value Gradio's own preprocessing cannot read, a bug)
       reaches the client as a message that says what failed, never a bare "Error" and never a
       server path.
-    - `queue(client_jobs=..., address_jobs=...)`: one session, and one network address, may hold at
-      most that many jobs waiting or running; more are answered "one at a time, please" while the
-      queue keeps serving everyone else, and sessions take turns in each waiting line.
+    - `queue(client_jobs=..., address_jobs=...)`: one session may have at most `client_jobs` jobs
+      waiting in the queue (besides those running), one network address `address_jobs` waiting or
+      running; more are answered "one at a time, please" while the queue keeps serving everyone
+      else, and sessions take turns in each waiting line.
     """
 
     client_jobs: int | None = None
     address_jobs: int | None = None
+    after_event = None  # called (off the event loop, at most every `after_every` s) when an event has run
+    after_every: float = 5.0
+    _after_last = 0.0
+    _after_lock = threading.Lock()
+
+    def _after(self) -> None:
+        with self._after_lock:
+            if self.after_event is None or time.monotonic() - self._after_last < self.after_every:
+                return
+            self._after_last = time.monotonic()
+        threading.Thread(target=self.after_event, daemon=True).start()
 
     def validate_inputs(self, block_fn, inputs: list[Any]) -> None:
         super().validate_inputs(block_fn, inputs)
@@ -158,6 +173,8 @@ class GuardedBlocks(gr.Blocks):
             why = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
             what = name.rstrip("_0123456789").replace("_", " ").strip().capitalize()
             raise gr.Error(as_text(FAILED.format(what=what, why=public_text(why)[:300].rstrip(".")))) from exc
+        finally:
+            self._after()
 
     def queue(self, *args, client_jobs: int | None = None, address_jobs: int | None = None, **kwargs):
         out = super().queue(*args, **kwargs)
@@ -167,7 +184,7 @@ class GuardedBlocks(gr.Blocks):
 
 
 ONE_AT_A_TIME = (
-    "One at a time, please: {count} of your requests are already waiting or running on this server; "
+    "One at a time, please: {count} of your requests are already waiting on this server; "
     "send the next when one has finished."
 )
 
@@ -210,11 +227,11 @@ def _fair(blocks: GuardedBlocks) -> None:
     async def fair_push(body, request, username):
         per_session, per_address = blocks.client_jobs, blocks.address_jobs
         if per_session or per_address:
-            events = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
-            events += [e for job in queue.active_jobs if job for e in job]
+            waiting = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
+            running = [e for job in queue.active_jobs if job for e in job]
             address = client_address(request)
-            mine = sum(1 for e in events if body.session_hash and e.session_hash == body.session_hash)
-            here = sum(1 for e in events if client_address(e.request) == address)
+            mine = sum(1 for e in waiting if body.session_hash and e.session_hash == body.session_hash)
+            here = sum(1 for e in waiting + running if client_address(e.request) == address)
             if per_session and mine >= per_session:
                 return False, ONE_AT_A_TIME.format(count=mine), "queue_full"
             if per_address and here >= per_address:
@@ -283,7 +300,7 @@ class UploadLimit:
         if int(length) > self.max_bytes + self.overhead:
             await _plain(send, 413, f"An upload may carry one image of at most {self.max_bytes // 2**20} MB.")
             return
-        address = client_address(_Scope(scope, headers))
+        address = client_address(HTTPConnection(scope))
         if self._over_volume(address, int(length)):
             await _plain(send, 429, f"Uploads from one address are limited to {self.per_minute // 2**20} MB a minute: wait a little.")
             return
@@ -320,10 +337,14 @@ class UploadLimit:
                     return {"type": "http.disconnect"}
             return message
 
+        answer = []
+
         async def guarded_send(message):
             if seen["refused"]:
                 return  # what the app answers to the cut-off body is replaced below
             seen["started"] = True
+            if message["type"] == "http.response.body" and sum(map(len, answer)) < 64 * 1024:
+                answer.append(message.get("body", b""))
             await send(message)
 
         try:
@@ -331,13 +352,31 @@ class UploadLimit:
         except Exception:
             if not seen["refused"]:
                 raise
+        if not seen["refused"]:
+            _touch_uploaded(b"".join(answer))
         if seen["refused"] and not seen["started"]:
             if seen["refused"] == "kind":
                 await _plain(send, 415, "Only images can be uploaded here (JPEG, PNG, WebP, GIF, BMP or TIFF).")
             else:
                 await _plain(send, 413, "An upload may carry one image per request.")
         elif self.after is not None:
-            self.after()
+            await anyio.to_thread.run_sync(self.after)  # off the event loop
+
+
+def _touch_uploaded(answer: bytes) -> None:
+    """Marks the files an upload answered with as new: Gradio keeps a file it already has (same
+    bytes, same name) with its old time, which an oldest-first sweep would take for the oldest."""
+    import json
+
+    try:
+        paths = json.loads(answer)
+    except ValueError:
+        return
+    for path in paths if isinstance(paths, list) else []:
+        try:
+            os.utime(uploaded_path(path))
+        except (gr.Error, OSError):
+            pass
 
 
 class BodyLimit:
@@ -386,21 +425,13 @@ class BodyLimit:
             await _plain(send, 413, message)
 
 
-class _Scope:
-    """An ASGI scope read like a request (its headers and peer) by `client_address`."""
-
-    def __init__(self, scope, headers: dict[bytes, bytes]) -> None:
-        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()}
-        peer = scope.get("client")
-        self.client = type("Peer", (), {"host": peer[0] if peer else None})()
-
-
 def _boundary(content_type: bytes) -> bytes | None:
-    for part in content_type.split(b";")[1:]:
-        key, _, value = part.strip().partition(b"=")
-        if key.lower() == b"boundary" and value:
-            return value.strip(b'"')
-    return None
+    """The multipart boundary, read by the parser Gradio's own upload route uses (so that both agree
+    on it, also when a header names several)."""
+    from python_multipart.multipart import parse_options_header
+
+    kind, options = parse_options_header(content_type)
+    return options.get(b"boundary") or None if kind.startswith(b"multipart/") else None
 
 
 async def _plain(send, status: int, text: str) -> None:

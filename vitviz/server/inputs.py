@@ -10,7 +10,7 @@ import tempfile
 from vitviz.server.menus import head_choices
 from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants
 
-__all__ = ["InputError", "variant", "public_text", "fusion", "ratio", "index", "head", "share"]
+__all__ = ["InputError", "variant", "public_text", "is_menu_name", "fusion", "ratio", "index", "head", "share"]
 
 
 class InputError(ValueError):
@@ -25,7 +25,7 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
     value = value.strip()
     if len(value) > 200:
         raise InputError("A model name has at most 200 characters.")
-    if not open_models and value.partition("@")[0] not in {s.name for s in list_variants()}:
+    if not open_models and not is_menu_name(value):
         raise InputError("This server analyses the models of its menu only (VITVIZ_OPEN_MODELS=0): choose one there.")
     try:
         spec = get_spec(value)
@@ -45,6 +45,12 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
     return value
 
 
+def is_menu_name(name: str) -> bool:
+    """Whether `name` is one of the menu's variants, maybe at another size ("shapes_p16@192")."""
+    menu = {s.name for s in list_variants()}
+    return name in menu or name.rpartition("@")[0] in menu
+
+
 def public_text(message: str) -> str:
     """`message` for a web user: this machine's folders named by what they are, not where they are,
     and no advice that only a Python caller can follow."""
@@ -59,13 +65,14 @@ def public_text(message: str) -> str:
     places += [(str(checkpoint_dir()), "$TORCH_HOME/hub/checkpoints"), (tempfile.gettempdir(), "<temp>"),
                (os.getcwd(), "<server>"), (os.path.expanduser("~"), "~")]
     for folder, name in sorted(places, key=lambda p: -len(p[0])):
-        if folder and folder != "/":
-            message = message.replace(folder, name)
+        if folder and folder != "/":  # the folder itself or a path in it, not a longer name that starts alike
+            message = re.sub(rf"(?<![\w:/.~-]){re.escape(folder.rstrip('/'))}(?=/|$|[\s'\"),;:.])", name.replace("\\", r"\\"), message)
     return _ABSOLUTE.sub("<path>", message)
 
 
 _PYTHON_ONLY = re.compile(r",? or pass weights_path= to load_model(?: \([^)]*\))?\.")
-_ABSOLUTE = re.compile(r"(?<![\w:/.~<>$])/(?:[\w.\-]+/)*[\w.\-]+")
+# an absolute path or a file: address (but not the path part of a web address)
+_ABSOLUTE = re.compile(r"file://\S+|(?<![\w:/.~<>$-])/(?:[^\s'\"/<>]+/)*[^\s'\"/<>),;:]+")
 
 
 def fusion(value: object) -> str:

@@ -20,6 +20,11 @@ from vitviz.summary import summary
 __all__ = ["ModelFacts", "ModelCache", "prune_hub_cache"]
 
 
+def _repo(spec: VariantSpec) -> str:
+    """The Hugging Face repository a timm or Hugging Face variant's weights come from ("" for others)."""
+    return spec.locator.removeprefix("hf-hub:") if spec.source in ("timm", "hf") else ""
+
+
 def _folder_bytes(folder: Path) -> int:
     total = 0
     for path in folder.rglob("*"):
@@ -98,12 +103,13 @@ class ModelCache:
     """
 
     def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None,
-                 hub_bytes: int | None = None, menu: set[str] | None = None) -> None:
+                 hub_bytes: int | None = None, keep_repos: set[str] | None = None) -> None:
         self.max_models = max_models
         self.max_bytes = max_bytes
         self.device = device
         self.hub_bytes = hub_bytes
-        self.menu = menu if menu is not None else {s.name for s in list_variants()}
+        # the hub repositories of the menu's models: never removed, whoever named them
+        self.menu_repos = {_repo(s) for s in list_variants() if _repo(s)} if keep_repos is None else set(keep_repos)
         self._models: OrderedDict[str, tuple[ViT, ModelFacts]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -134,11 +140,16 @@ class ModelCache:
             with self._lock:
                 self._models[name] = entry
                 self._evict(keep=name)
-                repo = model.spec.locator if model.spec.source in ("timm", "hf") else ""
-                if repo and name.partition("@")[0] not in self.menu and self.hub_bytes is not None:
-                    self._hub_repos[repo.removeprefix("hf-hub:")] = None
-                    self._hub_repos.move_to_end(repo.removeprefix("hf-hub:"))
-                    prune_hub_cache(self._hub_repos, max_bytes=self.hub_bytes, keep=repo.removeprefix("hf-hub:"))
+                repo = _repo(model.spec)
+                if repo and repo not in self.menu_repos and self.hub_bytes is not None:
+                    self._hub_repos[repo] = None
+                    self._hub_repos.move_to_end(repo)
+                    repos = OrderedDict(self._hub_repos)
+            if repo and repo not in self.menu_repos and self.hub_bytes is not None:  # files removed outside the lock
+                prune_hub_cache(repos, max_bytes=self.hub_bytes, keep=repo)
+                with self._lock:
+                    for gone in set(self._hub_repos) - set(repos):
+                        self._hub_repos.pop(gone, None)
             return entry
 
     def _evict(self, *, keep: str) -> None:

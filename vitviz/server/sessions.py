@@ -33,11 +33,14 @@ class SessionRef:
         variant: the model that analysed the image.
         crop: the S x S crop the model saw; the model's input is a pure function of it, so the
             analysis can be computed again exactly.
+        image: the analysed image's file name; source: the uploaded file it came from.
     """
 
     key: str
     variant: str
     crop: Image.Image = field(repr=False, compare=False)
+    image: str = ""  # the image's file name, as the page shows it
+    source: str = field(default="", repr=False)  # the uploaded file the analysis came from
 
 
 class SessionStore(Generic[T]):

@@ -3,7 +3,7 @@
 | variable | default | what it bounds |
 |---|---|---|
 | VITVIZ_QUEUE_SIZE | 32 | jobs waiting in Gradio's queue, all clients together |
-| VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting or running |
+| VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting in the queue (besides those running) |
 | VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running |
 | VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together |
 | VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |

@@ -5,14 +5,16 @@ when it could never fit, and otherwise waits until its memory and a lane are fre
     with WORK.job(price(spec, "analyse"), session=session_hash) as job:
         ...                      # job.check() between steps: raises when cancelled or out of time
 
-Whatever runs a model or builds analysis data (analyse, explain, faithfulness, compare, export, the
-explorer's files, an analysis computed again after the store dropped it) takes a job, whether it came
-through Gradio's queue or outside it (component-server calls run on a thread pool). A thread that
-already holds a job runs nested work under it.
+Whatever runs a model or builds analysis data (analyse with its pictures, explain, faithfulness,
+compare, export, the explorer's files, a rollout drawn again with new options, an analysis computed
+again after the store dropped it) takes a job, whether it came through Gradio's queue or outside it
+(component-server calls run on a thread pool and wait at most a few seconds). A thread that already
+holds a job runs nested work under it. A job's time starts when it runs, not while it waits.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +42,7 @@ class Job:
     session: str | None
     deadline: float
     cancelled: threading.Event = field(default_factory=threading.Event)
+    unpriced: bool = False  # set when the job did work its price leaves out (loading a model): not timed
 
     def check(self) -> None:
         """Raises `Cancelled` when the job was cancelled or its time is up; cheap, call it between steps."""
@@ -53,7 +56,8 @@ class Job:
 
 
 class ModelWork:
-    """At most `lanes` jobs at once, together within `budget_bytes`; each job within `seconds`.
+    """At most `lanes` jobs at once, together within `budget_bytes`; a job that checks
+    (`Job.check`, between its steps) stops `seconds` after it started running.
 
     `rate` is the server's measured model speed (flops per second), learned from the jobs that ran;
     a job whose estimate exceeds `seconds` at that speed is refused before it starts.
@@ -66,6 +70,7 @@ class ModelWork:
         self.rate = rate
         self._free = budget_bytes
         self._running: list[Job] = []
+        self._waiting: list[Job] = []
         self._cond = threading.Condition()
         self._local = threading.local()
 
@@ -90,11 +95,15 @@ class ModelWork:
         return getattr(self._local, "job", None)
 
     @contextmanager
-    def job(self, cost: Cost, *, session: str | None = None) -> Iterator[Job]:
+    def job(self, cost: Cost, *, session: str | None = None, wait: float | None = None) -> Iterator[Job]:
         """Runs the block as a job priced `cost`; nested jobs of one thread share the outer one.
 
+        Args:
+            wait: the longest to wait for a lane and memory (None: as long as it takes).
+
         Raises:
-            RequestRefused: the job can never fit this server's bounds.
+            RequestRefused: the job can never fit this server's bounds, or found no lane in `wait` s.
+            Cancelled: its session stopped it while it waited.
         """
         outer = self.current()
         if outer is not None:
@@ -103,17 +112,26 @@ class ModelWork:
         why = self.refusal(cost)
         if why:
             raise RequestRefused(why)
-        job = Job(cost, session, deadline=time.monotonic() + self.seconds)
+        job = Job(cost, session, deadline=math.inf)
         with self._cond:
-            self._cond.wait_for(lambda: len(self._running) < self.lanes and self._free >= cost.bytes)
+            self._waiting.append(job)
+            try:
+                ready = self._cond.wait_for(
+                    lambda: job.cancelled.is_set() or (len(self._running) < self.lanes and self._free >= cost.bytes), timeout=wait)
+            finally:
+                self._waiting.remove(job)
+            if not ready:
+                raise RequestRefused(f"The server is busy with other requests: try the {cost.kind} of {cost.variant} again in a moment.")
+            job.check()
             self._free -= cost.bytes
             self._running.append(job)
+        job.deadline = time.monotonic() + self.seconds  # its time starts when it runs
         self._local.job = job
         start = time.perf_counter()
         try:
             yield job
             spent = time.perf_counter() - start
-            if cost.flops >= 1e10 and spent > 0.2:  # learn the speed from work large enough for overheads not to count
+            if cost.flops >= 1e10 and spent > 0.2 and not job.unpriced:  # the speed, from priced work large enough to time
                 self.rate = 0.7 * self.rate + 0.3 * cost.flops / spent
         finally:
             self._local.job = None
@@ -123,11 +141,12 @@ class ModelWork:
                 self._cond.notify_all()
 
     def cancel(self, session: str | None) -> int:
-        """Cancels the running jobs of `session`; returns how many."""
+        """Cancels the jobs of `session`, running or waiting; returns how many."""
         with self._cond:
-            jobs = [j for j in self._running if session is not None and j.session == session]
-        for j in jobs:
-            j.cancelled.set()
+            jobs = [j for j in self._running + self._waiting if session is not None and j.session == session]
+            for j in jobs:
+                j.cancelled.set()
+            self._cond.notify_all()
         return len(jobs)
 
     def running(self) -> list[Job]:
