@@ -162,7 +162,6 @@ def _run(image: str | None, variant: str) -> views.Exploration:
         raise
     finally:
         release_memory()
-        _files_sweep()
 
 
 def _file_name(path: str | None) -> str:
@@ -1000,7 +999,7 @@ LAUNCH_KWARGS = dict(
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
         Middleware(BodyLimit, max_bytes=SETTINGS.body_bytes),
-        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=_files_sweep),
+        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=demo.after_any),
     ]},
 )
 

@@ -353,19 +353,23 @@ def test_no_bare_error_for_junk_values(server, good, steady):
 
 
 def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monkeypatch):
-    """100 exports (24 MB each) under a 60 MB budget, one too large for it refused, the explorer's
-    files under 8 MB, uploads and Gradio's copies of pictures and downloads under 256 kB (examples aside)."""
+    """100 exports under a budget of five, one too large for a smaller budget refused, the
+    explorer's files under 8 MB, uploads and Gradio's copies of pictures and downloads under 256 kB
+    (examples aside)."""
+    from vitviz.cost import price
+
     session = uuid.uuid4().hex
-    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p16", "mean", 0.0, None], session=session)
     assert ok
-    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 60 * 2**20)
+    size = price(vitviz.get_spec("shapes_p16"), "export").kept_bytes
+    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 5 * size)
     sizes = []
     for _ in range(100):
         ok, out = run(server, "on_export", [None], session=session)
         assert ok, out
         sizes.append(sum(p.stat().st_size for p in app.DOWNLOADS.folder.glob("*.npz")))
-    assert max(sizes) <= 60 * 2**20
-    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 20 * 2**20)
+    assert max(sizes) <= 5 * size and len(sizes) * min(sizes) > 5 * size  # the budget was crossed, and held
+    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", size // 2)
     ok, message = run(server, "on_export", [None], session=session)
     assert not ok and "VITVIZ_DOWNLOADS_MB" in message
     monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))

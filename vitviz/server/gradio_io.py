@@ -145,7 +145,8 @@ class GuardedBlocks(gr.Blocks):
     _after_last = 0.0
     _after_lock = threading.Lock()
 
-    def _after(self) -> None:
+    def after_any(self) -> None:
+        """Runs `after_event` in a thread of its own, unless it ran less than `after_every` s ago."""
         with self._after_lock:
             if self.after_event is None or time.monotonic() - self._after_last < self.after_every:
                 return
@@ -174,7 +175,7 @@ class GuardedBlocks(gr.Blocks):
             what = name.rstrip("_0123456789").replace("_", " ").strip().capitalize()
             raise gr.Error(as_text(FAILED.format(what=what, why=public_text(why)[:300].rstrip(".")))) from exc
         finally:
-            self._after()
+            self.after_any()
 
     def queue(self, *args, client_jobs: int | None = None, address_jobs: int | None = None, **kwargs):
         out = super().queue(*args, **kwargs)
