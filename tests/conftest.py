@@ -105,3 +105,22 @@ def offline_hub(timm_cache, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return models
+
+
+def wait_for(url: str, process, timeout: float = 180) -> None:
+    """Waits until a server started as `process` (a subprocess.Popen with stdout) answers `url`."""
+    import time
+
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise AssertionError(f"the app exited:\n{process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import random_timm_weights, write_hub_cache
+from conftest import random_timm_weights, wait_for, write_hub_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vitviz"
@@ -195,7 +195,7 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
             [sys.executable, "-c", "import app; app.demo.launch(server_name='127.0.0.1', server_port=7860, **app.LAUNCH_KWARGS)"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        _wait_for("http://127.0.0.1:7860/", server)
+        wait_for("http://127.0.0.1:7860/", server)
     try:
         for i, block in enumerate(blocks):
             out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -204,21 +204,3 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
-
-
-def _wait_for(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    import time
-
-    import httpx
-
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if process.poll() is not None:
-            raise AssertionError(f"the app exited:\n{process.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")

@@ -8,12 +8,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 import pytest
+from conftest import wait_for
 from PIL import Image
 
 import vitviz
@@ -32,20 +30,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _wait_for(url: str, process: subprocess.Popen, timeout: float = 180) -> None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if process.poll() is not None:
-            raise AssertionError(f"the app exited:\n{process.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")
 
 
 def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
@@ -87,7 +71,7 @@ def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
             assert result.isError and "VITVIZ_MAX_TOKENS" in text
 
     try:
-        _wait_for(base + "/", server)
+        wait_for(base + "/", server)
         asyncio.run(talk())
     finally:
         server.terminate()
