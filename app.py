@@ -62,7 +62,7 @@ DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
 EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
 MAX_COMPARE = 3
 DOWNLOADS = Downloads(max_bytes=SETTINGS.downloads_bytes)
-SCALES = ("each map", "shared across layers and heads")  # the explorer's
+SCALES = ("one per layer", "each map its own", "all layers and heads")  # the explorer's: "layer", "map", "shared"
 EXPLAIN_SCALES = ("each map", "shared by the four maps")  # the Explain tab's
 # the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
 EXPLORER_DIR = upload_folder() / "vitviz-explorer"
@@ -414,10 +414,10 @@ def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_v
     }
 
 
-def _scale(value: str, choices: tuple[str, str] = SCALES) -> str:
+def _scale(value: str, choices: tuple[str, ...] = SCALES) -> str:
     if value not in choices:
         raise _error(f"The colour scale must be one of: {', '.join(choices)}.")
-    return "map" if value == choices[0] else "shared"
+    return {"one per layer": "layer", "each map its own": "map", "each map": "map"}.get(value, "shared")
 
 
 def _click_xy(evt: gr.SelectData) -> tuple[float, float]:
@@ -710,7 +710,21 @@ CSS = """
 .vv-stale #vv-status, .vv-stale .tabs { opacity: 0.45; }
 /* the Use button sits beside the box it applies to, level with it, not with its label */
 #vv-other-use { align-self: flex-end; margin-bottom: 2px; }
+/* a phone: one column, each picture the screen's width */
+@media (max-width: 768px) {
+  .vv-pair { flex-direction: column !important; }
+  .vv-pair > * { width: 100% !important; min-width: 0 !important; flex: 1 1 auto !important; }
+}
 """
+# Gradio's Soft theme with text at WCAG AA contrast (4.5:1): labels, accents and subdued text darker
+THEME = gr.themes.Soft().set(
+    block_label_text_color="*primary_700", block_title_text_color="*primary_700", color_accent="*primary_600",
+    button_primary_background_fill="*primary_600", button_primary_background_fill_hover="*primary_700",
+    checkbox_label_background_fill_selected="*primary_600", body_text_color_subdued="*neutral_600",
+)
+# after an analysis on a narrow screen the page goes to its results (they sit under the inputs there)
+SCROLL_TO_RESULTS = """() => { if (window.matchMedia('(max-width: 768px)').matches)
+    document.getElementById('vv-results')?.scrollIntoView({block: 'start'}); }"""
 
 _METHOD_TITLES = {  # short: a label that wraps would cover the top of its picture
     "attention": "Last-layer attention",
@@ -772,7 +786,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                             elem_classes="vv-caption",
                         )
                         predict_note = gr.Markdown("", elem_id="vv-predict-note")
-                        with gr.Row():
+                        with gr.Row(elem_classes="vv-pair"):
                             predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
                             rollout_img = _figure(ViewImage, label="Attention rollout", elem_id="vv-rollout")
                             dist_rollout_img = _figure(ViewImage, label="Rollout of the distillation token", visible=False, elem_id="vv-dist-rollout")
@@ -798,7 +812,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                         explain_note = gr.Markdown("", elem_id="vv-explain-note")
                         explain_imgs = {}
                         for pair in (METHODS[:2], METHODS[2:]):
-                            with gr.Row():
+                            with gr.Row(elem_classes="vv-pair"):
                                 for m in pair:
                                     explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
                         with gr.Row():
@@ -808,14 +822,8 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                         faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
                                                    label="Area under each curve", elem_id="vv-faith-table")
                     with gr.Tab("Explorer", id="explorer"):
-                        gr.Markdown(
-                            "What one token attends to at one layer: hover over a patch to see its attention, click to pin it "
-                            "(click again to let go), or pick a prefix token. Each map is a row of softmax(q·kᵀ/√d) over the "
-                            "patches, for one head or fused over heads; the mosaic shows every head of the layer for the same "
-                            "query. With a shared colour scale, layers and heads can be compared. Drawn in your browser from "
-                            "the analysis (8 bits per weight).",
-                            elem_classes="vv-caption",
-                        )
+                        gr.Markdown("What one token attends to at one layer, for one head or fused over heads, and every head beside it.",
+                                    elem_classes="vv-caption")
                         explorer_live = gr.HTML(
                             value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
                             js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
@@ -830,9 +838,18 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                                 query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
                                 query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
                                 prefix_query = gr.Radio(["cls"], value=None, label="Or a prefix token as the query", elem_id="vv-prefix-query")
-                            with gr.Row():
+                            with gr.Row(elem_classes="vv-pair"):
                                 explorer_img = _figure(ViewImage, label="The query's attention (click a patch)", elem_id="vv-explorer")
                                 mosaic = _figure(ViewImage, label="All heads of this layer", elem_id="vv-mosaic")
+                        gr.Markdown(
+                            "Hover over a patch to see its attention, click to pin it (click again to let go), or pick a prefix "
+                            "token; by keyboard, Tab to the map, then arrows, Enter and Escape. Each map is a row of "
+                            "softmax(q·kᵀ/√d) over the patches. Colour scale: **one per layer** puts the map and every head of "
+                            "the layer on one colour bar; **each map its own** stretches each to its own range (a head's range "
+                            "beneath its tile); **all layers and heads** lets layers be compared too. Drawn in your browser "
+                            "from the analysis (8 bits per weight).",
+                            elem_classes="vv-caption",
+                        )
                     with gr.Tab("Tokens", id="tokens"):
                         gr.Markdown(
                             "The tokens themselves. **Attention received**: the share of each layer's attention that goes to each "
@@ -844,14 +861,14 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                             "and blue; click a patch to see how similar every other patch's feature is to it.",
                             elem_classes="vv-caption",
                         )
-                        with gr.Row():
+                        with gr.Row(elem_classes="vv-pair"):
                             received_img = _figure(label="Attention received per layer", elem_id="vv-received")
                             norms_img = _figure(label="Token norms per layer", elem_id="vv-norms")
                         norms_map_img = _figure(label="Token norms after the last block", elem_id="vv-norms-map")
                         dino_share = gr.Slider(0.05, 1.0, value=0.6, step=0.05, label="DINO: share of each head's attention kept", elem_id="vv-dino-share")
                         dino_img = _figure(label="Last layer, cls attention per head", elem_id="vv-dino")
                         features_text = gr.Markdown("", elem_classes="vv-caption", elem_id="vv-features-text")
-                        with gr.Row():
+                        with gr.Row(elem_classes="vv-pair"):
                             features_img = _figure(label="Patch features, PCA (click a patch)", elem_id="vv-features")
                             similarity_map_img = _figure(label="Similarity to the clicked patch", elem_id="vv-feature-similarity")
                     with gr.Tab("Distance", id="distance"):
@@ -870,7 +887,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                             "with the share of the filters' variance it explains.",
                             elem_classes="vv-caption",
                         )
-                        with gr.Row():
+                        with gr.Row(elem_classes="vv-pair"):
                             similarity_img = _figure(label="Position-embedding similarity", elem_id="vv-similarity")
                             filters_img = _figure(label="Filters: principal components", elem_id="vv-filters")
                     with gr.Tab("Architecture", id="architecture"):
@@ -945,6 +962,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     quiet = dict(show_progress="minimal")
 
     def _analysis(event):
+        event.then(None, None, None, js=SCROLL_TO_RESULTS, api_visibility="private", queue=False)
         return event.then(on_explorer, state, explorer_outputs, api_visibility="private", show_progress="hidden", **model).then(
             on_refresh_tab, tab_inputs, [*explain_outputs, *tokens_outputs], api_visibility="private", **quiet, **model
         )
@@ -993,7 +1011,9 @@ demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.conc
 
 LAUNCH_KWARGS = dict(
     css=CSS,
-    theme=gr.themes.Soft(),
+    # the page's own margins (outside the part Gradio's css= reaches): narrow on a phone
+    head="<style>@media (max-width: 768px) { .gradio-container .main.app { padding-left: 8px; padding-right: 8px; } }</style>",
+    theme=THEME,
     max_file_size=MAX_BYTES,
     ssr_mode=False,
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/

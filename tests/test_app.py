@@ -202,7 +202,7 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
 
     client = Client(server, verbose=False)
     with pytest.raises(AppError, match="Analyse an image first"):
-        client.predict(2, "mean", 0, "each map", api_name="/session_view")
+        client.predict(2, "mean", 0, "each map its own", api_name="/session_view")
     client.predict(handle_file(example), "shapes_p16", "mean", 0.0, api_name="/session_analyze")
 
     def forbidden(*args, **kwargs):
@@ -210,17 +210,17 @@ def test_session_view_changes_through_gradio_client_never_call_the_model(server,
 
     monkeypatch.setattr(ViT, "forward", forbidden)
     monkeypatch.setattr(ViT, "encode", forbidden)
-    first, mosaic = client.predict(1, "head 2", 0, "each map", api_name="/session_view")
-    second, _ = client.predict(1, "head 2", 7, "each map", api_name="/session_view")  # the query token counts
+    first, mosaic = client.predict(1, "head 2", 0, "each map its own", api_name="/session_view")
+    second, _ = client.predict(1, "head 2", 7, "each map its own", api_name="/session_view")  # the query token counts
     assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(second)))
-    second, _ = client.predict(6, "mean", 7, "each map", api_name="/session_view")
+    second, _ = client.predict(6, "mean", 7, "each map its own", api_name="/session_view")
     assert Image.open(first).size[1] == 384 and Image.open(mosaic).format == "JPEG"
     assert np.abs(np.asarray(Image.open(first), dtype=float) - np.asarray(Image.open(second), dtype=float)).mean() > 1
     rollout, _ = client.predict("max", 0.5, api_name="/session_rollout")
     assert Image.open(rollout).size[1] == 384
     # another session has no analysis of its own
     with pytest.raises(AppError, match="Analyse an image first"):
-        Client(server, verbose=False).predict(2, "mean", 0, "each map", api_name="/session_view")
+        Client(server, verbose=False).predict(2, "mean", 0, "each map its own", api_name="/session_view")
 
 
 def test_model_cache_is_bounded():
@@ -358,7 +358,7 @@ def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):
     class _Pick:
         value = "circle"
 
-    picked = app.on_pick_class(ref, app.SCALES[0], _Pick())
+    picked = app.on_pick_class(ref, app.EXPLAIN_SCALES[0], _Pick())
     assert picked[app.target_class] == "circle" and picked[app.current_tab] == "explain"
 
 
@@ -390,16 +390,39 @@ def test_tokens_tab(app, analysed):
     class _Tab:
         value = "Tokens"
 
-    assert app.on_tab(ref, "star", app.SCALES[0], 0.6, _Tab())[app.current_tab] == "tokens"
-    assert list(app.on_refresh_tab(ref, "distance", "star", app.SCALES[0], 0.6)) == [app.explain_note]  # nothing drawn
+    assert app.on_tab(ref, "star", app.EXPLAIN_SCALES[0], 0.6, _Tab())[app.current_tab] == "tokens"
+    assert list(app.on_refresh_tab(ref, "distance", "star", app.EXPLAIN_SCALES[0], 0.6)) == [app.explain_note]  # nothing drawn
 
 
 def test_shared_colour_scale_compares_layers(app, analysed):
     ref, _ = analysed
-    a = app.on_view(ref, 1, "mean", 0, app.SCALES[1])[app.explorer_img]
-    b = app.on_view(ref, 1, "mean", 0, app.SCALES[0])[app.explorer_img]
+    a = app.on_view(ref, 1, "mean", 0, app.SCALES[2])[app.explorer_img]
+    b = app.on_view(ref, 1, "mean", 0, app.SCALES[1])[app.explorer_img]
     assert a.info["vitviz_name"].endswith("shared.png") and b.info["vitviz_name"].endswith("map.png")
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
+
+
+def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
+    """"one per layer": the range is the smallest and largest value of any view of that layer (every
+    head, the mean and the max, as the browser reads them), worked out here from the attention."""
+    from vitviz.server import explorer_data, views
+
+    ref, _ = analysed
+    exp = app.STORE.get(ref.key)
+    a = exp.analysis
+    attn = a.attentions[2, :, 7, a.num_prefix_tokens :].float()  # layer 3, query token 7: [H, M]
+    rows = torch.cat([attn, attn.mean(0, keepdim=True), attn.amax(0, keepdim=True)])
+    q = torch.floor(rows / rows.amax(1, keepdim=True) * 255 + 0.5)
+    vals = q.double() * rows.amax(1, keepdim=True).double() / 255
+    lo, hi = views.query_range(exp, query=7, scale="layer", layer=3)
+    assert lo == pytest.approx(float(vals.min()), rel=1e-6) and hi == pytest.approx(float(vals.max()), rel=1e-6)
+    assert hi == pytest.approx(float(explorer_data.row_values(a, layer=2, head=a.attentions.shape[1] + 1, query=7).max()))
+    out = app.on_view(ref, 3, "head 1", 7, app.SCALES[0])
+    mosaic = out[app.mosaic]
+    own = app.on_view(ref, 3, "head 1", 7, app.SCALES[1])[app.mosaic]
+    # one colour bar to the right of the mosaic on a common scale; none (ranges in the labels) on its own
+    assert mosaic.size[0] == own.size[0] + views.plots.COLORBAR_PX
+    assert np.abs(np.asarray(mosaic, dtype=float)[:, : own.size[0]] - np.asarray(own, dtype=float)).mean() > 1
     with pytest.raises(gr.Error, match="colour scale"):
         app.on_view(ref, 1, "mean", 0, "log")
 
@@ -424,3 +447,55 @@ def test_results_say_which_image_and_variant_they_belong_to(app, example, tmp_pa
     refused = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, ref, progress=_quiet)
     assert refused[app.image] is None and app.variant not in refused and "notes.png:" in refused[app.notice]
     assert "vv-stale" in refused[app.results_box]["elem_classes"]
+
+
+def _pictures(outputs) -> list:
+    """The PIL pictures among a handler's outputs (as values or as gr.update(value=...))."""
+    found = []
+    for value in outputs.values():
+        if isinstance(value, dict):
+            value = value.get("value")
+        if isinstance(value, Image.Image):
+            found.append(value)
+    return found
+
+
+def test_every_downloadable_figure_keeps_its_text_inside(app, analysed, example):
+    """Each picture the page offers for download — every tab, every colour scale, the Compare tab —
+    has each of its labels, tick values, titles and legends wholly inside its canvas."""
+    from vitviz import plots
+
+    ref, out = analysed
+    pictures = _pictures(out)
+    pictures += _pictures(app.on_explain(ref, "star"))
+    pictures += _pictures(app.on_explain(ref, "star", app.EXPLAIN_SCALES[1]))
+    pictures += _pictures(app.on_faithfulness(ref, "star", progress=_quiet))
+    pictures += _pictures(app.on_refresh_tab(ref, "tokens", "star", app.EXPLAIN_SCALES[0], 0.6))
+    for scale in app.SCALES:
+        pictures += _pictures(app.on_view(ref, 2, "head 1", 7, scale))
+    pictures += _pictures(app.on_compare(example, ["shapes_p16", "shapes_p8"]))
+    names = {p.info.get("vitviz_name", "") for p in pictures}
+    assert len(pictures) >= 20 and any("attention-received" in n for n in names) and any("faithfulness" in n for n in names)
+    with_text = [p for p in pictures if plots.text_boxes(p)]
+    assert len(with_text) >= 15  # charts, colour bars and mosaics carry the boxes of what they wrote
+    clipped = {p.info.get("vitviz_name", "?"): plots.clipped_text(p) for p in pictures}
+    assert not any(clipped.values()), {k: v for k, v in clipped.items() if v}
+
+
+def test_a_clipped_label_is_found():
+    """The check itself: a y label pushed off the left edge, and a tick value past a colour bar's edge."""
+    from matplotlib.figure import Figure
+
+    from vitviz import plots
+
+    fig = Figure(figsize=(3, 2), dpi=100)
+    fig.subplots_adjust(left=0.01)
+    ax = fig.add_subplot()
+    ax.plot([1, 2], [1e-3, 2e-3])
+    ax.set_ylabel("Share of attention received")
+    img = plots.figure_to_image(fig)
+    assert any("Share of attention received" in c for c in plots.clipped_text(img))
+    bar = plots.with_colorbar(Image.new("RGB", (40, 60)), vmin=0.0, vmax=1.0, label="gradient-weighted-rollout")
+    assert plots.clipped_text(bar)
+    fine = plots.with_colorbar(Image.new("RGB", (40, 60)), vmin=0.0, vmax=0.5, label="attention")
+    assert plots.text_boxes(fine) and not plots.clipped_text(fine)

@@ -185,7 +185,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
         peak = max(peak, app.STORE.nbytes)
         if i == 0:
             first = client
-            want = np.asarray(Image.open(client.predict(3, "head 2", 17, "each map", api_name="/session_view")[0]))
+            want = np.asarray(Image.open(client.predict(3, "head 2", 17, "each map its own", api_name="/session_view")[0]))
         else:
             client.close()  # the sessions live on in the server; the clients' own memory is not the server's
         if i == 5:
@@ -198,7 +198,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     assert before <= budget and peak <= budget
     assert growth < 150  # kept whole, 25 more B/16 analyses would hold 560 MB
     # the first session's analysis was dropped long ago: its view is computed again, identically
-    got = np.asarray(Image.open(first.predict(3, "head 2", 17, "each map", api_name="/session_view")[0]))
+    got = np.asarray(Image.open(first.predict(3, "head 2", 17, "each map its own", api_name="/session_view")[0]))
     np.testing.assert_array_equal(got, want)
     _alive(server, good)
 

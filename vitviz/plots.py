@@ -12,6 +12,7 @@ import math
 import threading
 
 import matplotlib
+import matplotlib.text
 import matplotlib.ticker
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ __all__ = [
     "filters_image",
     "features_image",
     "figure_to_image",
+    "text_boxes",
+    "clipped_text",
     "received_figure",
     "norms_figure",
     "faithfulness_figure",
@@ -124,7 +127,8 @@ def with_colorbar(image: Image.Image, *, vmin: float, vmax: float, label: str = 
     """The image with a colour bar on its right: the scale of its heat map, ticks at five values."""
     w, h = image.size
     font = _font(11)
-    bar_w, pad, top, bottom = 12, 8, 24, 8
+    lines = _wrap(label, font, COLORBAR_PX - 10) if label else []
+    bar_w, pad, top, bottom = 12, 8, 12 + 12 * max(1, len(lines)), 8
     labels = [_fmt(v) for v in _ticks(vmin, vmax)]
     out = Image.new("RGB", (w + COLORBAR_PX, h), (255, 255, 255))  # a fixed width: views keep their size
     out.paste(image, (0, 0))
@@ -133,13 +137,44 @@ def with_colorbar(image: Image.Image, *, vmin: float, vmax: float, label: str = 
     out.paste(Image.fromarray(matplotlib.colormaps[cmap](ramp, bytes=True)[..., :3]), (w + pad, top))
     draw = ImageDraw.Draw(out)
     draw.rectangle((w + pad - 1, top - 1, w + pad + bar_w, top + bar_h), outline=(90, 90, 90))
+    texts = list(text_boxes(image))
     for i, text in enumerate(labels):
         y = top + bar_h - 1 - round(i * (bar_h - 1) / (len(labels) - 1))
         draw.line((w + pad + bar_w, y, w + pad + bar_w + 3, y), fill=(90, 90, 90))
-        draw.text((w + pad + bar_w + 5, y), text, fill=(40, 40, 40), font=font, anchor="lm")
-    if label:
-        draw.text((w + pad, 2), label, fill=(40, 40, 40), font=font)
+        texts.append(_draw_text(draw, (w + pad + bar_w + 5, y), text, font=font, anchor="lm", fill=(40, 40, 40)))
+    for i, line in enumerate(lines):
+        texts.append(_draw_text(draw, (w + pad, 2 + 12 * i), line, font=font, fill=(40, 40, 40)))
+    out.info["vitviz_text"] = texts
     return named(out, image.info.get("vitviz_name"))
+
+
+def _wrap(text: str, font, width: float) -> list[str]:
+    """`text` in lines no wider than `width` px where its words allow."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(lines[-1] + " " + word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def _draw_text(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, *, font, anchor: str = "la", fill=(30, 30, 30)) -> tuple:
+    """Draws `text` and returns (text, its box (x0, y0, x1, y1) in pixels)."""
+    draw.text(xy, text, fill=fill, font=font, anchor=anchor)
+    return text, tuple(float(v) for v in draw.textbbox(xy, text, font=font, anchor=anchor))
+
+
+def text_boxes(image: Image.Image) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """The text drawn on a picture of this module, each with its box (x0, y0, x1, y1) in pixels."""
+    return list(image.info.get("vitviz_text", []))
+
+
+def clipped_text(image: Image.Image) -> list[str]:
+    """The texts of `text_boxes` that do not lie wholly inside the picture (a clipped label)."""
+    w, h = image.size
+    return [f"{t!r} at {tuple(round(v, 1) for v in box)} in {w}x{h}" for t, box in text_boxes(image)
+            if box[0] < -0.5 or box[1] < -0.5 or box[2] > w + 0.5 or box[3] > h + 0.5]
 
 
 def named(image: Image.Image, name: str | None) -> Image.Image:
@@ -183,19 +218,48 @@ def mosaic(images: list[Image.Image], *, cols: int | None = None, gap: int = 6, 
     strip = 16 if labels else 0
     out = Image.new("RGB", (cols * w + (cols - 1) * gap, rows * (h + strip) + (rows - 1) * gap), (255, 255, 255))
     draw = ImageDraw.Draw(out)
+    texts = []
     for i, img in enumerate(images):
         x, y = (i % cols) * (w + gap), (i // cols) * (h + strip + gap)
         out.paste(img, (x, y))
+        texts += [(t, (b[0] + x, b[1] + y, b[2] + x, b[3] + y)) for t, b in text_boxes(img)]
         if labels:
-            draw.text((x + w // 2, y + h + strip // 2), labels[i], fill=(30, 30, 30), font=font, anchor="mm")
+            texts.append(_draw_text(draw, (x + w // 2, y + h + strip // 2), labels[i], font=font, anchor="mm"))
+    out.info["vitviz_text"] = texts
     return out
 
 
 def figure_to_image(fig: Figure) -> Image.Image:
     """Rasterise a Figure with the Agg canvas (no pyplot, nothing kept alive)."""
     canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+    texts = _draw_with_texts(fig, canvas)
+    img = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+    img.info["vitviz_text"] = texts
+    return img
+
+
+def _draw_with_texts(fig: Figure, canvas: FigureCanvasAgg) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """Draws the figure and returns every text the renderer drew, with its box in image pixels (y down)."""
+    renderer = canvas.get_renderer()
+    drawn: list[matplotlib.text.Text] = []
+    draw_text = renderer.draw_text
+
+    def recording(gc, x, y, s, prop, angle, ismath=False, mtext=None):
+        if mtext is not None and s.strip():
+            drawn.append(mtext)
+        return draw_text(gc, x, y, s, prop, angle, ismath=ismath, mtext=mtext)
+
+    renderer.draw_text = recording
+    try:
+        canvas.draw()
+    finally:
+        del renderer.draw_text
+    height = fig.bbox.height
+    out = []
+    for t in dict.fromkeys(drawn):
+        box = t.get_window_extent(renderer)
+        out.append((t.get_text(), (float(box.x0), float(height - box.y1), float(box.x1), float(height - box.y0))))
+    return out
 
 
 def axis_top(value: float) -> float:
@@ -282,17 +346,19 @@ class DistanceChart:
             if entry is None:
                 fig = distance_figure(distances, uniform=self.uniform, title=self.title, _animated=True)
                 canvas = FigureCanvasAgg(fig)
-                canvas.draw()  # everything but the (animated) dots
-                entry = (canvas, list(fig.axes[0].collections), canvas.copy_from_bbox(fig.bbox))
+                texts = _draw_with_texts(fig, canvas)  # everything but the (animated) dots
+                entry = (canvas, list(fig.axes[0].collections), canvas.copy_from_bbox(fig.bbox), texts)
                 if len(self._backgrounds) >= self.max_keys:
                     self._backgrounds.pop(next(iter(self._backgrounds)))  # the least recently used
             self._backgrounds[key] = entry
-            canvas, dots, background = entry
+            canvas, dots, background, texts = entry
             canvas.restore_region(background)
             for k, (artist, d) in enumerate(zip(dots, series.values())):
                 artist.set_offsets(_distance_offsets(d, k, len(series)))
                 artist.axes.draw_artist(artist)
-            return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+            img = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
+            img.info["vitviz_text"] = list(texts)
+            return img
 
 
 def position_similarity_figure(similarity: torch.Tensor, *, cmap: str = "viridis", title: str = "Position embedding similarity") -> Figure:
@@ -364,7 +430,7 @@ def received_figure(received: torch.Tensor, *, prefix_names: tuple[str, ...], ti
         received: [L, N] the share of attention each token receives (`attention_received`, heads averaged).
         prefix_names: the names of the first p tokens.
     """
-    ax = ax if ax is not None else _chart_axes()
+    ax = ax if ax is not None else _chart_axes(fitted=True)
     n = _token_lines(ax, received, prefix_names)
     if n > len(prefix_names):
         ax.axhline(1.0 / n, color="0.75", lw=0.8, label=f"uniform (1/{n})")
@@ -374,13 +440,15 @@ def received_figure(received: torch.Tensor, *, prefix_names: tuple[str, ...], ti
         plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.2g}")
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
-    ax.figure.subplots_adjust(left=0.15)
     _finish_token_chart(ax, "Share of attention received", title)
     return ax.figure
 
 
-def _chart_axes():
-    """The axes of a 520 x 360 px line chart with a fixed layout."""
+def _chart_axes(*, fitted: bool = False):
+    """The axes of a 520 x 360 px line chart: a fixed layout, or (`fitted`) one laid out to fit its
+    labels (constrained layout: for tick labels whose width depends on the data)."""
+    if fitted:
+        return Figure(figsize=(5.2, 3.6), dpi=100, layout="constrained").add_subplot()
     fig = Figure(figsize=(5.2, 3.6), dpi=100)
     fig.subplots_adjust(left=0.12, right=0.97, top=0.92, bottom=0.14)
     return fig.add_subplot()
@@ -415,7 +483,7 @@ def norms_figure(norms: torch.Tensor, *, prefix_names: tuple[str, ...], title: s
     Args:
         norms: [L, N].
     """
-    ax = _chart_axes()
+    ax = _chart_axes(fitted=True)
     _token_lines(ax, norms, prefix_names)
     _finish_token_chart(ax, "Token norm (before the final norm)", title)
     return ax.figure

@@ -16,6 +16,7 @@
   const queryText = root.querySelector(".vvx-query-text");
   const statusText = root.querySelector(".vvx-status");
   const ticks = root.querySelector(".vvx-ticks");
+  const mosaicNote = root.querySelector(".vvx-mosaic-note");
 
   let meta = null;          // the analysis' layout (props.value)
   let layers = [];          // per layer: {top: Float32Array [V*N], q: Uint8Array [V*N*M]} or a Promise
@@ -24,7 +25,7 @@
   let tileBase = null;      // ImageData of a mosaic tile's image
   let pixelPatch = null;    // Int32Array: the patch of each display pixel
   let tilePatch = null;     // Int32Array: the patch of each tile pixel
-  const view = { layer: 1, head: 0, query: 0, pinned: false, scale: "map" };
+  const view = { layer: 1, head: 0, query: 0, pinned: false, scale: scaleSelect.value };
   let loading = 0;
 
   const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
@@ -153,10 +154,23 @@
     return out;
   }
 
-  function range(v, query) {
-    if (view.scale === "shared") return [0, sharedMax[query]];
+  function ownRange(v) {
     let lo = Infinity, hi = -Infinity;
     for (let j = 0; j < v.length; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
+    return [lo, hi];
+  }
+
+  // the colour scale of a view: "layer" one scale for the layer's maps (every head, mean and max) so
+  // that the map and the mosaic share a colour bar; "shared" 0 to the query's largest weight in any
+  // layer and head; "map" each map its own min..max
+  function range(v, want) {
+    if (want.scale === "shared") return [0, sharedMax[want.query]];
+    if (want.scale === "map") return ownRange(v);
+    let lo = Infinity, hi = -Infinity;
+    for (let h = 0; h < meta.views; h++) {
+      const [a, b] = ownRange(values(want.layer, h, want.query));
+      lo = Math.min(lo, a); hi = Math.max(hi, b);
+    }
     return [lo, hi];
   }
 
@@ -223,7 +237,7 @@
     statusText.textContent = "";
     if (meta.mode === "layers" && !sharedMax) return;
     const v = values(want.layer, want.head, want.query);
-    const [lo, hi] = range(v, want.query);
+    const [lo, hi] = range(v, want);
     const img = new ImageData(base.width, base.height);
     blend(img, base, pixelPatch, indices(v, lo, hi));
     outline(img, want.query);
@@ -231,7 +245,7 @@
     mapCanvas.height = base.height;
     mapCanvas.getContext("2d").putImageData(img, 0, 0);
     drawBar(lo, hi);
-    drawMosaic(want);
+    drawMosaic(want, want.scale === "map" ? null : [lo, hi]);
     const headName = want.head < meta.heads ? `head ${want.head + 1}` : ["mean", "max"][want.head - meta.heads];
     Object.assign(mapCanvas.dataset, { layer: String(want.layer), head: headName, query: String(want.query), scale: want.scale });
     layerOut.textContent = String(want.layer);
@@ -240,7 +254,8 @@
       : `query: patch row ${Math.floor((want.query - p) / meta.grid[1]) + 1}, column ${(want.query - p) % meta.grid[1] + 1}${want.pinned ? " (pinned)" : ""}`;
   }
 
-  function drawMosaic(want) {
+  function drawMosaic(want, common) {
+    // every head of the layer: on the map's colour bar, or (each map its own) its range beneath it
     const t = tileBase.width, gap = 6, strip = 16, heads = meta.heads;
     const cols = Math.ceil(Math.sqrt(heads)), rows = Math.ceil(heads / cols);
     mosaicCanvas.width = cols * t + (cols - 1) * gap;
@@ -248,22 +263,24 @@
     const ctx = mosaicCanvas.getContext("2d");
     ctx.fillStyle = "#fff";
     ctx.fillRect(0, 0, mosaicCanvas.width, mosaicCanvas.height);
-    const shared = want.scale === "shared" ? [0, sharedMax[want.query]] : null;
     ctx.font = "12px sans-serif";
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
     for (let h = 0; h < heads; h++) {
       const v = values(want.layer, h, want.query);
-      const [lo, hi] = shared || range(v, want.query);
+      const [lo, hi] = common || ownRange(v);
       const img = new ImageData(t, t);
       blend(img, tileBase, tilePatch, indices(v, lo, hi));
       const x = (h % cols) * (t + gap), y = Math.floor(h / cols) * (t + strip + gap);
       ctx.putImageData(img, x, y);
       ctx.fillStyle = "#1e1e1e";
-      ctx.fillText(`head ${h + 1}`, x + t / 2, y + t + strip / 2);
+      ctx.fillText(common ? `head ${h + 1}` : `head ${h + 1}: ${fmt(lo)}–${fmt(hi)}`, x + t / 2, y + t + strip / 2);
     }
     mosaicCanvas.dataset.layer = String(want.layer);
     mosaicCanvas.dataset.query = String(want.query);
+    mosaicCanvas.dataset.scale = want.scale;
+    mosaicNote.textContent = `Every head of layer ${want.layer} for the same query; ` +
+      (common ? "colours on the map's bar." : "each head on its own scale, its range beneath it.");
   }
 
   function patchUnder(event) {

@@ -148,12 +148,29 @@ def render_received(exp: Exploration) -> Image.Image:
     return plots.named(plots.figure_to_image(fig), _name(exp, "attention-received"))
 
 
-def query_range(exp: Exploration, *, query: int, scale: str) -> tuple[float, float] | None:
-    """The colour scale of a query's maps: None for each map its own (min..max); for "shared", 0 to
-    the largest weight the query gives a patch in any layer and head."""
-    if scale != "shared":
+def query_range(exp: Exploration, *, query: int, scale: str, layer: int | None = None) -> tuple[float, float] | None:
+    """The colour scale of a query's maps: "map", None (each map its own min..max); "layer", the
+    min..max over every view of layer `layer` (1-based: its heads, mean and max), so that the map and
+    the mosaic share one colour bar; "shared", 0 to the largest weight the query gives a patch in any
+    layer and head."""
+    if scale == "map":
         return None
-    return 0.0, float(explorer_data.shared_max(exp.analysis)[query])
+    if scale == "shared":
+        return 0.0, float(explorer_data.shared_max(exp.analysis)[query])
+    if scale != "layer" or layer is None:
+        raise ValueError(f"unknown colour scale {scale!r} (map, layer with a layer, or shared)")
+    a = exp.analysis
+    rows = [explorer_data.row_values(a, layer=layer - 1, head=h, query=query) for h in range(a.attentions.shape[1] + 2)]
+    return float(min(r.min() for r in rows)), float(max(r.max() for r in rows))
+
+
+def tick(value: float) -> str:
+    """A scale value as the explorer writes it: three significant digits, tiny ones in e-notation."""
+    if value == 0:
+        return "0"
+    if abs(value) < 1e-3:
+        return f"{value:.1e}"
+    return f"{float(f'{value:.3g}'):g}"
 
 
 def head_index(head: str, heads: int) -> int:
@@ -168,13 +185,13 @@ def _view_heat(exp: Exploration, *, layer: int, head: int, query: int) -> torch.
     return torch.from_numpy(explorer_data.row_values(a, layer=layer - 1, head=head, query=query).reshape(a.grid))
 
 
-def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "map") -> Image.Image:
+def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "layer") -> Image.Image:
     """Layer `layer` (1-based) attention of token `query` over the patches, with the query marked and
-    a colour bar; `scale` "map" (its own min..max) or "shared" (across layers and heads). The values
+    a colour bar; `scale` as `query_range` ("layer", "map" or "shared"). The values
     are the 8-bit rows the browser draws (`explorer_data`), so both give the same pixels."""
     a = exp.analysis
     heat = _view_heat(exp, layer=layer, head=head_index(head, a.attentions.shape[1]), query=query)
-    lo, hi = query_range(exp, query=query, scale=scale) or (None, None)
+    lo, hi = query_range(exp, query=query, scale=scale, layer=layer) or (None, None)
     name = _name(exp, "query", f"layer{layer}", head.replace(" ", ""), f"token{query}", scale)
     return _heat_view(exp, heat, name=name, label="attention", vmin=lo, vmax=hi, mark=query)
 
@@ -182,19 +199,24 @@ def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: 
 mosaic_tile_px = explorer_data.mosaic_tile_px
 
 
-def render_head_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "map") -> Image.Image:
+def render_head_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "layer") -> Image.Image:
     """Every head of one layer for the same query, as a mosaic of tiles about 160 px (4 columns for
-    12 and 16 heads), each head labelled beneath; `scale` "shared" puts all heads on one colour bar."""
+    12 and 16 heads), each head labelled beneath: on one colour bar (the map's) for "layer" and
+    "shared", each on its own scale with its range in its label for "map"."""
     a = exp.analysis
     heads = a.attentions.shape[1]
     heats = torch.stack([_view_heat(exp, layer=layer, head=h, query=query) for h in range(heads)])  # [H, gh, gw]
     tile = mosaic_tile_px(a.grid)
     small = a.image.resize((tile, tile), Image.BILINEAR)
-    shared = query_range(exp, query=query, scale=scale)
-    tiles = plots.overlay_many(small, heats, vmin=shared[0] if shared else None, vmax=shared[1] if shared else None)
-    img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=[f"head {h + 1}" for h in range(len(tiles))])
+    common = query_range(exp, query=query, scale=scale, layer=layer)
+    tiles = plots.overlay_many(small, heats, vmin=common[0] if common else None, vmax=common[1] if common else None)
+    if common:
+        labels = [f"head {h + 1}" for h in range(heads)]
+    else:
+        labels = [f"head {h + 1}: {tick(float(m.min()))}–{tick(float(m.max()))}" for h, m in enumerate(heats)]
+    img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=labels)
     plots.named(img, _name(exp, "heads", f"layer{layer}", f"token{query}", scale))
-    return plots.with_colorbar(img, vmin=shared[0], vmax=shared[1], label="attention") if shared else img
+    return plots.with_colorbar(img, vmin=common[0], vmax=common[1], label="attention") if common else img
 
 
 def render_distance(exp: Exploration) -> Image.Image:
