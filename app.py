@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -452,6 +453,29 @@ def _explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict
     return explaining.explain_exploration(CACHE, exp, target=target)
 
 
+class _Recent:
+    """A bounded set: the newest `size` keys."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self._size:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys
+
+
+_EXPLAINED = _Recent()  # the analyses whose Explain tab has been drawn
+
+
 def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = EXPLAIN_SCALES[0], request: gr.Request = None,
                *, keep_faithfulness: bool = False) -> Outputs:
     """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
@@ -470,6 +494,7 @@ def on_explain(ref: SessionRef | None, target: str | None, scale_value: str = EX
     else:
         note = f"Explaining **{label}** ({float(a.probabilities[index]):.1%})."
     faith = {faith_img: gr.skip(), faith_table: gr.skip()} if keep_faithfulness else {faith_img: None, faith_table: None}
+    _EXPLAINED.add(ref.key)
     return {explain_note: note, **faith, **{explain_imgs[m]: pictures.get(m) for m in METHODS}}
 
 
@@ -546,7 +571,11 @@ def on_tab(ref: SessionRef | None, target: str | None, scale_value: str, share: 
 
 
 def on_refresh_tab(ref: SessionRef | None, tab: str, target: str | None, scale_value: str, share: float) -> Outputs:
-    """After an analysis: the tab on show, if it is drawn on demand, drawn for the new analysis."""
+    """After an analysis: the tab on show, if it is drawn on demand, drawn for the new analysis —
+    unless a class was picked for that analysis meanwhile (its drawing is newer than `target`, which
+    was read when the analysis began)."""
+    if tab == "explain" and isinstance(ref, SessionRef) and ref.key in _EXPLAINED:
+        return {explain_note: gr.skip()}
     return _draw_tab(ref, tab, target, scale_value, share)
 
 
@@ -706,6 +735,8 @@ CSS = """
 /* figures start below their label and buttons, which Gradio lays over the top of an image */
 .vv-figure .image-container { padding-top: 38px; }
 #vv-explorer img, #vv-features img { cursor: crosshair; }
+/* no picture of the analysed image before the first analysis (not an empty frame) */
+#vv-result-thumb:not(:has(img)) { display: none; }
 /* results that are not those of the image and variant chosen now */
 .vv-stale #vv-status, .vv-stale .tabs { opacity: 0.45; }
 /* the Use button sits beside the box it applies to, level with it, not with its label */
@@ -779,10 +810,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                     with gr.Tab("Predict", id="predict"):
                         gr.Markdown(
                             "Top-5 classes (click one to explain it) and **attention rollout**: how much the cls token, after "
-                            "all layers, draws on each patch. Each layer's attention is fused over heads (mean, max or min), its "
-                            "weakest links are optionally discarded, the identity is added for the residual path and each row is "
-                            "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
-                            "layers are then multiplied from the first up (Abnar & Zuidema 2020).",
+                            "all layers, draws on each patch.",
                             elem_classes="vv-caption",
                         )
                         predict_note = gr.Markdown("", elem_id="vv-predict-note")
@@ -793,6 +821,13 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                         with gr.Row():
                             head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion", elem_id="vv-fusion")
                             discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio", elem_id="vv-discard")
+                        gr.Markdown(
+                            "Rollout (Abnar & Zuidema 2020): each layer's attention is fused over heads (mean, max or min), its "
+                            "weakest links are optionally discarded, the identity is added for the residual path and each row is "
+                            "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
+                            "layers are then multiplied from the first up.",
+                            elem_classes="vv-caption",
+                        )
                         with gr.Row():
                             export = gr.Button("Prepare the analysis as .npz", size="sm")
                             npz = gr.File(label="Attention stack, rollout, distances (.npz)")

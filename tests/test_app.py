@@ -499,3 +499,19 @@ def test_a_clipped_label_is_found():
     assert plots.clipped_text(bar)
     fine = plots.with_colorbar(Image.new("RGB", (40, 60)), vmin=0.0, vmax=0.5, label="attention")
     assert plots.text_boxes(fine) and not plots.clipped_text(fine)
+
+
+def test_a_class_picked_during_the_analysis_chain_stays(app, example):
+    """The chain after an analysis draws the Explain tab for the class it read when the analysis began;
+    a class picked for that analysis meanwhile is newer and stays on the page."""
+    ref = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[app.state]
+
+    class _Pick:
+        value = "circle"
+
+    picked = app.on_pick_class(ref, app.EXPLAIN_SCALES[0], _Pick())
+    assert "circle" in picked[app.explain_note]
+    assert list(app.on_refresh_tab(ref, "explain", "star", app.EXPLAIN_SCALES[0], 0.6)) == [app.explain_note]  # a skip
+    fresh = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[app.state]
+    drawn = app.on_refresh_tab(fresh, "explain", "star", app.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
+    assert all(drawn[app.explain_imgs[m]] is not None for m in app.METHODS)

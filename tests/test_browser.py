@@ -2,6 +2,7 @@
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +106,65 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.screenshot(path=str(shots / "7-phone.png"), full_page=True)
     assert overflow <= 1, f"the page is {overflow}px wider than a phone screen"
     assert len(list(shots.glob("*.png"))) == 7
+
+
+SCREENS = Path(__file__).resolve().parent.parent / "docs" / "screens"
+CONTRAST_JS = (Path(__file__).resolve().parent / "js" / "contrast.js").read_text()
+
+
+def _low_contrast(page) -> list[str]:
+    return page.evaluate(CONTRAST_JS)
+
+
+def test_the_page_at_a_desk_and_on_a_phone(url, page):
+    """1366x900: the explorer's map and controls above the fold once its tab is chosen, the mosaic
+    beside the map; 414x896: after Analyse the page has gone to the results, one column, the rollout
+    at least 360 px wide with its title clear of the buttons. On both, every text at 4.5:1 at least.
+    The screenshots in docs/screens are these."""
+    base, example = url
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    page.set_viewport_size({"width": 1366, "height": 900})
+    page.goto(base)
+    page.wait_for_selector("#vv-run")
+    low = _low_contrast(page)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.wait_for_selector("#vv-rollout img")
+    page.screenshot(path=str(SCREENS / "desktop-predict.png"))
+    for tab in ("Predict", "Explain", "Explorer", "Tokens", "Distance", "Positions", "Architecture", "Compare"):
+        page.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(400)
+        low += [f"{tab}: {x}" for x in _low_contrast(page)]
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    page.evaluate("window.scrollTo(0, 0)")
+    box = page.locator("#vv-explorer-live canvas.vvx-map").bounding_box()
+    controls = page.locator("#vv-explorer-live .vvx-controls").bounding_box()
+    mosaic = page.locator("#vv-explorer-live canvas.vvx-mosaic").bounding_box()
+    assert box["y"] >= 0 and box["y"] + box["height"] <= 900 and controls["y"] + controls["height"] <= 900, (box, controls)
+    assert mosaic["x"] >= box["x"] + box["width"] and abs(mosaic["y"] - box["y"]) < 5, (box, mosaic)  # beside, level
+    page.screenshot(path=str(SCREENS / "desktop-explorer.png"))
+
+    page.set_viewport_size({"width": 414, "height": 896})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.wait_for_selector("#vv-rollout img")
+    page.wait_for_function("Math.abs(document.querySelector('#vv-results').getBoundingClientRect().top) < 60")
+    assert page.evaluate("window.scrollY") > 500  # the results sit under the inputs on a phone: the page went there
+    rollout = page.locator("#vv-rollout img").bounding_box()
+    predictions = page.locator("#vv-predictions").bounding_box()
+    assert rollout["width"] >= 360 and rollout["y"] >= predictions["y"] + predictions["height"] - 1, (rollout, predictions)
+    _no_label_covers_a_picture(page)
+    assert page.evaluate("document.documentElement.scrollWidth - window.innerWidth") <= 1
+    low += [f"phone: {x}" for x in _low_contrast(page)]
+    page.screenshot(path=str(SCREENS / "phone-results.png"))
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    page.locator("#vv-explorer-live .vvx-controls").scroll_into_view_if_needed()
+    low += [f"phone explorer: {x}" for x in _low_contrast(page)]
+    page.screenshot(path=str(SCREENS / "phone-explorer.png"))
+    assert low == [], "\n".join(low)
 
 
 def _choose(page, label, option):
@@ -288,15 +348,17 @@ def test_the_browser_draws_the_servers_pixels(url, page):
             x, y = (h % cols) * (tile + 6), (h // cols) * (tile + 16 + 6)
             assert np.array_equal(mosaic[y : y + tile, x : x + tile], server[y : y + tile, x : x + tile]), (layer, query, h)
 
-    same_as_server(6, "mean", 0, "map")
+    same_as_server(6, "mean", 0, "layer")  # the default: map and mosaic on one colour bar for the layer
     canvas = page.locator("#vv-explorer-live canvas.vvx-map")
     box = canvas.bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.6)  # hover: patch row 4, column 3
-    same_as_server(6, "mean", 1 + 3 * 6 + 2, "map")
+    same_as_server(6, "mean", 1 + 3 * 6 + 2, "layer")
     page.mouse.click(box["x"] + box["width"] * 0.9, box["y"] + box["height"] * 0.1)  # pin: row 1, column 6
     page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.9)  # a pinned query stays
-    same_as_server(6, "mean", 6, "map")
+    same_as_server(6, "mean", 6, "layer")
     assert "pinned" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+    page.locator("#vv-explorer-live .vvx-scale").select_option(value="map")
+    same_as_server(6, "mean", 6, "map")
     page.locator("#vv-explorer-live .vvx-layer").focus()
     for layer in (5, 4):
         page.keyboard.press("ArrowLeft")

@@ -260,11 +260,11 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
             "view: rollout option (handler)": lambda: app.on_rollout_options(ref, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
         }
         client_views = {
-            "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, "each map", api_name="/session_view"),
-            "view: head (gradio_client)": lambda: viewer.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, "each map", api_name="/session_view"),
-            "view: query patch (gradio_client)": lambda: viewer.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), "each map", api_name="/session_view"),
+            "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, "each map its own", api_name="/session_view"),
+            "view: head (gradio_client)": lambda: viewer.predict(layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0, "each map its own", api_name="/session_view"),
+            "view: query patch (gradio_client)": lambda: viewer.predict(layers, "mean", 1 + 37 * tick() % (tokens - 1), "each map its own", api_name="/session_view"),
             "view: rollout option (gradio_client)": lambda: viewer.predict(["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9), api_name="/session_rollout"),
-            "view: layer (gradio_client, images fetched)": lambda: client.predict(1 + tick() % layers, "mean", 0, "each map", api_name="/session_view"),
+            "view: layer (gradio_client, images fetched)": lambda: client.predict(1 + tick() % layers, "mean", 0, "each map its own", api_name="/session_view"),
             "gradio_client floor: a trivial echo app": lambda: echo.predict("x", api_name="/echo"),
         }
         try:
