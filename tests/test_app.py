@@ -13,7 +13,7 @@ from vitviz.model import ViT
 
 @pytest.fixture(scope="module")
 def app():
-    import app as app_module
+    from vitviz.server import app as app_module
 
     return app_module
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def app():
-    import app as app_module
+    from vitviz.server import app as app_module
 
     return app_module
 

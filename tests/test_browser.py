@@ -17,7 +17,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 
 @pytest.fixture(scope="module")
 def url():
-    import app
+    from vitviz.server import app
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
     try:
@@ -179,7 +179,7 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
 
     import torch
 
-    import app
+    from vitviz.server import app
 
     calls = []
     explore = app.views.explore
@@ -323,7 +323,7 @@ def test_the_browser_draws_the_servers_pixels(url, page):
     browser, are the pictures the server draws for the same view (map and every head's tile)."""
     import numpy as np
 
-    import app
+    from vitviz.server import app
     from vitviz.server import views
 
     base, example = url

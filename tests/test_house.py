@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import sys
 import textwrap
 from pathlib import Path
@@ -134,18 +135,30 @@ def _repo_copy(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_vitviz_installs_into_a_fresh_venv_and_loads_an_embedded_model_anywhere(tmp_path):
+    """As a user installs it: a wheel built by pip, installed by a fresh venv's own pip, imported from
+    another folder; the `vitviz-app` command is there. The venv is made by whichever Python runs the
+    tests (itself a venv or not); torch & co. come from the environment running the tests (installing
+    them again would be gigabytes), on the venv's path after its own site-packages."""
     src = _repo_copy(tmp_path)
-    venv = tmp_path / "venv"
-    # the venv sees this machine's torch & co. (installing them again would download gigabytes) and
-    # its setuptools; this interpreter's pip installs into it
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import vitviz"], cwd=tmp_path, capture_output=True, text=True)
-    assert probe.returncode != 0, "vitviz is importable before it is installed"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-build-isolation", "--no-deps", "-q", str(src)],
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
         cwd=tmp_path, capture_output=True, text=True,
     )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = wheels.glob("vitviz-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (Path(purelib) / "zz-test-environment.pth").write_text("".join(f"{p}\n" for p in ours))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VITVIZ_ASSETS", "VIRTUAL_ENV")}
+    probe = subprocess.run([str(python), "-c", "import vitviz"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert probe.returncode != 0, "vitviz is importable before it is installed"
+    install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
+                             cwd=tmp_path, capture_output=True, text=True, env=env)
     assert install.returncode == 0, install.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -158,10 +171,11 @@ def test_vitviz_installs_into_a_fresh_venv_and_loads_an_embedded_model_anywhere(
         print(vitviz.analyze(model, star).predictions(1)[0][0])
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VITVIZ_ASSETS")}
     out = subprocess.run([str(python), "-c", code], cwd=elsewhere, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "star"
+    command = subprocess.run([str(venv / "bin" / "vitviz-app"), "--help"], cwd=elsewhere, capture_output=True, text=True, env=env)
+    assert command.returncode == 0 and "usage: vitviz-app" in command.stdout, command.stderr[-2000:]
 
 
 def _readme_blocks() -> list[str]:

@@ -18,7 +18,7 @@ REFUSED = "must be uploaded to this app"
 
 @pytest.fixture(scope="module")
 def app():
-    import app as app_module
+    from vitviz.server import app as app_module
 
     return app_module
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    import app
+    from vitviz.server import app
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
     try:
@@ -81,7 +81,7 @@ def test_hostile_files_get_clear_errors_and_the_server_keeps_serving(server, tmp
 
 
 def test_sixteen_concurrent_clients_each_get_their_own_answer(server, tmp_path, monkeypatch):
-    import app
+    from vitviz.server import app
 
     # sixteen clients would come from sixteen addresses; here they share 127.0.0.1
     monkeypatch.setattr(app.demo, "address_jobs", 16)

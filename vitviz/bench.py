@@ -206,7 +206,7 @@ def _random_torchvision_checkpoints(names) -> dict:
 
 def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
     tv = _random_torchvision_checkpoints([arch, second])[arch]
-    import app
+    from vitviz.server import app
     from gradio_client import Client, handle_file
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
@@ -357,7 +357,7 @@ def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[
     rows = []
     with _private_weights() as torch_home:
         models = _random_torchvision_checkpoints([n for n in names if vitviz.get_spec(n).source == "torchvision"])
-        import app
+        from vitviz.server import app
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
         rng = np.random.default_rng(3)
@@ -569,7 +569,7 @@ def fairness_table(arch: str = "vit_b_16", *, joins: int = 33) -> dict:
 
     with _private_weights():
         _random_torchvision_checkpoints([arch])
-        import app
+        from vitviz.server import app
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
         base = app.demo.local_url.rstrip("/")
