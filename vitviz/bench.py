@@ -6,6 +6,8 @@
     python -m vitviz.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
     python -m vitviz.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
     python -m vitviz.bench --serving         # each kind of request priced and measured; one client's share of the queue
+    python -m vitviz.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
+    python -m vitviz.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
@@ -612,6 +614,90 @@ def fairness_table(arch: str = "vit_b_16", *, joins: int = 33) -> dict:
             app.demo.close()
 
 
+_PEAK_OF_LOAD = """
+import sys, time
+import numpy as np
+from PIL import Image
+def status(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":")) / 1024
+path, how = sys.argv[1], sys.argv[2]
+before = status("VmRSS")
+t = time.perf_counter()
+if how == "vitviz":
+    import vitviz
+    before = status("VmRSS")
+    t = time.perf_counter()
+    vitviz.load_image(path)
+else:  # the plain conversion: the float pixels as a float64 array, scaled to 8 bits
+    np.clip(np.asarray(Image.open(path), dtype=np.float64) * 255, 0, 255).astype(np.uint8)
+print(status("VmHWM") - before, time.perf_counter() - t)
+"""
+
+
+def inputs_table(rounds: int = 5) -> list[tuple[str, str, float, float]]:
+    """(input, how, median seconds, peak MB above the process's resident size before) for the
+    hostile images of a checkout's tests/corpus.py: a 20 MB GIF of 1.38 million frames and a 40 MP
+    float TIFF, each read in a fresh process (peak = VmHWM - VmRSS, Linux)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    corpus_dir = Path(__file__).resolve().parent.parent / "tests"
+    if not (corpus_dir / "corpus.py").is_file():
+        raise SystemExit("--inputs needs a checkout of vitviz (it reads tests/corpus.py)")
+    sys.path.insert(0, str(corpus_dir))
+    import corpus
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data, hows in (("GIF, 1.38 M frames", corpus.many_frames_gif(), ("vitviz",)),
+                                 ("TIFF, 40 MP float", corpus.float_tiff(), ("vitviz", "float64"))):
+            path = Path(tmp) / ("input.gif" if "GIF" in name else "input.tiff")
+            path.write_bytes(data)
+            for how in hows:
+                runs = [subprocess.run([sys.executable, "-c", _PEAK_OF_LOAD, str(path), how], capture_output=True, text=True, check=True)
+                        for _ in range(rounds)]
+                peaks, seconds = zip(*(map(float, r.stdout.split()) for r in runs))
+                rows.append((name, how, statistics.median(seconds), statistics.median(peaks)))
+    return rows
+
+
+def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10) -> list[tuple[str, float]]:
+    """(what, median ms) for one training step of an embedded model on random images: forward and
+    backward with the fused attention kernel and with the plain softmax product; an optimizer step
+    of `torch.optim.Muon` (as `vitviz.train_shapes.muon`) and of AdamW on the encoder's matrices; and
+    images per second for eager and `torch.compile`d forward and backward at twice the batch."""
+    from vitviz.sources import get_spec
+    from vitviz.train_shapes import muon
+
+    torch.manual_seed(0)
+    model = get_spec(name).build().train()
+    side = model.image_size
+    x, y = torch.randn(batch, 3, side, side), torch.randint(0, model.num_classes, (batch,))
+    attention = [m for m in model.modules() if hasattr(m, "fused")]
+
+    def step(fused: bool, net=model, xb=x, yb=y):
+        for m in attention:
+            m.fused = fused
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(xb), yb).backward()
+
+    times = measure({"fused": lambda: step(True), "plain": lambda: step(False)}, rounds=rounds)
+    rows = [(f"forward + backward, batch {batch}, fused attention", 1e3 * statistics.median(times["fused"])),
+            (f"forward + backward, batch {batch}, plain softmax product", 1e3 * statistics.median(times["plain"]))]
+    step(True)
+    matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    optimizers = {"Muon": muon(matrices, lr=1e-3, weight_decay=0.05), "AdamW": torch.optim.AdamW(matrices, lr=1e-3, weight_decay=0.05)}
+    times = measure({k: o.step for k, o in optimizers.items()}, rounds=rounds)
+    rows += [(f"optimizer step, {k}, {len(matrices)} matrices", 1e3 * statistics.median(times[k])) for k in optimizers]
+    big = batch * 2
+    xb, yb = torch.randn(big, 3, side, side), torch.randint(0, model.num_classes, (big,))
+    compiled = torch.compile(model)
+    times = measure({"eager": lambda: step(True, model, xb, yb), "compiled": lambda: step(True, compiled, xb, yb)}, rounds=rounds, warmup=3)
+    rows += [(f"images/s forward + backward, batch {big}, {k}", big / statistics.median(times[k])) for k in ("eager", "compiled")]
+    return rows
+
+
 def _print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"\n{title}")
     print(f"{'path':<46}{'median ms':>12}{'ratio':>9}")
@@ -632,8 +718,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--images", type=int, default=128)
     ap.add_argument("--metrics", default="distance", help="the metrics of --evaluate")
+    ap.add_argument("--inputs", action="store_true", help="hostile images (a checkout's tests/corpus.py): seconds and peak memory")
+    ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     args = ap.parse_args(argv)
+    if args.inputs:
+        print(f"vitviz.bench --inputs; {time.strftime('%Y-%m-%d')}; {_machine()}; each read in a fresh process, median of 5")
+        print(f"\n{'input':<22}{'read by':<10}{'seconds':>10}{'peak MB':>10}")
+        for name, how, seconds, peak in inputs_table():
+            print(f"{name:<22}{how:<10}{seconds:>10.3f}{peak:>10.0f}")
+        return
+    if args.training:
+        print(f"vitviz.bench --training shapes_p8, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}; {torch.get_num_threads()} threads")
+        for what, value in training_table(rounds=args.rounds):
+            print(f"{what:<58}{value:>10.1f}")
+        return
     if args.serving:
         print(f"vitviz.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
