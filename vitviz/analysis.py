@@ -8,6 +8,11 @@
 
 Shapes: L layers, B batch, H heads, N tokens = p + gh*gw with p prefix tokens, P patch size.
 Functions that take an attention stack accept `[L, B, H, N, N]` or, for one image, `[L, H, N, N]`.
+
+Queries: a map is one row of a token-by-token matrix (rollout, relevance, attention) over the patch
+columns. The row is a token's (0 the cls token, 1 DeiT's distillation token), or "pool" (`POOL`) for
+a model that classifies from the mean of its tokens after the prefix (timm's and vitviz's "avg"
+pooling): that query's row is the mean of those tokens' rows, the patches' rows.
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "POOL",
+    "Query",
     "fuse_heads",
     "attention_rollout",
     "rollout_fused",
     "cls_map",
+    "pooled_row",
+    "query_row",
+    "with_pooled_query",
     "query_attention",
     "mean_attention_distance",
     "uniform_attention_distance",
@@ -35,6 +45,8 @@ __all__ = [
 ]
 
 HeadFusion = Literal["mean", "max", "min"]
+POOL = "pool"
+Query = int | Literal["pool"]  # a token index, or "pool": the mean of the patch tokens
 
 
 def infer_grid(num_patches: int, grid: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -126,15 +138,63 @@ def rollout_fused(fused: torch.Tensor, *, discard_ratio: float = 0.0, num_prefix
     return rollout
 
 
-def cls_map(
-    rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, token: int = 0
-) -> torch.Tensor:
-    """A prefix token's row of a rollout over the patches: [B, N, N] -> [B, gh, gw] (or [N, N] -> [gh, gw]).
+def pooled_row(matrix: torch.Tensor, *, num_prefix_tokens: int) -> torch.Tensor:
+    """The pooled query's row: the mean of the rows of the tokens an "avg" pooling averages, every
+    token from p on (the patches; timm's `global_pool_nlc` without `reduce_include_prefix`).
 
-    `token` 0 is the cls token; 1 is DeiT's distillation token."""
-    if not 0 <= token < num_prefix_tokens:
-        raise ValueError(f"token {token} is not a prefix token (there are {num_prefix_tokens})")
-    row = rollout[..., token, num_prefix_tokens:]
+    Args:
+        matrix: [..., N, N] (rollout, relevance, one layer's attention).
+        num_prefix_tokens: p.
+
+    Returns:
+        [..., N]: over every key column, prefix included.
+    """
+    if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2]:
+        raise ValueError(f"matrix must be [..., N, N], got {list(matrix.shape)}")
+    if not 0 <= num_prefix_tokens < matrix.shape[-1]:
+        raise ValueError(f"num_prefix_tokens {num_prefix_tokens} leaves no token to pool among {matrix.shape[-1]}")
+    return matrix[..., num_prefix_tokens:, :].mean(dim=-2)
+
+
+def query_row(matrix: torch.Tensor, *, query: Query, num_prefix_tokens: int) -> torch.Tensor:
+    """One query's row of a token-by-token matrix: [..., N, N] -> [..., N] (every key column).
+
+    Args:
+        query: a token index (0 is the first prefix token; patch (r, c) is p + r * gw + c) or "pool".
+    """
+    if isinstance(query, str):
+        if query != POOL:
+            raise ValueError(f"a query is a token index or {POOL!r}, got {query!r}")
+        return pooled_row(matrix, num_prefix_tokens=num_prefix_tokens)
+    n = matrix.shape[-1]
+    if not 0 <= query < n:
+        raise ValueError(f"query {query} is not a token (there are {n})")
+    return matrix[..., query, :]
+
+
+def with_pooled_query(matrix: torch.Tensor, *, num_prefix_tokens: int) -> torch.Tensor:
+    """The rows of every query: the prefix tokens', the pooled query's, then the patches':
+    [..., N, N] -> [..., N + 1, N] (the pooled row at index p)."""
+    p = num_prefix_tokens
+    pooled = pooled_row(matrix, num_prefix_tokens=p).unsqueeze(-2)
+    return torch.cat([matrix[..., :p, :], pooled, matrix[..., p:, :]], dim=-2)
+
+
+def cls_map(
+    rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, token: Query = 0
+) -> torch.Tensor:
+    """A query's row of a rollout (or any token-by-token map) over the patches: [B, N, N] -> [B, gh, gw]
+    (or [N, N] -> [gh, gw]).
+
+    `token` 0 is the cls token; 1 is DeiT's distillation token; "pool" is the mean of the patch
+    tokens' rows, the query of a model that classifies from their mean."""
+    if isinstance(token, str):
+        row = query_row(rollout, query=token, num_prefix_tokens=num_prefix_tokens)[..., num_prefix_tokens:]
+    else:
+        if not 0 <= token < num_prefix_tokens:
+            hint = f"; a model that pools its patch tokens has {POOL!r} as its query" if num_prefix_tokens == 0 else ""
+            raise ValueError(f"token {token} is not a prefix token (there are {num_prefix_tokens}){hint}")
+        row = rollout[..., token, num_prefix_tokens:]
     gh, gw = infer_grid(row.shape[-1], grid)
     return row.reshape(*row.shape[:-1], gh, gw)
 
@@ -143,7 +203,7 @@ def query_attention(
     attn: torch.Tensor,
     *,
     layer: int,
-    query: int,
+    query: Query,
     head: int | HeadFusion = "mean",
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 1,
@@ -153,7 +213,8 @@ def query_attention(
     Args:
         attn: [L, H, N, N] for one image.
         layer: layer index.
-        query: token index (0 is the cls token; patch (r, c) is p + r * gw + c).
+        query: token index (0 is the cls token; patch (r, c) is p + r * gw + c), or "pool" (the
+            mean of the patch tokens' rows).
         head: a head index, or "mean"/"max"/"min" over heads.
 
     Returns:
@@ -161,7 +222,7 @@ def query_attention(
     """
     if attn.ndim != 4:
         raise ValueError(f"attn must be [L, H, N, N] for one image, got {list(attn.shape)}")
-    rows = attn[layer, :, query, num_prefix_tokens:]  # [H, gh*gw]
+    rows = query_row(attn[layer], query=query, num_prefix_tokens=num_prefix_tokens)[:, num_prefix_tokens:]  # [H, gh*gw]
     row = rows[head] if isinstance(head, int) else fuse_heads(rows, head, dim=0)
     gh, gw = infer_grid(row.shape[-1], grid)
     return row.reshape(gh, gw)

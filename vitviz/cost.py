@@ -161,12 +161,13 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
     if kind in ("explorer", "explorer_layer"):
         views = heads + 2
-        one = views * n * (4 + (n - spec.num_prefix_tokens))
-        whole = depth * one + 4 * n
+        queries = n + int(spec.config.pooled_query)  # a mean-pooled model's "pool" query is a row of its own
+        one = views * queries * (4 + (n - spec.num_prefix_tokens))
+        whole = depth * one + 4 * queries
         if kind == "explorer":  # the whole stack when the browser can hold it, else a layer at a time, else nothing
-            written = whole if whole <= BROWSER_BYTES else (0 if one + 4 * n > BROWSER_BYTES else one + 4 * n)
+            written = whole if whole <= BROWSER_BYTES else (0 if one + 4 * queries > BROWSER_BYTES else one + 4 * queries)
         else:
-            written = one + 4 * n
-        transient = views * n * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
+            written = one + 4 * queries
+        transient = views * queries * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
         return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")

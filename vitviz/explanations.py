@@ -8,6 +8,9 @@ Methods (`METHODS`):
 - "gradient": Chefer et al. 2021's relevance for the target logit (`vitviz.relevance`).
 - "grad_rollout": attention weighted by the same layer's gradient, fused, clipped and rolled out.
 
+Each map is the classifier's query's row over the patches: the cls token's, or for a model without
+one that classifies from the mean of its patch tokens, the mean of the patch tokens' rows ("pool").
+
 `relevance_maps` computes any set of methods for a batch in one forward and, when a gradient
 method is asked for, one backward of the summed per-sample target logits (samples do not interact in
 eval mode); it is `record` (the model's part) then `maps_of` (pure).
@@ -22,7 +25,7 @@ from typing import Literal, Sequence
 import torch
 from PIL import Image
 
-from vitviz.analysis import HeadFusion, attention_rollout, cls_map
+from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.model import ViT
@@ -87,6 +90,8 @@ class Recorded:
         attentions: [L, B, H, N, N]; gradients: the same shape, or None without a gradient method.
         targets: the class of each sample [B] (None without a classifier); probabilities [B, C] or None.
         grid: the patch grid; num_prefix_tokens: p.
+        pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
+            its maps are the mean of the patch tokens' rows ("pool") instead of the cls token's.
     """
 
     attentions: torch.Tensor = field(repr=False)
@@ -95,6 +100,12 @@ class Recorded:
     probabilities: torch.Tensor | None = field(repr=False)
     grid: tuple[int, int]
     num_prefix_tokens: int
+    pooled_query: bool = False
+
+    @property
+    def query(self) -> Query:
+        """The classifier's query: 0 (the cls token) or "pool"."""
+        return POOL if self.pooled_query else 0
 
 
 def _check_methods(methods: Sequence[str]) -> None:
@@ -141,15 +152,27 @@ def record(
     return Recorded(
         attentions=attn, gradients=grads, targets=chosen, probabilities=probs,
         grid=model.grid_for(x.shape[-2], x.shape[-1]), num_prefix_tokens=spec.num_prefix_tokens,
+        pooled_query=spec.config.pooled_query,
     )
 
 
 def maps_of(
-    recorded: Recorded, methods: Sequence[str] = METHODS, *, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0
+    recorded: Recorded,
+    methods: Sequence[str] = METHODS,
+    *,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
+    query: Query | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{method: maps [B, gh, gw]} from a recorded batch (pure: no model)."""
+    """{method: maps [B, gh, gw]} from a recorded batch (pure: no model).
+
+    Args:
+        query: whose row each map is: a prefix token's index or "pool"; None for the classifier's
+            (`Recorded.query`).
+    """
     _check_methods(methods)
     attn, grads, p, grid = recorded.attentions, recorded.gradients, recorded.num_prefix_tokens, recorded.grid
+    query = recorded.query if query is None else query
     if grads is None and any(m in _GRADIENT_METHODS for m in methods):
         raise ValueError("gradient methods need a batch recorded with gradients=True")
     maps: dict[str, torch.Tensor] = {}
@@ -162,7 +185,7 @@ def maps_of(
             r = gradient_relevance(attn, grads)
         else:
             r = gradient_rollout(attn, grads, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p).detach().cpu()
+        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p, token=query).detach().cpu()
     return maps
 
 

@@ -148,6 +148,19 @@ class ViTConfig:
         )
 
     @property
+    def pooled_query(self) -> bool:
+        """The classifier reads the mean of the tokens after the prefix (the patches) and there is no
+        cls token: its query is that mean, "pool", whose row of any token-by-token map is the mean of
+        the patch tokens' rows."""
+        return self.pool == "avg" and not self.class_token
+
+    @property
+    def query_names(self) -> tuple[str, ...]:
+        """The queries a map can be read from besides the patches: the prefix tokens, then "pool" for
+        a model whose classifier reads the mean of its patch tokens and has no cls token."""
+        return self.prefix_names + (("pool",) if self.pooled_query else ())
+
+    @property
     def grid(self) -> tuple[int, int]:
         side = self.image_size // self.patch_size
         return side, side
@@ -334,6 +347,7 @@ class ViT(nn.Module):
     grid = property(lambda self: self.config.grid)
     num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
     prefix_names = property(lambda self: self.config.prefix_names)
+    query_names = property(lambda self: self.config.query_names)
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from vitviz.analysis import HeadFusion, attention_rollout, cls_map, mean_attention_distance
+from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map, mean_attention_distance
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.model import ViT
@@ -51,6 +51,13 @@ class Analysis:
         prefix_names: the tokens before the patches, in order ("cls", "dist", "reg1", ...).
         device: where the model ran.
         model_seconds: time of the recorded forward.
+        pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
+            its query is "pool", the mean of the patch tokens' rows (`query_names`).
+
+    Query indices (the explorer's) are the token indices, except that a pooled model's "pool" sits
+    between the prefix tokens and the patches: index i < p is prefix token i, index p is "pool",
+    patch (r, c) is `patch_query(r, c)` = p + 1 + r * gw + c; `query_token` turns an index into
+    the token (or "pool") it stands for.
     """
 
     variant: str
@@ -65,10 +72,39 @@ class Analysis:
     prefix_names: tuple[str, ...]
     device: str
     model_seconds: float
+    pooled_query: bool = False
 
     @property
     def num_prefix_tokens(self) -> int:
         return len(self.prefix_names)
+
+    @property
+    def query_names(self) -> tuple[str, ...]:
+        """The named queries: the prefix tokens, then "pool" for a pooled model."""
+        return self.prefix_names + ((POOL,) if self.pooled_query else ())
+
+    @property
+    def default_query(self) -> Query:
+        """The classifier's query: 0 (the first prefix token, the cls token) or "pool"."""
+        return POOL if self.pooled_query else 0
+
+    @property
+    def num_queries(self) -> int:
+        """The named queries and the patches."""
+        return len(self.query_names) + self.grid[0] * self.grid[1]
+
+    def query_token(self, index: int) -> Query:
+        """The token (or "pool") query `index` stands for: [0, num_queries) -> token index or "pool"."""
+        if not 0 <= index < self.num_queries:
+            raise ValueError(f"query {index} is outside 0..{self.num_queries - 1}")
+        p = self.num_prefix_tokens
+        if not self.pooled_query or index < p:
+            return index
+        return POOL if index == p else index - 1
+
+    def patch_query(self, row: int, col: int) -> int:
+        """The query index of patch (row, col)."""
+        return len(self.query_names) + row * self.grid[1] + col
 
     @property
     def nbytes(self) -> int:
@@ -87,10 +123,11 @@ class Analysis:
         """Attention rollout R [N, N] (rows sum to 1)."""
         return attention_rollout(self.attentions, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=self.num_prefix_tokens)
 
-    def cls_map(self, *, token: int = 0, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
-        """A prefix token's rollout over the patches [gh, gw]: the cls token's by default (token 1 is
-        DeiT's distillation token)."""
+    def cls_map(self, *, token: Query | None = None, head_fusion: HeadFusion = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+        """A query's rollout over the patches [gh, gw]: the classifier's by default (`default_query`:
+        the cls token, or "pool" for a pooled model); token 1 is DeiT's distillation token."""
         r = self.rollout(head_fusion=head_fusion, discard_ratio=discard_ratio)
+        token = self.default_query if token is None else token
         return cls_map(r, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=token)
 
     def distances(self, *, renormalize: bool = True) -> torch.Tensor:
@@ -160,4 +197,5 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
         prefix_names=spec.prefix_names,
         device=str(param.device),
         model_seconds=seconds,
+        pooled_query=spec.config.pooled_query,
     )

@@ -4,7 +4,8 @@
   Bi-Modal and Encoder-Decoder Transformers" (ICCV 2021), the rule for self-attention: with A_l a
   block's softmax output and G_l = dy_c/dA_l the gradient of the target logit with respect to that
   same A_l, R = I and, for l = 1..L in forward order, R <- R + mean_h (G_l ⊙ A_l)⁺ R. No row
-  normalisation. The map is R[cls, patches].
+  normalisation. The map is R[cls, patches]; for a model that classifies from the mean of its patch
+  tokens (no cls token), the mean of the patch tokens' rows, R[patches, patches] averaged over rows.
 - Gradient rollout (the idea of vit-explain's `grad_rollout`, with its bugs fixed: each layer's
   attention with the same layer's gradient, and the gradient of A itself, not of the logits before
   the softmax): A'_l = fuse_h(G_l ⊙ A_l) with negatives set to 0, then rolled out as attention
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vitviz.analysis import HeadFusion, _as_batched, fuse_heads, infer_grid, rollout_fused
+from vitviz.analysis import HeadFusion, Query, _as_batched, fuse_heads, infer_grid, query_row, rollout_fused
 
 __all__ = [
     "gradient_relevance",
@@ -80,7 +81,10 @@ def gradient_rollout(
 
 
 def last_layer_attention(attn: torch.Tensor) -> torch.Tensor:
-    """The last layer's attention averaged over heads: [L, B, H, N, N] -> [B, N, N] (or [L, H, N, N] -> [N, N])."""
+    """The last layer's attention averaged over heads: [L, B, H, N, N] -> [B, N, N] (or [L, H, N, N] -> [N, N]).
+
+    A query's map is its row (`vitviz.analysis.cls_map`); the pooled query's, the mean of the patch
+    tokens' rows."""
     a, unbatched = _as_batched(attn)
     out = a[-1].mean(dim=1)
     return out[0] if unbatched else out
@@ -101,19 +105,21 @@ def keep_mass(weights: torch.Tensor, share: float) -> torch.Tensor:
 
 
 def dino_head_maps(
-    attn: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, share: float = 0.6
+    attn: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, share: float = 0.6, query: Query = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last block's cls attention per head over the patches, and the patches holding `share` of it.
 
     Args:
         attn: the attention stack [L, B, H, N, N] or [L, H, N, N] (the last layer is read).
         share: t in DINO's recipe (0.6 in their videos).
+        query: the cls token (0), another token, or "pool" (the mean of the patch tokens' rows, the
+            query of a model without a cls token that classifies from their mean).
 
     Returns:
         maps [B, H, gh, gw] and masks (bool, same shape); [H, gh, gw] each for one image.
     """
     a, unbatched = _as_batched(attn)
-    rows = a[-1, :, :, 0, num_prefix_tokens:]  # [B, H, gh*gw]: the cls query, patch keys
+    rows = query_row(a[-1], query=query, num_prefix_tokens=num_prefix_tokens)[..., num_prefix_tokens:]  # [B, H, gh*gw]: patch keys
     gh, gw = infer_grid(rows.shape[-1], grid)
     maps = rows.reshape(*rows.shape[:2], gh, gw)
     masks = keep_mass(rows, share).reshape(maps.shape)

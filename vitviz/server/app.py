@@ -285,7 +285,7 @@ def _analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None
             visible=distilled,
         ),
         target_class: classes,
-        prefix_query: gr.update(choices=list(a.prefix_names), value=None),
+        prefix_query: gr.update(choices=list(a.query_names), value=None),
         layer: gr.update(maximum=depth, value=depth),
         head: gr.update(choices=head_choices(heads), value="mean"),
         query: 0,
@@ -405,10 +405,10 @@ def _explorer_sweep(*, room: int) -> None:
 def on_view(ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
     """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
     exp = _recall(ref)
-    depth, heads, tokens = exp.analysis.attentions.shape[:3]
+    depth, heads = exp.analysis.attentions.shape[:2]
     layer_value = _checked(inputs.index, layer_value, 1, depth, "layer")
     head_value = _checked(inputs.head, head_value, heads)
-    query_value = _checked(inputs.index, query_value, 0, tokens - 1, "query token")
+    query_value = _checked(inputs.index, query_value, 0, exp.analysis.num_queries - 1, "query token")
     scale = _scale(scale_value)
     return {
         explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value, scale=scale),
@@ -440,9 +440,9 @@ def on_click(ref: SessionRef | None, layer_value: float, head_value: str, scale_
 
 
 def on_prefix_query(ref: SessionRef | None, layer_value: float, head_value: str, name: str | None, scale_value: str = SCALES[0]) -> Outputs:
-    """A prefix token (cls, distillation, a register) as the query."""
+    """A prefix token (cls, distillation, a register) or a mean-pooled model's "pool" as the query."""
     exp = _recall(ref)
-    names = exp.analysis.prefix_names
+    names = exp.analysis.query_names
     if name not in names:
         raise _error(f"The query token must be one of {', '.join(names)}.")
     index = names.index(name)
@@ -706,16 +706,17 @@ def api_attention(image: str | None, variant: str, layer: float, head: str, quer
         variant: the model, as for analyze (e.g. "shapes_p16").
         layer: the layer, 1 to the model's depth.
         head: "mean", "max" or "head <k>" (1-based).
-        query: the query token: 0 is the cls token; patches follow in raster order after the prefix tokens.
+        query: the query token: 0 is the cls token (for a mean-pooled model without one, the pooled
+            query "pool", after any registers); patches follow in raster order.
 
     Returns:
         The query's attention over the patches, drawn on the image.
     """
     exp = _run(image, variant)
-    depth, heads, tokens = exp.analysis.attentions.shape[:3]
+    depth, heads = exp.analysis.attentions.shape[:2]
     layer = _checked(inputs.index, layer, 1, depth, "layer")
     head = _checked(inputs.head, head, heads)
-    query = _checked(inputs.index, query, 0, tokens - 1, "query token")
+    query = _checked(inputs.index, query, 0, exp.analysis.num_queries - 1, "query token")
     return {api_map: views.render_query(exp, layer=layer, head=head, query=query)}
 
 

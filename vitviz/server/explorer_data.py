@@ -1,7 +1,9 @@
 """The explorer's data, as the browser holds it, and the one rule both sides draw it by.
 
 Every row of attention a view can show — layer l, head h (the heads, then their mean and their
-max), query token q, over the patch keys — is kept as 8 bits relative to the row's own maximum:
+max), query q (`Analysis.query_names`, then the patches: for a pooled model the "pool" row, the mean
+of the patch tokens' rows, sits after the prefix tokens'), over the patch keys — is kept as 8 bits
+relative to the row's own maximum:
 q8 = floor(a / max x 255 + 1/2), read back as q8 x max / 255. A view's heat is then coloured by
 `vitviz.plots.heat_indices` and blended by `vitviz.plots.overlay_many`'s integer rule. The server's
 views (`vitviz.server.views`) and the browser's (`explorer.js`) do exactly this, in float64, so the
@@ -9,9 +11,11 @@ two give the same pixels for the same view.
 
 What the browser gets, per analysis, in one binary file (little-endian):
 
-    float32 shared_max[N]                       the largest weight query q gives a patch, any layer or head
-    then per layer: float32 row_max[H + 2, N]   each row's maximum
-                    uint8   rows[H + 2, N, M]   the rows, 8 bits each
+    float32 shared_max[Q]                       the largest weight query q gives a patch, any layer or head
+    then per layer: float32 row_max[H + 2, Q]   each row's maximum
+                    uint8   rows[H + 2, Q, M]   the rows, 8 bits each
+
+(Q = `Analysis.num_queries`: N, or N + 1 with the pooled query.)
 
 All layers in one file when that fits in `budget` bytes (ViT-B/16: 6.5 MB); otherwise one file per
 layer, fetched when the layer is shown (when one layer fits; DINO S/8: 4.9 MB a layer); otherwise the
@@ -29,11 +33,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitviz.analysis import pooled_row, query_row, with_pooled_query
 from vitviz.cost import BROWSER_BYTES
 from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
-__all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
+__all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
            "layer_block", "stack_file", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
@@ -46,7 +51,7 @@ def mosaic_tile_px(grid: tuple[int, int], target: int = 160) -> int:
 
 
 def fused_rows(attn_layer: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-    """One layer's rows for every view: the heads, then their mean and max: [H, N, N] -> float32 [H + 2, N, M]."""
+    """One layer's rows for every view: the heads, then their mean and max: [H, Q, N] -> float32 [H + 2, Q, M]."""
     rows = attn_layer[:, :, num_prefix_tokens:].float()
     return torch.cat([rows, rows.mean(dim=0, keepdim=True), rows.amax(dim=0, keepdim=True)])
 
@@ -65,18 +70,32 @@ def dequantise(q: np.ndarray, top: np.ndarray) -> np.ndarray:
     return q.astype(np.float64) * top.astype(np.float64)[..., None] / 255.0
 
 
+def query_rows(a: Analysis, layer: int) -> torch.Tensor:
+    """Every query's row of one layer (0-based), each head: [H, Q, N]."""
+    if a.pooled_query:
+        return with_pooled_query(a.attentions[layer], num_prefix_tokens=a.num_prefix_tokens)
+    return a.attentions[layer]
+
+
 def row_values(a: Analysis, *, layer: int, head: int, query: int) -> np.ndarray:
     """The values a view of layer `layer` (0-based), head `head` (0..H-1, H: mean, H+1: max) and query
-    token `query` shows over the patches: float64 [M], exactly as the browser reads them."""
-    rows = fused_rows(a.attentions[layer, :, query : query + 1], a.num_prefix_tokens)[head, 0]
+    `query` (an index of `Analysis.query_token`) shows over the patches: float64 [M], exactly as the
+    browser reads them."""
+    row = query_row(a.attentions[layer], query=a.query_token(query), num_prefix_tokens=a.num_prefix_tokens)  # [H, N]
+    rows = fused_rows(row.unsqueeze(1), a.num_prefix_tokens)[head, 0]
     q, top = quantise_rows(rows)
     return dequantise(q, np.asarray(top))
 
 
 def shared_max(a: Analysis) -> np.ndarray:
-    """float32 [N]: the largest weight each query gives a patch, in any layer and head (the top of the
+    """float32 [Q]: the largest weight each query gives a patch, in any layer and head (the top of the
     shared colour scale)."""
-    return a.attentions[:, :, :, a.num_prefix_tokens :].amax(dim=(0, 1, 3)).float().numpy().astype(np.float32)
+    p = a.num_prefix_tokens
+    top = a.attentions[:, :, :, p:].amax(dim=(0, 1, 3))
+    if a.pooled_query:  # the pooled rows alone: [L, H, M], not a second copy of the stack
+        pooled = pooled_row(a.attentions, num_prefix_tokens=p)[..., p:].amax().reshape(1)
+        top = torch.cat([top[:p], pooled, top[p:]])
+    return top.float().numpy().astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -100,17 +119,17 @@ class ExplorerLayout:
 
 def layout_of(a: Analysis, *, budget: int = BUDGET) -> ExplorerLayout:
     depth, heads, n, _ = a.attentions.shape
-    base = ExplorerLayout("stack", depth, heads + 2, n, n - a.num_prefix_tokens)
+    base = ExplorerLayout("stack", depth, heads + 2, a.num_queries, n - a.num_prefix_tokens)
     if base.stack_bytes <= budget:
         return base
-    if 4 * n + base.layer_bytes <= budget:
+    if 4 * base.tokens + base.layer_bytes <= budget:
         return ExplorerLayout("layers", depth, heads + 2, n, base.patches)
     return ExplorerLayout("server", depth, heads + 2, n, base.patches)
 
 
 def layer_block(a: Analysis, layer: int) -> bytes:
     """One layer as the browser reads it: float32 row maxima [H + 2, N], then uint8 rows [H + 2, N, M]."""
-    q, top = quantise_rows(fused_rows(a.attentions[layer], a.num_prefix_tokens))
+    q, top = quantise_rows(fused_rows(query_rows(a, layer), a.num_prefix_tokens))
     return top.astype("<f4").tobytes() + q.tobytes()
 
 
@@ -134,7 +153,7 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
     depth, heads = a.attentions.shape[:2]
     value = dict(
         id=key, mode=layout.mode, depth=depth, heads=heads, views=heads + 2, tokens=layout.tokens, patches=layout.patches,
-        grid=list(a.grid), prefix=list(a.prefix_names), patch_px=a.patch_size * exp.scale,
+        grid=list(a.grid), prefix=list(a.query_names), patch_px=a.patch_size * exp.scale,
         lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist(),
     )
     if layout.mode == "server":

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from vitviz import plots
-from vitviz.analysis import attention_received
+from vitviz.analysis import POOL, Query, attention_received
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity
 from vitviz.images import ImageSource
 from vitviz.pipeline import Analysis, analyze, analyze_crop
@@ -87,21 +87,24 @@ def parse_head(choice: str) -> int | str:
 
 
 def patch_at(exp: Exploration, x: float, y: float) -> int:
-    """The token index of the patch under display pixel (x, y)."""
+    """The query index (`Analysis.query_token`) of the patch under display pixel (x, y)."""
     a = exp.analysis
     px = a.patch_size * exp.scale
     gh, gw = a.grid
     r = min(gh - 1, max(0, int(y // px)))
     c = min(gw - 1, max(0, int(x // px)))
-    return a.num_prefix_tokens + r * gw + c
+    return a.patch_query(r, c)
 
 
 def describe_query(exp: Exploration, query: int) -> str:
+    """What query index `query` stands for, in words."""
     a = exp.analysis
-    if query < a.num_prefix_tokens:
-        name = a.prefix_names[query]
+    if query < len(a.query_names):
+        name = a.query_names[query]
+        if name == POOL:
+            return "query: the mean of the patch tokens (what the classifier reads)"
         return "query: the cls token" if name == "cls" else f"query: the {name} token"
-    r, c = divmod(query - a.num_prefix_tokens, a.grid[1])
+    r, c = divmod(query - len(a.query_names), a.grid[1])
     return f"query: patch row {r + 1}, column {c + 1}"
 
 
@@ -120,22 +123,25 @@ def _name(exp: Exploration, *parts: object) -> str:
 
 def _heat_view(exp: Exploration, heat: torch.Tensor, *, name: str, label: str, vmin: float | None = None,
                vmax: float | None = None, cmap: str = plots.CMAP, mark: int | None = None) -> Image.Image:
-    """A map [gh, gw] over the displayed image, token `mark` outlined when it is a patch, with its
+    """A map [gh, gw] over the displayed image, query `mark` outlined when it is a patch, with its
     colour bar (the range drawn: vmin..vmax, or the map's own) and its download name."""
     a = exp.analysis
     img = plots.overlay(exp.display_image, heat, vmin=vmin, vmax=vmax, cmap=cmap)
     lo, hi = img.info["vitviz_range"]
-    if mark is not None and mark >= a.num_prefix_tokens:
-        r, c = divmod(mark - a.num_prefix_tokens, a.grid[1])
+    if mark is not None and mark >= len(a.query_names):
+        r, c = divmod(mark - len(a.query_names), a.grid[1])
         img = plots.mark_patch(img, patch=(r, c), patch_size=a.patch_size * exp.scale)
     return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label=label, cmap=cmap)
 
 
-def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0, token: int = 0) -> Image.Image:
-    """A prefix token's rollout over the image (the cls token's; token 1 is DeiT's distillation
-    token), computed from the stored attention, with its colour bar."""
-    heat = exp.analysis.cls_map(token=token, head_fusion=head_fusion, discard_ratio=discard_ratio)  # type: ignore[arg-type]
-    name = _name(exp, "rollout", exp.analysis.prefix_names[token], head_fusion, f"discard{discard_ratio:g}")
+def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0, token: Query | None = None) -> Image.Image:
+    """A query's rollout over the image (the classifier's: the cls token's, or "pool" for a model
+    that classifies from the mean of its patch tokens; token 1 is DeiT's distillation token),
+    computed from the stored attention, with its colour bar."""
+    a = exp.analysis
+    token = a.default_query if token is None else token
+    heat = a.cls_map(token=token, head_fusion=head_fusion, discard_ratio=discard_ratio)  # type: ignore[arg-type]
+    name = _name(exp, "rollout", token if token == POOL else a.prefix_names[token], head_fusion, f"discard{discard_ratio:g}")
     return _heat_view(exp, heat, name=name, label="rollout")
 
 
@@ -265,10 +271,10 @@ METHOD_UNITS = {"attention": "attention", "rollout": "rollout", "gradient": "rel
 
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
-    """DINO's figure: the last block's cls attention per head, the patches that hold `share` of each
-    head's mass in colour and the rest dimmed (Caron et al. 2021)."""
+    """DINO's figure: the last block's cls attention per head (a pooled model's "pool" query's), the
+    patches that hold `share` of each head's mass in colour and the rest dimmed (Caron et al. 2021)."""
     a = exp.analysis
-    maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share)
+    maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share, query=a.default_query)
     tile = mosaic_tile_px(a.grid)
     small = a.image.resize((tile, tile), Image.BILINEAR)
     tiles = []
@@ -301,11 +307,12 @@ def render_features(exp: Exploration) -> tuple[Image.Image, str]:
 
 
 def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
-    """Cosine similarity of one patch's last-layer feature to every patch's, over the image."""
+    """Cosine similarity of one patch's last-layer feature to every patch's, over the image (`query`
+    a query index, as `patch_at` gives)."""
     a = exp.analysis
-    p = a.num_prefix_tokens
-    if query < p:
+    first = len(a.query_names)
+    if query < first:
         raise ValueError("pick a patch, not a prefix token")
-    sim = feature_similarity(a.tokens[p:], query - p).reshape(a.grid)
+    sim = feature_similarity(a.tokens[a.num_prefix_tokens :], query - first).reshape(a.grid)
     return _heat_view(exp, sim, name=_name(exp, "feature-similarity", f"token{query}"), label="cosine", vmin=-1.0, vmax=1.0,
                       cmap="RdBu_r", mark=query)
