@@ -124,3 +124,25 @@ def wait_for(url: str, process, timeout: float = 180) -> None:
             pass
         time.sleep(0.5)
     raise AssertionError(f"the app did not answer at {url} within {timeout:.0f} s")
+
+
+@pytest.fixture
+def no_network(tmp_path, monkeypatch):
+    """No network at all (every connection fails as on a machine without one) and HF_HUB_OFFLINE=1,
+    with an empty Hugging Face cache under `tmp_path` in place of the user's: returns its hub folder."""
+    import socket
+
+    from huggingface_hub import constants
+
+    def unreachable(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket.socket, "connect", unreachable)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    root = tmp_path / "hf" / "hub"
+    root.mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
+    return root

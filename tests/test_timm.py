@@ -68,7 +68,7 @@ def test_from_timm_gives_timms_outputs_and_attention(name):
     torch.testing.assert_close(rec.attentions, attn, atol=1e-5, rtol=0)
     # the layout vitviz read
     spec = ours.spec
-    assert spec.num_prefix_tokens == model.num_prefix_tokens and spec.name == f"timm:{name}"
+    assert spec.num_prefix_tokens == model.num_prefix_tokens and spec.name == f"timm:{name.split('.')[0]}"  # random: no tag
     assert spec.preprocessing.image_size == size and spec.preprocessing.mean == tuple(model.pretrained_cfg["mean"])
     if name.startswith("deit_base_distilled"):
         assert spec.prefix_names == ("cls", "dist") and ours.head_dist is not None
@@ -102,7 +102,7 @@ def test_a_model_created_at_another_size_is_analysed_at_that_size():
     assert model.pretrained_cfg["input_size"][-1] == 518
     ours = vitviz.ViT.from_timm(model)
     spec = ours.spec
-    assert spec.image_size == 224 and spec.grid == (16, 16) and spec.name == "timm:vit_small_patch14_reg4_dinov2.lvd142m@224"
+    assert spec.image_size == 224 and spec.grid == (16, 16) and spec.name == "timm:vit_small_patch14_reg4_dinov2@224"
     assert spec.preprocessing.resize_size == math.floor(224 / resolve_data_config({}, model=model)["crop_pct"])
     image = Image.fromarray(torch.randint(0, 256, (300, 451, 3), dtype=torch.uint8).numpy())
     x = vitviz.preprocess(image, spec.preprocessing)[0][None]
@@ -205,3 +205,98 @@ print(((got - want).abs().max() / want.abs().max()).item(), m.spec.name)
     assert "UNAVAILABLE" in missing.stdout, missing.stderr[-3000:]
     assert "hf download timm/vit_small_patch8_224.dino" in missing.stdout and str(tmp_path / "hf" / "hub") in missing.stdout
     assert "weights_path=" in missing.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# A checkpoint of the user's own, and names that claim no weights that are not there
+
+
+def _never_the_hub(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the hub or its cache was asked")
+
+    for name in ("cached_file", "hub_reachable"):
+        monkeypatch.setattr(vitviz.sources.timm, name, never)
+
+
+@pytest.mark.parametrize("form", ["state_dict.pth", "model.safetensors", "training.pth.tar"])
+def test_a_checkpoint_with_another_class_count_loads_offline_as_timm_loads_it(no_network, monkeypatch, tmp_path, form):
+    """A fine-tuned checkpoint (10 classes): built with the head's class count, the same logits as
+    timm's own model with that num_classes loaded from the same file (a training checkpoint: its EMA
+    weights, as timm picks them), and the architecture's own preprocessing, without the hub."""
+    import argparse
+
+    from safetensors.torch import save_file
+    from timm.data import resolve_data_config
+
+    name = "vit_tiny_patch16_224"
+    sd = random_timm(name, num_classes=10).state_dict()
+    path = tmp_path / form
+    if form == "model.safetensors":
+        save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    elif form == "state_dict.pth":
+        torch.save(sd, path)
+    else:  # as timm's train.py saves it: DataParallel names, EMA weights beside, the run's arguments
+        ema = {k: v + 0.05 * torch.randn_like(v) for k, v in sd.items()}
+        args = argparse.Namespace(model=name, num_classes=10, mean=(0.1, 0.2, 0.3), std=(0.2, 0.2, 0.2), crop_pct=1.0)
+        torch.save({"epoch": 3, "arch": "visiontransformer", "state_dict": {f"module.{k}": v for k, v in sd.items()},
+                    "state_dict_ema": ema, "args": args, "version": 2}, path)
+    _never_the_hub(monkeypatch)
+    ours = vitviz.load_model(f"timm:{name}", device="cpu", weights_path=path)
+    theirs = timm.create_model(name, pretrained=False, num_classes=10, checkpoint_path=str(path)).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.inference_mode():
+        got, want = ours(x), theirs(x)
+    assert got.shape == (2, 10) and want.abs().max() > 1e-3 and _relative(got, want) < 1e-4
+    spec = ours.spec
+    assert spec.name == f"timm:{name}" and spec.categories == tuple(f"class {i}" for i in range(10))
+    data = resolve_data_config({}, model=theirs)  # the architecture's pretrained_cfg, not the run's arguments
+    pre = spec.preprocessing
+    assert (pre.mean, pre.std, pre.interpolation) == (tuple(data["mean"]), tuple(data["std"]), data["interpolation"])
+    assert pre.image_size == 224 and pre.resize_size == math.floor(224 / data["crop_pct"])
+    assert path.name in spec.description and "hub" not in spec.weights and spec.locator == str(path)
+    assert vitviz.sources.source_of(spec).status(spec) == "cached"
+
+
+def test_a_checkpoint_without_a_head_loads_as_features(no_network, monkeypatch, tmp_path):
+    path = tmp_path / "features.pth"
+    model = random_timm("vit_tiny_patch16_224", num_classes=0)
+    torch.save(model.state_dict(), path)
+    _never_the_hub(monkeypatch)
+    ours = vitviz.load_model("timm:vit_tiny_patch16_224@112", device="cpu", weights_path=path)
+    assert ours.spec.categories is None and ours.spec.image_size == 112 and ours.spec.name == "timm:vit_tiny_patch16_224@112"
+    x = torch.randn(1, 3, 224, 224)
+    with torch.inference_mode():
+        assert _relative(ours(x), model(x)) < 1e-4
+
+
+class _Trainer:
+    """An object a training script might pickle into its checkpoint."""
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_clearly(no_network, tmp_path):
+    path = tmp_path / "tiny.pth"
+    torch.save(random_timm("vit_tiny_patch16_224", num_classes=10).state_dict(), path)
+    with pytest.raises(ValueError, match="tiny.pth does not fit timm:vit_small_patch16_224 .*name the timm architecture"):
+        vitviz.load_model("timm:vit_small_patch16_224", device="cpu", weights_path=path)
+    (tmp_path / "jax.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"NumPy .* model.load_pretrained\(path\)\) and pass that to vitviz.ViT.from_timm"):
+        vitviz.load_model("timm:vit_small_patch16_224", device="cpu", weights_path=tmp_path / "jax.npz")
+    torch.save({"state_dict": random_timm("vit_tiny_patch16_224").state_dict(), "trainer": _Trainer()}, tmp_path / "pickled.pth")
+    with pytest.raises(ValueError, match="pickled.pth holds Python objects besides tensors"):
+        vitviz.load_model("timm:vit_tiny_patch16_224", device="cpu", weights_path=tmp_path / "pickled.pth")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        vitviz.load_model("timm:vit_small_patch16_224", device="cpu", weights_path=tmp_path / "missing.pth")
+
+
+def test_a_model_with_random_weights_claims_no_pretrained_tag():
+    """timm keeps a tag's pretrained_cfg whether or not its weights were loaded: a converted model is
+    named by its architecture, and a name timm has no weights for says so."""
+    spec = vitviz.ViT.from_timm(random_timm("vit_tiny_patch16_224.augreg_in21k_ft_in1k")).spec
+    assert spec.name == "timm:vit_tiny_patch16_224"
+    for text in (spec.name, spec.description, spec.weights):
+        assert "augreg" not in text and "in21k" not in text and "pretrained" not in text and "hub" not in text
+    assert spec.mean == (0.5, 0.5, 0.5)  # the tag's preprocessing is still the one the model was made for
+    untrained = vitviz.get_spec("timm:vit_base_patch16_gap_224")  # timm's default tag for it is "untrained"
+    assert "(Hugging Face hub)" not in untrained.weights and "no pretrained weights" in untrained.weights
+    assert "no pretrained weights" in untrained.description

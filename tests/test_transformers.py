@@ -124,7 +124,8 @@ def test_hf_takes_repository_ids_only_checked_before_anything_is_fetched_or_open
     (tmp_path / "mymodel").mkdir()
     messages = set()
     for name in [*NOT_REPO_IDS, f"hf:{tmp_path / 'mymodel'}"]:
-        for ask in (vitviz.get_spec, lambda n: vitviz.load_model(n, device="cpu")):
+        for ask in (vitviz.get_spec, lambda n: vitviz.load_model(n, device="cpu"),
+                    lambda n: vitviz.load_model(n, device="cpu", weights_path=tmp_path / "mymodel")):
             with pytest.raises(ValueError) as info:
                 ask(name)
             messages.add(str(info.value))
@@ -193,3 +194,74 @@ except vitviz.WeightsUnavailableError as exc:
     rel, last_prefix, resize, interpolation = first.split()
     assert float(rel) < 1e-4 and last_prefix == "reg4" and resize == "56" and interpolation == "bicubic"
     assert "UNAVAILABLE" in rest and "hf download vitviz-test/not-there" in rest
+
+
+def _never_the_hub(monkeypatch):
+    """vitviz's Hugging Face source may ask neither the hub nor its cache."""
+    def never(*args, **kwargs):
+        raise AssertionError("the hub or its cache was asked")
+
+    source = vitviz.sources.hf
+    for name in ("cached_file", "hub_reachable"):
+        monkeypatch.setattr(source, name, never)
+    monkeypatch.setattr(source.HuggingFaceSource, "_config", never)
+    monkeypatch.setattr(source.HuggingFaceSource, "_processor", staticmethod(never))
+
+
+@pytest.mark.parametrize("offline_flag", [True, False], ids=["HF_HUB_OFFLINE", "no-network"])
+@pytest.mark.parametrize("hub_config_cached", [False, True], ids=["no-cache", "hub-config-cached"])
+def test_a_saved_folder_loads_offline_with_its_own_preprocessing_and_labels(
+    no_network, monkeypatch, tmp_path, offline_flag, hub_config_cached
+):
+    """weights_path=<folder>: config, image processor (mean and std 0.5, 64 px) and labels come from
+    the folder alone, also where the hub cache holds another model under the same repo id; the repo
+    id is only a name, and a path is never one."""
+    t = transformers
+    repo = "me/myvit"
+    labels = {0: "cat", 1: "dog", 2: "bird"}
+    config = t.ViTConfig(**{**SMALL, "image_size": 64}, intermediate_size=128, id2label=labels,
+                         label2id={v: k for k, v in labels.items()}, attn_implementation="eager")
+    model = _randomise(t.ViTForImageClassification(config))
+    folder = tmp_path / "myvit"
+    model.save_pretrained(folder)
+    processor = t.ViTImageProcessor(size={"height": 64, "width": 64}, image_mean=[0.5] * 3, image_std=[0.5] * 3, resample=3)
+    processor.save_pretrained(folder)
+    if hub_config_cached:  # the hub's model of that name: 48 px, 7 other labels, ImageNet's mean and std
+        snap = write_hub_cache(no_network, repo, {})
+        _models()["vit-classifier"].save_pretrained(snap)
+        t.BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 48, "width": 48}, image_mean=[0.485, 0.456, 0.406],
+                            image_std=[0.229, 0.224, 0.225]).save_pretrained(snap)
+    if not offline_flag:
+        from huggingface_hub import constants
+
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in (f"hf:{folder}", "hf:../myvit", "hf:./myvit", f"hf:{folder}@64"):
+        with pytest.raises(ValueError, match=r"^hf:<repo id> takes a Hugging Face repository id"):
+            vitviz.load_model(name, device="cpu", weights_path=folder)
+    _never_the_hub(monkeypatch)
+    ours = vitviz.load_model(f"hf:{repo}", device="cpu", weights_path=folder)
+    spec = ours.spec
+    assert spec.name == f"hf:{repo}" and spec.categories == ("cat", "dog", "bird") and spec.locator == str(folder)
+    pre = spec.preprocessing
+    assert (pre.mode, pre.image_size, pre.mean, pre.std, pre.interpolation) == ("squash", 64, (0.5,) * 3, (0.5,) * 3, "bicubic")
+    assert vitviz.sources.source_of(spec).status(spec) == "cached" and "myvit" in spec.description
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        assert _relative(ours(x), model(pixel_values=x).logits) < 1e-4
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (90, 120, 3), dtype=np.uint8))
+    theirs = torch.as_tensor(processor(images=img, return_tensors="pt")["pixel_values"][0])
+    assert (vitviz.preprocess(img, pre)[0] - theirs).abs().mean() < 0.02
+    at96 = vitviz.load_model(f"hf:{repo}@96", device="cpu", weights_path=folder)
+    assert at96.spec.image_size == 96 and at96.spec.mean == (0.5,) * 3 and at96.spec.categories == spec.categories
+
+
+def test_a_folder_that_is_not_a_saved_model_is_refused_clearly(no_network, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="a folder saved with save_pretrained .* has no config.json"):
+        vitviz.load_model("hf:me/myvit", device="cpu", weights_path=tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        vitviz.load_model("hf:me/myvit", device="cpu", weights_path=tmp_path / "missing")

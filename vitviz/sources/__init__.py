@@ -128,6 +128,18 @@ def default_variant(preferred: str = "vit_b_16") -> tuple[str, str]:
     )
 
 
+def _checkpoint_spec(name: str, weights_path: str) -> VariantSpec:
+    """The spec of `name` loaded from a checkpoint on this machine: a prefixed source ("timm:",
+    "hf:") reads it from the checkpoint alone; a named variant keeps its own (its loader checks that
+    the checkpoint fits)."""
+    if isinstance(name, str):
+        stripped = name.strip()
+        for source in SOURCES:
+            if source.prefix and stripped.startswith(source.prefix):
+                return source.resolve(stripped, weights_path=weights_path)
+    return get_spec(name)
+
+
 def load_model(
     name: str,
     *,
@@ -143,7 +155,12 @@ def load_model(
             libraries' plain ViT families.
         device: where to put the model.
         weights_path: a local checkpoint to use instead of the variant's own weights source (a
-            torchvision or vitviz state dict; for timm and Hugging Face, their checkpoint files).
+            torchvision or vitviz state dict; for "timm:<name>" a timm checkpoint file, for
+            "hf:<repo id>" a folder saved with `save_pretrained`). For timm and Hugging Face the
+            checkpoint alone says what the model is: classes (timm: the head's rows; Hugging Face:
+            `id2label`), preprocessing (the folder's `preprocessor_config.json`; timm: the named
+            architecture's `pretrained_cfg`); nothing is fetched and no hub cache is read, so the
+            name only names the architecture.
         progress: show download progress (a tqdm bar) when weights are fetched.
         image_size: feed the model images of this side instead of its own (position embeddings are
             resampled; e.g. 480 for DINO's figures).
@@ -151,7 +168,8 @@ def load_model(
     Raises:
         WeightsUnavailableError: weights neither at hand nor downloadable; the message says what to do.
     """
-    spec = get_spec(name)
-    model = source_of(spec).load(spec, weights_path=None if weights_path is None else str(weights_path), progress=progress)
+    path = None if weights_path is None else os.fspath(weights_path)
+    spec = get_spec(name) if path is None else _checkpoint_spec(name, path)
+    model = source_of(spec).load(spec, weights_path=path, progress=progress)
     model.spec = spec.at(image_size) if image_size else spec
     return model.eval().to(device if device is not None else default_device())

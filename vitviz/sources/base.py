@@ -73,7 +73,8 @@ class VariantSpec:
         categories: class names, index = logit; None for a model without a head (features only).
         source: the name of its `WeightsSource` ("torchvision", "embedded", "timm", "hf").
         weights: human-readable weights name.
-        locator: where the source finds the weights (a URL, a file name, a timm name, a repo id).
+        locator: where the source finds the weights (a URL, a file name, a timm name, a repo id, or
+            the absolute path of a checkpoint of the user's own).
         filename: the checkpoint's file name, where there is one.
         top1: reported ImageNet top-1 accuracy in %, if known.
         description: one line for menus.
@@ -152,8 +153,14 @@ class WeightsSource(ABC):
     def specs(self) -> list[VariantSpec]:
         """The variants this source offers by name (the menus' list)."""
 
-    def resolve(self, name: str) -> VariantSpec:
-        """The spec of a prefixed name outside the curated list."""
+    def resolve(self, name: str, *, weights_path: str | None = None) -> VariantSpec:
+        """The spec of a prefixed name outside the curated list.
+
+        Args:
+            weights_path: a checkpoint on this machine: the spec is then read from it alone (its
+                classes, its preprocessing where it has its own), with nothing fetched and no cache
+                read; the name only names the architecture.
+        """
         raise ValueError(f"{self.name} knows no variant {name!r}")
 
     @abstractmethod

@@ -12,13 +12,19 @@ resize to the square, with its mean and std), class names from the config's `id2
 
 "hf:" takes a hub repository id only ("org/name" or "name"), never a path: `from_pretrained` would
 read a folder of this machine, so the id is checked before anything is fetched or opened. A folder
-saved with `save_pretrained` loads with `load_model("hf:<its repo id>", weights_path=<folder>)`.
+saved with `save_pretrained` loads with `load_model("hf:<a repo id>", weights_path=<folder>)`, from
+that folder alone: its config, its class names (`id2label`) and its `preprocessor_config.json`
+(without one, ImageNet's mean and std at the config's image size); the hub and its cache are never
+asked, so the repo id is only the model's name.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -177,7 +183,9 @@ def _size(value: Any, key: str) -> dict[str, int]:
     return {k: int(get(k)) for k in keys if get(k)}
 
 
-def _spec(model: nn.Module, config: ViTConfig, *, name: str, weights: str, processor: Any, locator: str = "") -> VariantSpec:
+def _spec(
+    model: nn.Module, config: ViTConfig, *, name: str, weights: str, processor: Any, locator: str = "", saved_in: str = ""
+) -> VariantSpec:
     labels = getattr(model.config, "id2label", None)
     categories = None
     if config.num_classes:
@@ -193,8 +201,28 @@ def _spec(model: nn.Module, config: ViTConfig, *, name: str, weights: str, proce
         source="hf",
         weights=weights,
         locator=locator,
-        description=f"Hugging Face {name.removeprefix('hf:')}: {config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
+        description=f"Hugging Face {name.removeprefix('hf:')}{f', saved in {saved_in}' if saved_in else ''}: "
+        f"{config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
     )
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON file's content, or None where there is no such file."""
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _saved_folder(weights_path: str, name: str) -> Path:
+    """`weights_path` as a folder saved with `save_pretrained` (absolute), or a clear error."""
+    folder = Path(weights_path).expanduser().absolute()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"weights_path for {name} is a folder saved with save_pretrained (config.json beside the weights); {folder} "
+            + ("has no config.json" if folder.is_dir() else "is not a folder")
+        )
+    return folder
 
 
 _REPO_PART = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
@@ -234,16 +262,21 @@ class HuggingFaceSource(WeightsSource):
         except OSError as exc:
             raise WeightsUnavailableError(missing_message(f"hf:{repo}", repo, f"its config.json: {exc}", weights_path_hint="a folder saved with save_pretrained")) from None
 
-    def resolve(self, name: str) -> VariantSpec:
-        repo, size = _split(name)
-        cfg = self._config(repo)
-        transformers = _transformers()
+    def resolve(self, name: str, *, weights_path: str | None = None) -> VariantSpec:
+        repo, size = _split(name)  # the name is checked first, with or without a folder
+        if weights_path is None:
+            cfg = self._config(repo)
+            where = dict(weights=f"Hugging Face {repo}", processor=self._processor(repo), locator=repo)
+        else:
+            folder = _saved_folder(weights_path, name)
+            cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+            where = dict(weights=f"saved with save_pretrained in {folder}", processor=_read_json(folder / "preprocessor_config.json"),
+                         locator=str(folder), saved_in=folder.name)
         if getattr(cfg, "model_type", None) not in _TYPES:
-            raise ValueError(f"{repo} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2 and DINOv2 with registers")
+            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2 and DINOv2 with registers")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
-        processor = self._processor(repo)
-        spec = _spec(model, config_from_transformers(model), name=name, weights=f"Hugging Face {repo}", processor=processor, locator=repo)
+        spec = _spec(model, config_from_transformers(model), name=name, **where)
         return spec.at(size) if size else spec
 
     @staticmethod
@@ -265,35 +298,41 @@ class HuggingFaceSource(WeightsSource):
                 path = hf_hub_download(repo, "preprocessor_config.json")
             except OSError:
                 path = None
-        if path is None:
-            return None
-        import json
-
-        with open(path) as f:
-            return json.load(f)
+        return None if path is None else _read_json(Path(path))
 
     def status(self, spec: VariantSpec) -> Status:
+        if os.path.isabs(spec.locator):  # a folder of the user's own (a repo id is never absolute)
+            return "cached"
         return "cached" if cached_file(spec.locator, ("model.safetensors", "pytorch_model.bin")) else "download"
 
     def reachable(self) -> bool:
         return hub_reachable()
 
     def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+        """The model from the hub (through its cache), or with `weights_path` from a folder saved
+        with `save_pretrained`, read alone (`local_files_only`)."""
         repo, _ = _split(spec.name)
-        source = weights_path or repo
-        local = weights_path is not None or hub_offline() or not hub_reachable()
-        if weights_path is None and local and self.status(spec) != "cached":
-            why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
-            raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a folder saved with save_pretrained"))
-        cfg = self._config(source) if weights_path is None else _transformers().AutoConfig.from_pretrained(source)
+        if weights_path is not None:
+            source = str(_saved_folder(weights_path, spec.name))
+            cfg = _transformers().AutoConfig.from_pretrained(source, local_files_only=True)
+            local = True
+        else:
+            source = repo
+            local = hub_offline() or not hub_reachable()
+            if local and self.status(spec) != "cached":
+                why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
+                raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a folder saved with save_pretrained"))
+            cfg = self._config(repo)
         try:
             model = self._model_class(cfg).from_pretrained(source, local_files_only=local)
         except OSError as exc:
+            if weights_path is not None:
+                raise FileNotFoundError(f"the weights of {spec.name} are not in {source} ({type(exc).__name__}: {exc})") from exc
             raise WeightsUnavailableError(
                 missing_message(spec.name, repo, f"{type(exc).__name__}: {exc}", weights_path_hint="a folder saved with save_pretrained")
             ) from exc
-        ours = self.convert(model.eval(), processor=self._processor(repo) if weights_path is None else None)
-        ours.spec = spec
+        ours = self.convert(model.eval())
+        ours.spec = spec  # the spec `resolve` read (with its image processor); the converted one has none
         return ours
 
     def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT:

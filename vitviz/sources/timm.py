@@ -13,13 +13,28 @@ ImageNet tables when the head is an ImageNet classifier (a head of another size,
 projection, is read as features).
 
 "timm:" takes timm's model names only (`[a-z0-9_]+`, optionally "." and a pretrained tag), checked
-before timm sees them: timm itself would also read "hf-hub:<repo>" and "local-dir:<folder>". A
-checkpoint on disk loads with `load_model("timm:<name>", weights_path=<file>)`.
+before timm sees them: timm itself would also read "hf-hub:<repo>" and "local-dir:<folder>".
+
+A checkpoint on disk loads with `load_model("timm:<name>", weights_path=<file>)`, without the hub:
+the name says the architecture (and, with a tag, whose `pretrained_cfg` gives the preprocessing);
+the file is read as timm's `load_checkpoint` reads it (a state dict, safetensors, or a training
+checkpoint's "state_dict_ema" / "model_ema" / "state_dict" / "model", EMA weights first), and the
+model is built with as many classes as the file's head has rows (timm's `num_classes`; no head:
+features). A training checkpoint's own settings (timm train.py's "args": mean, std, sizes) are not
+read: the preprocessing is the architecture's `pretrained_cfg` (`resolve_data_config`), as for
+timm's `create_model(..., checkpoint_path=)`; name the tag the model was fine-tuned from to get its
+preprocessing, or replace `model.spec.preprocessing` (`dataclasses.replace`).
+
+A model converted from an instance (`ViT.from_timm`) is named by its architecture alone: timm does
+not record whether pretrained weights were loaded, so its name claims no pretrained tag.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import pickle
 import re
 
 import torch
@@ -54,12 +69,12 @@ def _timm():
     return timm
 
 
-def _meta_model(name: str) -> nn.Module:
+def _meta_model(name: str, **kwargs) -> nn.Module:
     """The timm model `name` without memory or weights (on the meta device): its structure and config."""
     timm = _timm()
     try:
         with torch.device("meta"):
-            return timm.create_model(name, pretrained=False)
+            return timm.create_model(name, pretrained=False, **kwargs)
     except RuntimeError as exc:
         raise ValueError(f"timm knows no model {name!r} ({exc}); timm.list_models(pretrained=True) lists them") from None
 
@@ -172,6 +187,38 @@ def convert_timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
 
 
+def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """The weights in a timm checkpoint file, as timm's `load_checkpoint` reads them (EMA weights
+    first, "module." prefixes removed). Only tensors and a training run's `argparse.Namespace` are
+    unpickled (`weights_only`)."""
+    from timm.models import load_state_dict
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights_path for a timm model is a checkpoint file; {path} is not a file")
+    if path.lower().endswith((".npz", ".npy")):
+        raise ValueError(
+            f"{os.path.basename(path)} is a NumPy (big_vision) checkpoint, which vitviz does not read: load it into timm's "
+            "model (model = timm.create_model(name, num_classes=<its classes>); model.load_pretrained(path)) and pass that "
+            "to vitviz.ViT.from_timm"
+        )
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):  # timm train.py's "args", as newer timm allows them
+            return load_state_dict(path, use_ema=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as exc:  # newer timm wraps torch's UnpicklingError in a RuntimeError
+        if not isinstance(exc, pickle.UnpicklingError) and not isinstance(exc.__cause__, pickle.UnpicklingError):
+            raise
+        raise ValueError(
+            f"{os.path.basename(path)} holds Python objects besides tensors, which vitviz does not unpickle: save the "
+            "model's state_dict alone (torch.save(model.state_dict(), path) or safetensors)"
+        ) from exc
+
+
+def _checkpoint_classes(sd: dict[str, torch.Tensor]) -> int:
+    """The class count of a checkpoint: the rows of its head (timm's `num_classes`), 0 without one."""
+    head = sd.get("head.weight")
+    return int(head.shape[0]) if head is not None and head.ndim == 2 else 0
+
+
 def _categories(model: nn.Module) -> tuple[str, ...] | None:
     """ImageNet class names for an ImageNet head, the checkpoint's own label names when it has
     them, "class i" for another classifier; None for a model without one."""
@@ -212,9 +259,16 @@ def _preprocessing(model: nn.Module, size: int | None = None) -> Preprocessing:
     )
 
 
-def _spec(model: nn.Module, *, name: str, weights: str, size: int | None = None) -> VariantSpec:
+def _spec(
+    model: nn.Module, *, name: str, weights: str, size: int | None = None, locator: str | None = None, note: str = ""
+) -> VariantSpec:
     """The model's spec at `size` px, by default at the size it was built for (`patch_embed.img_size`,
-    which is the pretrained config's unless the model was created with another `img_size`)."""
+    which is the pretrained config's unless the model was created with another `img_size`).
+
+    Args:
+        locator: where the weights are; by default the pretrained config's hub repository.
+        note: said after the name in the description (where the weights come from).
+    """
     config = config_from_timm(model)
     categories = _categories(model)  # None with a head (CLIP): the head's output is the features
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -227,8 +281,9 @@ def _spec(model: nn.Module, *, name: str, weights: str, size: int | None = None)
         categories=categories,
         source="timm",
         weights=weights,
-        locator=cfg.get("hf_hub_id") or "",
-        description=f"timm {name.removeprefix('timm:')}: {config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
+        locator=(cfg.get("hf_hub_id") or "") if locator is None else locator,
+        description=f"timm {name.removeprefix('timm:')}{note}: "
+        f"{config.depth} x {config.heads} x {config.width}, /{config.patch_size}, {kind}",
     )
 
 
@@ -246,9 +301,17 @@ class TimmSource(WeightsSource):
             out.append(self.resolve(f"timm:{timm_name}" + (f"@{size}" if size else "")))
         return out
 
-    def resolve(self, name: str) -> VariantSpec:
+    def resolve(self, name: str, *, weights_path: str | None = None) -> VariantSpec:
         timm_name, size = _split(name)
+        if weights_path is not None:
+            path = os.path.abspath(os.path.expanduser(weights_path))
+            model = _meta_model(timm_name, num_classes=_checkpoint_classes(_read_checkpoint(path)))
+            return _spec(model, name=name, weights=f"the checkpoint {path}", size=size, locator=path,
+                         note=f" from {os.path.basename(path)}")
         model = _meta_model(timm_name)
+        if not model.pretrained_cfg.get("hf_hub_id"):
+            return _spec(model, name=name, weights=f"none: timm has no pretrained weights for {timm_name}; pass weights_path=", size=size,
+                         note=" (no pretrained weights)")
         return _spec(model, name=name, weights=f"timm {timm_name} (Hugging Face hub)", size=size)
 
     def _repo(self, spec: VariantSpec) -> str:
@@ -257,6 +320,8 @@ class TimmSource(WeightsSource):
         return spec.locator.removeprefix("hf-hub:")
 
     def status(self, spec: VariantSpec) -> Status:
+        if os.path.isabs(spec.locator):  # a checkpoint of the user's own (a hub repository is never absolute)
+            return "cached"
         try:
             return "cached" if cached_file(self._repo(spec), _WEIGHT_FILES) else "download"
         except WeightsUnavailableError:
@@ -266,10 +331,20 @@ class TimmSource(WeightsSource):
         return hub_reachable()
 
     def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+        """The model with timm's pretrained weights (through the hub's cache), or with `weights_path`
+        from a checkpoint file, built with the spec's class count (`resolve` reads it from the file)."""
         timm = _timm()
         timm_name, _ = _split(spec.name)
         if weights_path is not None:
-            model = timm.create_model(timm_name, pretrained=False, checkpoint_path=weights_path)
+            sd = _read_checkpoint(os.path.expanduser(weights_path))
+            model = timm.create_model(timm_name, pretrained=False, num_classes=spec.config.num_classes)
+            try:
+                model.load_state_dict(sd)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"the checkpoint {os.path.basename(weights_path)} does not fit {spec.name} ({spec.description}): name the "
+                    f"timm architecture it was trained as (the class count is read from its head.weight). {exc}"
+                ) from None
         else:
             repo = self._repo(spec)
             if not cached_file(repo, _WEIGHT_FILES):
@@ -292,9 +367,9 @@ class TimmSource(WeightsSource):
         ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
         cfg = getattr(model, "pretrained_cfg", None) or {}
         arch = cfg.get("architecture") or type(model).__name__
-        tag = cfg.get("tag")
         pretrained = cfg.get("input_size")
         built = f"@{config.image_size}" if pretrained and pretrained[-1] != config.image_size else ""  # created with img_size=
-        ours.spec = _spec(model, name=f"timm:{arch}" + (f".{tag}" if tag else "") + built, weights="converted from a timm model instance")
+        # no pretrained tag in the name: timm keeps the tag's config whether or not its weights were loaded
+        ours.spec = _spec(model, name=f"timm:{arch}" + built, weights="converted from a timm model instance", locator="")
         param = next(model.parameters())
         return ours.to(device=param.device, dtype=param.dtype).train(model.training)
