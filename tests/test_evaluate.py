@@ -1,12 +1,14 @@
 """python -m vitviz.evaluate on one process and on two (torchrun, gloo): the same per-image results
 and the same summary to the last digit, every image once, and a run in parts equal to a run in one go;
-a resume after DATA changed refused or rescanned, masks through the image gate, shard lines checked."""
+a resume after DATA changed refused or rescanned, masks through the image gate, shard lines checked;
+the command as a newcomer meets it: one line for each mistake, counts, warnings, the README's commands."""
 
 import csv
 import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -18,16 +20,17 @@ import pytest
 import torch
 
 import vitviz
-from vitviz.evaluate import EvaluateError, _Batches, evaluate, main, scan, summarize, wilson
+import vitviz.evaluate as ev
+from vitviz.evaluate import EvaluateError, EvaluateWarning, _Batches, evaluate, main, scan, summarize, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["--model", "shapes_p16", "--methods", "rollout,gradient", "--steps", "4", "--batch-size", "3", "--no-compare"]
+ARGS = ["--model", "shapes_p16", "--methods", "rollout,gradient", "--steps", "4", "--batch-size", "5", "--no-compare"]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shapes") / "data"
-    vitviz.shapes.write_dataset(folder, 11, seed=77)  # 11: odd, and 4 batches of 3 that 2 ranks share unevenly
+    vitviz.shapes.write_dataset(folder, 11, seed=77)  # 11 and one unreadable: batches of 5, 5 and 2, 7 images for rank 0 and 5 for rank 1
     (folder / "unreadable.png").write_bytes(b"not an image")
     return folder
 
@@ -93,15 +96,17 @@ def test_two_processes_give_what_one_gives_and_a_run_in_parts_what_one_run_gives
         pytest.skip("torchrun is not installed with this torch")
     one, two, parts = tmp_path / "one", tmp_path / "two", tmp_path / "parts"
     _single(data, one, "--workers", "1")  # decoding in a worker process
-    _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitviz.evaluate", str(data), *ARGS, "--out", str(two),
-          "--workers", "0"])
+    ran = _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitviz.evaluate", str(data), *ARGS, "--out", str(two),
+                "--workers", "0"])
+    # the bar counts the images of every rank, none twice (it counted rank 0's batches times 2: 14 for 12)
+    assert "12/12" in ran.stderr and "14/14" not in ran.stderr
     rows_one, rows_two = _table(one / "per_image.csv"), _table(two / "per_image.csv")
     assert [r["index"] for r in rows_two] == [str(i) for i in range(12)]  # every image once, none twice
     _same_tables(rows_one, rows_two)
     # the dataset figures come from the merged rows in file order: the same to the last digit
     for name in ("summary.csv", "distance.csv"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    assert len(list((two / "shards").glob("*.jsonl"))) == 2 and json.loads((two / "run.json").read_text())["world_size"] == 2
+    assert len(list((two / "shards").glob("*.jsonl"))) == 2 and json.loads((two / "run.json").read_text())["sessions"][-1]["world_size"] == 2
     unreadable = [r for r in rows_two if r["path"].endswith("unreadable.png")][0]
     assert "not an image" in unreadable["error"]
     # the summary from Python is the one the run wrote
@@ -109,10 +114,10 @@ def test_two_processes_give_what_one_gives_and_a_run_in_parts_what_one_run_gives
     # dataset figures were written
     assert (two / "distance.png").is_file() and (two / "curves.png").is_file() and len(_table(two / "distance.csv")) == 6 * 3
 
-    # a run in parts: stopped after two batches, a line cut short by the interruption, then resumed
+    # a run in parts: stopped after one batch, a line cut short by the interruption, then resumed
     _single(data, parts, "--max-images", "4", "--workers", "0")
     first = _table(parts / "per_image.csv")
-    assert len(first) == 6
+    assert len(first) == 5
     shard = next((parts / "shards").glob("*.jsonl"))
     lines = shard.read_text().splitlines()
     shard.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # the last image half written
@@ -150,7 +155,7 @@ def test_per_image_results_match_the_library(data, tmp_path):
 def test_an_empty_folder_and_unknown_names_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no images"):
         evaluate(tmp_path, model="shapes_p16", out=tmp_path / "out", progress=False)
-    with pytest.raises(ValueError, match="unknown metric or method 'saliency'"):
+    with pytest.raises(ValueError, match="unknown method 'saliency' in --methods; the methods are attention, rollout"):
         evaluate(tmp_path, model="shapes_p16", out=tmp_path / "out", methods=("saliency",), progress=False)
 
 
@@ -187,7 +192,8 @@ def test_a_resume_after_data_changed_is_refused_and_rescan_scores_only_what_chan
     with pytest.raises(SystemExit) as refused:
         main([str(data), "--model", "shapes_p16", "--methods", "rollout", "--metrics", "distance,pointing", "--batch-size", "3",
               "--workers", "0", "--no-compare", "--out", str(out)])
-    msg = str(refused.value)
+    msg = capsys.readouterr().err
+    assert refused.value.code == 2 and msg.count("\n") == 1
     assert "images added: 1, removed: 1, changed: 2" in msg and "--rescan" in msg
     assert f"added {new_name.relative_to(data).as_posix()}" in msg and f"removed {moved.relative_to(data).as_posix()}" in msg
     assert _table(out / "per_image.csv") == list(before.values())  # nothing was written
@@ -237,7 +243,9 @@ def test_masks_pass_the_image_gate_and_a_bad_mask_stops_nothing(tmp_path):
     with Image.open(masks[3]) as m:
         m.resize((48, 48)).save(masks[3])  # another size than its 96 px image
     out = tmp_path / "out"
-    evaluate(data, out=out, **FAST)
+    with pytest.warns(EvaluateWarning, match=r"pointing counts 1 of the 5 images scored: 4 whose mask could not be used \(per_image.csv, "
+                                             r"column mask_error\)"):
+        evaluate(data, out=out, **FAST)
     rows = {r["path"]: r for r in _table(out / "per_image.csv")}
     wanted = ["not an image", "too many pixels (Image size (900000000 pixels)", "too many pixels (Image size (64000000 pixels)",
               "it is 48x48 px and its image 96x96 px; a mask has the size of its image"]
@@ -249,7 +257,8 @@ def test_masks_pass_the_image_gate_and_a_bad_mask_stops_nothing(tmp_path):
     assert good["mask_error"] == "" and good["rollout_pointing"] in ("0.0", "1.0") and good["mask_sha256"] == _sha(masks[4])
     counted = {(r["method"], r["metric"], r["n"]) for r in _table(out / "summary.csv")}
     assert {("model", "distance", "5"), ("rollout", "pointing", "1")} <= counted
-    evaluate(data, out=out, **FAST)  # a resume is not stopped by them either
+    with pytest.warns(EvaluateWarning):
+        evaluate(data, out=out, **FAST)  # a resume is not stopped by them either
     assert _run_json(out)["scored_now"] == 0
 
 
@@ -331,3 +340,277 @@ def test_results_that_are_not_finite_are_an_error_in_their_row(tmp_path, monkeyp
     assert not rows[1]["error"] and _table(out / "summary.csv")[0]["n"] == "2"
     evaluate(data, out=out, **FAST)  # and its line passes the merge's check
     assert _run_json(out)["scored_now"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The command as a newcomer meets it
+
+
+def _main(*argv: str) -> int:
+    """main(argv) in this process: its exit status (0 when it returned)."""
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+def _lines(text: str) -> list[str]:
+    """Text as printed, the progress bar's updates (carriage returns) left out."""
+    return [line for line in text.split("\n") if line.strip() and "\r" not in line and "img/s]" not in line]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Three shapes with masks."""
+    folder = tmp_path_factory.mktemp("tiny") / "data"
+    vitviz.shapes.write_dataset(folder, 3, seed=8)
+    return folder
+
+
+def test_the_curves_figure_is_drawn_over_the_fractions_its_areas_use(tiny, tmp_path, monkeypatch):
+    """5 steps over 36 patches remove round(36 i / 5) = 0, 7, 14, 22, 29, 36 patches, not i / 5 of them:
+    the figure's points lie there and its legend's areas are summary.csv's."""
+    figures = []
+    draw = vitviz.plots.figure_to_image
+    monkeypatch.setattr(vitviz.plots, "figure_to_image", lambda fig: figures.append(fig) or draw(fig))
+    out = tmp_path / "out"
+    evaluate(tiny, out=out, **dict(FAST, metrics=("deletion", "insertion"), steps=5))
+    fig = next(f for f in figures if any("Deletion" in ax.get_title() for ax in f.axes))
+    table = {(r["method"], r["metric"]): float(r["mean"]) for r in _table(out / "summary.csv")}
+    want_x = [0, 7 / 36, 14 / 36, 22 / 36, 29 / 36, 1]
+    seen = set()
+    for ax, mode in zip(fig.axes, ("deletion", "insertion")):
+        for line in ax.get_lines():
+            assert list(line.get_xdata()) == pytest.approx(want_x, abs=1e-12)
+        for text in ax.get_legend().get_texts():
+            method, area = text.get_text().rstrip(")").split(" (")
+            assert abs(float(area) - table[(method, mode)]) <= 0.0005 + 1e-9, (mode, method, area, table[(method, mode)])
+            seen.add((method, mode))
+    assert seen == {(m, k) for m in ("rollout", "random") for k in ("deletion", "insertion")}
+
+
+MISTAKES = {
+    "a folder that does not exist": (["{missing}"], "{missing} does not exist: DATA is a folder of images"),
+    "an empty folder": (["{empty}"], "no images (.bmp, .gif, .jpeg, .jpg, .png, .tif, .tiff, .webp) under {empty}: put images there"),
+    "a file for DATA": (["{file}"], "{file} is a file; DATA is a folder of images"),
+    "an unknown model": (["{tiny}", "--model", "vit_bogus"], "--model: unknown variant 'vit_bogus'; known: shapes_p8"),
+    "an unknown method": (["{tiny}", "--methods", "rollout,bogus"], "unknown method 'bogus' in --methods; the methods are attention"),
+    "an unknown metric": (["{tiny}", "--metrics", "bogus"], "unknown metric 'bogus' in --metrics; the metrics are distance"),
+    "no metric": (["{tiny}", "--metrics", ","], "--metrics names no metric"),
+    "no method for the maps": (["{tiny}", "--methods", ",", "--metrics", "pointing"], "--methods names no method"),
+    "a batch size of 0": (["{tiny}", "--batch-size", "0"], "--batch-size is 0; it is the number of images in a batch, 1 or more"),
+    "a negative batch size": (["{tiny}", "--batch-size", "-4"], "--batch-size is -4;"),
+    "negative steps": (["{tiny}", "--steps", "-3"], "--steps is -3; a deletion or insertion curve takes 2 steps or more"),
+    "no steps": (["{tiny}", "--steps", "0"], "--steps is 0;"),
+    "one step": (["{tiny}", "--steps", "1"], "--steps is 1;"),
+    "negative workers": (["{tiny}", "--workers", "-1"], "--workers is -1; it is the number of decoding processes per rank"),
+    "no images at most": (["{tiny}", "--max-images", "0"], "--max-images is 0; a run stops after about that many new images"),
+    "pointing without masks": (["{unmasked}", "--metrics", "pointing"], "the pointing game needs object masks and {unmasked} has none"),
+    "an option argparse refuses": (["{tiny}", "--steps", "many"], "argument --steps: invalid int value: 'many' (python -m vitviz.evaluate --help"),
+    "no --model": (["{tiny}", "--model"], "argument --model: expected one argument"),
+    "a run of other settings in --out": (["{done_data}", "--out", "{done}", "--methods", "rollout", "--steps", "2", "--batch-size", "3",
+                                          "--metrics", "distance"],
+                                         "{done} holds a run with other settings (metrics ['distance', 'pointing', 'deletion'] there, "
+                                         "['distance'] here): use another --out, one per model and settings"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_in_the_command_is_one_line_and_exit_status_2(tiny, finished, tmp_path, capsys, mistake):
+    unmasked = tmp_path / "unmasked"
+    shutil.copytree(tiny, unmasked, ignore=shutil.ignore_patterns("masks"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.png").write_bytes((next(tiny.rglob("*.png"))).read_bytes())
+    where = dict(missing=tmp_path / "missing", empty=tmp_path / "empty", file=tmp_path / "file.png", tiny=tiny, unmasked=unmasked,
+                 done_data=finished[0], done=finished[1])
+    argv, words = MISTAKES[mistake]
+    argv = [a.format(**where) for a in argv]
+    options = ["--model", "shapes_p16", "--out", str(tmp_path / "out"), "--workers", "0", "--no-compare"]
+    status = _main(*argv[:1], *options, *argv[1:])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("vitviz.evaluate: "), err
+    assert words.format(**where) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_debug_shows_the_traceback_and_help_names_the_command(tiny, tmp_path, capsys):
+    with pytest.raises(EvaluateError, match="--batch-size is 0"):
+        main([str(tiny), "--model", "shapes_p16", "--out", str(tmp_path / "out"), "--batch-size", "0", "--debug"])
+    assert _main("--help") == 0
+    assert capsys.readouterr().out.startswith("usage: python -m vitviz.evaluate ")
+
+
+def test_a_folder_where_nothing_can_be_scored_fails_with_its_reason(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "unreadable.png").write_bytes(b"not an image")
+    out = tmp_path / "out"
+    assert _main(data, "--model", "shapes_p16", "--metrics", "distance", "--workers", "0", "--no-compare", "--out", out) == 1
+    err = _lines(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("vitviz.evaluate: none of the 1 image could be scored (e.g. unreadable.png: this file")
+    assert f"each one's error is in {out / 'per_image.csv'}, column error" in err[0]
+    assert _table(out / "per_image.csv")[0]["error"] and _run_json(out)["scored"] == 0 and _run_json(out)["failed"] == 1
+
+
+def test_the_images_scored_and_failed_are_counted_printed_and_recorded(data, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _main(data, "--model", "shapes_p16", "--metrics", "distance", "--batch-size", "5", "--workers", "0", "--no-compare",
+                 "--out", out) == 0
+    last = _lines(capsys.readouterr().out)[-1]
+    assert last.startswith(f"11 images scored, 1 failed (why: {out / 'per_image.csv'}, column error) in ")
+    run = _run_json(out)
+    assert (run["scored"], run["failed"], run["scored_now"], run["failed_now"]) == (11, 1, 11, 1)
+    assert _main(data, "--model", "shapes_p16", "--metrics", "distance", "--batch-size", "5", "--workers", "0", "--no-compare",
+                 "--out", out) == 0
+    assert _lines(capsys.readouterr().out)[-1] == (f"Every image was already scored (in {out / 'shards'}): 11 scored, 1 failed "
+                                                   f"(why: {out / 'per_image.csv'}, column error); the summary was written again.")
+
+
+def test_ctrl_c_is_one_line_exit_status_130_and_the_same_command_goes_on(tiny, tmp_path, capsys, monkeypatch):
+    score, calls = ev._score, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "_score", interrupted)
+    out = tmp_path / "out"
+    command = [tiny, "--model", "shapes_p16", "--metrics", "distance", "--batch-size", "2", "--workers", "0", "--no-compare", "--out", out]
+    assert _main(*command) == 130
+    err = _lines(capsys.readouterr().err)
+    assert err == [f"vitviz.evaluate: stopped; the images scored so far are kept in {out / 'shards'}: run the same command again to go on"]
+    monkeypatch.setattr(ev, "_score", score)
+    assert _main(*command) == 0
+    last = _lines(capsys.readouterr().out)[-1]
+    assert last.startswith("1 image scored, 0 failed in ") and last.endswith(f"(all 3 images: 3 scored, 0 failed); results in {out}")
+    run = _run_json(out)
+    assert (run["scored"], run["scored_now"]) == (3, 1)  # the first batch was kept
+    # the interrupted session was not timed: run.json's rate covers the one listed, and says how many images that is
+    assert len(run["sessions"]) == 1 and run["timed_images"] == 1
+
+
+def test_run_json_times_every_session_of_a_run_in_parts(tiny, tmp_path):
+    out = tmp_path / "out"
+    evaluate(tiny, out=out, max_images=2, **dict(FAST, batch_size=2))
+    evaluate(tiny, out=out, **dict(FAST, batch_size=2))
+    evaluate(tiny, out=out, **dict(FAST, batch_size=2))  # nothing left: no session
+    run = _run_json(out)
+    assert [s["scored"] for s in run["sessions"]] == [2, 1] and run["timed_images"] == 3
+    assert run["seconds"] == pytest.approx(sum(s["seconds"] for s in run["sessions"]))
+    assert run["images_per_second"] == pytest.approx(3 / run["seconds"])
+    assert all(s["world_size"] == 1 and s["images_per_second"] == pytest.approx(s["scored"] / s["seconds"]) for s in run["sessions"])
+
+
+def test_the_pointing_game_without_masks_is_a_warning_naming_where_masks_go(tiny, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tiny, data)
+    masks = sorted((data / "masks").rglob("*.png"))
+    shutil.rmtree(data / "masks")
+    out = tmp_path / "out"
+    command = [data, "--model", "shapes_p16", "--methods", "rollout", "--metrics", "distance,pointing", "--workers", "0",
+               "--no-compare", "--out", out]
+    assert _main(*command) == 0
+    first = Path(scan(data)[0].file)
+    warned = [line for line in _lines(capsys.readouterr().err) if "warning" in line]
+    assert warned == [f"vitviz.evaluate: warning: pointing skipped: it needs object masks and {data} has none (each image's at "
+                      f"DATA/masks/<its relative path>, any image format, e.g. {data / 'masks' / first} for {data / first}); "
+                      f"scoring distance"]
+    assert _run_json(out)["warnings"] == [warned[0].removeprefix("vitviz.evaluate: warning: ")]
+    # some masks: the pointing game counts the images that have one, and says so
+    for mask in masks[1:]:
+        mask.parent.mkdir(parents=True, exist_ok=True)
+        mask.write_bytes((tiny / mask.relative_to(data)).read_bytes())
+    with pytest.warns(EvaluateWarning, match=r"pointing counts 2 of the 3 images scored: 1 without a mask \(each image's at "
+                                             r"DATA/masks/<its relative path>"):
+        evaluate(data, out=tmp_path / "some", **dict(FAST, methods=("rollout",)))
+
+
+def test_a_resume_scores_again_the_rows_whose_inputs_changed(tiny, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    shutil.copytree(tiny, data, ignore=shutil.ignore_patterns("masks"))
+    out = tmp_path / "out"
+    with pytest.warns(EvaluateWarning, match="pointing skipped"):
+        evaluate(data, out=out, **FAST)
+    assert all(r["rollout_pointing"] == "" for r in _table(out / "per_image.csv"))
+    # masks appear: a change of DATA, named as such; --rescan scores exactly those rows
+    shutil.copytree(tiny / "masks", data / "masks")
+    command = [data, "--model", "shapes_p16", "--methods", "rollout", "--metrics", "distance,pointing", "--batch-size", "3",
+               "--workers", "0", "--no-compare", "--out", out]
+    assert _main(*command) == 2
+    err = capsys.readouterr().err
+    first = scan(data)[0].file
+    assert "images added: 0, removed: 0, changed: 0; masks added: 3, removed: 0, changed: 0 (mask added for " + first in err
+    assert _main(*command, "--rescan") == 0
+    assert _run_json(out)["scored_now"] == 3 and all(r["rollout_pointing"] in ("0.0", "1.0") for r in _table(out / "per_image.csv"))
+    # a file that could not be read (an image, and a mask) is read again by the next run, its stamp unchanged
+    items = scan(data)
+    read = ev._read
+
+    def denied(path):
+        if path in (items[0].path, items[1].mask):
+            raise vitviz.ImageError("the file cannot be read (Permission denied)")
+        return read(path)
+
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(ev, "_read", denied)
+    with pytest.warns(EvaluateWarning, match="pointing counts 1 of the 2 images scored: 1 whose mask could not be used"):
+        evaluate(data, out=fresh, **FAST)
+    rows = _table(fresh / "per_image.csv")
+    assert "Permission denied" in rows[0]["error"] and rows[0]["sha256"] == "" and "Permission denied" in rows[1]["mask_error"]
+    monkeypatch.setattr(ev, "_read", read)
+    evaluate(data, out=fresh, **FAST)
+    assert _run_json(fresh)["scored_now"] == 2
+    _same_tables(_table(fresh / "per_image.csv"), _table(out / "per_image.csv"))
+    evaluate(data, out=fresh, **FAST)  # and then they are done
+    assert _run_json(fresh)["scored_now"] == 0
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_mistake_is_one_line(tiny, tmp_path):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not installed with this torch")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    ran = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitviz.evaluate", str(tiny), "--model", "shapes_p16",
+                          "--batch-size", "0", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    ours = [line for line in ran.stderr.splitlines() if line.startswith("vitviz.evaluate:") or line.startswith("[rank")]
+    assert ran.returncode != 0 and ours == ["vitviz.evaluate: --batch-size is 0; it is the number of images in a batch, 1 or more "
+                                            "(the default is 32)"], ran.stderr[-3000:]
+    assert "exitcode  : 2" in ran.stderr  # torchrun's own report of the processes follows
+
+
+def _dataset_commands(path: str, heading: str) -> list[list[str]]:
+    """The commands of the first block under `heading` in a Markdown file, comments left out."""
+    text = (ROOT / path).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    block = text.split("\n\n    ", 1)[1].split("\n\n", 1)[0]
+    return [shlex.split(line.split("  #")[0]) for line in ("    " + block).splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [("README.md", "## Datasets"), ("docs/evaluate.md", "## Running it")])
+def test_the_dataset_commands_of_the_readme_and_the_docs_run_one_after_another(tmp_path, monkeypatch, where):
+    """As written, in one folder, a few images instead of 1,000. The torchrun line runs on one process here
+    (what it would refuse does not depend on the number); vit_b_16 gets random weights in a private cache."""
+    import torchvision
+
+    commands = _dataset_commands(*where)
+    assert [c[0] for c in commands] == ["python", "python", "torchrun"] and commands[0][:3] == ["python", "-m", "vitviz.shapes"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("VITVIZ_OFFLINE", "1")
+    ckpt = vitviz.sources.checkpoint_dir()
+    ckpt.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / vitviz.get_spec("vit_b_16").filename)
+    outs = []
+    for command in commands:
+        args = command[command.index("-m") + 2:]
+        if command[2] == "vitviz.shapes":
+            vitviz.shapes.main([("3" if a == "1000" else a) for a in args])
+        else:
+            assert _main(*args) == 0, command
+            outs.append(Path(args[args.index("--out") + 1]))
+    assert len(set(outs)) == 2 and all((out / "summary.csv").is_file() for out in outs)

@@ -26,7 +26,15 @@ into the same DIR after DATA changed is refused, or with --rescan scores what is
 drops the rows of what is gone. Rank 0 checks every shard line, merges the rows of the current
 files into per_image.csv and computes the dataset figures from them in file order, so one process
 and many write the same summary.csv (mean and 95 % interval per method and metric: Wilson's for the
-pointing game), distance.csv/.png and curves.png.
+pointing game), distance.csv/.png and curves.png (each curve over the fractions of patches its
+points really removed, round(i * N / steps) / N of N patches, as the areas in summary.csv are).
+
+A row whose file could not be read (the image's, or the mask of an image that was scored) is scored
+again by the next run; a row the image gate refused stays while its file is unchanged. run.json
+counts the images scored and failed, and records each session that scored images (processes,
+seconds, images per second); its top-level rate covers every session listed. A mistake in the
+command is one line on stderr and exit status 2, a run that scored nothing exit status 1, Ctrl-C
+exit status 130 (run the same command again to go on); --debug shows the traceback.
 
     summary = vitviz.evaluate.summarize("results/")     # the same summary, from Python
 """
@@ -41,9 +49,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
@@ -58,7 +67,7 @@ from vitviz.images import MAX_BYTES, ImageError, load_image
 from vitviz.model import ViT
 from vitviz.preprocess import Preprocessing, crop, to_input
 
-__all__ = ["METRICS", "Item", "EvaluateError", "scan", "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
+__all__ = ["METRICS", "Item", "EvaluateError", "EvaluateWarning", "scan", "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
 
 METRICS = ("distance", "pointing", "deletion", "insertion")
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
@@ -67,7 +76,21 @@ FORMAT = 2  # of run.json and the shard rows: rows keyed by the image's relative
 
 
 class EvaluateError(ValueError):
-    """A run vitviz.evaluate will not start, resume or merge; the message says why and what to do."""
+    """A run vitviz.evaluate will not start, resume or merge, or one that scored nothing; the message
+    says why and what to do.
+
+    Attributes:
+        status: the command's exit status: 2 for a mistake in the command or in its folders (as
+            argparse's), 1 for a run that could score nothing.
+    """
+
+    def __init__(self, message: str, *, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EvaluateWarning(UserWarning):
+    """A metric that cannot be computed for some or all images (e.g. the pointing game without masks)."""
 
 
 @dataclass(frozen=True)
@@ -188,14 +211,19 @@ class EvalDataset(torch.utils.data.Dataset):
 
 
 class _Batches(torch.utils.data.Sampler):
-    """This rank's global batches (k = rank, rank + world, ...), less the images already done."""
+    """This rank's global batches (k = rank, rank + world, ...), less the images already done; with
+    `max_images`, no more batches once that many images are dealt to this rank (a run in parts)."""
 
-    def __init__(self, n: int, batch_size: int, rank: int, world: int, done: set[int]) -> None:
+    def __init__(self, n: int, batch_size: int, rank: int, world: int, done: set[int], max_images: int | None = None) -> None:
         self.batches = []
+        total = 0
         for k in range(rank, math.ceil(n / batch_size), world):
+            if max_images is not None and total >= max_images:
+                break
             batch = [i for i in range(k * batch_size, min((k + 1) * batch_size, n)) if i not in done]
             if batch:
                 self.batches.append(batch)
+                total += len(batch)
 
     def __iter__(self):
         return iter(self.batches)
@@ -383,16 +411,34 @@ def _read_shards(folder: Path, schema) -> list[dict]:
     return rows
 
 
+def _read_all(row: dict, item: Item) -> bool:
+    """Whether a row was scored from every byte it needed: its image's, and its mask's when the image
+    was scored and has one. A file that could not be read (its permissions, a failing disk) has no
+    digest in the row; a file the image gate refused has one."""
+    if row["sha256"] is None:
+        return False
+    return bool(row["error"]) or item.mask is None or row["mask_sha256"] is not None
+
+
 def _current(rows: list[dict], items: list[Item]) -> dict[int, dict]:
     """{index: row} for the images of `items` whose row was scored from the file as it is now (same
-    relative path, size and modification time, and the same for its mask); the others' are dropped."""
+    relative path, size and modification time, and the same for its mask); the others' are dropped.
+    A row scored from every byte it needed wins over one that could not read a file."""
     where = {item.file: item for item in items}
     out = {}
     for row in rows:
         item = where.get(row["file"])
         if item is not None and row["stamp"] == item.stamp:
-            out[item.index] = dict(row, index=item.index, path=item.path)
+            kept = out.get(item.index)
+            if kept is None or _read_all(row, item) or not _read_all(kept, item):
+                out[item.index] = dict(row, index=item.index, path=item.path)
     return out
+
+
+def _done(rows: list[dict], items: list[Item]) -> set[int]:
+    """The images this run skips: those with a current row that read every file it needed (a file
+    that could not be read is tried again)."""
+    return {i for i, row in _current(rows, items).items() if _read_all(row, items[i])}
 
 
 def _restamped(rows: list[dict], items: list[Item]) -> list[dict]:
@@ -413,14 +459,27 @@ def _restamped(rows: list[dict], items: list[Item]) -> list[dict]:
 
 
 def _changes(before: dict[str, str], now: dict[str, str]) -> str | None:
-    """How the images differ between two file lists ({relative path: stamp}), with an example of each kind."""
+    """How the images, and the masks of the images in both lists, differ between two file lists
+    ({relative path: stamp}), with an example of each kind."""
     added = sorted(now.keys() - before.keys())
     removed = sorted(before.keys() - now.keys())
-    changed = sorted(f for f in now.keys() & before.keys() if now[f] != before[f])
-    if not (added or removed or changed):
+    both = sorted(now.keys() & before.keys())
+    split = {f: (before[f].partition("|"), now[f].partition("|")) for f in both}  # (image stamp, "|", mask stamp)
+    changed = [f for f in both if split[f][0][0] != split[f][1][0]]
+    masks = {
+        "added": [f for f in both if not split[f][0][2] and split[f][1][2]],
+        "removed": [f for f in both if split[f][0][2] and not split[f][1][2]],
+        "changed": [f for f in both if split[f][0][2] and split[f][1][2] and split[f][0][2] != split[f][1][2]],
+    }
+    if not (added or removed or changed or any(masks.values())):
         return None
-    examples = "; ".join(f"{what} {names[0]}" for what, names in (("added", added), ("removed", removed), ("changed", changed)) if names)
-    return f"images added: {len(added)}, removed: {len(removed)}, changed: {len(changed)} ({examples})"
+    kinds = [(f"{what}", names) for what, names in (("added", added), ("removed", removed), ("changed", changed))]
+    kinds += [(f"mask {what} for", names) for what, names in masks.items()]
+    examples = "; ".join(f"{what} {names[0]}" for what, names in kinds if names)
+    text = f"images added: {len(added)}, removed: {len(removed)}, changed: {len(changed)}"
+    if any(masks.values()):
+        text += f"; masks added: {len(masks['added'])}, removed: {len(masks['removed'])}, changed: {len(masks['changed'])}"
+    return f"{text} ({examples})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -549,9 +608,18 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
             if mode in metrics and with_curve:
                 curves[(method, mode)] = np.asarray(with_curve, dtype=np.float64).mean(0)
     if curves:
-        fig = plots.curves_figure(curves, steps=steps, title=f"{spec.name}: mean over the images")
+        # over the fractions really removed, as the areas in summary.csv: the legend's areas are the table's
+        fig = plots.curves_figure(curves, fractions=_fractions(steps, spec.grid[0] * spec.grid[1]), title=f"{spec.name}: mean over the images")
         plots.figure_to_image(fig).save(out / "curves.png")
     return summary
+
+
+def _fractions(steps: int, patches: int) -> np.ndarray:
+    """The x of a deletion or insertion curve's points [steps + 1]: the share of the patches removed
+    (or revealed) after each step, round(i * patches / steps) / patches, counted as
+    `vitviz.faithfulness.perturbation_curves` counts them (its areas are over these)."""
+    counts = torch.round(torch.arange(steps + 1) / steps * patches).long()
+    return counts.double().numpy() / patches
 
 
 # ------------------------------------------------------------------------------------------------
@@ -608,29 +676,115 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(part, path)
 
 
-def _check_previous(out: Path, run: dict, *, rescan: bool) -> bool:
+def _previous(out: Path) -> dict | None:
+    """The run.json of the run in `out`, or None."""
+    path = out / "run.json"
+    if not path.exists():
+        return None
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvaluateError(f"{path} cannot be read ({exc}); use another --out") from None
+    if not isinstance(before, dict):
+        raise EvaluateError(f"{path} is not a run.json of vitviz.evaluate; use another --out")
+    return before
+
+
+def _check_previous(out: Path, before: dict | None, run: dict, *, rescan: bool) -> bool:
     """Whether `out` holds a run of these settings on another list of files (allowed with `rescan`).
 
     Raises:
         EvaluateError: other settings, an older format, or DATA changed without `rescan`.
     """
-    previous = out / "run.json"
-    if not previous.exists():
+    if before is None:
         return False
-    before = json.loads(previous.read_text())
     if before.get("format") != FORMAT:
         raise EvaluateError(f"{out} holds a run written by an earlier vitviz.evaluate (its rows are not keyed by file); use another --out")
     settings = ("data", "model", "methods", "metrics", "steps", "batch_size")
-    if any(before.get(k) != run[k] for k in settings):
-        raise EvaluateError(f"{out} holds a run with other settings ({ {k: before.get(k) for k in settings} }); use another --out")
-    changes = _changes(before["files"], run["files"])
+    differ = [f"{k} {before.get(k)!r} there, {run[k]!r} here" for k in settings if before.get(k) != run[k]]
+    if differ:
+        raise EvaluateError(f"{out} holds a run with other settings ({'; '.join(differ)}): use another --out, one per model and settings")
+    changes = _changes(before.get("files", {}), run["files"])
     if changes and not rescan:
         raise EvaluateError(
-            f"the images under {run['data']} changed since the run in {out} began: {changes} (changed: the size or "
-            f"modification time of the image or of its mask). Run again with --rescan to score what is new or changed "
+            f"the images under {run['data']} changed since the run in {out} began: {changes} (changed: an image's size or "
+            f"modification time; a mask's likewise). Run again with --rescan to score what is new or changed "
             f"and drop the rows of what is gone, or use another --out."
         )
     return changes is not None
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_size, workers, max_images) -> None:
+    """Raises EvaluateError (status 2) for a mistake in the arguments, before anything is loaded or read."""
+    for name in metrics:
+        if name not in METRICS:
+            raise EvaluateError(f"unknown metric {name!r} in --metrics; the metrics are {', '.join(METRICS)}")
+    for name in methods:
+        if name not in METHODS:
+            raise EvaluateError(f"unknown method {name!r} in --methods; the methods are {', '.join(METHODS)}")
+    if not metrics:
+        raise EvaluateError(f"--metrics names no metric; name one or more of {', '.join(METRICS)}")
+    on_maps = [m for m in metrics if m != "distance"]
+    if on_maps and not methods:
+        raise EvaluateError(f"--methods names no method, and {', '.join(on_maps)} score methods' maps: name one or more of "
+                            f"{', '.join(METHODS)}, or ask for --metrics distance only")
+    if not _whole(steps) or steps < 2:
+        raise EvaluateError(f"--steps is {steps}; a deletion or insertion curve takes 2 steps or more (with 1, every order "
+                            f"has the same area); the default is 16")
+    if not _whole(batch_size) or batch_size < 1:
+        raise EvaluateError(f"--batch-size is {batch_size}; it is the number of images in a batch, 1 or more (the default is 32)")
+    if workers is not None and (not _whole(workers) or workers < 0):
+        raise EvaluateError(f"--workers is {workers}; it is the number of decoding processes per rank, 0 (decode in the "
+                            f"main process) or more")
+    if max_images is not None and (not _whole(max_images) or max_images < 1):
+        raise EvaluateError(f"--max-images is {max_images}; a run stops after about that many new images, 1 or more "
+                            f"(leave it out to score every image)")
+    if not data.exists():
+        raise EvaluateError(f"{data} does not exist: DATA is a folder of images (DATA/<class>/<image> gives classes); "
+                            f"python -m vitviz.shapes {data} --n 100 writes one to try")
+    if not data.is_dir():
+        raise EvaluateError(f"{data} is a file; DATA is a folder of images (DATA/<class>/<image> gives classes)")
+    if out.exists() and not out.is_dir():
+        raise EvaluateError(f"--out {out} is a file; it is the folder the results go to (made when missing)")
+
+
+def _mask_example(data: Path, file: str) -> str:
+    return f"{data / 'masks' / Path(file).with_suffix('.png')} for {data / file}"
+
+
+def _pointing_note(rows: list[dict], data: Path) -> str | None:
+    """What the pointing game left out, when it counts some of the images scored but not all."""
+    scored = [r for r in rows if not r["error"]]
+    left_out = [r for r in scored if r.get("random_pointing") is None]
+    if not left_out:
+        return None
+    refused = [r for r in left_out if r["mask_error"]]
+    missing = [r for r in left_out if not r["mask_error"]]
+    why = []
+    if missing:
+        why.append(f"{len(missing)} without a mask (each image's at DATA/masks/<its relative path>, any image format, "
+                   f"e.g. {_mask_example(data, missing[0]['file'])})")
+    if refused:
+        why.append(f"{len(refused)} whose mask could not be used (per_image.csv, column mask_error)")
+    return f"pointing counts {len(scored) - len(left_out)} of the {len(scored)} images scored: {' and '.join(why)}"
+
+
+def _totals(sessions: list[dict]) -> dict:
+    """run.json's rate over every session listed: their images (scored or failed) over their seconds,
+    and the plain forwards' rate for the same images, each session's at its own."""
+    if not sessions:
+        return {}
+    images = sum(s["scored"] + s["failed"] for s in sessions)
+    seconds = math.fsum(s["seconds"] for s in sessions)
+    plain = None
+    if all(s["plain_forward_images_per_second"] for s in sessions):
+        plain = images / math.fsum((s["scored"] + s["failed"]) / s["plain_forward_images_per_second"] for s in sessions)
+    return dict(timed_images=images, seconds=seconds, images_per_second=images / max(1e-9, seconds),
+                plain_forward_images_per_second=plain)
 
 
 def evaluate(
@@ -655,29 +809,51 @@ def evaluate(
             are new or changed, drop the rows of those that are gone.
 
     Raises:
-        EvaluateError: unknown names, no images, or a run in `out` this one cannot resume.
+        EvaluateError: a mistake in the arguments (unknown names, a folder that does not exist or
+            holds no images, numbers out of range), a run in `out` this one cannot resume, or (status
+            1) a run whose every image failed.
+
+    Warns:
+        EvaluateWarning: on rank 0, a metric left out for some or all images (the pointing game
+            without masks); run.json's "warnings" lists them too.
     """
     from tqdm import tqdm
 
-    from vitviz.sources import load_model
+    from vitviz.sources import get_spec, load_model
 
-    unknown = [m for m in metrics if m not in METRICS] + [m for m in methods if m not in METHODS]
-    if unknown:
-        raise EvaluateError(f"unknown metric or method {unknown[0]!r}; metrics: {', '.join(METRICS)}; methods: {', '.join(METHODS)}")
-    rank, world, device = _setup()
-    out = Path(out)
-    shards = out / "shards"
-    net = load_model(model, device=device)
-    spec = net.spec
+    data, out = Path(data), Path(out)
+    _check_arguments(data, out, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size, workers=workers,
+                     max_images=max_images)
+    try:
+        spec = get_spec(model)
+    except ValueError as exc:
+        raise EvaluateError(f"--model: {exc}") from None
     if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or {"gradient", "grad_rollout"} & set(methods)):
         raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the gradient methods need a class")
     items = scan(data)
     if not items:
-        raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}")
+        raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}: put images there (DATA/<class>/<image> "
+                            f"gives classes), or write some with python -m vitviz.shapes {data} --n 100")
+    notes = []
+    if "pointing" in metrics and not any(item.mask for item in items):
+        others = [m for m in metrics if m != "pointing"]
+        where = f"each image's at DATA/masks/<its relative path>, any image format, e.g. {_mask_example(data, items[0].file)}"
+        if not others:
+            raise EvaluateError(f"the pointing game needs object masks and {data} has none ({where}): add them, or ask for "
+                                f"other --metrics")
+        notes.append(f"pointing skipped: it needs object masks and {data} has none ({where}); scoring {', '.join(others)}")
+    rank, world, device = _setup()
+    for note in notes if rank == 0 else ():
+        warnings.warn(note, EvaluateWarning, stacklevel=2)
+    shards = out / "shards"
+    net = load_model(model, device=device)
+    spec = net.spec
     run = dict(format=FORMAT, data=str(data), model=model, methods=list(methods), metrics=list(metrics), steps=steps,
                batch_size=batch_size, images=len(items), files={item.file: item.stamp for item in items})
     schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes)
-    changed = _check_previous(out, run, rescan=rescan)  # on every rank: all refuse alike
+    before = _previous(out)
+    changed = _check_previous(out, before, run, rescan=rescan)  # on every rank: all refuse alike
+    sessions = list(before.get("sessions", [])) if before else []  # the timing of the sessions that scored the rows kept
     _barrier()
     if rank == 0:
         shards.mkdir(parents=True, exist_ok=True)
@@ -686,18 +862,12 @@ def evaluate(
             if kept:
                 with open(shards / f"rescan-{os.getpid()}-{int(time.time())}.jsonl", "a") as f:
                     f.write("".join(json.dumps(row) + "\n" for row in kept))
-        _write_json(out / "run.json", run)
+        _write_json(out / "run.json", dict(run, sessions=sessions, **_totals(sessions)))
     _barrier()
-    done = set(_current(_read_shards(shards, schema), items))
-    sampler = _Batches(len(items), batch_size, rank, world, done)
-    if max_images is not None:  # stop after about this many new images (a run in parts)
-        kept, total = [], 0
-        for b in sampler.batches:
-            if total >= max_images:
-                break
-            kept.append(b)
-            total += len(b)
-        sampler.batches = kept
+    done = _done(_read_shards(shards, schema), items)
+    plans = [_Batches(len(items), batch_size, r, world, done, max_images) for r in range(world)]  # every rank's, to count them all
+    sampler = plans[rank]
+    rounds = max(len(p) for p in plans)
     workers = workers if workers is not None else max(0, min(4, (os.cpu_count() or 1) // world - 1))
     loader = torch.utils.data.DataLoader(
         EvalDataset(items, spec.preprocessing), batch_sampler=sampler, num_workers=workers,
@@ -705,37 +875,58 @@ def evaluate(
     )
     shard = shards / f"rank{rank:03d}-of-{world:03d}-{os.getpid()}-{int(time.time())}.jsonl"
     start = time.perf_counter()
-    scored_now = 0
-    bar = tqdm(total=sum(len(b) for b in sampler.batches) * world, unit="img", disable=not (progress and rank == 0), file=sys.stderr)
-    with open(shard, "a") as f:
-        for batch in loader:
-            for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps):
-                problem = _row_problem(row, schema)
-                if problem:  # e.g. non-finite outputs: an error row, so that every line written passes the merge's check
-                    row = {key: row[key] for key in schema[0]} | {"error": f"the results are not usable: {problem}"}
-                f.write(json.dumps(row) + "\n")
-                scored_now += 1
-            f.flush()
-            bar.update(len(batch["index"]) * world)
-    bar.close()
+    scored_now = failed_now = 0
+    bar = tqdm(total=sum(len(b) for p in plans for b in p.batches), unit="img", disable=not (progress and rank == 0), file=sys.stderr)
+    with bar, open(shard, "a") as f:  # the bar closed (its line ended) also when stopped
+        batches = iter(loader)
+        for _ in range(rounds):  # the ranks in step, a rank out of batches too, so that the bar counts every rank's images
+            batch = next(batches, None)
+            n = 0
+            if batch is not None:
+                for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps):
+                    problem = _row_problem(row, schema)
+                    if problem:  # e.g. non-finite outputs: an error row, so that every line written passes the merge's check
+                        row = {key: row[key] for key in schema[0]} | {"error": f"the results are not usable: {problem}"}
+                    f.write(json.dumps(row) + "\n")
+                    if row["error"]:
+                        failed_now += 1
+                    else:
+                        scored_now += 1
+                f.flush()
+                n = len(batch["index"])
+            bar.update(int(_all_sum(torch.tensor([float(n)], dtype=torch.float64), device)[0]))
     seconds = time.perf_counter() - start
-    counts = _all_sum(torch.tensor([float(scored_now)], dtype=torch.float64), device)
-    rate = float(counts[0]) / max(1e-9, seconds)
+    counts = _all_sum(torch.tensor([float(scored_now), float(failed_now)], dtype=torch.float64), device)
+    scored_now, failed_now = int(counts[0]), int(counts[1])
     plain = None
-    if compare and counts[0] > 0:  # the same decision on every rank: the timing is collective
+    if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
         x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
         plain = _plain_rate(net, x, batches=max(1, min(8, math.ceil(len(items) / batch_size / world))), device=device)
     _barrier()
-    summary = None
+    summary, message = None, f"none of the {_plural(len(items), 'image')} could be scored"
+    verdict = torch.zeros(2, dtype=torch.float64)  # (images scored, whether every image has a row), from rank 0
     if rank == 0:  # the dataset figures from the merged rows in file order: the same for any number of ranks
         rows = [row for _, row in sorted(_current(_read_shards(shards, schema), items).items())]
         summary = _write_outputs(out, rows, run, spec)
-        run.update(scored_now=int(counts[0]))
-        if counts[0] > 0:  # a run that found everything scored keeps the timing of the one that scored it
-            run.update(world_size=world, images_per_second=rate, plain_forward_images_per_second=plain, seconds=seconds,
-                       device=str(device))
+        scored = sum(1 for row in rows if not row["error"])
+        if scored_now + failed_now:  # a run that found everything scored keeps the timing of those that scored it
+            sessions.append(dict(world_size=world, device=str(device), scored=scored_now, failed=failed_now, seconds=seconds,
+                                 images_per_second=(scored_now + failed_now) / max(1e-9, seconds),
+                                 plain_forward_images_per_second=plain))
+        if "pointing" in metrics and any(item.mask for item in items):
+            note = _pointing_note(rows, data)
+            if note:
+                warnings.warn(note, EvaluateWarning, stacklevel=2)
+                notes.append(note)
+        run.update(scored=scored, failed=len(rows) - scored, scored_now=scored_now, failed_now=failed_now, warnings=notes,
+                   sessions=sessions, **_totals(sessions))
         _write_json(out / "run.json", run)
-    _barrier()
+        verdict = torch.tensor([float(scored), float(len(rows) == len(items))], dtype=torch.float64)
+        if rows and not scored:
+            message += f" (e.g. {rows[0]['file']}: {rows[0]['error']}); each one's error is in {out / 'per_image.csv'}, column error"
+    verdict = _all_sum(verdict, device)  # also the barrier after rank 0's writing
+    if verdict[1] and not verdict[0]:
+        raise EvaluateError(message, status=1)
     return summary
 
 
@@ -749,43 +940,104 @@ def _collate(samples: list[dict]) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# The command
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")
+
+
+def _report(out: Path, run: dict) -> str:
+    """The line that ends a run: the images scored and failed now (and in all), the rate, what is left."""
+    scored, failed, scored_now, failed_now = run["scored"], run["failed"], run["scored_now"], run["failed_now"]
+    why = f"why: {out / 'per_image.csv'}, column error"
+    if scored_now + failed_now == 0:
+        return (f"Every image was already scored (in {out / 'shards'}): {scored} scored, {failed} failed"
+                f"{f' ({why})' if failed else ''}; the summary was written again.")
+    now = f"{_plural(scored_now, 'image')} scored, {failed_now} failed{f' ({why})' if failed_now else ''}"
+    everything = ""
+    if (scored, failed) != (scored_now, failed_now):
+        everything = f" (all {run['images']} images: {scored} scored, {failed} failed{f'; {why}' if failed and not failed_now else ''})"
+    left = run["images"] - scored - failed
+    todo = f"; {_plural(left, 'image')} still to score: run the same command again to go on" if left else ""
+    s = run["sessions"][-1]
+    plain = s["plain_forward_images_per_second"]
+    ratio = f"; plain batched forwards {plain:.1f} img/s, {s['images_per_second'] / plain:.3g}x" if plain else ""
+    return (f"{now} in {s['seconds']:.1f} s on {_plural(s['world_size'], 'process')}: {s['images_per_second']:.1f} img/s{ratio}"
+            f"{everything}; results in {out}{todo}")
+
+
+def _fail(status: int, message: str, *, every_rank: bool) -> NoReturn:
+    """One line on stderr, from the first process only unless `every_rank`; then exit with `status`."""
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    if every_rank or rank == "0":
+        where = f"rank {rank}: " if world > 1 and every_rank else ""
+        print(f"vitviz.evaluate: {where}" + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
+    raise SystemExit(status)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes one line (exit status 2) instead of the usage and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(2, f"{message} (python -m vitviz.evaluate --help lists the options)", every_rank=False)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vitviz.sources import WeightsUnavailableError
+
+    ap = _Parser(prog="python -m vitviz.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks)")
     ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
     ap.add_argument("--methods", default="rollout,gradient", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of {', '.join(METRICS)}")
-    ap.add_argument("--steps", type=int, default=16, help="deletion/insertion steps")
+    ap.add_argument("--steps", type=int, default=16, help="deletion/insertion steps, 2 or more")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--workers", type=int, default=None, help="decoding processes per rank")
+    ap.add_argument("--workers", type=int, default=None, help="decoding processes per rank, 0 or more")
     ap.add_argument("--max-images", type=int, default=None, help="stop after about this many new images (run again to go on)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the folder for the results: one per model and settings")
     ap.add_argument("--rescan", action="store_true",
                     help="resume although DATA changed: score what is new or changed, drop the rows of what is gone")
     ap.add_argument("--no-compare", action="store_true", help="skip timing plain batched forwards")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = ap.parse_args(argv)
     methods = tuple(m for m in args.methods.split(",") if m)
     metrics = tuple(m for m in args.metrics.split(",") if m)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, EvaluateWarning):
+            print(f"vitviz.evaluate: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
     try:
-        summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
-                           batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
-                           compare=not args.no_compare, rescan=args.rescan)
-    except EvaluateError as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", EvaluateWarning)
+            default, warnings.showwarning = warnings.showwarning, show
+            summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
+                               batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
+                               compare=not args.no_compare, rescan=args.rescan)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _fail(130, f"stopped; the images scored so far are kept in {args.out / 'shards'}: run the same command again to go on",
+              every_rank=False)
+    except EvaluateError as exc:  # alike on every rank
+        if args.debug:
+            raise
+        _fail(exc.status, str(exc), every_rank=False)
+    except Exception as exc:
+        if args.debug:
+            raise
+        what = str(exc) if isinstance(exc, (WeightsUnavailableError, OSError)) and str(exc) else f"{type(exc).__name__}: {exc}"
+        _fail(1, f"{what} (--debug shows the traceback)", every_rank=True)
+    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        raise SystemExit(f"vitviz.evaluate: {exc}") from None
     if summary is not None:
-        run = json.loads((args.out / "run.json").read_text())
         print((args.out / "summary.md").read_text())
-        plain = run.get("plain_forward_images_per_second")
-        ratio = f"; plain batched forwards {plain:.1f} img/s, {run['images_per_second'] / plain:.3g}x" if plain else ""
-        if run["scored_now"] == 0:
-            print(f"Every image was already scored (in {args.out / 'shards'}); the summary was written again.")
-        else:
-            print(f"{run['scored_now']} images scored in {run['seconds']:.1f} s on {run['world_size']} process(es): "
-                  f"{run['images_per_second']:.1f} img/s{ratio}; results in {args.out}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        print(_report(args.out, json.loads((args.out / "run.json").read_text())))
 
 
 if __name__ == "__main__":

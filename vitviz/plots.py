@@ -502,13 +502,15 @@ def faithfulness_figure(curves: dict, *, title: str = "") -> Figure:
                                  "insertion": "Insertion: area under the curve, higher is better"})
 
 
-def curves_figure(curves: dict, *, steps: int, title: str = "") -> Figure:
-    """Mean deletion and insertion curves over a dataset, side by side.
+def curves_figure(curves: dict, *, fractions: np.ndarray, title: str = "") -> Figure:
+    """Mean deletion and insertion curves over a dataset, side by side, each line's area in its legend.
 
     Args:
         curves: {(method, "deletion" | "insertion"): mean probability of the class [steps + 1]}.
+        fractions: [steps + 1] the share of patches removed (revealed) at each step — the x positions
+            the areas are taken over (`vitviz.faithfulness`: round(i N / steps) / N of N patches).
     """
-    return _curve_panels(curves, np.arange(steps + 1) / steps, ylabel="Mean probability of the class", title=title,
+    return _curve_panels(curves, np.asarray(fractions, dtype=np.float64), ylabel="Mean probability of the class", title=title,
                          titles={"deletion": "Deletion (area under the curve)", "insertion": "Insertion (area under the curve)"})
 
 
