@@ -34,6 +34,21 @@ def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
     return model
 
 
+def random_torchvision_checkpoint(torch_home, arch: str = "vit_b_16", *, seed: int = 0):
+    """Random weights for `arch` where torchvision looks for its download under `torch_home`, so the
+    real weights path loads them offline. Returns the checkpoint's path."""
+    import torchvision
+
+    import vitviz
+
+    folder = torch_home / "hub" / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    path = folder / vitviz.get_spec(arch).filename
+    torch.save(getattr(torchvision.models, arch)().state_dict(), path)
+    return path
+
+
 _REV = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import random_torchvision_checkpoint
 import vitviz
 import vitviz.evaluate as ev
 from vitviz.evaluate import EvaluateError, EvaluateWarning, _Batches, evaluate, main, scan, summarize, wilson
@@ -601,10 +602,7 @@ def test_the_dataset_commands_of_the_readme_and_the_docs_run_one_after_another(t
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("VITVIZ_OFFLINE", "1")
-    ckpt = vitviz.sources.checkpoint_dir()
-    ckpt.mkdir(parents=True)
-    torch.manual_seed(0)
-    torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / vitviz.get_spec("vit_b_16").filename)
+    random_torchvision_checkpoint(tmp_path / "torch")
     outs = []
     for command in commands:
         args = command[command.index("-m") + 2:]

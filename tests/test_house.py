@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import random_timm_weights, wait_for, write_hub_cache
+from conftest import random_torchvision_checkpoint, random_timm_weights, wait_for, write_hub_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vitviz"
@@ -193,9 +193,7 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
     blocks = _readme_blocks()
     assert len(blocks) >= 3
     torch_home = tmp_path / "torch"
-    ckpt = torch_home / "hub" / "checkpoints"
-    ckpt.mkdir(parents=True)
-    torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / "vit_b_16-c867db91.pth")
+    random_torchvision_checkpoint(torch_home)
     hf_home = tmp_path / "hf"
     for name in ("vit_small_patch16_224.dino",):  # the timm models the examples load by name
         write_hub_cache(hf_home / "hub", f"timm/{name}", {"model.safetensors": random_timm_weights(name)[1]})

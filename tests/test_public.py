@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import random_torchvision_checkpoint
 import vitviz
 
 REFUSED = "must be uploaded to this app"
@@ -165,10 +166,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("VITVIZ_OFFLINE", "1")
-    ckpt = vitviz.sources.checkpoint_dir()
-    ckpt.mkdir(parents=True)
-    torch.manual_seed(0)
-    torch.save(torchvision.models.vit_b_16().state_dict(), ckpt / vitviz.get_spec("vit_b_16").filename)
+    random_torchvision_checkpoint(tmp_path / "torch")
     budget = 100 * 2**20  # four and a half B/16 analyses (22.4 MB each)
     from vitviz.server.sessions import SessionStore
 

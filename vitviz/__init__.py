@@ -8,6 +8,7 @@ embeddings and patch filters — from Python or in the browser (`app.py`).
 """
 
 from vitviz.explanations import METHODS, Explanation, explain, relevance_maps
+from vitviz.explainers import Method, methods, register_method
 from vitviz.analysis import (
     attention_received,
     attention_rollout,
@@ -40,6 +41,7 @@ __all__ = [
     "Analysis",
     "Explanation",
     "METHODS",
+    "Method",
     "AttentionRecord",
     "ImageError",
     "Preprocessing",
@@ -58,6 +60,8 @@ __all__ = [
     "explain",
     "get_spec",
     "list_variants",
+    "methods",
+    "register_method",
     "load_image",
     "load_model",
     "mean_attention_distance",

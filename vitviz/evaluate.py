@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, pointing_game, uniform_attention_distance
-from vitviz.explanations import METHODS, maps_of, record
+from vitviz.explainers import method as registered_method, methods as registered_methods
+from vitviz.explanations import maps_of, needs_gradients, record
 from vitviz.faithfulness import perturbation_curves, random_maps
 from vitviz.hooks import record_attention
 from vitviz.images import MAX_BYTES, ImageError, load_image
@@ -265,7 +266,7 @@ def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, step
     scored = [base[i] for i in index]
     if need_maps:
         targets = [_target(items[i].label, spec.categories) for i in index] if spec.has_head else None
-        rec = record(model, x, targets=targets, gradients=any(m in ("gradient", "grad_rollout") for m in methods))
+        rec = record(model, x, targets=targets, gradients=needs_gradients(methods))
         attn = rec.attentions
         maps = maps_of(rec, methods)
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
@@ -723,15 +724,18 @@ def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_si
     for name in metrics:
         if name not in METRICS:
             raise EvaluateError(f"unknown metric {name!r} in --metrics; the metrics are {', '.join(METRICS)}")
+    known = registered_methods()  # plugins (VITVIZ_PLUGINS, the "vitviz.methods" entry points) included
     for name in methods:
-        if name not in METHODS:
-            raise EvaluateError(f"unknown method {name!r} in --methods; the methods are {', '.join(METHODS)}")
+        if name not in known:
+            raise EvaluateError(f"unknown method {name!r} in --methods; the methods are {', '.join(known)}")
+        if registered_method(name).needs_text:
+            raise EvaluateError(f"--methods {name} explains a phrase; the evaluator scores class explanations")
     if not metrics:
         raise EvaluateError(f"--metrics names no metric; name one or more of {', '.join(METRICS)}")
     on_maps = [m for m in metrics if m != "distance"]
     if on_maps and not methods:
         raise EvaluateError(f"--methods names no method, and {', '.join(on_maps)} score methods' maps: name one or more of "
-                            f"{', '.join(METHODS)}, or ask for --metrics distance only")
+                            f"{', '.join(known)}, or ask for --metrics distance only")
     if not _whole(steps) or steps < 2:
         raise EvaluateError(f"--steps is {steps}; a deletion or insertion curve takes 2 steps or more (with 1, every order "
                             f"has the same area); the default is 16")
@@ -828,8 +832,8 @@ def evaluate(
         spec = get_spec(model)
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
-    if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or {"gradient", "grad_rollout"} & set(methods)):
-        raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the gradient methods need a class")
+    if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or any(registered_method(m).needs_classifier for m in methods)):
+        raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one")
     items = scan(data)
     if not items:
         raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}: put images there (DATA/<class>/<image> "
@@ -990,7 +994,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = _Parser(prog="python -m vitviz.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks)")
     ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
-    ap.add_argument("--methods", default="rollout,gradient", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default="rollout,gradient",
+                    help="comma-separated, of attention, rollout, gradient, grad_rollout and any a plugin registers (VITVIZ_PLUGINS)")
     ap.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of {', '.join(METRICS)}")
     ap.add_argument("--steps", type=int, default=16, help="deletion/insertion steps, 2 or more")
     ap.add_argument("--batch-size", type=int, default=32)

@@ -1,8 +1,8 @@
-"""Why this class: a map over the patch grid from one of four methods, for a chosen target class.
+"""Why this class: a map over the patch grid from a registered method, for a chosen target class.
 
     vitviz.explain(model, "cat.jpg", method="gradient", target="tabby, tabby cat")
 
-Methods (`METHODS`):
+Built-in methods (`METHODS`; `vitviz.methods()` lists them with any plugins', `vitviz.explainers`):
 - "attention": the last layer's attention of the cls token, averaged over heads (no target).
 - "rollout": attention rollout from the cls token (Abnar & Zuidema 2020; no target).
 - "gradient": Chefer et al. 2021's relevance for the target logit (`vitviz.relevance`).
@@ -11,33 +11,31 @@ Methods (`METHODS`):
 Each map is the classifier's query's row over the patches: the cls token's, or for a model without
 one that classifies from the mean of its patch tokens, the mean of the patch tokens' rows ("pool").
 
-`relevance_maps` computes any set of methods for a batch in one forward and, when a gradient
-method is asked for, one backward of the summed per-sample target logits (samples do not interact in
-eval mode); it is `record` (the model's part) then `maps_of` (pure).
+`relevance_maps` computes any set of methods for a batch in one forward and, when a method needs
+gradients, one backward of the summed per-sample target logits (samples do not interact in eval
+mode); it is `record` (the model's part) then `maps_of` (pure).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 from PIL import Image
 
-from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map
+from vitviz.analysis import POOL, HeadFusion, Query, cls_map
+from vitviz.explainers import method as registered
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.model import ViT
 from vitviz.pipeline import spec_of
 from vitviz.preprocess import preprocess
-from vitviz.relevance import gradient_relevance, gradient_rollout, last_layer_attention
 
-__all__ = ["METHODS", "Explanation", "Recorded", "explain", "maps_of", "record", "relevance_maps", "resolve_target"]
+__all__ = ["METHODS", "Explanation", "Recorded", "explain", "maps_of", "needs_gradients", "record", "relevance_maps", "resolve_target"]
 
-Method = Literal["attention", "rollout", "gradient", "grad_rollout"]
-METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout")
-_GRADIENT_METHODS = ("gradient", "grad_rollout")
+METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout")  # the built-in ones
 
 
 @dataclass
@@ -46,7 +44,7 @@ class Explanation:
 
     Attributes:
         map: relevance of each patch [gh, gw] (larger: more relevant).
-        method: one of `METHODS`.
+        method: a registered method's name (`vitviz.methods()`).
         target: the class index explained (None for a model without a classifier).
         label: its name.
         probability: the model's probability of it.
@@ -92,6 +90,7 @@ class Recorded:
         grid: the patch grid; num_prefix_tokens: p.
         pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
             its maps are the mean of the patch tokens' rows ("pool") instead of the cls token's.
+        chosen_query: whose row the maps read when not the classifier's (a prefix token's index).
     """
 
     attentions: torch.Tensor = field(repr=False)
@@ -101,17 +100,23 @@ class Recorded:
     grid: tuple[int, int]
     num_prefix_tokens: int
     pooled_query: bool = False
+    chosen_query: Query | None = None
 
     @property
     def query(self) -> Query:
-        """The classifier's query: 0 (the cls token) or "pool"."""
+        """Whose row the maps are: the classifier's query, 0 (the cls token) or "pool", unless chosen."""
+        if self.chosen_query is not None:
+            return self.chosen_query
         return POOL if self.pooled_query else 0
 
+    def query_maps(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The query's row of an N x N matrix per sample [B, N, N] over the patch grid: [B, gh, gw]."""
+        return cls_map(matrix, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=self.query)
 
-def _check_methods(methods: Sequence[str]) -> None:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r}; the methods are {', '.join(METHODS)}")
+
+def needs_gradients(methods: Sequence[str]) -> bool:
+    """Whether any of `methods` needs the gradients of the target logit (ValueError for an unknown one)."""
+    return any(registered(m).needs_gradients for m in methods)
 
 
 def record(
@@ -170,22 +175,19 @@ def maps_of(
         query: whose row each map is: a prefix token's index or "pool"; None for the classifier's
             (`Recorded.query`).
     """
-    _check_methods(methods)
-    attn, grads, p, grid = recorded.attentions, recorded.gradients, recorded.num_prefix_tokens, recorded.grid
-    query = recorded.query if query is None else query
-    if grads is None and any(m in _GRADIENT_METHODS for m in methods):
+    chosen = [registered(m) for m in methods]
+    if recorded.gradients is None and any(m.needs_gradients for m in chosen):
         raise ValueError("gradient methods need a batch recorded with gradients=True")
+    if recorded.targets is None and any(m.needs_classifier for m in chosen):
+        raise ValueError(f"{next(m.name for m in chosen if m.needs_classifier)!r} explains a class: it needs a model with a classifier")
+    rec = recorded if query is None else replace(recorded, chosen_query=query)
+    batch, (gh, gw) = recorded.attentions.shape[1], recorded.grid
     maps: dict[str, torch.Tensor] = {}
-    for m in methods:
-        if m == "attention":
-            r = last_layer_attention(attn)
-        elif m == "rollout":
-            r = attention_rollout(attn, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        elif m == "gradient":
-            r = gradient_relevance(attn, grads)
-        else:
-            r = gradient_rollout(attn, grads, head_fusion=head_fusion, discard_ratio=discard_ratio, num_prefix_tokens=p)
-        maps[m] = cls_map(r, grid=grid, num_prefix_tokens=p, token=query).detach().cpu()
+    for m in chosen:
+        out = m.fn(rec, head_fusion=head_fusion, discard_ratio=discard_ratio)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, gh, gw):
+            raise ValueError(f"method {m.name!r} returned {getattr(out, 'shape', type(out).__name__)}; it must return maps [{batch}, {gh}, {gw}]")
+        maps[m.name] = out.detach().float().cpu()
     return maps
 
 
@@ -203,15 +205,14 @@ def relevance_maps(
     Args:
         model: a vitviz ViT (in eval mode).
         x: preprocessed images [B, 3, S, S].
-        methods: names from `METHODS`.
+        methods: registered methods' names (`vitviz.methods()`).
         targets: per sample a class index, a class name or None (top-1); None for all top-1.
         head_fusion, discard_ratio: for "rollout" and "grad_rollout".
 
     Returns:
         ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None).
     """
-    _check_methods(methods)
-    rec = record(model, x, targets=targets, gradients=any(m in _GRADIENT_METHODS for m in methods))
+    rec = record(model, x, targets=targets, gradients=needs_gradients(methods))
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
     return maps, (rec.targets.cpu() if rec.targets is not None else None), (rec.probabilities.cpu() if rec.probabilities is not None else None)
 
@@ -230,7 +231,7 @@ def explain(
     Args:
         model: a vitviz ViT with a spec (`load_model`, `ViT.from_*`).
         image: anything `vitviz.load_image` accepts.
-        method: "attention", "rollout", "gradient" or "grad_rollout".
+        method: a registered method: "attention", "rollout", "gradient", "grad_rollout" or a plugin's.
         target: a class index or name; None for the top-1.
     """
     spec = spec_of(model)

@@ -28,7 +28,7 @@ from vitviz.server import explaining, inputs, views  # noqa: E402
 from vitviz.server import explorer_data  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
 from vitviz import plots  # noqa: E402
-from vitviz.explanations import METHODS  # noqa: E402
+from vitviz.explainers import method as registered_method, methods  # noqa: E402
 from vitviz.server.gradio_io import (  # noqa: E402
     BodyLimit, GuardedBlocks, PngImage, UploadedImage, UploadLimit, ViewImage, as_text, upload_folder,
 )
@@ -55,6 +55,8 @@ except ImportError:  # pragma: no cover - depends on the host
 Outputs = dict[Component, Any]
 
 MENU = list_variants()
+# the Explain tab's maps: every registered method that explains a class or none (plugins loaded now)
+METHODS = tuple(m for m in methods() if not registered_method(m).needs_text)
 # every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
 SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
 CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes)
@@ -678,7 +680,8 @@ def api_explain(image: str | None, variant: str, target: str, method: str) -> Ou
         image: the photo (an uploaded file).
         variant: the model, as for analyze (e.g. "shapes_p16").
         target: the class to explain, by name (empty: the top-1 class).
-        method: "gradient" (Chefer et al. 2021, the default), "grad_rollout", "rollout" or "attention".
+        method: "gradient" (Chefer et al. 2021, the default), "grad_rollout", "rollout", "attention", or a
+            method a plugin registered (`vitviz.register_method`).
 
     Returns:
         The map over the image, with its colour bar; its file is named by the variant, method and class.
@@ -759,12 +762,6 @@ THEME = gr.themes.Soft().set(
 SCROLL_TO_RESULTS = """() => { if (window.matchMedia('(max-width: 768px)').matches)
     document.getElementById('vv-results')?.scrollIntoView({block: 'start'}); }"""
 
-_METHOD_TITLES = {  # short: a label that wraps would cover the top of its picture
-    "attention": "Last-layer attention",
-    "rollout": "Attention rollout",
-    "gradient": "Gradient relevance",
-    "grad_rollout": "Gradient rollout",
-}
 _TAB_IDS = {"Predict": "predict", "Explain": "explain", "Explorer": "explorer", "Tokens": "tokens", "Distance": "distance",
             "Positions": "positions", "Architecture": "architecture", "Compare": "compare"}
 
@@ -848,10 +845,10 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
                             explain_scale = gr.Radio(EXPLAIN_SCALES, value=EXPLAIN_SCALES[0], label="Colour scale", elem_id="vv-explain-scale", scale=2)
                         explain_note = gr.Markdown("", elem_id="vv-explain-note")
                         explain_imgs = {}
-                        for pair in (METHODS[:2], METHODS[2:]):
+                        for pair in (METHODS[i : i + 2] for i in range(0, len(METHODS), 2)):
                             with gr.Row(elem_classes="vv-pair"):
                                 for m in pair:
-                                    explain_imgs[m] = _figure(ViewImage, label=_METHOD_TITLES[m], elem_id=f"vv-explain-{m}")
+                                    explain_imgs[m] = _figure(ViewImage, label=registered_method(m).title, elem_id=f"vv-explain-{m}")
                         with gr.Row():
                             faith_button = gr.Button("Measure faithfulness (deletion and insertion)", size="sm", elem_id="vv-faith-run", scale=3)
                             faith_stop = gr.Button("Stop", size="sm", elem_id="vv-faith-stop", scale=1, min_width=60)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from vitviz.explanations import METHODS, relevance_maps, resolve_target
+from vitviz.explainers import method, methods
+from vitviz.explanations import relevance_maps, resolve_target
 from vitviz.faithfulness import Curves, perturbation_curves, random_maps
 from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
@@ -22,14 +23,14 @@ def _input(cache: ModelCache, exp: Exploration):
 
 
 def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | None) -> tuple[dict[str, torch.Tensor], int | None]:
-    """Every method's map [gh, gw] for `target` (a class name; None: the top-1) on the analysed crop.
-
-    A model without a classifier gets the methods that need none ("attention", "rollout")."""
+    """Every registered method's map [gh, gw] for `target` (a class name; None: the top-1) on the
+    analysed crop. A model without a classifier gets the methods that need none ("attention",
+    "rollout"); methods that explain a phrase are not drawn here."""
     model, x = _input(cache, exp)
     a = exp.analysis
-    methods = METHODS if a.probabilities is not None else ("attention", "rollout")
+    wanted = [m for m in methods() if not method(m).needs_text and (a.probabilities is not None or not method(m).needs_classifier)]
     index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
-    maps, _, _ = relevance_maps(model, x, methods=methods, targets=[index] if index is not None else None)
+    maps, _, _ = relevance_maps(model, x, methods=wanted, targets=[index] if index is not None else None)
     return {m: v[0] for m, v in maps.items()}, index
 
 

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from vitviz import plots
+from vitviz.explainers import method as registered_method
 from vitviz.analysis import POOL, Query, attention_received
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity
 from vitviz.images import ImageSource
@@ -261,13 +262,8 @@ def render_method_maps(exp: Exploration, maps: dict[str, torch.Tensor], *, label
     """One overlay per method ({method: [gh, gw]}), each with its colour bar; "shared" puts every
     method on 0..the largest value of any (useful when the methods share a unit, as rollouts do)."""
     lo, hi = (0.0, max(float(m.max()) for m in maps.values())) if scale == "shared" else (None, None)
-    return {method: _heat_view(exp, m, name=_name(exp, "explain", method, label), label=METHOD_UNITS.get(method, "relevance"),
-                               vmin=lo, vmax=hi)
-            for method, m in maps.items()}
-
-
-# what each method's colour bar measures
-METHOD_UNITS = {"attention": "attention", "rollout": "rollout", "gradient": "relevance", "grad_rollout": "gradient rollout"}
+    return {name: _heat_view(exp, m, name=_name(exp, "explain", name, label), label=registered_method(name).unit, vmin=lo, vmax=hi)
+            for name, m in maps.items()}
 
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:

@@ -1,0 +1,107 @@
+"""The registry of explanation methods (`vitviz.explainers` documents the contract)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Method", "register_method", "methods", "method", "load_plugins", "PLUGINS_ENV"]
+
+PLUGINS_ENV = "VITVIZ_PLUGINS"
+ENTRY_POINT_GROUP = "vitviz.methods"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method.
+
+    Attributes:
+        name: what callers pass (`method="gradient"`, `--methods gradient`).
+        title: a short title for its map (the app's label).
+        needs_gradients: the pass must record gradients of the target logit (one backward).
+        needs_classifier: it explains a class (a model without a classifier cannot use it).
+        needs_text: it explains a phrase (image-text models).
+        unit: what its colour bar shows.
+        fn: fn(recorded, **options) -> maps [B, gh, gw].
+    """
+
+    name: str
+    title: str
+    needs_gradients: bool
+    needs_classifier: bool
+    needs_text: bool
+    unit: str
+    fn: Callable[..., torch.Tensor]
+
+
+_REGISTRY: dict[str, Method] = {}
+_LOCK = threading.Lock()
+_LOADED: set[str] = set()
+
+
+def register_method(name: str, *, title: str, needs_gradients: bool, needs_classifier: bool | None = None,
+                    needs_text: bool = False, unit: str = "relevance") -> Callable[[Callable], Callable]:
+    """Registers the decorated function as the explanation method `name` (see the module's docstring).
+
+    Args:
+        needs_classifier: default: as `needs_gradients` (a gradient needs a class logit).
+
+    Raises:
+        ValueError: a bad name, or a name already registered by another function.
+    """
+    if not isinstance(name, str) or not name.replace("_", "").isalnum() or not name[:1].isalpha():
+        raise ValueError(f"a method's name is letters, digits and _ starting with a letter, not {name!r}")
+
+    def register(fn: Callable) -> Callable:
+        entry = Method(name, title, bool(needs_gradients), bool(needs_gradients if needs_classifier is None else needs_classifier),
+                       bool(needs_text), unit, fn)
+        with _LOCK:
+            old = _REGISTRY.get(name)
+            if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
+                raise ValueError(f"method {name!r} is registered already (by {old.fn.__module__}.{old.fn.__qualname__})")
+            _REGISTRY[name] = entry
+        return fn
+
+    return register
+
+
+def load_plugins() -> None:
+    """Imports the plugin modules (entry-point group "vitviz.methods", then `VITVIZ_PLUGINS`), once
+    each; an import that fails is an ImportError naming the plugin."""
+    from importlib.metadata import entry_points
+
+    names = [ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    names += [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        if name in _LOADED:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise ImportError(f"the vitviz plugin {name!r} could not be imported: {type(exc).__name__}: {exc}") from exc
+        _LOADED.add(name)
+
+
+def methods() -> tuple[str, ...]:
+    """The names of every registered method, built-in first, plugins loaded."""
+    load_plugins()
+    with _LOCK:
+        return tuple(_REGISTRY)
+
+
+def method(name: str) -> Method:
+    """The registered method `name`.
+
+    Raises:
+        ValueError: no such method (the message lists them).
+    """
+    known = methods()
+    if name not in known:
+        raise ValueError(f"unknown method {name!r}; the methods are {', '.join(known)}")
+    return _REGISTRY[name]
+
