@@ -227,9 +227,11 @@ def test_model_cache_is_bounded():
     from vitviz.server.models import ModelCache
 
     cache = ModelCache(max_models=2, device="cpu")
-    for name in ["shapes_p16", "shapes_p8", "shapes_p16", "shapes_p8"]:
+    for name in ["shapes_p16", "shapes_p8", "shapes_p16"]:
         cache.get(name)
-    assert cache.loaded() == ["shapes_p16", "shapes_p8"]
+    assert cache.loaded() == ["shapes_p8", "shapes_p16"]  # least recently used first
+    cache.get("shapes_p16@192")  # a third model: the least recently used one goes
+    assert cache.loaded() == ["shapes_p16", "shapes_p16@192"]
     cache = ModelCache(max_models=5, max_bytes=3 * 1024**2, device="cpu")  # room for one 2 MB model
     cache.get("shapes_p16")
     cache.get("shapes_p8")

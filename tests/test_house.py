@@ -115,6 +115,28 @@ def test_the_library_never_reaches_up_into_the_app():
             assert not {t for t in targets if t.startswith("vitviz.server")}, f"{name} imports the app's modules"
 
 
+def _top_level_imports(text: str) -> set[str]:
+    """The first name of every absolute import in a source file (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_only_the_app_package_imports_gradio_and_nothing_imports_the_launcher():
+    web = {"gradio", "gradio_client", "starlette", "fastapi", "uvicorn", "spaces"}
+    for name, path in _modules().items():
+        names = _top_level_imports(path.read_text())
+        assert "app" not in names, f"{name} imports the launcher app.py (the app is vitviz.server.app)"
+        if not name.startswith("vitviz.server") and name != "vitviz.bench":
+            assert not names & web, f"{name} imports {sorted(names & web)}: web code belongs in vitviz.server"
+    planted = "import vitviz\nfrom gradio import Blocks\n"
+    assert _top_level_imports(planted) & web == {"gradio"}
+
+
 def _repo_copy(tmp_path: Path) -> Path:
     """The files git tracks (and those it would track), copied: no build litter in the checkout."""
     listed = subprocess.run(

@@ -131,7 +131,6 @@ def test_wrong_input_shape_says_what_is_expected():
 def test_other_image_sizes_resample_the_position_embeddings():
     model = vitviz.get_spec("shapes_p16").build().eval()
     # at the trained size nothing is resampled
-    assert model.patch_pos_embed((6, 6)) is not None
     torch.testing.assert_close(model.patch_pos_embed((6, 6)), model.pos_embed[:, 1:], atol=0, rtol=0)
     # elsewhere: bicubic, antialiased, on the [gh, gw] grid of each channel
     import torch.nn.functional as F
