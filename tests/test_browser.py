@@ -112,7 +112,22 @@ SCREENS = Path(__file__).resolve().parent.parent / "docs" / "screens"
 CONTRAST_JS = (Path(__file__).resolve().parent / "js" / "contrast.js").read_text()
 
 
+def _settled(page, quiet_ms: int = 600) -> None:
+    """Waits until nothing on the page has been pending (Gradio dims what an event will redraw) for
+    `quiet_ms` in a row: a tab chosen starts its drawing a moment later."""
+    page.wait_for_function(
+        f"""(() => {{
+            const busy = document.querySelector('.pending, .generating') !== null, now = performance.now();
+            if (busy || window.__vvQuietSince === undefined) window.__vvQuietSince = now;
+            return !busy && now - window.__vvQuietSince >= {quiet_ms};
+        }})()""",
+        polling=100,
+    )
+
+
 def _low_contrast(page) -> list[str]:
+    """The texts below WCAG AA, once nothing is being computed."""
+    _settled(page)
     return page.evaluate(CONTRAST_JS)
 
 

@@ -733,25 +733,8 @@ def on_variant_info(variant: str) -> Outputs:
 # ------------------------------------------------------------------------------------------------
 # Layout
 
-CSS = """
-.vv-caption { color: var(--body-text-color-subdued); font-size: 0.92em; }
-.vv-error { color: var(--error-text-color); border: 1px solid var(--error-border-color); background: var(--error-background-fill);
-            border-radius: 6px; padding: 6px 10px; white-space: pre-wrap; overflow-wrap: anywhere; }
-/* figures start below their label and buttons, which Gradio lays over the top of an image */
-.vv-figure .image-container { padding-top: 38px; }
-#vv-explorer img, #vv-features img { cursor: crosshair; }
-/* no picture of the analysed image before the first analysis (not an empty frame) */
-#vv-result-thumb:not(:has(img)) { display: none; }
-/* results that are not those of the image and variant chosen now */
-.vv-stale #vv-status, .vv-stale .tabs { opacity: 0.45; }
-/* the Use button sits beside the box it applies to, level with it, not with its label */
-#vv-other-use { align-self: flex-end; margin-bottom: 2px; }
-/* a phone: one column, each picture the screen's width */
-@media (max-width: 768px) {
-  .vv-pair { flex-direction: column !important; }
-  .vv-pair > * { width: 100% !important; min-width: 0 !important; flex: 1 1 auto !important; }
-}
-"""
+HERE = Path(__file__).resolve().parent
+CSS = (HERE / "app.css").read_text()
 # Gradio's Soft theme with text at WCAG AA contrast (4.5:1): labels, accents and subdued text darker
 THEME = gr.themes.Soft().set(
     block_label_text_color="*primary_700", block_title_text_color="*primary_700", color_accent="*primary_600",
@@ -759,8 +742,7 @@ THEME = gr.themes.Soft().set(
     checkbox_label_background_fill_selected="*primary_600", body_text_color_subdued="*neutral_600",
 )
 # after an analysis on a narrow screen the page goes to its results (they sit under the inputs there)
-SCROLL_TO_RESULTS = """() => { if (window.matchMedia('(max-width: 768px)').matches)
-    document.getElementById('vv-results')?.scrollIntoView({block: 'start'}); }"""
+SCROLL_TO_RESULTS = (HERE / "app.js").read_text()
 
 _TAB_IDS = {"Predict": "predict", "Explain": "explain", "Explorer": "explorer", "Tokens": "tokens", "Distance": "distance",
             "Positions": "positions", "Architecture": "architecture", "Compare": "compare"}
@@ -1046,7 +1028,7 @@ demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.conc
 LAUNCH_KWARGS = dict(
     css=CSS,
     # the page's own margins (outside the part Gradio's css= reaches): narrow on a phone
-    head="<style>@media (max-width: 768px) { .gradio-container .main.app { padding-left: 8px; padding-right: 8px; } }</style>",
+    head=(HERE / "app_head.html").read_text(),
     theme=THEME,
     max_file_size=MAX_BYTES,
     ssr_mode=False,
