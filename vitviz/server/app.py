@@ -1040,7 +1040,6 @@ LAUNCH_KWARGS = dict(
 )
 
 
-
 def main(argv: list[str] | None = None) -> None:
     """`vitviz-app`: the app on this machine (Gradio takes the next free port if this one is in use)."""
     import argparse
