@@ -114,7 +114,9 @@ CONTRAST_JS = (Path(__file__).resolve().parent / "js" / "contrast.js").read_text
 
 def _settled(page, quiet_ms: int = 600) -> None:
     """Waits until nothing on the page has been pending (Gradio dims what an event will redraw) for
-    `quiet_ms` in a row: a tab chosen starts its drawing a moment later."""
+    `quiet_ms` in a row: a tab chosen starts its drawing a moment later. The quiet spell starts with
+    this call, never carried over from an earlier one."""
+    page.evaluate("window.__vvQuietSince = undefined")
     page.wait_for_function(
         f"""(() => {{
             const busy = document.querySelector('.pending, .generating') !== null, now = performance.now();
@@ -450,7 +452,9 @@ def test_a_person_asks_why_this_class(url, page, tmp_path_factory):
     # one colour scale for all four methods: the pictures change, and each keeps its colour bar
     before = _src(page, "#vv-explain-gradient")
     page.locator("#vv-explain-scale").get_by_label("shared").check()
-    page.wait_for_function(f"document.querySelector('#vv-explain-gradient img').src !== {before!r}")
+    page.wait_for_function(
+        f"(() => {{ const i = document.querySelector('#vv-explain-gradient img'); return i && i.src !== {before!r} && i.complete && i.naturalWidth > 0; }})()"
+    )
     size = page.locator("#vv-explain-gradient img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
     assert size[0] >= size[1] + COLORBAR_PX - 2, f"no colour bar beside the map: {size}"
 
