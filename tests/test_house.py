@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vitviz"
 
 # Modules that stand on nothing else of vitviz: the model, the maths, the pictures, the image gate.
-LEAVES = {"vitviz.model", "vitviz.analysis", "vitviz.plots", "vitviz.images", "vitviz.preprocess", "vitviz.shapes"}
+LEAVES = {"vitviz.model", "vitviz.analysis", "vitviz.plots", "vitviz.images", "vitviz.preprocess", "vitviz.shapes",
+          "vitviz.layout"}
 
 
 def _module_name(path: Path) -> str:
@@ -111,8 +112,20 @@ def test_the_model_and_the_maths_import_nothing_else_of_vitviz():
 def test_the_library_never_reaches_up_into_the_app():
     graph = _graph()
     for name, targets in graph.items():
-        if not name.startswith("vitviz.server") and name != "vitviz.bench":
+        if not name.startswith(("vitviz.server", "vitviz.dev")):
             assert not {t for t in targets if t.startswith("vitviz.server")}, f"{name} imports the app's modules"
+
+
+def test_nothing_imports_the_checkout_tools():
+    """vitviz.dev (bench, train_shapes) is for working on vitviz: the library and the app never
+    import it, and the distribution leaves it out."""
+    graph = _graph()
+    assert "vitviz.dev.bench" in graph and "vitviz.dev.train_shapes" in graph
+    for name, targets in graph.items():
+        if not name.startswith("vitviz.dev"):
+            assert not {t for t in targets if t.startswith("vitviz.dev")}, f"{name} imports {sorted(t for t in targets if t.startswith('vitviz.dev'))}"
+    packages = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert '"vitviz"' in packages and "vitviz.dev" not in packages
 
 
 def _top_level_imports(text: str) -> set[str]:
@@ -131,7 +144,7 @@ def test_only_the_app_package_imports_gradio_and_nothing_imports_the_launcher():
     for name, path in _modules().items():
         names = _top_level_imports(path.read_text())
         assert "app" not in names, f"{name} imports the launcher app.py (the app is vitviz.server.app)"
-        if not name.startswith("vitviz.server") and name != "vitviz.bench":
+        if not name.startswith(("vitviz.server", "vitviz.dev")):
             assert not names & web, f"{name} imports {sorted(names & web)}: web code belongs in vitviz.server"
     planted = "import vitviz\nfrom gradio import Blocks\n"
     assert _top_level_imports(planted) & web == {"gradio"}

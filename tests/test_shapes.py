@@ -9,7 +9,7 @@ import torch
 
 import vitviz
 from vitviz import shapes
-from vitviz.train_shapes import generate_pool, to_batch
+from vitviz.dev.train_shapes import generate_pool, to_batch
 
 FRESH_SEED = 2024  # never used in training (training: 0, validation: 1)
 
@@ -84,7 +84,7 @@ FLOORS = {"shapes_p16": 0.96, "shapes_p8": 0.98}  # measured: 96.8 % and 99.2 %
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["shapes_p16", "shapes_p8"])
 def test_accuracy_and_pointing_game_on_fresh_images(name, fresh):
-    from vitviz.train_shapes import evaluate, pointing
+    from vitviz.dev.train_shapes import evaluate, pointing
 
     trained = vitviz.load_model(name, device="cpu")
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def test_example_images_one_per_class(tmp_path):
 
 
 def test_sincos_codes_by_hand():
-    from vitviz.train_shapes import sincos_2d
+    from vitviz.dev.train_shapes import sincos_2d
 
     codes = sincos_2d((2, 3), 10, temperature=100.0)  # quarter = 2 channels: frequencies 1 and 1/100
     assert codes.shape == (6, 10)
@@ -165,7 +165,7 @@ def test_sincos_codes_by_hand():
 
 
 def test_token_labels_by_hand():
-    from vitviz.train_shapes import token_labels
+    from vitviz.dev.train_shapes import token_labels
 
     masks = np.zeros((1, 16, 16), dtype=bool)
     masks[0, 0:8, 0:8] = True  # patch (0, 0) fully covered
@@ -180,7 +180,7 @@ def test_token_labels_by_hand():
 def test_patch_whitening_against_an_svd_of_the_patches(patch):
     import torch.nn.functional as F
 
-    from vitviz.train_shapes import patch_whitening
+    from vitviz.dev.train_shapes import patch_whitening
 
     images = shapes.generate(40, seed=9)[0]
     width, eps = 24, 0.1
@@ -222,7 +222,7 @@ def _orth_by_svd(m: np.ndarray, steps: int = 5) -> np.ndarray:
 def test_muon_steps_by_hand(shape):
     """The recipe's Muon (torch's, configured by `muon`): two steps against a hand computation with
     the update scaled to `scale` x lr in root mean square and weight decay lr x weight_decay."""
-    from vitviz.train_shapes import muon
+    from vitviz.dev.train_shapes import muon
 
     gen = torch.Generator().manual_seed(4)
     w0 = torch.randn(*shape, generator=gen)
@@ -245,7 +245,7 @@ def test_muon_steps_by_hand(shape):
 
 
 def test_dihedral_moves_images_and_token_labels_together():
-    from vitviz.train_shapes import _dihedral
+    from vitviz.dev.train_shapes import _dihedral
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 9, (64, 4, 4), generator=gen, dtype=torch.uint8)
@@ -262,7 +262,7 @@ def test_dihedral_moves_images_and_token_labels_together():
 
 @pytest.mark.parametrize("whiten,optimizer", [(False, "muon"), (False, "adamw"), (True, "muon")])
 def test_training_learns_a_small_pool(whiten, optimizer):
-    from vitviz.train_shapes import evaluate, train_variant
+    from vitviz.dev.train_shapes import evaluate, train_variant
 
     pool = shapes.generate(64, seed=5)
     model = train_variant(
@@ -272,7 +272,7 @@ def test_training_learns_a_small_pool(whiten, optimizer):
     assert not model.training and next(model.parameters()).device.type == "cpu"
     assert evaluate(model, pool[0], pool[1]) >= 0.5  # memorised well beyond chance (12.5 %)
     if whiten:  # with a learning rate of 0 the patch embedding stays what patch_whitening gave it
-        from vitviz.train_shapes import patch_whitening
+        from vitviz.dev.train_shapes import patch_whitening
 
         still = train_variant(
             "shapes_p16", pool, pool, steps=1, batch_size=32, lr=0.0, weight_decay=0.0, warmup=0.1, seed=0,
@@ -285,7 +285,7 @@ def test_training_learns_a_small_pool(whiten, optimizer):
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_muon_moves_the_encoder_matrices_in_every_direction_alike(optimizer):
-    from vitviz.train_shapes import train_variant
+    from vitviz.dev.train_shapes import train_variant
 
     pool = shapes.generate(32, seed=6)
     torch.manual_seed(0)
@@ -309,7 +309,7 @@ def test_muon_moves_the_encoder_matrices_in_every_direction_alike(optimizer):
 
 
 def test_training_is_reproducible_from_its_seed():
-    from vitviz.train_shapes import train_variant
+    from vitviz.dev.train_shapes import train_variant
 
     pool = shapes.generate(48, seed=8)
 

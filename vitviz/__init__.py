@@ -83,6 +83,6 @@ def __getattr__(name: str):
     import importlib
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
-                "pipeline", "preprocess", "images", "summary", "explanations", "train_shapes", "bench"}:
+                "pipeline", "preprocess", "images", "summary", "explanations", "explainers", "layout", "dev"}:
         return importlib.import_module(f"vitviz.{name}")
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

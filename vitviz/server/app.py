@@ -967,7 +967,7 @@ with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_ca
     analysis_inputs = [image, variant, head_fusion, discard, state]
     view_inputs = [state, layer, head, query, scale_choice]
     # The session endpoints (undocumented, callable with gradio_client) keep the analysis in the
-    # caller's session, as the page does: `python -m vitviz.bench --app` times view changes through them.
+    # caller's session, as the page does: `python -m vitviz.dev.bench --app` times view changes through them.
     # Dropdowns and radios answer `.change` (a click on a menu option fires `.input` twice); sliders
     # answer `.input`, which fires while dragging, on arrow keys and on a typed number, and
     # "always_last" draws the value the control ends on. After an analysis is on the page, the

@@ -1,13 +1,13 @@
 """Side-by-side timings of vitviz against torchvision's plain forward, on the same weights.
 
-    python -m vitviz.bench                   # ViT-B/16, batch 1, CPU (and CUDA when available)
-    python -m vitviz.bench --rounds 30 --arch vit_b_32
-    python -m vitviz.bench --app             # end to end through the running app (gradio_client)
-    python -m vitviz.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
-    python -m vitviz.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
-    python -m vitviz.bench --serving         # each kind of request priced and measured; one client's share of the queue
-    python -m vitviz.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
-    python -m vitviz.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
+    python -m vitviz.dev.bench                   # ViT-B/16, batch 1, CPU (and CUDA when available)
+    python -m vitviz.dev.bench --rounds 30 --arch vit_b_32
+    python -m vitviz.dev.bench --app             # end to end through the running app (gradio_client)
+    python -m vitviz.dev.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
+    python -m vitviz.dev.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
+    python -m vitviz.dev.bench --serving         # each kind of request priced and measured; one client's share of the queue
+    python -m vitviz.dev.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
+    python -m vitviz.dev.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
@@ -665,10 +665,10 @@ def inputs_table(rounds: int = 5) -> list[tuple[str, str, float, float]]:
 def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10) -> list[tuple[str, float]]:
     """(what, median ms) for one training step of an embedded model on random images: forward and
     backward with the fused attention kernel and with the plain softmax product; an optimizer step
-    of `torch.optim.Muon` (as `vitviz.train_shapes.muon`) and of AdamW on the encoder's matrices; and
+    of `torch.optim.Muon` (as `vitviz.dev.train_shapes.muon`) and of AdamW on the encoder's matrices; and
     images per second for eager and `torch.compile`d forward and backward at twice the batch."""
     from vitviz.sources import get_spec
-    from vitviz.train_shapes import muon
+    from vitviz.dev.train_shapes import muon
 
     torch.manual_seed(0)
     model = get_spec(name).build().train()
@@ -723,18 +723,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     args = ap.parse_args(argv)
     if args.inputs:
-        print(f"vitviz.bench --inputs; {time.strftime('%Y-%m-%d')}; {_machine()}; each read in a fresh process, median of 5")
+        print(f"vitviz.dev.bench --inputs; {time.strftime('%Y-%m-%d')}; {_machine()}; each read in a fresh process, median of 5")
         print(f"\n{'input':<22}{'read by':<10}{'seconds':>10}{'peak MB':>10}")
         for name, how, seconds, peak in inputs_table():
             print(f"{name:<22}{how:<10}{seconds:>10.3f}{peak:>10.0f}")
         return
     if args.training:
-        print(f"vitviz.bench --training shapes_p8, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}; {torch.get_num_threads()} threads")
+        print(f"vitviz.dev.bench --training shapes_p8, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}; {torch.get_num_threads()} threads")
         for what, value in training_table(rounds=args.rounds):
             print(f"{what:<58}{value:>10.1f}")
         return
     if args.serving:
-        print(f"vitviz.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
         print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'seconds':>10}")
         for variant, kind, priced, peak, seconds in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
@@ -744,7 +744,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
         return
     if args.evaluate:
-        print(f"vitviz.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480, metrics {args.metrics}; "
+        print(f"vitviz.dev.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480, metrics {args.metrics}; "
               f"{time.strftime('%Y-%m-%d')}; {_machine()}")
         print(f"\n{'processes':<11}{'images/s':>10}{'plain forwards, images/s':>27}{'ratio':>8}")
         for n, rate, plain, ratio in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=args.metrics):
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\ntarget (distance only): at least 0.8x plain batched forwards on the same ranks")
         return
     if args.browser:
-        print(f"vitviz.bench --browser {' '.join(args.models)}, {args.rounds} moves each; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print(f"vitviz.dev.bench --browser {' '.join(args.models)}, {args.rounds} moves each; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("the app in this process, the system's Chromium headless; random weights through the real weights path")
         print(f"\n{'model':<14}{'what':<46}{'median ms':>11}  note")
         for model, what, ms, note in browser_table(args.models, moves=args.rounds):
@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\ntargets: view change (hover, click, layer, head) <= 50 ms; new analysis <= 2.0x (forward + upload)")
         return
     if args.app:
-        print(f"vitviz.bench --app {args.arch} + {args.second}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print(f"vitviz.dev.bench --app {args.arch} + {args.second}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("random weights in a temporary $TORCH_HOME, loaded through the app's real weights path")
         rows = app_table(args.arch, args.second, rounds=args.rounds)
         print(f"\n{'what':<58}{'median ms':>12}  note")
@@ -768,7 +768,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<58}{ms:>12.1f}  {note}")
         print("\ntargets: /analyze <= 2.5x forward; view change <= 80 ms; Compare <= the two singles")
         return
-    print(f"vitviz.bench {args.arch}, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+    print(f"vitviz.dev.bench {args.arch}, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
     _print_table("CPU", model_path_table(args.arch, torch.device("cpu"), rounds=args.rounds))
     if torch.cuda.is_available() and not args.cpu_only:
         _print_table(f"CUDA ({torch.cuda.get_device_name()})", model_path_table(args.arch, torch.device("cuda"), rounds=args.rounds * 5))

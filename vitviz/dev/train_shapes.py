@@ -1,8 +1,8 @@
 """Trains the embedded shapes ViTs (`shapes_p8`, `shapes_p16`) from a seed and writes their weights.
 
-    python -m vitviz.train_shapes                 # both variants into assets/
-    python -m vitviz.train_shapes --variants shapes_p16 --steps 500
-    python -m vitviz.train_shapes --report        # the published figures of the weights in assets/
+    python -m vitviz.dev.train_shapes                 # both variants into assets/
+    python -m vitviz.dev.train_shapes --variants shapes_p16 --steps 500
+    python -m vitviz.dev.train_shapes --report        # the published figures of the weights in assets/
 
 Both variants share one recipe: a pool of generated images (`vitviz.shapes`, seed `--seed`), each
 batch randomly rotated by multiples of 90 degrees and flipped (every class is invariant to both),
@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from vitviz import shapes
 from vitviz.sources import default_device, get_spec
 from vitviz.sources.embedded import SHAPES_IMAGE_SIZE, assets_dir
+
+CHECKOUT_ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the weights go to the checkout, never into an installed package
 
 __all__ = [
     "generate_pool",
@@ -343,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--muon-scale", type=float, default=0.8, help="root mean square of a Muon update, in units of the learning rate")
     ap.add_argument("--whiten", action="store_true", help="start the patch embedding as a whitening of the training patches")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default: assets/)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: the checkout's assets/)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--report", action="store_true", help="train nothing: print the figures of the weights in --out")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device) if args.device else default_device()
-    out = args.out or assets_dir()
+    out = args.out or CHECKOUT_ASSETS
     if args.report:
         print("| variant | top-1, seed 2024 (1,000) | top-1, seed 3000 (5,000) | pointing game | same, untrained |")
         print("|---|---|---|---|---|")
