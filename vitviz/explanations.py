@@ -29,8 +29,9 @@ from vitviz.analysis import POOL, HeadFusion, Query, cls_map
 from vitviz.explainers import method as registered
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
+from vitviz.layout import TokenLayout
 from vitviz.model import ViT
-from vitviz.pipeline import spec_of
+from vitviz.pipeline import layout_of, spec_of
 from vitviz.preprocess import preprocess
 
 __all__ = ["METHODS", "Explanation", "Recorded", "explain", "maps_of", "needs_gradients", "record", "relevance_maps", "resolve_target"]
@@ -91,6 +92,7 @@ class Recorded:
         pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
             its maps are the mean of the patch tokens' rows ("pool") instead of the cls token's.
         chosen_query: whose row the maps read when not the classifier's (a prefix token's index).
+        layout: the tokens and what the model offers; each method's needs are checked against it.
     """
 
     attentions: torch.Tensor = field(repr=False)
@@ -101,6 +103,7 @@ class Recorded:
     num_prefix_tokens: int
     pooled_query: bool = False
     chosen_query: Query | None = None
+    layout: TokenLayout | None = None
 
     @property
     def query(self) -> Query:
@@ -157,7 +160,7 @@ def record(
     return Recorded(
         attentions=attn, gradients=grads, targets=chosen, probabilities=probs,
         grid=model.grid_for(x.shape[-2], x.shape[-1]), num_prefix_tokens=spec.num_prefix_tokens,
-        pooled_query=spec.config.pooled_query,
+        pooled_query=spec.config.pooled_query, layout=layout_of(spec, model.grid_for(x.shape[-2], x.shape[-1])),
     )
 
 
@@ -176,6 +179,10 @@ def maps_of(
             (`Recorded.query`).
     """
     chosen = [registered(m) for m in methods]
+    for m in chosen:
+        why = recorded.layout.lacks(m.needs - {"classifier"}) if recorded.layout is not None else None
+        if why:
+            raise ValueError(f"{m.name!r} cannot run: {why}")
     if recorded.gradients is None and any(m.needs_gradients for m in chosen):
         raise ValueError("gradient methods need a batch recorded with gradients=True")
     if recorded.targets is None and any(m.needs_classifier for m in chosen):

@@ -18,11 +18,12 @@ from PIL import Image
 from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map, mean_attention_distance
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
+from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.preprocess import preprocess, to_input
 from vitviz.sources.base import VariantSpec
 
-__all__ = ["Analysis", "analyze", "analyze_crop", "spec_of"]
+__all__ = ["Analysis", "analyze", "analyze_crop", "layout_of", "spec_of"]
 
 
 def spec_of(model: ViT) -> VariantSpec:
@@ -32,6 +33,13 @@ def spec_of(model: ViT) -> VariantSpec:
             "ViT.from_timm or ViT.from_transformers"
         )
     return model.spec
+
+
+def layout_of(spec: VariantSpec, grid: tuple[int, int]) -> TokenLayout:
+    """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
+    position embeddings, its prefix tokens, and a classifier when it has a head."""
+    return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
+                       pooled_query=spec.config.pooled_query, classifier=spec.has_head, position_embeddings=True)
 
 
 @dataclass
@@ -53,6 +61,8 @@ class Analysis:
         model_seconds: time of the recorded forward.
         pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
             its query is "pool", the mean of the patch tokens' rows (`query_names`).
+        layout: the tokens and what the model offers (`vitviz.layout.TokenLayout`): what views and
+            methods check their needs against; made from the fields above when not given.
 
     Query indices (the explorer's) are the token indices, except that a pooled model's "pool" sits
     between the prefix tokens and the patches: index i < p is prefix token i, index p is "pool",
@@ -73,6 +83,12 @@ class Analysis:
     device: str
     model_seconds: float
     pooled_query: bool = False
+    layout: TokenLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = TokenLayout(prefix_names=tuple(self.prefix_names), grids=(tuple(self.grid),),
+                                      pooled_query=self.pooled_query, classifier=self.probabilities is not None)
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -198,4 +214,5 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
         device=str(param.device),
         model_seconds=seconds,
         pooled_query=spec.config.pooled_query,
+        layout=layout_of(spec, (gh, gw)),
     )

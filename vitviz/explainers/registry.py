@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from vitviz.layout import check_needs
+
 __all__ = ["Method", "register_method", "methods", "method", "load_plugins", "PLUGINS_ENV"]
 
 PLUGINS_ENV = "VITVIZ_PLUGINS"
@@ -27,6 +29,9 @@ class Method:
         needs_classifier: it explains a class (a model without a classifier cannot use it).
         needs_text: it explains a phrase (image-text models).
         unit: what its colour bar shows.
+        needs: everything the model must offer (names from `vitviz.layout.NEEDS`: "classifier" and
+            "text" as above, "global_attention", "cls", ...); a model that lacks one is told why
+            (`TokenLayout.lacks`) instead of getting a map.
         fn: fn(recorded, **options) -> maps [B, gh, gw].
     """
 
@@ -37,6 +42,7 @@ class Method:
     needs_text: bool
     unit: str
     fn: Callable[..., torch.Tensor]
+    needs: frozenset[str] = frozenset()
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -45,11 +51,13 @@ _LOADED: set[str] = set()
 
 
 def register_method(name: str, *, title: str, needs_gradients: bool, needs_classifier: bool | None = None,
-                    needs_text: bool = False, unit: str = "relevance") -> Callable[[Callable], Callable]:
+                    needs_text: bool = False, unit: str = "relevance", needs: tuple[str, ...] | frozenset[str] = ()
+                    ) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the explanation method `name` (see the module's docstring).
 
     Args:
         needs_classifier: default: as `needs_gradients` (a gradient needs a class logit).
+        needs: what else the model must offer (`vitviz.layout.NEEDS`), e.g. ("global_attention",).
 
     Raises:
         ValueError: a bad name, or a name already registered by another function.
@@ -57,9 +65,11 @@ def register_method(name: str, *, title: str, needs_gradients: bool, needs_class
     if not isinstance(name, str) or not name.replace("_", "").isalnum() or not name[:1].isalpha():
         raise ValueError(f"a method's name is letters, digits and _ starting with a letter, not {name!r}")
 
+    classifier = bool(needs_gradients if needs_classifier is None else needs_classifier)
+    wanted = check_needs(needs) | ({"classifier"} if classifier else set()) | ({"text"} if needs_text else set())
+
     def register(fn: Callable) -> Callable:
-        entry = Method(name, title, bool(needs_gradients), bool(needs_gradients if needs_classifier is None else needs_classifier),
-                       bool(needs_text), unit, fn)
+        entry = Method(name, title, bool(needs_gradients), classifier, bool(needs_text), unit, fn, frozenset(wanted))
         with _LOCK:
             old = _REGISTRY.get(name)
             if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):

@@ -24,11 +24,11 @@ def _input(cache: ModelCache, exp: Exploration):
 
 def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | None) -> tuple[dict[str, torch.Tensor], int | None]:
     """Every registered method's map [gh, gw] for `target` (a class name; None: the top-1) on the
-    analysed crop. A model without a classifier gets the methods that need none ("attention",
-    "rollout"); methods that explain a phrase are not drawn here."""
+    analysed crop: the methods whose needs the model meets (`Method.needs`; a model without a
+    classifier gets "attention" and "rollout"; methods that explain a phrase need a text tower)."""
     model, x = _input(cache, exp)
     a = exp.analysis
-    wanted = [m for m in methods() if not method(m).needs_text and (a.probabilities is not None or not method(m).needs_classifier)]
+    wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None]
     index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
     maps, _, _ = relevance_maps(model, x, methods=wanted, targets=[index] if index is not None else None)
     return {m: v[0] for m, v in maps.items()}, index

@@ -1,0 +1,106 @@
+"""What a model's tokens are and what it offers, so that every view and method can say what it needs.
+
+A `TokenLayout` travels with every analysis (`Analysis.layout`, `Recorded.layout`): the prefix
+tokens' names, the patch grid of each stage, whether attention spans the whole image or windows,
+and whether the model has a classifier, learned position embeddings and a text tower. A method,
+view or tab declares its needs as names from `NEEDS`; `layout.lacks(needs)` is None when the model
+has them all, else the one-line reason shown in its place.
+
+    layout.lacks({"cls", "global_attention"})   # None, or e.g. "has no cls token (...)"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["NEEDS", "TokenLayout", "check_needs"]
+
+# each need, and what a model that lacks it is told
+NEEDS: dict[str, str] = {
+    "cls": "has no cls token (it classifies from the mean of its patch tokens)",
+    "classifier": "has no classifier (a self-supervised or feature model): there are no classes to explain",
+    "position_embeddings": "has no learned position embeddings",
+    "global_attention": "attends within local windows, not across the whole image: there is no one token-by-token matrix per layer",
+    "text": "has no text tower: there is no phrase to look for",
+}
+
+
+def check_needs(needs: Iterable[str]) -> frozenset[str]:
+    """`needs` as a set, every name one of `NEEDS` (a misspelt need would silently never hide anything)."""
+    needs = frozenset([needs] if isinstance(needs, str) else needs)
+    unknown = sorted(needs - NEEDS.keys())
+    if unknown:
+        raise ValueError(f"unknown needs {unknown}; known: {', '.join(NEEDS)}")
+    return needs
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """The tokens of one analysed image and what the model offers.
+
+    Attributes:
+        prefix_names: the tokens before the patches, in order ("cls", "dist", "reg1", ...).
+        grids: the patch grid (gh, gw) of each stage, first to last; a plain ViT has one.
+        attention: "global" (every token attends to every token: one N x N matrix per layer and head)
+            or "windowed" (attention within local windows, as in Swin).
+        pooled_query: the classifier reads the mean of the patch tokens and there is no cls token.
+        classifier: the model has a classification head.
+        position_embeddings: the model learned position embeddings for its patches.
+        text: the model has a text tower (image-text relevance).
+    """
+
+    prefix_names: tuple[str, ...]
+    grids: tuple[tuple[int, int], ...]
+    attention: Literal["global", "windowed"] = "global"
+    pooled_query: bool = False
+    classifier: bool = True
+    position_embeddings: bool = True
+    text: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.grids or any(len(g) != 2 or min(g) < 1 for g in self.grids):
+            raise ValueError(f"grids must be one or more (gh, gw) of positive sides, got {self.grids!r}")
+        if self.attention not in ("global", "windowed"):
+            raise ValueError(f'attention must be "global" or "windowed", got {self.attention!r}')
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The last stage's patch grid (a plain ViT's only one)."""
+        return self.grids[-1]
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return len(self.prefix_names)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the last stage: the prefix tokens and the patches."""
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+    @property
+    def query_names(self) -> tuple[str, ...]:
+        """The queries besides the patches: the prefix tokens, then "pool" for a pooled model."""
+        return self.prefix_names + (("pool",) if self.pooled_query else ())
+
+    @property
+    def provides(self) -> frozenset[str]:
+        """The needs (names from `NEEDS`) this model meets."""
+        have = {
+            "cls": "cls" in self.prefix_names,
+            "classifier": self.classifier,
+            "position_embeddings": self.position_embeddings,
+            "global_attention": self.attention == "global",
+            "text": self.text,
+        }
+        return frozenset(name for name, ok in have.items() if ok)
+
+    def lacks(self, needs: Iterable[str], *, name: str = "this model") -> str | None:
+        """None when the model meets every one of `needs`; else one line naming the first it lacks
+        (in `NEEDS`' order), e.g. "shapes_p16 has no text tower: there is no phrase to look for"."""
+        missing = check_needs(needs) - self.provides
+        for need, reason in NEEDS.items():
+            if need in missing:
+                return f"{name} {reason}"
+        return None
