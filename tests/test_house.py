@@ -104,9 +104,11 @@ def test_the_cycle_check_sees_imports_inside_functions():
 
 
 def test_the_model_and_the_maths_import_nothing_else_of_vitviz():
+    """Nothing but the records of `vitviz.config`, which itself imports nothing of vitviz."""
     graph = _graph()
+    assert graph["vitviz.config"] == set(), f"vitviz.config imports {graph['vitviz.config']}"
     for leaf in LEAVES:
-        assert graph[leaf] == set(), f"{leaf} imports {graph[leaf]}"
+        assert graph[leaf] <= {"vitviz.config"}, f"{leaf} imports {graph[leaf] - {'vitviz.config'}}"
 
 
 def test_the_library_never_reaches_up_into_the_app():

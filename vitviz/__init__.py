@@ -27,12 +27,17 @@ from vitviz.pipeline import Analysis, analyze
 from vitviz.preprocess import Preprocessing, preprocess
 from vitviz.sources import (
     VariantSpec,
+    WeightsSource,
     WeightsUnavailableError,
     default_device,
     default_variant,
+    from_timm,
+    from_torchvision,
+    from_transformers,
     get_spec,
     list_variants,
     load_model,
+    register_source,
     weights_status,
 )
 from vitviz.summary import Summary, summary
@@ -49,6 +54,7 @@ __all__ = [
     "VariantSpec",
     "ViT",
     "ViTConfig",
+    "WeightsSource",
     "WeightsUnavailableError",
     "analyze",
     "attention_received",
@@ -58,10 +64,14 @@ __all__ = [
     "default_variant",
     "embedding_filter_components",
     "explain",
+    "from_timm",
+    "from_torchvision",
+    "from_transformers",
     "get_spec",
     "list_variants",
     "methods",
     "register_method",
+    "register_source",
     "load_image",
     "load_model",
     "mean_attention_distance",
@@ -83,6 +93,6 @@ def __getattr__(name: str):
     import importlib
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
-                "pipeline", "preprocess", "images", "summary", "explanations", "explainers", "layout", "dev"}:
+                "pipeline", "preprocess", "images", "summary", "explanations", "explainers", "layout", "dev", "config"}:
         return importlib.import_module(f"vitviz.{name}")
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

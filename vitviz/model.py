@@ -18,22 +18,25 @@ The softmax is its own module (`Attention.attend`), so a forward hook on it sees
 attention `[B, H, N, N]`. When nobody observes it, a fused `scaled_dot_product_attention` runs
 instead; both paths give the same output (tests hold them to it).
 
-This module imports nothing else of vitviz. Conversions from torchvision, timm and Hugging Face
-models live with their weights sources, which register themselves as `ViT.from_<library>`.
+This module imports nothing else of vitviz but the leaf `vitviz.config` (where `ViTConfig` lives).
+Conversions from torchvision, timm and Hugging Face models live with their weights sources
+(`vitviz.from_torchvision`, `vitviz.from_timm`, `vitviz.from_transformers`), whose modules also
+register themselves as `ViT.from_<library>` when `vitviz.sources` imports them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
+
+from vitviz.config import VariantSpec, ViTConfig, _use_model_class
 
 __all__ = [
     "ViT",
@@ -61,125 +64,6 @@ def _enter_recording() -> None:
 
 def _leave_recording() -> None:
     _recording.depth -= 1
-
-
-@dataclass(frozen=True)
-class ViTConfig:
-    """The architecture of one ViT.
-
-    Attributes:
-        image_size: the side S the position embeddings were trained for (any multiple of P runs).
-        patch_size: P.
-        width, depth, heads, mlp_dim: D, L, H and the MLP hidden width.
-        num_classes: outputs of the head; 0 for a model without one (DINO, CLIP towers): the
-            forward then returns the pooled features.
-        class_token: a cls token first.
-        distill_token: DeiT's distillation token after the cls token, with a head of its own; in eval
-            the logits are the mean of the two heads'.
-        register_tokens: DINOv2's registers after those (Darcet et al. 2024).
-        pos_embed_prefix: how many of the leading prefix tokens carry a position embedding (all of
-            them in the original ViT and DeiT, the cls token only in Hugging Face's DINOv2 with
-            registers, none in DeiT III's layout); the patches always do.
-        layer_scale: initial LayerScale value (a learned per-channel scale on each residual
-            branch), or None for none.
-        qkv_bias, proj_bias, mlp_bias, patch_bias: whether those projections have biases.
-        norm_pre: a LayerNorm before the first block (CLIP).
-        final_norm: a LayerNorm after the last block.
-        pool: "token" (the cls token) or "avg" (the mean of the patch tokens).
-        fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
-        act: the MLP's activation: "gelu", "gelu_tanh" or "quick_gelu" (x sigmoid(1.702 x), CLIP).
-        eps: LayerNorm epsilon.
-        pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
-            does; Hugging Face does not, which matters when shrinking the grid).
-    """
-
-    image_size: int
-    patch_size: int
-    width: int
-    depth: int
-    heads: int
-    mlp_dim: int
-    num_classes: int = 1000
-    class_token: bool = True
-    distill_token: bool = False
-    register_tokens: int = 0
-    pos_embed_prefix: int | None = None
-    layer_scale: float | None = None
-    qkv_bias: bool = True
-    proj_bias: bool = True
-    mlp_bias: bool = True
-    patch_bias: bool = True
-    norm_pre: bool = False
-    final_norm: bool = True
-    pool: Literal["token", "avg"] = "token"
-    fc_norm: bool = False
-    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
-    eps: float = 1e-6
-    pos_embed_antialias: bool = True
-
-    def __post_init__(self) -> None:
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
-        if self.distill_token and not self.class_token:
-            raise ValueError("a distillation token needs a cls token before it")
-        if self.pool == "token" and not self.class_token:
-            raise ValueError('pool="token" needs a cls token; use pool="avg"')
-        if self.pool not in ("token", "avg"):
-            raise ValueError(f'pool must be "token" or "avg", got {self.pool!r}')
-        if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
-            raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
-        if self.pos_embed_prefix is None:
-            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens)
-        if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
-            raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        """p: the tokens before the patches."""
-        return int(self.class_token) + int(self.distill_token) + self.register_tokens
-
-    @property
-    def prefix_names(self) -> tuple[str, ...]:
-        """The prefix tokens in order: "cls", "dist", "reg1", "reg2", ..."""
-        return (("cls",) if self.class_token else ()) + (("dist",) if self.distill_token else ()) + tuple(
-            f"reg{i + 1}" for i in range(self.register_tokens)
-        )
-
-    @property
-    def pooled_query(self) -> bool:
-        """The classifier reads the mean of the tokens after the prefix (the patches) and there is no
-        cls token: its query is that mean, "pool", whose row of any token-by-token map is the mean of
-        the patch tokens' rows."""
-        return self.pool == "avg" and not self.class_token
-
-    @property
-    def query_names(self) -> tuple[str, ...]:
-        """The queries a map can be read from besides the patches: the prefix tokens, then "pool" for
-        a model whose classifier reads the mean of its patch tokens and has no cls token."""
-        return self.prefix_names + (("pool",) if self.pooled_query else ())
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        side = self.image_size // self.patch_size
-        return side, side
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of a ViT of this config (counted on the meta device: no memory, no weights)."""
-        with torch.device("meta"):
-            return sum(p.numel() for p in ViT(self).parameters())
-
-    def replace(self, **changes: Any) -> "ViTConfig":
-        """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
-        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
-            changes["pos_embed_prefix"] = None
-        return replace(self, **changes)
 
 
 class PatchEmbedding(nn.Module):
@@ -298,7 +182,13 @@ class ViT(nn.Module):
     libraries into this one (same outputs, attention you can record).
     """
 
-    _converters: ClassVar[dict[str, Callable[..., "ViT"]]] = {}
+    # The conversions: the functions `vitviz.from_torchvision`, `vitviz.from_timm` and
+    # `vitviz.from_transformers` themselves, kept here for existing callers. Each weights source's
+    # module sets its own when it is imported (`import vitviz` imports them), since this module
+    # cannot import those that stand on it.
+    from_torchvision: ClassVar[Callable[[nn.Module], "ViT"]]
+    from_timm: ClassVar[Callable[[nn.Module], "ViT"]]
+    from_transformers: ClassVar[Callable[..., "ViT"]]
 
     def __init__(self, config: ViTConfig | None = None, **fields_: Any) -> None:
         super().__init__()
@@ -319,7 +209,7 @@ class ViT(nn.Module):
         self.fc_norm = nn.LayerNorm(c.width, eps=c.eps) if c.fc_norm else nn.Identity()
         self.head = nn.Linear(c.width, c.num_classes) if c.num_classes else nn.Identity()
         self.head_dist = nn.Linear(c.width, c.num_classes) if c.num_classes and c.distill_token else None
-        self.spec: Any = None  # the record of where the model came from, attached by its loader
+        self.spec: VariantSpec | None = None  # the record of where the model came from, attached by its loader
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -426,36 +316,5 @@ class ViT(nn.Module):
         """Logits [B, classes], or the pooled features [B, D] when the model has no head."""
         return self.head_logits(self.encode(images))
 
-    # --------------------------------------------------------------------------------------------
-    # Conversions, registered by the weights sources (vitviz.sources)
 
-    @classmethod
-    def register_converter(cls, library: str, convert: Callable[..., "ViT"]) -> None:
-        cls._converters[library] = convert
-
-    @classmethod
-    def _convert(cls, library: str, model: nn.Module, **options: Any) -> "ViT":
-        try:
-            convert = cls._converters[library]
-        except KeyError:
-            raise RuntimeError(f"no converter for {library} is registered; `import vitviz` registers them") from None
-        return convert(model, **options)
-
-    @classmethod
-    def from_torchvision(cls, model: nn.Module) -> "ViT":
-        """A vitviz ViT with the weights of a torchvision `VisionTransformer`, giving the same outputs."""
-        return cls._convert("torchvision", model)
-
-    @classmethod
-    def from_timm(cls, model: nn.Module) -> "ViT":
-        """A vitviz ViT with the weights of a timm `VisionTransformer` (ViT, DeiT, DINO, DINOv2, CLIP
-        towers, fine-tuned or not), giving the same outputs; preprocessing and labels from its
-        `pretrained_cfg`."""
-        return cls._convert("timm", model)
-
-    @classmethod
-    def from_transformers(cls, model: nn.Module, *, processor: Any = None) -> "ViT":
-        """A vitviz ViT with the weights of a Hugging Face `ViTModel`, `ViTForImageClassification`,
-        `Dinov2Model` or `Dinov2WithRegistersModel`, giving the same outputs; preprocessing from
-        `processor` (an image processor or its config dict) when given."""
-        return cls._convert("transformers", model, processor=processor)
+_use_model_class(ViT)  # `VariantSpec.build` makes one (vitviz.config cannot import this module)

@@ -3,62 +3,20 @@
 Two layouts exist among published ViTs: resize the shorter side, then centre-crop a square
 (torchvision's weights, timm's `crop_pct`, most image processors), or resize straight to the square
 (Hugging Face's `ViTImageProcessor`: "squash"). Both run through torchvision's own transforms, so a
-model sees exactly what its weights' own preprocessing would give it.
+model sees exactly what its weights' own preprocessing would give it. The rule itself,
+`Preprocessing`, lives in the leaf `vitviz.config`.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
+from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+
 __all__ = ["Preprocessing", "IMAGENET_MEAN", "IMAGENET_STD", "crop", "to_input", "preprocess"]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    """How a model wants its images.
-
-    Attributes:
-        image_size: side S of the square the model sees.
-        resize_size: the shorter side is resized to this before the centre crop (mode "crop");
-            None means S.
-        mode: "crop" (resize the shorter side, centre-crop S x S) or "squash" (resize to S x S).
-        mean, std: per-channel normalisation of [0, 1] pixels.
-        interpolation: "bilinear", "bicubic" or "nearest".
-    """
-
-    image_size: int
-    resize_size: int | None = None
-    mode: Literal["crop", "squash"] = "crop"
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    interpolation: str = "bilinear"
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("crop", "squash"):
-            raise ValueError(f'mode must be "crop" or "squash", got {self.mode!r}')
-        InterpolationMode(self.interpolation)  # raises for an unknown name
-
-    @property
-    def crop_fraction(self) -> float:
-        """The share of the resized shorter side that the crop keeps (timm's crop_pct)."""
-        return self.image_size / (self.resize_size or self.image_size)
-
-    def at(self, image_size: int) -> "Preprocessing":
-        """The same rule for another square side (the crop keeps the same share of the image)."""
-        if image_size == self.image_size:
-            return self
-        resize = None if self.resize_size is None else math.floor(image_size / self.crop_fraction + 1e-6)
-        return replace(self, image_size=image_size, resize_size=resize)
 
 
 def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:

@@ -4,23 +4,42 @@
     vitviz.load_model("vit_b_16")          # torchvision weights, downloaded once
     vitviz.load_model("shapes_p16")        # embedded, offline
 
-A new source is one module with a `WeightsSource` subclass, listed in `SOURCES` below.
+A model family is one module: a `WeightsSource` subclass that registers itself
+(`@register_source`) and, for a library's models, its conversion `from_<library>`. This package
+imports the built-in ones (embedded, torchvision, timm, hf: the menus' order), then, at the first
+lookup (and again when `VITVIZ_PLUGINS` changes), the plugins (`load_plugins`): the modules of the entry-point group "vitviz.sources", and
+those named in `VITVIZ_PLUGINS` (comma-separated; the same variable names explanation-method
+plugins, and one module may register both). A plugin's source is then listed, loaded and resolved
+(its `prefix`) like the built-in ones, with no file of vitviz changed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import threading
 
 import torch
 
 from vitviz.model import ViT
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, split_size
-from vitviz.sources.embedded import EmbeddedSource, assets_dir
-from vitviz.sources.hf import HuggingFaceSource
-from vitviz.sources.timm import TimmSource
-from vitviz.sources.torchvision import TorchvisionSource, checkpoint_dir
+from vitviz.sources import base
+from vitviz.sources.base import (
+    Status,
+    VariantSpec,
+    WeightsSource,
+    WeightsUnavailableError,
+    register_source,
+    registered_sources,
+    split_size,
+)
+
+# the built-in sources, registered on import in this order (the menus' order)
+from vitviz.sources import embedded, torchvision, timm, hf  # noqa: E402,F401  isort: skip
+from vitviz.sources.embedded import assets_dir  # noqa: E402
+from vitviz.sources.hf import from_transformers  # noqa: E402
+from vitviz.sources.timm import from_timm  # noqa: E402
+from vitviz.sources.torchvision import checkpoint_dir, from_torchvision  # noqa: E402
 
 __all__ = [
     "SOURCES",
@@ -28,6 +47,13 @@ __all__ = [
     "WeightsSource",
     "WeightsUnavailableError",
     "Status",
+    "register_source",
+    "registered_sources",
+    "load_plugins",
+    "ENTRY_POINT_GROUP",
+    "from_torchvision",
+    "from_timm",
+    "from_transformers",
     "list_variants",
     "get_spec",
     "source_of",
@@ -39,31 +65,71 @@ __all__ = [
     "checkpoint_dir",
 ]
 
-SOURCES: list[WeightsSource] = [EmbeddedSource(), TorchvisionSource(), TimmSource(), HuggingFaceSource()]
-_LIBRARIES = {"torchvision": "torchvision", "timm": "timm", "hf": "transformers"}
+ENTRY_POINT_GROUP = "vitviz.sources"
+_PLUGINS_LOADED_FOR: str | None = None  # the value of VITVIZ_PLUGINS the plugins were last imported for
 
-for _source in SOURCES:
-    if _source.name in _LIBRARIES:
-        ViT.register_converter(_LIBRARIES[_source.name], _source.convert)
+
+def load_plugins() -> None:
+    """Imports the plugin modules, once each: those of the entry-point group "vitviz.sources", then
+    those of `vitviz.explainers.load_plugins` (the group "vitviz.methods", and the modules named in
+    `VITVIZ_PLUGINS`). A plugin registers its sources (and methods) when imported; an import that
+    fails is an ImportError naming the plugin.
+
+    Every lookup of this module calls it; it does the work again only when `VITVIZ_PLUGINS` has
+    changed (the entry points are read once per process).
+    """
+    global _PLUGINS_LOADED_FOR
+    from vitviz.explainers.registry import PLUGINS_ENV
+    from vitviz.explainers.registry import load_plugins as load_named_plugins
+
+    named = os.environ.get(PLUGINS_ENV, "")
+    if named == _PLUGINS_LOADED_FOR:
+        return
+    if _PLUGINS_LOADED_FOR is None:
+        from importlib.metadata import entry_points
+
+        for module in dict.fromkeys(ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)):
+            try:
+                importlib.import_module(module)
+            except Exception as exc:
+                raise ImportError(f"the vitviz plugin {module!r} could not be imported: {type(exc).__name__}: {exc}") from exc
+    load_named_plugins()
+    _PLUGINS_LOADED_FOR = named
+
+
+def _sources() -> tuple[WeightsSource, ...]:
+    """Every registered source, plugins imported first."""
+    load_plugins()
+    return registered_sources()
+
+
+def __getattr__(name: str):
+    if name == "SOURCES":  # the registered sources, plugins included (a snapshot: a list made now)
+        return list(_sources())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _REGISTRY: dict[str, VariantSpec] | None = None
+_GENERATION = -1  # base.generation() when _REGISTRY and _RESOLVED were filled
 _LOCK = threading.Lock()
+_RESOLVED: dict[str, VariantSpec] = {}
 
 
 def _registry() -> dict[str, VariantSpec]:
-    global _REGISTRY
+    """The named variants of every source; made again after a source is registered."""
+    global _REGISTRY, _GENERATION
+    sources = _sources()
     with _LOCK:
-        if _REGISTRY is None:
-            _REGISTRY = {s.name: s for source in SOURCES for s in source.specs()}
+        if _REGISTRY is None or _GENERATION != base.generation():
+            _GENERATION = base.generation()
+            _RESOLVED.clear()
+            _REGISTRY = {s.name: s for source in sources for s in source.specs()}
         return _REGISTRY
 
 
 def list_variants() -> list[VariantSpec]:
     """Every named variant: the embedded ones first, then torchvision's, then the other sources' picks."""
     return list(_registry().values())
-
-
-_RESOLVED: dict[str, VariantSpec] = {}
 
 
 def get_spec(name: str) -> VariantSpec:
@@ -78,7 +144,7 @@ def get_spec(name: str) -> VariantSpec:
     spec = _registry().get(name) or _RESOLVED.get(name)
     if spec is not None:
         return spec
-    for source in SOURCES:
+    for source in _sources():
         if source.prefix and name.startswith(source.prefix):
             spec = source.resolve(name)
             with _LOCK:
@@ -90,12 +156,13 @@ def get_spec(name: str) -> VariantSpec:
     if at and base in _registry():
         _, size = split_size(name)
         return dataclasses.replace(_registry()[base].at(size), name=name)
-    prefixes = ", ".join(f"{s.prefix}<name>" for s in SOURCES if s.prefix)
+    prefixes = ", ".join(f"{s.prefix}<name>" for s in _sources() if s.prefix)
     raise ValueError(f"unknown variant {name!r}; known: {', '.join(_registry())}" + (f"; or {prefixes}" if prefixes else ""))
 
 
 def source_of(spec: VariantSpec) -> WeightsSource:
-    for source in SOURCES:
+    """The registered source that `spec.source` names."""
+    for source in _sources():
         if source.name == spec.source:
             return source
     raise ValueError(f"{spec.name} comes from an unknown source {spec.source!r}")
@@ -121,7 +188,8 @@ def default_variant(preferred: str = "vit_b_16") -> tuple[str, str]:
         return preferred, f"{preferred}: weights {status}"
     if source.reachable():
         return preferred, f"{preferred}: weights will be downloaded on first use"
-    where = f" in {checkpoint_dir()}" if spec.source == "torchvision" else ""
+    folder = source.cache_dir()
+    where = f" in {folder}" if folder is not None else ""
     return "shapes_p16", (
         f"{preferred} weights are not cached{where} and cannot be downloaded from here, so the embedded shapes_p16 "
         f"model is the default" + (f" (put {spec.filename} there to use {preferred})" if spec.filename else "")
@@ -134,7 +202,7 @@ def _checkpoint_spec(name: str, weights_path: str) -> VariantSpec:
     the checkpoint fits)."""
     if isinstance(name, str):
         stripped = name.strip()
-        for source in SOURCES:
+        for source in _sources():
             if source.prefix and stripped.startswith(source.prefix):
                 return source.resolve(stripped, weights_path=weights_path)
     return get_spec(name)

@@ -1,5 +1,5 @@
 """The embedded shapes models (`shapes_p8`, `shapes_p16`): small ViTs trained on `vitviz.shapes`,
-shipped with vitviz, offline. `python -m vitviz.train_shapes` makes their weights.
+shipped with vitviz, offline. `python -m vitviz.dev.train_shapes` makes their weights.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from vitviz.model import ViT, ViTConfig
-from vitviz.preprocess import Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.config import Preprocessing, ViTConfig
+from vitviz.model import ViT
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source
 
 __all__ = ["EmbeddedSource", "assets_dir", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
 
@@ -35,6 +35,7 @@ def assets_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "assets"
 
 
+@register_source
 class EmbeddedSource(WeightsSource):
     name = "embedded"
 
@@ -50,7 +51,7 @@ class EmbeddedSource(WeightsSource):
                 ),
                 categories=SHAPE_CLASSES,
                 source=self.name,
-                weights=f"embedded assets/shapes_p{patch}.pt (python -m vitviz.train_shapes)",
+                weights=f"embedded assets/shapes_p{patch}.pt (python -m vitviz.dev.train_shapes)",
                 locator=f"shapes_p{patch}.pt",
                 filename=f"shapes_p{patch}.pt",
                 description=f"Shapes ViT /{patch} at {SHAPES_IMAGE_SIZE} px, 8 generated shape classes (embedded, offline)",
@@ -65,7 +66,7 @@ class EmbeddedSource(WeightsSource):
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
         if not path.is_file():
             raise WeightsUnavailableError(
-                f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.train_shapes`."
+                f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.train_shapes`."
             )
         model = spec.build()
         try:

@@ -3,7 +3,7 @@
 
     vitviz.load_model("hf:google/vit-base-patch16-224")
     vitviz.load_model("hf:facebook/dinov2-with-registers-small")
-    vitviz.ViT.from_transformers(model, processor=processor)   # a model already in hand
+    vitviz.from_transformers(model, processor=processor)   # a model already in hand (= ViT.from_transformers)
 
 transformers is imported only here, and only when used (`pip install vitviz[hf]`); vitviz reads
 the module layout of transformers 5. Weights come from the Hugging Face cache through
@@ -16,6 +16,8 @@ saved with `save_pretrained` loads with `load_model("hf:<a repo id>", weights_pa
 that folder alone: its config, its class names (`id2label`) and its `preprocessor_config.json`
 (without one, ImageNet's mean and std at the config's image size); the hub and its cache are never
 asked, so the repo id is only the model's name.
+
+The source registers itself, and `ViT.from_transformers`, when this module is imported.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitviz.model import ViT, ViTConfig
-from vitviz.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, split_size
+from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, ViTConfig
+from vitviz.model import ViT
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source, split_size
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
-__all__ = ["HuggingFaceSource", "config_from_transformers", "convert_transformers_state_dict", "preprocessing_from_processor"]
+__all__ = ["HuggingFaceSource", "from_transformers", "config_from_transformers", "convert_transformers_state_dict", "preprocessing_from_processor"]
 
 _TYPES = ("vit", "dinov2", "dinov2_with_registers")
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
@@ -248,9 +250,26 @@ def _split(name: str) -> tuple[str, int | None]:
     return repo, split_size(name)[1]
 
 
+def from_transformers(model: nn.Module, *, processor: Any = None) -> ViT:
+    """A vitviz ViT with the weights of a Hugging Face `ViTModel`, `ViTForImageClassification`,
+    `Dinov2Model` or `Dinov2WithRegistersModel`, giving the same outputs, on the model's device and
+    dtype and in its train/eval mode; preprocessing from `processor` (an image processor or its
+    config dict) when given (`ViT.from_transformers` is this function).
+    """
+    config = config_from_transformers(model)
+    ours = ViT(config)
+    ours.load_state_dict(convert_transformers_state_dict(model, config))
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    ours.spec = _spec(model, config, name=f"hf:{name}", weights="converted from a Hugging Face model instance", processor=processor)
+    param = next(model.parameters())
+    return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+
+
+@register_source
 class HuggingFaceSource(WeightsSource):
     name = "hf"
     prefix = "hf:"
+    library = "transformers"
 
     def specs(self) -> list[VariantSpec]:
         return []  # any repository by name ("hf:<repo id>"); its config is only known once fetched
@@ -336,10 +355,7 @@ class HuggingFaceSource(WeightsSource):
         return ours
 
     def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT:
-        config = config_from_transformers(model)
-        ours = ViT(config)
-        ours.load_state_dict(convert_transformers_state_dict(model, config))
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        ours.spec = _spec(model, config, name=f"hf:{name}", weights="converted from a Hugging Face model instance", processor=processor)
-        param = next(model.parameters())
-        return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+        return from_transformers(model, processor=processor, **options)
+
+
+ViT.from_transformers = staticmethod(from_transformers)  # the same function, for existing callers

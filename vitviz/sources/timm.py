@@ -4,13 +4,15 @@ model of the same class.
 
     vitviz.load_model("timm:vit_small_patch16_224.dino")
     vitviz.load_model("timm:vit_small_patch8_224.dino@480")   # at 480 px, position embeddings resampled
-    vitviz.ViT.from_timm(timm_model)                          # a model already in hand
+    vitviz.from_timm(timm_model)                              # a model already in hand (= ViT.from_timm)
 
 timm is imported only here, and only when used (`pip install vitviz[timm]`). Weights come through
 timm's own loader from the Hugging Face cache; preprocessing from the model's `pretrained_cfg`
 (`timm.data.resolve_data_config`) at the size the model was created for, class names from timm's
 ImageNet tables when the head is an ImageNet classifier (a head of another size, such as CLIP's
 projection, is read as features).
+
+The source registers itself, and `ViT.from_timm`, when this module is imported.
 
 "timm:" takes timm's model names only (`[a-z0-9_]+`, optionally "." and a pretrained tag), checked
 before timm sees them: timm itself would also read "hf-hub:<repo>" and "local-dir:<folder>".
@@ -25,7 +27,7 @@ read: the preprocessing is the architecture's `pretrained_cfg` (`resolve_data_co
 timm's `create_model(..., checkpoint_path=)`; name the tag the model was fine-tuned from to get its
 preprocessing, or replace `model.spec.preprocessing` (`dataclasses.replace`).
 
-A model converted from an instance (`ViT.from_timm`) is named by its architecture alone: timm does
+A model converted from an instance (`vitviz.from_timm`) is named by its architecture alone: timm does
 not record whether pretrained weights were loaded, so its name claims no pretrained tag.
 """
 
@@ -40,12 +42,14 @@ import re
 import torch
 from torch import nn
 
-from vitviz.model import ViT, ViTConfig
-from vitviz.preprocess import Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, check_size, split_size
+from vitviz.config import Preprocessing, ViTConfig
+from vitviz.model import ViT
+from vitviz.sources.base import (
+    Status, VariantSpec, WeightsSource, WeightsUnavailableError, check_size, register_source, split_size,
+)
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
-__all__ = ["TimmSource", "CURATED", "config_from_timm", "convert_timm_state_dict"]
+__all__ = ["TimmSource", "from_timm", "CURATED", "config_from_timm", "convert_timm_state_dict"]
 
 # The timm models the app's menu offers by name: (timm name, image size or None for the model's own).
 CURATED: tuple[tuple[str, int | None], ...] = (
@@ -287,9 +291,30 @@ def _spec(
     )
 
 
+def from_timm(model: nn.Module) -> ViT:
+    """A vitviz ViT with the weights of a timm `VisionTransformer` (ViT, DeiT, DINO, DINOv2, CLIP
+    towers, fine-tuned or not), giving the same outputs, on the model's device and dtype and in its
+    train/eval mode; preprocessing and labels from its `pretrained_cfg` (`ViT.from_timm` is this
+    function).
+    """
+    config = config_from_timm(model)
+    ours = ViT(config)
+    ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    arch = cfg.get("architecture") or type(model).__name__
+    pretrained = cfg.get("input_size")
+    built = f"@{config.image_size}" if pretrained and pretrained[-1] != config.image_size else ""  # created with img_size=
+    # no pretrained tag in the name: timm keeps the tag's config whether or not its weights were loaded
+    ours.spec = _spec(model, name=f"timm:{arch}" + built, weights="converted from a timm model instance", locator="")
+    param = next(model.parameters())
+    return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+
+
+@register_source
 class TimmSource(WeightsSource):
     name = "timm"
     prefix = "timm:"
+    library = "timm"
 
     def specs(self) -> list[VariantSpec]:
         try:
@@ -362,14 +387,7 @@ class TimmSource(WeightsSource):
         return ours
 
     def convert(self, model: nn.Module, **options) -> ViT:
-        config = config_from_timm(model)
-        ours = ViT(config)
-        ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
-        cfg = getattr(model, "pretrained_cfg", None) or {}
-        arch = cfg.get("architecture") or type(model).__name__
-        pretrained = cfg.get("input_size")
-        built = f"@{config.image_size}" if pretrained and pretrained[-1] != config.image_size else ""  # created with img_size=
-        # no pretrained tag in the name: timm keeps the tag's config whether or not its weights were loaded
-        ours.spec = _spec(model, name=f"timm:{arch}" + built, weights="converted from a timm model instance", locator="")
-        param = next(model.parameters())
-        return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+        return from_timm(model, **options)
+
+
+ViT.from_timm = staticmethod(from_timm)  # the same function, for existing callers

@@ -5,6 +5,10 @@ Weights download once to torch's hub cache (`$TORCH_HOME/hub/checkpoints`) throu
 `torch.hub.load_state_dict_from_url`, which checks the file's hash prefix; a file already there is
 read as it is. The plain name (`vit_b_16`) gets torchvision's default weights; the suffixes `_swag`
 and `_swag_linear` name the others. Preprocessing and class names are the weights' own.
+
+    vitviz.from_torchvision(torchvision_model)   # a VisionTransformer already in hand (= ViT.from_torchvision)
+
+The source registers itself, and `ViT.from_torchvision`, when this module is imported.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vitviz.model import ViT, ViTConfig
-from vitviz.preprocess import Preprocessing
-from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError
+from vitviz.config import Preprocessing, ViTConfig
+from vitviz.model import ViT
+from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source
 
-__all__ = ["TorchvisionSource", "checkpoint_dir", "convert_torchvision_state_dict", "spec_for_torchvision_model"]
+__all__ = ["TorchvisionSource", "from_torchvision", "checkpoint_dir", "convert_torchvision_state_dict", "spec_for_torchvision_model"]
 
 # architecture: (torchvision weights enum, patch, width, depth, heads, mlp_dim)
 _ARCH = {
@@ -45,8 +49,25 @@ def _imagenet_categories() -> tuple[str, ...]:
     return tuple(ViT_B_16_Weights.IMAGENET1K_V1.meta["categories"])
 
 
+def from_torchvision(model: nn.Module) -> ViT:
+    """A vitviz ViT with the weights of a torchvision `VisionTransformer`, giving the same outputs, on
+    the model's device and dtype and in its train/eval mode (`ViT.from_torchvision` is this function).
+
+    Raises:
+        TypeError: not a torchvision `VisionTransformer`.
+        NotImplementedError: one with a convolutional stem or a pre-logits layer.
+    """
+    spec = spec_for_torchvision_model(model)
+    ours = spec.build()
+    ours.load_state_dict(convert_torchvision_state_dict(model.state_dict()))
+    param = next(model.parameters())
+    return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+
+
+@register_source
 class TorchvisionSource(WeightsSource):
     name = "torchvision"
+    library = "torchvision"
 
     def specs(self) -> list[VariantSpec]:
         from torchvision.models import vision_transformer as tv
@@ -81,6 +102,9 @@ class TorchvisionSource(WeightsSource):
 
     def status(self, spec: VariantSpec) -> Status:
         return "cached" if (checkpoint_dir() / spec.filename).is_file() else "download"
+
+    def cache_dir(self) -> Path:
+        return checkpoint_dir()
 
     def reachable(self) -> bool:
         if os.environ.get("VITVIZ_OFFLINE"):
@@ -117,11 +141,7 @@ class TorchvisionSource(WeightsSource):
         return convert_torchvision_state_dict(sd)
 
     def convert(self, model: nn.Module, **options) -> ViT:
-        spec = spec_for_torchvision_model(model)
-        ours = spec.build()
-        ours.load_state_dict(convert_torchvision_state_dict(model.state_dict()))
-        param = next(model.parameters())
-        return ours.to(device=param.device, dtype=param.dtype).train(model.training)
+        return from_torchvision(model, **options)
 
 
 def _unavailable(spec: VariantSpec, reason: str) -> WeightsUnavailableError:
@@ -201,3 +221,6 @@ def convert_torchvision_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, tor
             out[f"{dst}{b}.weight"] = sd[f"{src}{a}{sep}weight"]
             out[f"{dst}{b}.bias"] = sd[f"{src}{a}{sep}bias"]
     return out
+
+
+ViT.from_torchvision = staticmethod(from_torchvision)  # the same function, for existing callers

@@ -1,0 +1,330 @@
+"""The records every part of vitviz reads, and nothing else: a model's architecture (`ViTConfig`),
+how its images are prepared (`Preprocessing`) and one named variant (`VariantSpec`: both, its
+class names and where its weights come from).
+
+This module is the leaf of vitviz: it imports no other module of vitviz, nor torch; the model,
+the preprocessing and the weights sources stand on it (`vitviz.model.ViTConfig`,
+`vitviz.preprocess.Preprocessing` and `vitviz.sources.VariantSpec` are these same classes).
+`VariantSpec.build` makes a model all the same: `vitviz.model` hands its `ViT` class over when it
+is imported (`import vitviz` imports it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Literal
+
+__all__ = [
+    "ViTConfig",
+    "Preprocessing",
+    "VariantSpec",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "INTERPOLATIONS",
+    "split_size",
+    "check_size",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# torchvision's `InterpolationMode` values, by which `vitviz.preprocess` resizes (a test holds them equal)
+INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """The architecture of one ViT.
+
+    Attributes:
+        image_size: the side S the position embeddings were trained for (any multiple of P runs).
+        patch_size: P.
+        width, depth, heads, mlp_dim: D, L, H and the MLP hidden width.
+        num_classes: outputs of the head; 0 for a model without one (DINO, CLIP towers): the
+            forward then returns the pooled features.
+        class_token: a cls token first.
+        distill_token: DeiT's distillation token after the cls token, with a head of its own; in eval
+            the logits are the mean of the two heads'.
+        register_tokens: DINOv2's registers after those (Darcet et al. 2024).
+        pos_embed_prefix: how many of the leading prefix tokens carry a position embedding (all of
+            them in the original ViT and DeiT, the cls token only in Hugging Face's DINOv2 with
+            registers, none in DeiT III's layout); the patches always do.
+        layer_scale: initial LayerScale value (a learned per-channel scale on each residual
+            branch), or None for none.
+        qkv_bias, proj_bias, mlp_bias, patch_bias: whether those projections have biases.
+        norm_pre: a LayerNorm before the first block (CLIP).
+        final_norm: a LayerNorm after the last block.
+        pool: "token" (the cls token) or "avg" (the mean of the patch tokens).
+        fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
+        act: the MLP's activation: "gelu", "gelu_tanh" or "quick_gelu" (x sigmoid(1.702 x), CLIP).
+        eps: LayerNorm epsilon.
+        pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
+            does; Hugging Face does not, which matters when shrinking the grid).
+    """
+
+    image_size: int
+    patch_size: int
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    num_classes: int = 1000
+    class_token: bool = True
+    distill_token: bool = False
+    register_tokens: int = 0
+    pos_embed_prefix: int | None = None
+    layer_scale: float | None = None
+    qkv_bias: bool = True
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    patch_bias: bool = True
+    norm_pre: bool = False
+    final_norm: bool = True
+    pool: Literal["token", "avg"] = "token"
+    fc_norm: bool = False
+    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
+    eps: float = 1e-6
+    pos_embed_antialias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.distill_token and not self.class_token:
+            raise ValueError("a distillation token needs a cls token before it")
+        if self.pool == "token" and not self.class_token:
+            raise ValueError('pool="token" needs a cls token; use pool="avg"')
+        if self.pool not in ("token", "avg"):
+            raise ValueError(f'pool must be "token" or "avg", got {self.pool!r}')
+        if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
+            raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
+        if self.pos_embed_prefix is None:
+            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens)
+        if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
+            raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """p: the tokens before the patches."""
+        return int(self.class_token) + int(self.distill_token) + self.register_tokens
+
+    @property
+    def prefix_names(self) -> tuple[str, ...]:
+        """The prefix tokens in order: "cls", "dist", "reg1", "reg2", ..."""
+        return (("cls",) if self.class_token else ()) + (("dist",) if self.distill_token else ()) + tuple(
+            f"reg{i + 1}" for i in range(self.register_tokens)
+        )
+
+    @property
+    def pooled_query(self) -> bool:
+        """The classifier reads the mean of the tokens after the prefix (the patches) and there is no
+        cls token: its query is that mean, "pool", whose row of any token-by-token map is the mean of
+        the patch tokens' rows."""
+        return self.pool == "avg" and not self.class_token
+
+    @property
+    def query_names(self) -> tuple[str, ...]:
+        """The queries a map can be read from besides the patches: the prefix tokens, then "pool" for
+        a model whose classifier reads the mean of its patch tokens and has no cls token."""
+        return self.prefix_names + (("pool",) if self.pooled_query else ())
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        side = self.image_size // self.patch_size
+        return side, side
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a ViT of this config, counted from the config alone (no memory, no weights;
+        a test holds it to the count of a built `vitviz.ViT`)."""
+        d, m, c = self.width, self.mlp_dim, self.num_classes
+        norm = 2 * d
+        patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0)
+        tokens = d * self.num_prefix_tokens + d * (self.pos_embed_prefix + self.grid[0] * self.grid[1])
+        block = (
+            2 * norm
+            + 3 * d * d + (3 * d if self.qkv_bias else 0)
+            + d * d + (d if self.proj_bias else 0)
+            + 2 * d * m + ((m + d) if self.mlp_bias else 0)
+            + (2 * d if self.layer_scale is not None else 0)
+        )
+        norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
+        heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0
+        return patch + tokens + self.depth * block + norms + heads
+
+    def replace(self, **changes: Any) -> "ViTConfig":
+        """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
+        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
+            changes["pos_embed_prefix"] = None
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a model wants its images.
+
+    Attributes:
+        image_size: side S of the square the model sees.
+        resize_size: the shorter side is resized to this before the centre crop (mode "crop");
+            None means S.
+        mode: "crop" (resize the shorter side, centre-crop S x S) or "squash" (resize to S x S).
+        mean, std: per-channel normalisation of [0, 1] pixels.
+        interpolation: "bilinear", "bicubic" or "nearest" (any of `INTERPOLATIONS`).
+    """
+
+    image_size: int
+    resize_size: int | None = None
+    mode: Literal["crop", "squash"] = "crop"
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    interpolation: str = "bilinear"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("crop", "squash"):
+            raise ValueError(f'mode must be "crop" or "squash", got {self.mode!r}')
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"{self.interpolation!r} is not a valid InterpolationMode (one of {', '.join(INTERPOLATIONS)})")
+
+    @property
+    def crop_fraction(self) -> float:
+        """The share of the resized shorter side that the crop keeps (timm's crop_pct)."""
+        return self.image_size / (self.resize_size or self.image_size)
+
+    def at(self, image_size: int) -> "Preprocessing":
+        """The same rule for another square side (the crop keeps the same share of the image)."""
+        if image_size == self.image_size:
+            return self
+        resize = None if self.resize_size is None else math.floor(image_size / self.crop_fraction + 1e-6)
+        return replace(self, image_size=image_size, resize_size=resize)
+
+
+_PIXELS = re.compile(r"[1-9][0-9]*")
+_SIZE_RULE = "a whole number of pixels above 0, without sign or leading zeros, that is a multiple of the model's patch size"
+
+
+def split_size(name: str) -> tuple[str, int | None]:
+    """"<name>@<pixels>" -> (<name>, pixels); a name without "@" -> (name, None).
+
+    Raises:
+        ValueError: what follows the last "@" is not a size (it is checked against the patch size
+            where the model is known: `check_size`).
+    """
+    base, at, size = name.rpartition("@")
+    if not at:
+        return name, None
+    if not _PIXELS.fullmatch(size):
+        raise ValueError(f"{name!r}: after @ comes the side of the images the model is fed, {_SIZE_RULE} (e.g. "
+                         f"shapes_p16@96, timm:vit_small_patch8_224.dino@480); got {size!r}")
+    return base, int(size)
+
+
+def check_size(image_size: object, *, patch_size: int, name: str) -> int:
+    """`image_size` when a model of `patch_size` can be fed images of that side.
+
+    Raises:
+        ValueError: not a whole number above 0, or not a multiple of the patch size; the message
+            names the nearest sizes that are.
+    """
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size <= 0:
+        raise ValueError(f"the image size of {name} is {_SIZE_RULE} ({patch_size} px); got {image_size!r}")
+    if image_size % patch_size:
+        below = image_size // patch_size * patch_size
+        near = " or ".join(str(s) for s in (below, below + patch_size) if s > 0)
+        raise ValueError(f"{image_size} px is not a multiple of {name}'s patch size {patch_size}: {near} px would be")
+    return image_size
+
+
+# The class `VariantSpec.build` makes: `vitviz.model.ViT`, handed over by `vitviz.model` on import.
+_model_class: list[Callable[[ViTConfig], Any]] = []
+
+
+def _use_model_class(cls: Callable[[ViTConfig], Any]) -> None:
+    """Called by `vitviz.model` with its `ViT` (this module cannot import it: the model stands on it)."""
+    _model_class[:] = [cls]
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One model variant.
+
+    Attributes:
+        name: the name `load_model` takes ("vit_b_16", "shapes_p16", "timm:vit_small_patch16_224.dino").
+        config: the architecture.
+        preprocessing: how images are resized, cropped and normalised for it.
+        categories: class names, index = logit; None for a model without a head (features only).
+        source: the name of its `WeightsSource` ("torchvision", "embedded", "timm", "hf", or a
+            plugin's).
+        weights: human-readable weights name.
+        locator: where the source finds the weights (a URL, a file name, a timm name, a repo id, or
+            the absolute path of a checkpoint of the user's own).
+        filename: the checkpoint's file name, where there is one.
+        top1: reported ImageNet top-1 accuracy in %, if known.
+        description: one line for menus.
+    """
+
+    name: str
+    config: ViTConfig
+    preprocessing: Preprocessing
+    categories: tuple[str, ...] | None = field(repr=False)
+    source: str
+    weights: str
+    locator: str = ""
+    filename: str = ""
+    top1: float | None = None
+    description: str = ""
+
+    # the facts the rest of vitviz reads, from the config and the preprocessing
+    image_size = property(lambda self: self.preprocessing.image_size)
+    patch_size = property(lambda self: self.config.patch_size)
+    width = property(lambda self: self.config.width)
+    depth = property(lambda self: self.config.depth)
+    heads = property(lambda self: self.config.heads)
+    mlp_dim = property(lambda self: self.config.mlp_dim)
+    num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
+    prefix_names = property(lambda self: self.config.prefix_names)
+    mean = property(lambda self: self.preprocessing.mean)
+    std = property(lambda self: self.preprocessing.std)
+    resize_size = property(lambda self: self.preprocessing.resize_size)
+    interpolation = property(lambda self: self.preprocessing.interpolation)
+
+    @property
+    def url(self) -> str | None:
+        return self.locator if self.locator.startswith(("http://", "https://")) else None
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The patch grid at the preprocessing's image size."""
+        side = self.preprocessing.image_size // self.config.patch_size
+        return side, side
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.categories) if self.categories is not None else 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.categories is not None
+
+    def at(self, image_size: int) -> "VariantSpec":
+        """The same variant fed images of another size (position embeddings are resampled)."""
+        check_size(image_size, patch_size=self.patch_size, name=self.name)
+        return replace(self, preprocessing=self.preprocessing.at(image_size))
+
+    def build(self) -> Any:
+        """A randomly initialised vitviz ViT of this architecture (no weights loaded), with this spec."""
+        if not _model_class:
+            raise RuntimeError("vitviz.model is not imported (`import vitviz` imports it)")
+        model = _model_class[0](self.config)
+        model.spec = self
+        return model
