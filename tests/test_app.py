@@ -13,15 +13,17 @@ from vitviz.model import ViT
 
 @pytest.fixture(scope="module")
 def app():
-    from vitviz.server import app as app_module
+    # the page's modules, imported with the app (which builds the page) and bound here for every test
+    global gradio_io, page, runtime, tabs
+    from vitviz.server import app as app_module, gradio_io, page, runtime, tabs
 
     return app_module
 
 
 @pytest.fixture(scope="module")
 def example(app):
-    assert app.EXAMPLES, "assets/examples must hold example images"
-    return app.EXAMPLES[0]
+    assert runtime.EXAMPLES, "assets/examples must hold example images"
+    return runtime.EXAMPLES[0]
 
 
 def _quiet(*args, **kwargs):
@@ -30,8 +32,8 @@ def _quiet(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def analysed(app, example):
-    out = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
-    return out[app.state], out
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    return out[page.PAGE.state], out
 
 
 class _Click:
@@ -41,20 +43,20 @@ class _Click:
 
 def test_analyze_fills_every_section(app, analysed):
     ref, out = analysed
-    assert set(out) == set(app.analysis_outputs) - {app.image, app.variant}  # what the user chose stays
-    preds, rollout = out[app.predictions]["value"], out[app.rollout_img]
-    shown = app.on_explorer(ref)
-    explorer, mosaic = shown[app.explorer_img], shown[app.mosaic]
-    layer_upd, head_upd, query, query_text = out[app.layer], out[app.head], out[app.query], out[app.query_text]
-    distance, similarity, filters, grid = out[app.distance_img], out[app.similarity_img], out[app.filters_img], out[app.grid_img]
-    table, npz, status = out[app.table], out[app.npz], out[app.status]
-    assert out[app.notice] == ""
+    assert set(out) == set(page.PAGE.analysis_outputs) - {page.PAGE.image, page.PAGE.variant}  # what the user chose stays
+    preds, rollout = out[tabs.predict.TAB.predictions]["value"], out[tabs.predict.TAB.rollout_img]["value"]
+    shown = tabs.explorer.TAB.on_explorer(ref)
+    explorer, mosaic = shown[tabs.explorer.TAB.explorer_img], shown[tabs.explorer.TAB.mosaic]
+    layer_upd, head_upd, query, query_text = out[tabs.explorer.TAB.layer], out[tabs.explorer.TAB.head], out[tabs.explorer.TAB.query], out[tabs.explorer.TAB.query_text]
+    distance, similarity, filters, grid = out[tabs.distance.TAB.distance_img], out[tabs.positions.TAB.similarity_img], out[tabs.positions.TAB.filters_img], out[tabs.architecture.TAB.grid_img]
+    table, npz, status = out[tabs.architecture.TAB.table], out[tabs.predict.TAB.npz], out[page.PAGE.status]
+    assert out[page.PAGE.notice] == ""
     assert len(preds) == 5 and abs(sum(preds.values()) - 1) < 0.5
     # 384 px maps (the 96 px crop at 4x) with a colour bar beside them
     assert rollout.size[1] == 384 and 384 < rollout.size[0] < 480
     # the explorer is the browser's: its data written once, the server's own explorer hidden and not drawn
-    live = shown[app.explorer_live]
-    assert live["mode"] == "stack" and live["id"] == ref.key and shown[app.server_explorer]["visible"] is False
+    live = shown[tabs.explorer.TAB.explorer_live]
+    assert live["mode"] == "stack" and live["id"] == ref.key and shown[tabs.explorer.TAB.server_explorer]["visible"] is False
     assert explorer is None and mosaic is None
     from pathlib import Path
 
@@ -67,7 +69,7 @@ def test_analyze_fills_every_section(app, analysed):
     assert table[0][0].startswith("Input image") and table[-2][0] == "Classification head"
     assert table[-1] == ["Total", "", "", "527,144"]
     assert npz is None  # written on demand
-    data = np.load(app.on_export(ref)[app.npz])
+    data = np.load(tabs.predict.TAB.on_export(ref)[tabs.predict.TAB.npz])
     assert data["attentions"].shape == (6, 3, 37, 37) and data["cls_map"].shape == (6, 6)
     np.testing.assert_allclose(data["rollout"].sum(-1), 1, atol=1e-5)
     assert "shapes_p16" in status
@@ -75,7 +77,7 @@ def test_analyze_fills_every_section(app, analysed):
 
 def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
     ref = analysed[0]
-    exp = app.STORE.get(ref.key)
+    exp = runtime.STORE.get(ref.key)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model was called for a view change")
@@ -83,48 +85,48 @@ def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
     monkeypatch.setattr(ViT, "forward", forbidden)
     monkeypatch.setattr(ViT, "encode", forbidden)
     before = exp.analysis.attentions.clone()
-    m1 = app.on_view(ref, 1, "head 2", 0)[app.explorer_img]
-    m2 = app.on_view(ref, 6, "max", 0)[app.explorer_img]
+    m1 = tabs.explorer.TAB.on_view(ref, 1, "head 2", 0)[tabs.explorer.TAB.explorer_img]
+    m2 = tabs.explorer.TAB.on_view(ref, 6, "max", 0)[tabs.explorer.TAB.explorer_img]
     assert np.abs(np.asarray(m1, dtype=float) - np.asarray(m2, dtype=float)).sum() > 0
-    r1 = app.on_rollout_options(ref, "min", 0.5)[app.rollout_img]
-    r2 = app.on_rollout_options(ref, "mean", 0.0)[app.rollout_img]
+    r1 = tabs.predict.TAB.on_rollout_options(ref, "min", 0.5)[tabs.predict.TAB.rollout_img]
+    r2 = tabs.predict.TAB.on_rollout_options(ref, "mean", 0.0)[tabs.predict.TAB.rollout_img]
     assert np.abs(np.asarray(r1, dtype=float) - np.asarray(r2, dtype=float)).sum() > 0
-    assert app.STORE.get(ref.key) is exp  # nothing derived is stored
-    out = app.on_click(ref, 6, "mean", app.SCALES[0], _Click(383, 0))  # top-right patch
-    assert out[app.query] == 1 + 5 and "row 1, column 6" in out[app.query_text]
-    assert set(out) == {app.query, app.query_text, app.prefix_query, app.explorer_img, app.mosaic}
-    assert app.on_prefix_query(ref, 6, "mean", "cls")[app.query] == 0
+    assert runtime.STORE.get(ref.key) is exp  # drawing leaves the stored analysis as it was
+    out = tabs.explorer.TAB.on_click(ref, 6, "mean", tabs.explorer.SCALES[0], _Click(383, 0))  # top-right patch
+    assert out[tabs.explorer.TAB.query] == 1 + 5 and "row 1, column 6" in out[tabs.explorer.TAB.query_text]
+    assert set(out) == {tabs.explorer.TAB.query, tabs.explorer.TAB.query_text, tabs.explorer.TAB.prefix_query, tabs.explorer.TAB.explorer_img, tabs.explorer.TAB.mosaic}
+    assert tabs.explorer.TAB.on_prefix_query(ref, 6, "mean", "cls")[tabs.explorer.TAB.query] == 0
     torch.testing.assert_close(exp.analysis.attentions, before)
 
 
 def test_clicking_a_patch_changes_the_explorer_map(app, analysed):
     ref = analysed[0]
-    a = app.on_click(ref, 3, "mean", app.SCALES[0], _Click(10, 10))[app.explorer_img]
-    b = app.on_click(ref, 3, "mean", app.SCALES[0], _Click(300, 300))[app.explorer_img]
+    a = tabs.explorer.TAB.on_click(ref, 3, "mean", tabs.explorer.SCALES[0], _Click(10, 10))[tabs.explorer.TAB.explorer_img]
+    b = tabs.explorer.TAB.on_click(ref, 3, "mean", tabs.explorer.SCALES[0], _Click(300, 300))[tabs.explorer.TAB.explorer_img]
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
 
 def test_compare_two_variants(app, example):
-    out = app.on_compare(example, ["shapes_p16", "shapes_p8"])
-    (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = app.slots
+    out = tabs.compare.TAB.on_compare(example, ["shapes_p16", "shapes_p8"])
+    (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = tabs.compare.TAB.slots
     assert out[col1]["visible"] and out[col2]["visible"] and not out[col3]["visible"]
     assert "shapes_p16" in out[md1] and "shapes_p8" in out[md2]
     assert out[ro1].size[1] == 384 and out[ro2].size[1] == 384
-    assert out[app.compare_notice] == "" and out[app.compare_distance].size[0] > 300
+    assert out[tabs.compare.TAB.compare_notice] == "" and out[tabs.compare.TAB.compare_distance].size[0] > 300
     # too few variants: only the notice changes, saying why
-    out = app.on_compare(example, ["shapes_p16"])
-    assert set(out) == {app.compare_notice} and "two or three" in out[app.compare_notice]
+    out = tabs.compare.TAB.on_compare(example, ["shapes_p16"])
+    assert set(out) == {tabs.compare.TAB.compare_notice} and "two or three" in out[tabs.compare.TAB.compare_notice]
 
 
 def test_missing_inputs_and_bad_images_change_only_the_notice_and_the_preview(app, tmp_path):
-    out = app.on_analyze(None, "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert set(out) == {app.notice} and "Upload an image" in out[app.notice]
+    out = page.on_analyze(None, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert set(out) == {page.PAGE.notice} and "Upload an image" in out[page.PAGE.notice]
     with pytest.raises(gr.Error, match="Analyse an image first"):
-        app.on_view(None, 1, "mean", 0)
+        tabs.explorer.TAB.on_view(None, 1, "mean", 0)
     bad = tmp_path / "notes.jpg"
     bad.write_text("this is not a picture")
-    out = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert set(out) == {app.notice, app.image} and "not an image" in out[app.notice] and out[app.image] is None
+    out = page.on_analyze(str(bad), "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert set(out) == {page.PAGE.notice, page.PAGE.image} and "not an image" in out[page.PAGE.notice] and out[page.PAGE.image] is None
 
 
 def test_hostile_view_values_get_clear_errors(app, analysed):
@@ -133,12 +135,12 @@ def test_hostile_view_values_get_clear_errors(app, analysed):
                                       (2.5, "mean", 0, "layer"), (1, "head 4", 0, "head"), (1, "<b>x</b>", 0, "head"),
                                       (1, "mean", -1, "query"), (1, "mean", 37, "query"), (1, "mean", "1e9", "query")]:
         with pytest.raises(gr.Error, match=words):
-            app.on_view(ref, layer, head, query)
+            tabs.explorer.TAB.on_view(ref, layer, head, query)
     for fusion, ratio in [("median", 0.0), ("mean", 0.99), ("mean", float("inf")), ("mean", "x")]:
         with pytest.raises(gr.Error, match="fusion|discard"):
-            app.on_rollout_options(ref, fusion, ratio)
-    out = app.on_analyze(app.EXAMPLES[0], "vit_x", "mean", 0.0, progress=_quiet)
-    assert set(out) == {app.notice} and "unknown variant" in out[app.notice]
+            tabs.predict.TAB.on_rollout_options(ref, fusion, ratio)
+    out = page.on_analyze(runtime.EXAMPLES[0], "vit_x", "mean", 0.0, progress=_quiet)
+    assert set(out) == {page.PAGE.notice} and "unknown variant" in out[page.PAGE.notice]
 
 
 def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(app, example, tmp_path, monkeypatch):
@@ -152,16 +154,16 @@ def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(a
         raise urllib.error.URLError("<proxy> refused the tunnel: 403 <Forbidden>")
 
     monkeypatch.setattr(torch.hub, "download_url_to_file", unreachable)
-    out = app.on_analyze(example, "vit_b_32", "mean", 0.0, progress=_quiet)
-    shown = out[app.notice]
+    out = page.on_analyze(example, "vit_b_32", "mean", 0.0, progress=_quiet)
+    shown = out[page.PAGE.notice]
     # the page reads the notice as HTML: every angle bracket of the message is escaped, and the
     # actionable part (which file, which folder) is all there, the folder named without the server's path
-    assert set(out) == {app.notice} and "vit_b_32-d86f8d99.pth" in shown and "$TORCH_HOME/hub/checkpoints" in shown
+    assert set(out) == {page.PAGE.notice} and "vit_b_32-d86f8d99.pth" in shown and "$TORCH_HOME/hub/checkpoints" in shown
     assert str(tmp_path) not in shown
     text = shown.removeprefix('<div class="vv-error">').removesuffix("</div>")
     assert "<" not in text and ">" not in text
-    out = app.on_analyze(example, "shapes_p8", "mean", 0.0, progress=_quiet)
-    assert app.STORE.get(out[app.state].key).analysis.variant == "shapes_p8"
+    out = page.on_analyze(example, "shapes_p8", "mean", 0.0, progress=_quiet)
+    assert runtime.STORE.get(out[page.PAGE.state].key).analysis.variant == "shapes_p8"
 
 
 def test_variant_menu_says_which_are_ready(app, tmp_path, monkeypatch):
@@ -241,8 +243,8 @@ def test_model_cache_is_bounded():
 
 
 def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
-    rollout = analysed[1][app.rollout_img]
-    out = app.PngImage()
+    rollout = analysed[1][tabs.predict.TAB.rollout_img]["value"]
+    out = gradio_io.PngImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(rollout)
     assert data.path.startswith(str(tmp_path)) and data.path.endswith("shapes_p16-rollout-cls-mean-discard0.png")
@@ -257,8 +259,8 @@ def test_output_images_are_lossless_png(app, analysed, tmp_path, monkeypatch):
 
 
 def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
-    explorer = app.on_view(analysed[0], 3, "head 1", 9)[app.explorer_img]
-    out = app.ViewImage()
+    explorer = tabs.explorer.TAB.on_view(analysed[0], 3, "head 1", 9)[tabs.explorer.TAB.explorer_img]
+    out = gradio_io.ViewImage()
     monkeypatch.setattr(out, "GRADIO_CACHE", str(tmp_path))
     data = out.postprocess(explorer)
     with Image.open(data.path) as back:
@@ -275,12 +277,12 @@ def test_timm_models_through_the_app(app, example, offline_hub, name):
     fills, a feature model says it has no classifier, DeiT shows its distillation map, and the
     registers are prefix tokens of their own."""
     timm_name = name.split("@")[0]
-    out = app.on_other_model(f"timm:{name}", [])
-    assert out[app.notice] == "" and out[app.variant]["value"] == f"timm:{name}"
-    assert f"timm:{name}" in [v for _, v in out[app.compare_pick]["choices"]]
-    out = app.on_analyze(example, f"timm:{name}", "mean", 0.0, progress=_quiet)
-    assert out[app.notice] == "", out[app.notice]
-    exp = app.STORE.get(out[app.state].key)
+    out = page.on_other_model(f"timm:{name}", [])
+    assert out[page.PAGE.notice] == "" and out[page.PAGE.variant]["value"] == f"timm:{name}"
+    assert f"timm:{name}" in [v for _, v in out[tabs.compare.TAB.compare_pick]["choices"]]
+    out = page.on_analyze(example, f"timm:{name}", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
+    exp = runtime.STORE.get(out[page.PAGE.state].key)
     a = exp.analysis
     # the model the app ran is the cached one: the same features as timm's own forward
     model = offline_hub[timm_name]
@@ -296,19 +298,19 @@ def test_timm_models_through_the_app(app, example, offline_hub, name):
         want = model.forward_features(x.unsqueeze(0))[0]
     assert ((a.tokens - want).abs().max() / want.abs().max()).item() < 1e-4
     if "distilled" not in name:  # DINO and DINOv2: features only
-        assert out[app.predictions]["visible"] is False and "no classifier" in out[app.predict_note]
+        assert out[tabs.predict.TAB.predictions]["visible"] is False and "no classifier" in out[tabs.predict.TAB.predict_note]
     else:
-        assert out[app.predictions]["visible"] is True and len(out[app.predictions]["value"]) == 5
+        assert out[tabs.predict.TAB.predictions]["visible"] is True and len(out[tabs.predict.TAB.predictions]["value"]) == 5
     distilled = "distilled" in name
-    assert out[app.dist_rollout_img]["visible"] is distilled
-    assert out[app.prefix_query]["choices"] == list(spec.prefix_names)
-    assert app.on_explorer(out[app.state])[app.explorer_live]["prefix"] == list(spec.prefix_names)
-    tokens = app.on_tokens(out[app.state], 0.6)
-    assert tokens[app.received_img].size[0] > 300 and tokens[app.norms_img].size[0] > 300
+    assert out[tabs.predict.TAB.dist_rollout_img]["visible"] is distilled
+    assert out[tabs.explorer.TAB.prefix_query]["choices"] == list(spec.prefix_names)
+    assert tabs.explorer.TAB.on_explorer(out[page.PAGE.state])[tabs.explorer.TAB.explorer_live]["prefix"] == list(spec.prefix_names)
+    tokens = tabs.tokens.TAB.on_tokens(out[page.PAGE.state], 0.6)
+    assert tokens[tabs.tokens.TAB.received_img].size[0] > 300 and tokens[tabs.tokens.TAB.norms_img].size[0] > 300
     if "reg4" in name:
         assert a.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and a.grid == (16, 16)
-        view = app.on_prefix_query(out[app.state], 12, "mean", "reg2")
-        assert view[app.query] == 2 and "reg2" in view[app.query_text]
+        view = tabs.explorer.TAB.on_prefix_query(out[page.PAGE.state], 12, "mean", "reg2")
+        assert view[tabs.explorer.TAB.query] == 2 and "reg2" in view[tabs.explorer.TAB.query_text]
     # the distance chart and the maps cover patches only
     assert a.distances().shape == (spec.depth, spec.heads)
     assert a.cls_map().shape == a.grid
@@ -326,80 +328,80 @@ def test_analyze_endpoint_and_compare_with_a_timm_model(app, server, example, of
     preds, *_ = client.predict(handle_file(example), "timm:vit_small_patch16_224.dino", api_name="/analyze")
     assert not (preds or {}).get("confidences")  # no classifier, no classes
     # a supervised and a self-supervised model side by side, the same patch size
-    out = app.on_compare(example, ["timm:deit_tiny_distilled_patch16_224.fb_in1k", "timm:vit_small_patch16_224.dino"])
-    assert out[app.compare_notice] == "" and "no classifier" in out[app.slots[1][1]]
+    out = tabs.compare.TAB.on_compare(example, ["timm:deit_tiny_distilled_patch16_224.fb_in1k", "timm:vit_small_patch16_224.dino"])
+    assert out[tabs.compare.TAB.compare_notice] == "" and "no classifier" in out[tabs.compare.TAB.slots[1][1]]
 
 
 def test_other_model_names_are_checked(app):
     for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
                        ("timm:vit_giant_patch14_dinov2.lvd142m", "SwiGLU"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
                        ("resnet50", "unknown variant")]:
-        out = app.on_other_model(bad, [])
-        assert set(out) == {app.notice} and words in out[app.notice], (bad, out[app.notice])
+        out = page.on_other_model(bad, [])
+        assert set(out) == {page.PAGE.notice} and words in out[page.PAGE.notice], (bad, out[page.PAGE.notice])
 
 
 def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):
     ref, out = analysed
-    top = out[app.predictions]["value"]
+    top = out[tabs.predict.TAB.predictions]["value"]
     label = max(top, key=top.get)
-    assert out[app.target_class]["value"] == label and "circle" in out[app.target_class]["choices"]
-    got = app.on_explain(ref, label)
-    pictures = [got[app.explain_imgs[m]] for m in vitviz.METHODS]
+    assert out[tabs.explain.TAB.target_class]["value"] == label and "circle" in out[tabs.explain.TAB.target_class]["choices"]
+    got = tabs.explain.TAB.on_explain(ref, label)
+    pictures = [got[tabs.explain.TAB.explain_imgs[m]] for m in vitviz.METHODS]
     assert all(p.size[1] == 384 and p.size[0] > 384 for p in pictures)
-    assert label in got[app.explain_note]
+    assert label in got[tabs.explain.TAB.explain_note]
     # a different class changes the gradient maps but not the class-blind ones
-    other = app.on_explain(ref, "circle")
+    other = tabs.explain.TAB.on_explain(ref, "circle")
     diff = lambda a, b: np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean()  # noqa: E731
-    assert diff(other[app.explain_imgs["gradient"]], got[app.explain_imgs["gradient"]]) > 0.5
-    assert diff(other[app.explain_imgs["rollout"]], got[app.explain_imgs["rollout"]]) == 0
+    assert diff(other[tabs.explain.TAB.explain_imgs["gradient"]], got[tabs.explain.TAB.explain_imgs["gradient"]]) > 0.5
+    assert diff(other[tabs.explain.TAB.explain_imgs["rollout"]], got[tabs.explain.TAB.explain_imgs["rollout"]]) == 0
     # the downloads are named by variant, view, method and class
-    assert got[app.explain_imgs["gradient"]].info["vitviz_name"] == f"shapes_p16-explain-gradient-{label}.png"
+    assert got[tabs.explain.TAB.explain_imgs["gradient"]].info["vitviz_name"] == f"shapes_p16-explain-gradient-{label}.png"
     with pytest.raises(gr.Error, match="classes"):
-        app.on_explain(ref, "<script>")
+        tabs.explain.TAB.on_explain(ref, "<script>")
 
     class _Pick:
         value = "circle"
 
-    picked = app.on_pick_class(ref, app.EXPLAIN_SCALES[0], _Pick())
-    assert picked[app.target_class] == "circle" and picked[app.current_tab] == "explain"
+    picked = tabs.explain.TAB.on_pick_class(ref, tabs.explain.EXPLAIN_SCALES[0], _Pick())
+    assert picked[tabs.explain.TAB.target_class] == "circle" and picked[page.PAGE.current_tab] == "explain"
 
 
 def test_faithfulness_tab_measures_every_method_and_a_random_order(app, analysed):
     ref, _ = analysed
-    out = app.on_faithfulness(ref, "circle", progress=_quiet)
-    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[app.faith_table]}
+    out = tabs.explain.TAB.on_faithfulness(ref, "circle", progress=_quiet)
+    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]}
     assert set(rows) == {*vitviz.METHODS, "random"}
     assert all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
-    assert out[app.faith_img].size[0] > 600
+    assert out[tabs.explain.TAB.faith_img].size[0] > 600
 
 
 def test_tokens_tab(app, analysed):
     ref, _ = analysed
-    out = app.on_tokens(ref, 0.6)
-    assert out[app.received_img].size[0] > 300 and out[app.norms_img].size[0] > 300
-    assert out[app.dino_img].size[0] > 300 and "PC1" in out[app.features_text]
-    assert out[app.features_img].size == (384, 384)
+    out = tabs.tokens.TAB.on_tokens(ref, 0.6)
+    assert out[tabs.tokens.TAB.received_img].size[0] > 300 and out[tabs.tokens.TAB.norms_img].size[0] > 300
+    assert out[tabs.tokens.TAB.dino_img].size[0] > 300 and "PC1" in out[tabs.tokens.TAB.features_text]
+    assert out[tabs.tokens.TAB.features_img].size == (384, 384)
 
     class _Click:
         index = [200, 200]
 
-    sim = app.on_feature_click(ref, _Click())[app.similarity_map_img]
+    sim = tabs.tokens.TAB.on_feature_click(ref, _Click())[tabs.tokens.TAB.similarity_map_img]
     assert sim.size[1] == 384
     with pytest.raises(gr.Error, match="share"):
-        app.on_tokens(ref, 7)
-    assert app.on_dino_share(ref, 0.3)[app.dino_img].size == out[app.dino_img].size
+        tabs.tokens.TAB.on_tokens(ref, 7)
+    assert tabs.tokens.TAB.on_dino_share(ref, 0.3)[tabs.tokens.TAB.dino_img].size == out[tabs.tokens.TAB.dino_img].size
     # drawn on demand: choosing the tab draws it, other tabs draw nothing
     class _Tab:
         value = "Tokens"
 
-    assert app.on_tab(ref, "star", app.EXPLAIN_SCALES[0], 0.6, _Tab())[app.current_tab] == "tokens"
-    assert list(app.on_refresh_tab(ref, "distance", "star", app.EXPLAIN_SCALES[0], 0.6)) == [app.explain_note]  # nothing drawn
+    assert page.on_tab(_Tab(), ref, "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)[page.PAGE.current_tab] == "tokens"
+    assert list(page.on_refresh_tab(ref, "distance", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)) == [tabs.explain.TAB.explain_note]  # nothing drawn
 
 
 def test_shared_colour_scale_compares_layers(app, analysed):
     ref, _ = analysed
-    a = app.on_view(ref, 1, "mean", 0, app.SCALES[2])[app.explorer_img]
-    b = app.on_view(ref, 1, "mean", 0, app.SCALES[1])[app.explorer_img]
+    a = tabs.explorer.TAB.on_view(ref, 1, "mean", 0, tabs.explorer.SCALES[2])[tabs.explorer.TAB.explorer_img]
+    b = tabs.explorer.TAB.on_view(ref, 1, "mean", 0, tabs.explorer.SCALES[1])[tabs.explorer.TAB.explorer_img]
     assert a.info["vitviz_name"].endswith("shared.png") and b.info["vitviz_name"].endswith("map.png")
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
@@ -410,7 +412,7 @@ def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
     from vitviz.server import explorer_data, views
 
     ref, _ = analysed
-    exp = app.STORE.get(ref.key)
+    exp = runtime.STORE.get(ref.key)
     a = exp.analysis
     attn = a.attentions[2, :, 7, a.num_prefix_tokens :].float()  # layer 3, query token 7: [H, M]
     rows = torch.cat([attn, attn.mean(0, keepdim=True), attn.amax(0, keepdim=True)])
@@ -419,36 +421,36 @@ def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
     lo, hi = views.query_range(exp, query=7, scale="layer", layer=3)
     assert lo == pytest.approx(float(vals.min()), rel=1e-6) and hi == pytest.approx(float(vals.max()), rel=1e-6)
     assert hi == pytest.approx(float(explorer_data.row_values(a, layer=2, head=a.attentions.shape[1] + 1, query=7).max()))
-    out = app.on_view(ref, 3, "head 1", 7, app.SCALES[0])
-    mosaic = out[app.mosaic]
-    own = app.on_view(ref, 3, "head 1", 7, app.SCALES[1])[app.mosaic]
+    out = tabs.explorer.TAB.on_view(ref, 3, "head 1", 7, tabs.explorer.SCALES[0])
+    mosaic = out[tabs.explorer.TAB.mosaic]
+    own = tabs.explorer.TAB.on_view(ref, 3, "head 1", 7, tabs.explorer.SCALES[1])[tabs.explorer.TAB.mosaic]
     # one colour bar to the right of the mosaic on a common scale; none (ranges in the labels) on its own
     assert mosaic.size[0] == own.size[0] + views.plots.COLORBAR_PX
     assert np.abs(np.asarray(mosaic, dtype=float)[:, : own.size[0]] - np.asarray(own, dtype=float)).mean() > 1
     with pytest.raises(gr.Error, match="colour scale"):
-        app.on_view(ref, 1, "mean", 0, "log")
+        tabs.explorer.TAB.on_view(ref, 1, "mean", 0, "log")
 
 
 def test_results_say_which_image_and_variant_they_belong_to(app, example, tmp_path):
     from pathlib import Path
 
-    out = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
-    ref = out[app.state]
-    assert ref.image == Path(example).name and Path(example).stem in out[app.status] and "**shapes_p16**" in out[app.status]
-    assert out[app.results_box]["elem_classes"] == ["vv-results"] and out[app.result_thumb] is not None
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    ref = out[page.PAGE.state]
+    assert ref.image == Path(example).name and Path(example).stem in out[page.PAGE.status] and "**shapes_p16**" in out[page.PAGE.status]
+    assert out[page.PAGE.results_box]["elem_classes"] == ["vv-results"] and out[page.PAGE.result_thumb] is not None
     # a variant that cannot be analysed: the menu goes back, the results are marked as those of their image and variant
-    failed = app.on_analyze(example, "shapes_p16@4096", "mean", 0.0, ref, progress=_quiet)
-    assert failed[app.variant]["value"] == "shapes_p16" and "vv-stale" in failed[app.results_box]["elem_classes"]
-    assert f"still those of {ref.image} on shapes_p16" in failed[app.notice] and "The menu is back on shapes_p16" in failed[app.notice]
+    failed = page.on_analyze(example, "shapes_p16@4096", "mean", 0.0, ref, progress=_quiet)
+    assert failed[page.PAGE.variant]["value"] == "shapes_p16" and "vv-stale" in failed[page.PAGE.results_box]["elem_classes"]
+    assert f"still those of {ref.image} on shapes_p16" in failed[page.PAGE.notice] and "The menu is back on shapes_p16" in failed[page.PAGE.notice]
     # ... and going back to it shows those results again, unmarked, without running the model
-    back = app.on_analyze(example, "shapes_p16", "mean", 0.0, ref, progress=_quiet)
-    assert back == {app.results_box: {"__type__": "update", "elem_classes": ["vv-results"]}}
+    back = page.on_analyze(example, "shapes_p16", "mean", 0.0, ref, progress=_quiet)
+    assert back == {page.PAGE.results_box: {"__type__": "update", "elem_classes": ["vv-results"]}}
     # a file that is no image: its broken preview is cleared and the message names it; the menu stays
     bad = tmp_path / "notes.png"
     bad.write_bytes(b"hello, not a picture\n" * 50)
-    refused = app.on_analyze(str(bad), "shapes_p16", "mean", 0.0, ref, progress=_quiet)
-    assert refused[app.image] is None and app.variant not in refused and "notes.png:" in refused[app.notice]
-    assert "vv-stale" in refused[app.results_box]["elem_classes"]
+    refused = page.on_analyze(str(bad), "shapes_p16", "mean", 0.0, ref, progress=_quiet)
+    assert refused[page.PAGE.image] is None and page.PAGE.variant not in refused and "notes.png:" in refused[page.PAGE.notice]
+    assert "vv-stale" in refused[page.PAGE.results_box]["elem_classes"]
 
 
 def _pictures(outputs) -> list:
@@ -469,13 +471,13 @@ def test_every_downloadable_figure_keeps_its_text_inside(app, analysed, example)
 
     ref, out = analysed
     pictures = _pictures(out)
-    pictures += _pictures(app.on_explain(ref, "star"))
-    pictures += _pictures(app.on_explain(ref, "star", app.EXPLAIN_SCALES[1]))
-    pictures += _pictures(app.on_faithfulness(ref, "star", progress=_quiet))
-    pictures += _pictures(app.on_refresh_tab(ref, "tokens", "star", app.EXPLAIN_SCALES[0], 0.6))
-    for scale in app.SCALES:
-        pictures += _pictures(app.on_view(ref, 2, "head 1", 7, scale))
-    pictures += _pictures(app.on_compare(example, ["shapes_p16", "shapes_p8"]))
+    pictures += _pictures(tabs.explain.TAB.on_explain(ref, "star"))
+    pictures += _pictures(tabs.explain.TAB.on_explain(ref, "star", tabs.explain.EXPLAIN_SCALES[1]))
+    pictures += _pictures(tabs.explain.TAB.on_faithfulness(ref, "star", progress=_quiet))
+    pictures += _pictures(page.on_refresh_tab(ref, "tokens", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6))
+    for scale in tabs.explorer.SCALES:
+        pictures += _pictures(tabs.explorer.TAB.on_view(ref, 2, "head 1", 7, scale))
+    pictures += _pictures(tabs.compare.TAB.on_compare(example, ["shapes_p16", "shapes_p8"]))
     names = {p.info.get("vitviz_name", "") for p in pictures}
     assert len(pictures) >= 20 and any("attention-received" in n for n in names) and any("faithfulness" in n for n in names)
     with_text = [p for p in pictures if plots.text_boxes(p)]
@@ -506,14 +508,65 @@ def test_a_clipped_label_is_found():
 def test_a_class_picked_during_the_analysis_chain_stays(app, example):
     """The chain after an analysis draws the Explain tab for the class it read when the analysis began;
     a class picked for that analysis meanwhile is newer and stays on the page."""
-    ref = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[app.state]
+    ref = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
 
     class _Pick:
         value = "circle"
 
-    picked = app.on_pick_class(ref, app.EXPLAIN_SCALES[0], _Pick())
-    assert "circle" in picked[app.explain_note]
-    assert list(app.on_refresh_tab(ref, "explain", "star", app.EXPLAIN_SCALES[0], 0.6)) == [app.explain_note]  # a skip
-    fresh = app.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[app.state]
-    drawn = app.on_refresh_tab(fresh, "explain", "star", app.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
-    assert all(drawn[app.explain_imgs[m]] is not None for m in app.METHODS)
+    picked = tabs.explain.TAB.on_pick_class(ref, tabs.explain.EXPLAIN_SCALES[0], _Pick())
+    assert "circle" in picked[tabs.explain.TAB.explain_note]
+    assert list(page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)) == [tabs.explain.TAB.explain_note]  # a skip
+    fresh = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
+    drawn = page.on_refresh_tab(fresh, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
+    assert all(drawn[tabs.explain.TAB.explain_imgs[m]] is not None for m in tabs.explain.METHODS)
+
+
+@pytest.mark.parametrize("change, lacking", [
+    (dict(position_embeddings=False), {"positions"}),
+    (dict(attention="windowed"), {"explain", "explorer", "tokens", "distance"}),
+])
+def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app, example, monkeypatch, change, lacking):
+    """A model without what a tab needs: the tab stays, its content hidden behind the one line
+    `layout.lacks` gives; every other tab draws as ever."""
+    import dataclasses
+
+    explore = runtime.views.explore
+
+    def without(*args, **kwargs):
+        exp = explore(*args, **kwargs)
+        layout = dataclasses.replace(exp.analysis.layout, **change)
+        return dataclasses.replace(exp, analysis=dataclasses.replace(exp.analysis, layout=layout))
+
+    monkeypatch.setattr(runtime.views, "explore", without)
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
+    ref = out[page.PAGE.state]
+    layout = runtime.STORE.get(ref.key).analysis.layout
+    assert [t.id for t in tabs.TABS][:8] == ["predict", "explain", "explorer", "tokens", "distance", "positions", "architecture", "compare"]
+    for tab in tabs.TABS:
+        note, content = out[tab.gate.note], out[tab.gate.content]
+        if tab.id in lacking:
+            reason = layout.lacks(tab.needs, name="shapes_p16")
+            assert reason and note == {"__type__": "update", "value": reason, "visible": True}, (tab.id, note)
+            assert content["visible"] is False, tab.id
+            assert all(out[c] == gr.skip() for c in tab.analysis_outputs()), tab.id  # nothing drawn behind it
+        else:
+            assert note["visible"] is False and content["visible"] is True, tab.id
+    assert out[tabs.architecture.TAB.grid_img].size == (384, 384)
+    assert len(out[tabs.predict.TAB.predictions]["value"]) == 5
+    positions = (out[tabs.positions.TAB.similarity_img], out[tabs.positions.TAB.filters_img])
+    assert all(isinstance(p, Image.Image) for p in positions) is ("positions" not in lacking)
+    assert isinstance(out[tabs.distance.TAB.distance_img], Image.Image) is ("distance" not in lacking)
+    # the rollout needs global attention too: in its place, the line saying why
+    rollout = out[tabs.predict.TAB.rollout_img]
+    windowed = change.get("attention") == "windowed"
+    assert rollout["visible"] is not windowed and (rollout["value"] is None) is windowed
+    reason = layout.lacks({"global_attention"}, name="shapes_p16")
+    assert (reason is not None and reason in out[tabs.predict.TAB.predict_note]) is windowed
+    # the tabs drawn on demand and the explorer's data: drawn only for a model that meets their needs
+    tokens_drawn = page.on_refresh_tab(ref, "tokens", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)
+    assert (tabs.tokens.TAB.received_img in tokens_drawn) is ("tokens" not in lacking)
+    explained = page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)
+    assert (tabs.explain.TAB.explain_imgs["gradient"] in explained) is ("explain" not in lacking)
+    live = tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.explorer_live]
+    assert (live is None) is ("explorer" in lacking)

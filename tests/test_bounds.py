@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def app():
-    from vitviz.server import app as app_module
+    # what the page's handlers share (runtime), imported with the app and bound here for every test
+    global runtime
+    from vitviz.server import app as app_module, runtime
 
     return app_module
 
@@ -114,8 +116,8 @@ def steady(server, good):
 
 def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, app, steady):
     calls = []
-    original = app.CACHE.get
-    app.CACHE.get = lambda name: (calls.append(name), original(name))[1]
+    original = runtime.CACHE.get
+    runtime.CACHE.get = lambda name: (calls.append(name), original(name))[1]
     try:
         image = upload(server, good)
         for name in ["shapes_p16@1024", "shapes_p16@4096", "shapes_p8@1536"]:
@@ -134,7 +136,7 @@ def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, 
         ok, out = run(server, "analyze", [image, "shapes_p16@384"])  # 577 tokens: within the bound
         assert ok and out[0]["label"]
     finally:
-        app.CACHE.get = original
+        runtime.CACHE.get = original
 
 
 def test_the_worst_cases_the_readme_states(app):
@@ -142,8 +144,8 @@ def test_the_worst_cases_the_readme_states(app):
     from vitviz.server.work import ModelWork
     from vitviz.sources import get_spec
 
-    assert app.SETTINGS.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
-    work = ModelWork(budget_bytes=app.SETTINGS.work_bytes, lanes=1, seconds=app.SETTINGS.request_seconds)  # not yet timed
+    assert runtime.SETTINGS.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
+    work = ModelWork(budget_bytes=runtime.SETTINGS.work_bytes, lanes=1, seconds=runtime.SETTINGS.request_seconds)  # not yet timed
     h14 = get_spec("vit_h_14")
     assert work.refusal(price(h14, "analyse")) is None  # every menu model can be analysed: 5.0 GiB at most
     assert "VITVIZ_WORK_MB" in work.refusal(price(h14, "explain"))  # its explanation needs more than 6 GiB
@@ -173,8 +175,8 @@ def test_one_budget_of_model_work_across_events(server, good, app, monkeypatch, 
     owner = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [image, "shapes_p16", "mean", 0.0, None], session=owner)
     assert ok
-    monkeypatch.setattr(app.views, "explore", counted(app.views.explore))
-    monkeypatch.setattr(app.views, "render_rollout", counted(app.views.render_rollout))
+    monkeypatch.setattr(runtime.views, "explore", counted(runtime.views.explore))
+    monkeypatch.setattr(runtime.views, "render_rollout", counted(runtime.views.render_rollout))
     sessions = [uuid.uuid4().hex for _ in range(4)]
     for session, (name, extra) in zip(sessions, [("analyze", []), ("session_analyze", ["mean", 0.0, None]),
                                                  ("on_analyze", ["mean", 0.0, None]), ("on_compare", [])]):
@@ -197,12 +199,12 @@ def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(serve
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
     assert ok
-    (key,) = [k for k, (e, _, _) in app.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
+    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
     written = []
     original = explorer_data.stack_file
     monkeypatch.setattr(explorer_data, "stack_file", lambda a, layers: (written.append(list(layers)), time.sleep(0.3), original(a, layers))[2])
-    monkeypatch.setattr(app.WORK, "lanes", 6)
-    monkeypatch.setattr(app, "EXPLORER_CALLS", threading.BoundedSemaphore(6))
+    monkeypatch.setattr(runtime.WORK, "lanes", 6)
+    monkeypatch.setattr(runtime, "EXPLORER_CALLS", threading.BoundedSemaphore(6))
     config = httpx.get(f"{server}/config").json()
     component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
     body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 3]}
@@ -224,8 +226,8 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
     """33 joins from one session: two wait (and one may run), the rest are told to wait their turn; another client's
     analysis is served meanwhile, within twice its time alone. (Each analysis is made to last two
     seconds, so that the joins arrive while the first ones still run.)"""
-    original = app.views.explore
-    monkeypatch.setattr(app.views, "explore", lambda *a, **k: (time.sleep(2.0), original(*a, **k))[1])
+    original = runtime.views.explore
+    monkeypatch.setattr(runtime.views, "explore", lambda *a, **k: (time.sleep(2.0), original(*a, **k))[1])
     image = upload(server, good)
     start = time.perf_counter()
     ok, _ = run(server, "analyze", [image, "shapes_p8@192"])
@@ -238,7 +240,7 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
         codes.append(r.status_code)
         texts.append(r.text)
     # two waiting, and the one running if the queue had already started it
-    assert app.SETTINGS.client_jobs <= codes.count(200) <= app.SETTINGS.client_jobs + 1 and codes.count(503) == 33 - codes.count(200)
+    assert runtime.SETTINGS.client_jobs <= codes.count(200) <= runtime.SETTINGS.client_jobs + 1 and codes.count(503) == 33 - codes.count(200)
     assert "One at a time, please" in texts[-1]
     start = time.perf_counter()
     ok, _ = run(server, "analyze", [image, "shapes_p8@192"])
@@ -251,17 +253,17 @@ def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, m
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
     assert ok
-    monkeypatch.setattr(app.WORK, "seconds", 0.5)
+    monkeypatch.setattr(runtime.WORK, "seconds", 0.5)
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)  # priced: about 4 s here
     assert not ok and "would take about" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(app.WORK, "rate", 1e15)  # an estimate that lets it start: the deadline stops it
+    monkeypatch.setattr(runtime.WORK, "rate", 1e15)  # an estimate that lets it start: the deadline stops it
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)
     assert not ok and "ran out of time" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(app.WORK, "rate", 5e10)
-    monkeypatch.setattr(app.WORK, "seconds", 300.0)
+    monkeypatch.setattr(runtime.WORK, "rate", 5e10)
+    monkeypatch.setattr(runtime.WORK, "seconds", 300.0)
     assert join(server, "session_faithfulness", [None, "star"], session).status_code == 200
     deadline = time.monotonic() + 30
-    while not app.WORK.running() and time.monotonic() < deadline:
+    while not runtime.WORK.running() and time.monotonic() < deadline:
         time.sleep(0.02)
     stop = httpx.post(f"{server}/gradio_api/run/on_stop", timeout=30, json={"data": [], "session_hash": session})
     assert stop.status_code == 200, stop.text
@@ -284,7 +286,7 @@ def test_request_bodies_are_bounded_before_they_are_read(server, good, steady):
 
 
 def test_uploads_that_are_not_images_are_dropped_at_the_door_and_volume_is_bounded(server, good, app, monkeypatch, tmp_path):
-    folder = app.upload_folder()
+    folder = runtime.upload_folder()
     before = {p for p in folder.rglob("*") if p.is_file()}
     for _ in range(5):
         r = httpx.post(f"{server}/gradio_api/upload", files=[("files", ("x.png", os.urandom(2 * 2**20)))], timeout=60)
@@ -292,11 +294,11 @@ def test_uploads_that_are_not_images_are_dropped_at_the_door_and_volume_is_bound
     assert not [p for p in folder.rglob("*") if p.is_file() and p not in before and p.stat().st_size > 2**20]
     # an address's volume per minute
     middleware = next(m for m in app.LAUNCH_KWARGS["app_kwargs"]["middleware"] if m.cls.__name__ == "UploadLimit")
-    assert middleware.kwargs["per_minute"] == app.SETTINGS.upload_bytes_per_minute
+    assert middleware.kwargs["per_minute"] == runtime.SETTINGS.upload_bytes_per_minute
     big = tmp_path / "noise.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (1800, 1800, 3), dtype=np.uint8)).save(big, compress_level=0)
     statuses = []
-    for _ in range(app.SETTINGS.upload_bytes_per_minute // big.stat().st_size + 2):
+    for _ in range(runtime.SETTINGS.upload_bytes_per_minute // big.stat().st_size + 2):
         with open(big, "rb") as f:
             statuses.append(httpx.post(f"{server}/gradio_api/upload", files=[("files", ("n.png", f.read()))], timeout=60).status_code)
     assert statuses[0] == 200 and statuses[-1] == 429
@@ -317,7 +319,7 @@ def test_model_names_are_names_and_refusals_name_no_server_path(server, good, ap
         start = time.perf_counter()
         ok, message = run(server, "analyze", [image, name])
         assert not ok and "/etc" not in message and time.perf_counter() - start < 5, message
-    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, open_models=False))
+    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, open_models=False))
     ok, message = run(server, "analyze", [image, "timm:vit_tiny_patch16_224"])
     assert not ok and "VITVIZ_OPEN_MODELS" in message
     ok, _ = run(server, "analyze", [image, "shapes_p8"])
@@ -362,26 +364,26 @@ def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monk
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p16", "mean", 0.0, None], session=session)
     assert ok
     size = price(vitviz.get_spec("shapes_p16"), "export").kept_bytes
-    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", 5 * size)
+    monkeypatch.setattr(runtime.DOWNLOADS, "max_bytes", 5 * size)
     sizes = []
     for _ in range(100):
         ok, out = run(server, "on_export", [None], session=session)
         assert ok, out
-        sizes.append(sum(p.stat().st_size for p in app.DOWNLOADS.folder.glob("*.npz")))
+        sizes.append(sum(p.stat().st_size for p in runtime.DOWNLOADS.folder.glob("*.npz")))
     assert max(sizes) <= 5 * size and len(sizes) * min(sizes) > 5 * size  # the budget was crossed, and held
-    monkeypatch.setattr(app.DOWNLOADS, "max_bytes", size // 2)
+    monkeypatch.setattr(runtime.DOWNLOADS, "max_bytes", size // 2)
     ok, message = run(server, "on_export", [None], session=session)
     assert not ok and "VITVIZ_DOWNLOADS_MB" in message
-    monkeypatch.setattr(app, "SETTINGS", dataclasses.replace(app.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))
+    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))
     monkeypatch.setattr(app.demo, "after_every", 0.0)  # the app sweeps after every event, not every 5 s
     for i in range(12):
         ok, out = run(server, "session_analyze", [upload(server, good), f"shapes_p8@{96 + 16 * (i % 4)}", "mean", 0.0, None], session=session)
         assert ok and "vv-error" not in json.dumps(out), out
         ok, _ = run(server, "on_explorer", [None], session=session)
-        explorer = sum(p.stat().st_size for p in app.EXPLORER_DIR.glob("*"))
+        explorer = sum(p.stat().st_size for p in runtime.EXPLORER_DIR.glob("*"))
         assert explorer <= 8 * 2**20
     time.sleep(0.5)  # the last sweep runs beside the event that triggered it
-    files = [p for p in app.upload_folder().rglob("*") if p.is_file() and app.EXPLORER_DIR not in p.parents and not app._is_example(p)]
+    files = [p for p in runtime.upload_folder().rglob("*") if p.is_file() and runtime.EXPLORER_DIR not in p.parents and not runtime.is_example(p)]
     assert sum(p.stat().st_size for p in files) <= 256 * 1024, len(files)
 
 

@@ -17,11 +17,11 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 
 @pytest.fixture(scope="module")
 def url():
-    from vitviz.server import app
+    from vitviz.server import app, runtime
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
     try:
-        yield app.demo.local_url, app.EXAMPLES[0]
+        yield app.demo.local_url, runtime.EXAMPLES[0]
     finally:
         app.demo.close()
 
@@ -196,11 +196,11 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
 
     import torch
 
-    from vitviz.server import app
+    from vitviz.server import runtime
 
     calls = []
-    explore = app.views.explore
-    monkeypatch.setattr(app.views, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
+    explore = runtime.views.explore
+    monkeypatch.setattr(runtime.views, "explore", lambda *a, **k: calls.append(a[2]) or explore(*a, **k))
     base, example = url
     page.set_viewport_size({"width": 1280, "height": 1000})
     page.goto(base)
@@ -340,15 +340,14 @@ def test_the_browser_draws_the_servers_pixels(url, page):
     browser, are the pictures the server draws for the same view (map and every head's tile)."""
     import numpy as np
 
-    from vitviz.server import app
-    from vitviz.server import views
+    from vitviz.server import runtime, views
 
     base, example = url
     page.set_viewport_size({"width": 1280, "height": 1000})
     page.goto(base)
     page.locator("#vv-image input[type=file]").set_input_files(example)
     key = _explorer(page, "shapes_p16")
-    exp = app.STORE.get(key)
+    exp = runtime.STORE.get(key)
     side = exp.display_image.size[0]
     tile = views.mosaic_tile_px(exp.analysis.grid)
 

@@ -253,3 +253,19 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_the_app_package_is_made_of_short_pieces():
+    """No function (nested ones too) and no top-level statement of vitviz/server over 80 lines (a page
+    is built by functions, a tab is a module of its own; a class is judged by its methods), and app.py
+    only builds and launches."""
+    long = []
+    for path in sorted((PACKAGE / "server").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        nodes = [*tree.body, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))]
+        for node in nodes:
+            span = node.end_lineno - node.lineno + 1
+            if span > 80 and not isinstance(node, ast.ClassDef):
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} ({span} lines)")
+    assert not long, long
+    assert len((PACKAGE / "server" / "app.py").read_text().splitlines()) <= 100

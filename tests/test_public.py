@@ -19,7 +19,9 @@ REFUSED = "must be uploaded to this app"
 
 @pytest.fixture(scope="module")
 def app():
-    from vitviz.server import app as app_module
+    # what the page's handlers share (runtime), imported with the app and bound here for every test
+    global runtime
+    from vitviz.server import app as app_module, runtime
 
     return app_module
 
@@ -171,8 +173,8 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     from vitviz.server.sessions import SessionStore
 
     # a store of its own: what earlier tests in this process left in the app's is not these sessions'
-    monkeypatch.setattr(app, "STORE", SessionStore(budget_bytes=budget, idle_seconds=app.SETTINGS.state_idle))
-    before = app.STORE.nbytes
+    monkeypatch.setattr(runtime, "STORE", SessionStore(budget_bytes=budget, idle_seconds=runtime.SETTINGS.state_idle))
+    before = runtime.STORE.nbytes
     photo = tmp_path / "photo.jpg"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (240, 320, 3), dtype=np.uint8)).save(photo)
 
@@ -180,7 +182,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     for i in range(30):
         client = Client(server, verbose=False, download_files=i == 0)
         client.predict(handle_file(str(photo if i else good)), "vit_b_16", "mean", 0.0, api_name="/session_analyze")
-        peak = max(peak, app.STORE.nbytes)
+        peak = max(peak, runtime.STORE.nbytes)
         if i == 0:
             first = client
             want = np.asarray(Image.open(client.predict(3, "head 2", 17, "each map its own", api_name="/session_view")[0]))
@@ -192,7 +194,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     release_memory()
     growth = _rss_mb() - rss5
     print(f"\nstate held: peak {peak / 2**20:.0f} MB for 30 sessions (budget {budget / 2**20:.0f} MB, "
-          f"{app.STORE.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")
+          f"{runtime.STORE.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")
     assert before <= budget and peak <= budget
     assert growth < 150  # kept whole, 25 more B/16 analyses would hold 560 MB
     # the first session's analysis was dropped long ago: its view is computed again, identically

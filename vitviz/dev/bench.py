@@ -208,7 +208,7 @@ def _random_torchvision_checkpoints(names) -> dict:
 
 def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
     tv = _random_torchvision_checkpoints([arch, second])[arch]
-    from vitviz.server import app
+    from vitviz.server import app, page, runtime, tabs
     from gradio_client import Client, handle_file
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
@@ -234,9 +234,9 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
         times = measure({"torchvision forward": tv_forward, "/analyze, new image (gradio_client)": api_new_image}, rounds=rounds)
         base = statistics.median(times["torchvision forward"])
 
-        ref = app.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[app.state]
-        layers = app.STORE.get(ref.key).analysis.attentions.shape[0]
-        tokens = app.STORE.get(ref.key).analysis.attentions.shape[-1]
+        ref = page.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[page.PAGE.state]
+        layers = runtime.STORE.get(ref.key).analysis.attentions.shape[0]
+        tokens = runtime.STORE.get(ref.key).analysis.attentions.shape[-1]
         # two sessions with an analysis each: one fetches the output images as the client does by
         # default, the other leaves them on the server (a page fetches them itself, in parallel)
         client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")
@@ -256,10 +256,10 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
             return k["i"]
 
         handler_views = {
-            "view: layer (handler)": lambda: app.on_view(ref, 1 + tick() % layers, "mean", 0),
-            "view: head (handler)": lambda: app.on_view(ref, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
-            "view: query patch (handler)": lambda: app.on_click(ref, layers, "mean", app.SCALES[0], _Click(tick())),
-            "view: rollout option (handler)": lambda: app.on_rollout_options(ref, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
+            "view: layer (handler)": lambda: tabs.explorer.TAB.on_view(ref, 1 + tick() % layers, "mean", 0),
+            "view: head (handler)": lambda: tabs.explorer.TAB.on_view(ref, layers, ["mean", "max", "head 1", "head 2"][tick() % 4], 0),
+            "view: query patch (handler)": lambda: tabs.explorer.TAB.on_click(ref, layers, "mean", tabs.explorer.SCALES[0], _Click(tick())),
+            "view: rollout option (handler)": lambda: tabs.predict.TAB.on_rollout_options(ref, ["mean", "max", "min"][tick() % 3], 0.1 * (k["i"] % 9)),
         }
         client_views = {
             "view: layer (gradio_client)": lambda: viewer.predict(1 + tick() % layers, "mean", 0, "each map its own", api_name="/session_view"),
@@ -277,10 +277,10 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
         assert calls["n"] == 0, f"a view change called the model {calls['n']} times"
 
         def single(name):
-            return lambda: app.api_analyze(str(paths[1]), name)
+            return lambda: page.api_analyze(str(paths[1]), name)
 
         compare = measure(
-            {f"analyze {arch}": single(arch), f"analyze {second}": single(second), "Compare (both)": lambda: app.on_compare(str(paths[1]), [arch, second])},
+            {f"analyze {arch}": single(arch), f"analyze {second}": single(second), "Compare (both)": lambda: tabs.compare.TAB.on_compare(str(paths[1]), [arch, second])},
             rounds=max(3, rounds // 2),
         )
         rss = _peak_rss_subprocess(arch, torch_home)

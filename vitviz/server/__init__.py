@@ -1,4 +1,5 @@
-"""What the app does, without its layout: loaded models, the analyses kept for sessions, the views
-drawn from them, downloads, and the checks every client field passes. `gradio_io` holds the only
-Gradio-specific parts (safe inputs and outputs); `app` is the page: layout and wiring (the
-repository's `app.py` and the `vitviz-app` command start it)."""
+"""What the app does: loaded models, the analyses kept for sessions, the views drawn from them,
+downloads, and the checks every client field passes. `gradio_io` holds the Gradio-specific inputs and
+outputs; `runtime` the server's bounds and singletons; `page` the page (inputs, results, API) and
+`tabs` its tabs, one module each; `app` builds and launches it (the repository's `app.py` and the
+`vitviz-app` command start it)."""

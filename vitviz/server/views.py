@@ -1,9 +1,10 @@
-"""The app's pictures, from one analysed image: no Gradio, no model calls after `explore`.
+"""The app's pictures, from one analysed image: no Gradio.
 
-Data flows one way: image -> `explore` (the only step that runs a model) -> `Exploration`
-(the raw `Analysis` + the variant's `ModelFacts`) -> `render_*` functions -> pictures. Every view
-option (rollout fusion and discard ratio, layer, head, query token) is an argument of the function
-that draws it; nothing derived is stored.
+Data flows one way: image -> `explore` (the analysis: a model's forward) -> `Exploration` (the raw
+`Analysis` + the variant's `ModelFacts`) -> `render_*` functions -> pictures. The render functions
+run no model (the maps for a class and their curves are `vitviz.server.explaining`'s, a forward and
+a backward) and never change the record: every view option (rollout fusion and discard ratio,
+layer, head, query token, colour scale) is an argument of the function that draws it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Exploration:
 
 
 def explore(cache: ModelCache, image: ImageSource, variant: str) -> Exploration:
-    """The one step that runs a model: analyse `image` with `variant`."""
+    """The analysis: `variant` run once on `image`, its attention recorded."""
     model, facts = cache.get(variant)
     return Exploration(analyze(model, image), facts)
 

@@ -1,0 +1,275 @@
+"""What every part of the page shares: the server's bounds and singletons (models, work budget, the
+analyses kept for sessions, downloads, the explorer's files) and the helpers its handlers run through
+(the checks of a client's fields, priced model work, running and recalling an analysis).
+
+Nothing here builds a component; `page` and the tabs (`vitviz.server.tabs`) do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+from gradio.components import Component  # noqa: E402
+
+from vitviz.cost import price  # noqa: E402
+from vitviz.images import ImageError  # noqa: E402
+from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
+from vitviz.server.export import Downloads, sweep  # noqa: E402
+from vitviz.server.gradio_io import as_text, upload_folder  # noqa: E402
+from vitviz.server.memory import release_memory  # noqa: E402
+from vitviz.server.models import ModelCache  # noqa: E402
+from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
+from vitviz.server.settings import Settings  # noqa: E402
+from vitviz.server.work import Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
+from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
+
+try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:  # pragma: no cover - depends on the host
+
+    def gpu(fn):
+        return fn
+
+
+Outputs = dict[Component, Any]
+
+MENU = list_variants()
+# every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
+SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
+CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes)
+# one budget of model work for every event and the explorer's calls: priced before, bounded while running
+WORK = ModelWork(budget_bytes=SETTINGS.work_bytes, lanes=SETTINGS.concurrency, seconds=SETTINGS.request_seconds)
+DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
+EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
+DOWNLOADS = Downloads(max_bytes=SETTINGS.downloads_bytes)
+# the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
+EXPLORER_DIR = upload_folder() / "vitviz-explorer"
+EXPLORER_WIDGET = explorer_data.widget_files()
+EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
+EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (they run on Gradio's thread pool)
+# Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
+# a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
+STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle)
+# the colour scales' names on the page, and what `views` calls them
+_SCALE_NAMES = {"one per layer": "layer", "each map its own": "map", "each map": "map"}
+
+
+def device_line() -> str:
+    dev = default_device()
+    if dev.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name()}"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def error(message: str) -> gr.Error:
+    """An error for the page and the API, its text shown as typed (the page reads it as HTML)."""
+    return gr.Error(as_text(message))
+
+
+def checked(check, *args, **kwargs):
+    """A client's field through its check in `vitviz.server.inputs`, or a clear error."""
+    try:
+        return check(*args, **kwargs)
+    except inputs.InputError as exc:
+        raise error(str(exc)) from None
+
+
+def variant_name(name: object) -> str:
+    """A variant a client named, within this server's bounds (menu, parameters, tokens)."""
+    return checked(inputs.variant, name, max_params=SETTINGS.max_params, max_tokens=SETTINGS.max_tokens,
+                   open_models=SETTINGS.open_models)
+
+
+def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: float | None = None, **options):
+    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget."""
+    return priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait)
+
+
+@contextmanager
+def priced(cost, request: gr.Request | None = None, *, wait: float | None = None):
+    try:
+        with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait) as work:
+            yield work
+    except (RequestRefused, Cancelled) as exc:
+        raise error(str(exc)) from None
+
+
+def files_sweep() -> None:
+    """Uploads and Gradio's copies of pictures within VITVIZ_FILES_MB, oldest first (examples stay)."""
+    sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=is_example)
+
+
+def explorer_sweep(*, room: int) -> None:
+    """The explorer's files within VITVIZ_EXPLORER_MB, with `room` for one about to be written."""
+    sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=room)
+
+
+_EXAMPLE_FILES = {(Path(p).name, Path(p).stat().st_size): hashlib.sha256(Path(p).read_bytes()).digest() for p in EXAMPLES}
+
+
+def is_example(path: Path) -> bool:
+    """Whether `path` is Gradio's copy of one of the examples (same name, size and bytes)."""
+    try:
+        digest = _EXAMPLE_FILES.get((path.name, path.stat().st_size))
+        return digest is not None and hashlib.sha256(path.read_bytes()).digest() == digest
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the model, and the analyses kept for sessions
+
+def run(image: str | None, variant: str) -> views.Exploration:
+    """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
+    the two was the problem ("image" or "variant")."""
+    if image is None:
+        raise error("Upload an image first (or pick an example).")
+    try:
+        variant = variant_name(variant)
+    except gr.Error as exc:
+        exc.cause = "variant"
+        raise
+    release_memory()  # what the previous request's rendering and encoding freed
+    try:
+        with job("analyse", variant) as work:
+            work.unpriced = variant not in CACHE.loaded()  # loading (or downloading) is not model speed
+            return _analyze_on_device(image, variant)
+    except ImageError as exc:
+        refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
+        refused.cause = "image"
+        raise refused from None
+    except WeightsUnavailableError as exc:
+        refused = error(inputs.public_text(str(exc)))
+        refused.cause = "variant"
+        raise refused from None
+    except gr.Error as exc:  # priced above this server's bounds: the variant (at its size) is the problem
+        exc.cause = "variant"
+        raise
+    finally:
+        release_memory()
+
+
+@contextmanager
+def analysis_job(image: str | None, variant: object):
+    """The job of an analysis and its pictures (`run` inside it takes no second one)."""
+    if image is None:
+        raise error("Upload an image first (or pick an example).")
+    try:
+        name = variant_name(variant)
+    except gr.Error as exc:
+        exc.cause = "variant"
+        raise
+    try:
+        with job("analyse", name) as work:
+            yield work
+    except gr.Error as exc:
+        exc.cause = getattr(exc, "cause", None) or "variant"
+        raise
+
+
+def file_name(path: str | None) -> str:
+    """An uploaded file's name as its owner named it (Gradio keeps it, in a folder of its own)."""
+    return Path(str(path)).name if path else "the image"
+
+
+@gpu
+def _analyze_on_device(image: str, variant: str) -> views.Exploration:
+    return views.explore(CACHE, image, variant)
+
+
+@gpu
+def _reanalyze_on_device(ref: SessionRef) -> views.Exploration:
+    return views.explore_crop(CACHE, ref.crop, ref.variant)
+
+
+@gpu
+def explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict, int | None]:
+    return explaining.explain_exploration(CACHE, exp, target=target)
+
+
+@gpu
+def faithfulness_on_device(exp: views.Exploration, maps: dict, index: int, batch_size: int, check) -> dict:
+    return explaining.faithfulness_of(CACHE, exp, maps, target=index, batch_size=batch_size, check=check)
+
+
+def remember(exp: views.Exploration, source: str = "") -> SessionRef:
+    """Keeps `exp` in the store; the session holds only the returned reference."""
+    key = STORE.put(exp, exp.analysis.nbytes)
+    return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image, image=file_name(source), source=source)
+
+
+def recall(ref: SessionRef | None) -> views.Exploration:
+    """The session's analysis; computed again from its crop when the store has dropped it."""
+    if not isinstance(ref, SessionRef):
+        raise error("Analyse an image first.")
+    exp = STORE.get(ref.key)
+    if exp is None:
+        try:
+            with job("analyse", ref.variant):
+                exp = _reanalyze_on_device(ref)
+        except WeightsUnavailableError as exc:
+            raise error(inputs.public_text(str(exc))) from None
+        STORE.put(exp, exp.analysis.nbytes, key=ref.key)
+    return exp
+
+
+def forget(ref: SessionRef | None) -> None:
+    """Called by Gradio when a session's state expires or its tab closes."""
+    if isinstance(ref, SessionRef):
+        STORE.drop(ref.key)
+
+
+def notice_html(message: str) -> str:
+    """An error for a notice box: `message` is already escaped text."""
+    return f'<div class="vv-error">{message}</div>'
+
+
+def md(text: str) -> str:
+    """`text` shown as typed in Markdown."""
+    return "".join("\\" + c if c in "\\`*_{}[]<>()#+-.!|~" else c for c in as_text(text))
+
+
+def scale_of(value: str, choices: tuple[str, ...]) -> str:
+    """A colour scale the page offers (one of `choices`) as `views` names it."""
+    if value not in choices:
+        raise error(f"The colour scale must be one of: {', '.join(choices)}.")
+    return _SCALE_NAMES.get(value, "shared")
+
+
+def click_xy(evt: gr.SelectData) -> tuple[float, float]:
+    try:
+        return float(evt.index[0]), float(evt.index[1])
+    except (TypeError, ValueError, IndexError, AttributeError):
+        raise error("A click must give the pixel (x, y) on the image.") from None
+
+
+class Recent:
+    """A bounded set: the newest `size` keys."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self._size:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys

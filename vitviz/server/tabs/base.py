@@ -1,0 +1,144 @@
+"""What a tab of the results is, and the registry the page builds its tabs from.
+
+A tab is one object (a `Tab` subclass, one module each): its `id` and `label`, the `needs` of the
+analysed model it depends on (names from `vitviz.layout.NEEDS`), `build` (its components, inside its
+`gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
+shown, for `on_demand` tabs), `follow_up` (a step after the analysis is on the page) and `wire`
+(its own events). The page builds and wires every registered tab in one loop, and hides the content
+of a tab whose needs the analysed model lacks behind one line saying why (`Gate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gradio as gr
+from gradio.components import Component
+
+from vitviz.layout import check_needs
+from vitviz.server import views
+from vitviz.server.gradio_io import PngImage
+from vitviz.server.runtime import Outputs
+from vitviz.server.sessions import SessionRef
+
+def figure(kind=PngImage, **kwargs):
+    """An output picture whose label sits above it, not over it."""
+    return kind(interactive=False, buttons=["download"], elem_classes=["vv-figure"], **kwargs)
+
+
+@dataclass
+class Gate:
+    """Content that needs something of the model: shown, or hidden behind one line saying what the
+    analysed model lacks."""
+
+    needs: frozenset[str]
+    note: Component
+    content: Component
+
+    def lacks(self, exp: views.Exploration) -> str | None:
+        return lacks(exp, self.needs)
+
+    def outputs(self, exp: views.Exploration) -> Outputs:
+        reason = self.lacks(exp)
+        return {self.note: gr.update(value=reason or "", visible=reason is not None), self.content: gr.update(visible=reason is None)}
+
+
+def lacks(exp: views.Exploration, needs: Iterable[str]) -> str | None:
+    """None when the analysed model meets `needs`, else the line shown in their place."""
+    a = exp.analysis
+    return a.layout.lacks(needs, name=a.variant)
+
+
+def gate(needs: Iterable[str], elem_id: str, gates: list[Gate]) -> Gate:
+    """A note (`<elem_id>-lacks`) and a column (`<elem_id>-content`) for content that needs `needs`
+    (open the column with `with gate.content:`); kept in `gates`, whose outputs every analysis gives."""
+    note = gr.Markdown("", visible=False, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
+    content = gr.Column(visible=True, elem_id=f"{elem_id}-content")
+    g = Gate(check_needs(needs), note, content)
+    gates.append(g)
+    return g
+
+
+@dataclass(frozen=True)
+class Analysed:
+    """One analysis as the tabs draw it: the exploration and the options the page read with it."""
+
+    exp: views.Exploration
+    same_model: bool  # the model's own pictures and class list are on the page already
+    head_fusion: str = "mean"
+    discard_ratio: float = 0.0
+
+
+class Tab:
+    """One tab of the results. Subclasses set `id`, `label`, `needs`, and build and draw their part."""
+
+    id: str = ""
+    label: str = ""
+    needs: frozenset[str] = frozenset()
+    on_demand: bool = False  # drawn when shown (`draw`), not with every analysis
+
+    def __init__(self) -> None:
+        self.needs = check_needs(self.needs)
+        self.page = None  # set by the page before `build`
+        self.gate: Gate | None = None  # set by the page: this tab's content and its one-line note
+        self.draw_inputs: list[Component] = []  # what `draw` reads besides the session's analysis
+        self.draw_outputs: list[Component] = []  # what `draw` fills
+
+    def build(self, page) -> None:
+        """The tab's components (the page has opened its `gr.Tab` and content column)."""
+        raise NotImplementedError
+
+    def analysis_outputs(self) -> list[Component]:
+        """The components `analysed` fills."""
+        return []
+
+    def analysed(self, done: Analysed) -> Outputs:
+        """The tab's outputs drawn with an analysis (only when the model meets `needs`)."""
+        return {}
+
+    def draw(self, ref: SessionRef, *values: Any) -> Outputs:
+        """An `on_demand` tab drawn for the session's analysis (`values`: of `draw_inputs`)."""
+        return {}
+
+    def skip_refresh(self, ref: SessionRef) -> bool:
+        """After an analysis: whether what the tab shows is already newer than the analysis's start."""
+        return False
+
+    def follow_up(self, page) -> tuple[Callable, list, list] | None:
+        """A step after an analysis is on the page (function, inputs, outputs), or None."""
+        return None
+
+    def wire(self, page) -> None:
+        """The tab's own events."""
+
+
+@dataclass
+class Registry:
+    """The tabs of the results, in page order."""
+
+    tabs: list[Tab] = field(default_factory=list)
+
+    def add(self, tab: Tab) -> Tab:
+        if any(t.id == tab.id for t in self.tabs):
+            raise ValueError(f"a tab with id {tab.id!r} is registered already")
+        self.tabs.append(tab)
+        return tab
+
+    def __iter__(self):
+        return iter(list(self.tabs))
+
+    def by_id(self, tab_id: str) -> Tab | None:
+        return next((t for t in self.tabs if t.id == tab_id), None)
+
+    def by_label(self, label: str) -> Tab | None:
+        return next((t for t in self.tabs if t.label == label), None)
+
+
+TABS = Registry()
+
+
+def register_tab(tab: Tab) -> Tab:
+    """Adds `tab` after the tabs registered so far (before the page is built: import its module first)."""
+    return TABS.add(tab)

@@ -1,0 +1,157 @@
+"""The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
+data (written after the analysis is on the page), or by the server for a model too large for it."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from vitviz.server import explorer_data, inputs, runtime, views
+from vitviz.server.gradio_io import ViewImage
+from vitviz.server.menus import head_choices
+from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
+from vitviz.server.sessions import SessionRef
+from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
+
+SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"
+
+
+def explorer_layer(request: list) -> str:
+    """The browser's call for one layer's file (the "layers" layout): [analysis key, layer] -> its path.
+    The key is the session's own secret; an unknown or dropped one gets an error."""
+    try:
+        key, layer_value = request
+    except (TypeError, ValueError):
+        raise runtime.error("explorer_layer takes [key, layer].") from None
+    exp = runtime.STORE.get(key) if isinstance(key, str) else None
+    if exp is None:
+        raise runtime.error("This analysis is no longer kept: analyse the image again.")
+    layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
+    # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
+    calls = runtime.EXPLORER_CALLS
+    if not calls.acquire(blocking=False):
+        raise runtime.error("The server is busy: the layer will be fetched again when you show it.")
+    try:
+        with runtime.EXPLORER_LOCKS.hold((key, layer_value)), runtime.job("explorer_layer", exp.analysis.variant, wait=10.0) as work:
+            runtime.explorer_sweep(room=work.cost.kept_bytes)
+            return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=runtime.EXPLORER_DIR)
+    finally:
+        calls.release()
+
+
+class ExplorerTab(Tab):
+    id = "explorer"
+    label = "Explorer"
+    needs = frozenset({"global_attention"})
+
+    def build(self, page) -> None:
+        gr.Markdown("What one token attends to at one layer, for one head or fused over heads, and every head beside it.",
+                    elem_classes="vv-caption")
+        self.explorer_live = gr.HTML(
+            value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
+            js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
+        )
+        # the server's explorer: the API's, and the page's for models too large for the browser
+        with gr.Group(visible=False) as self.server_explorer:
+            with gr.Row():
+                self.layer = gr.Slider(1, 12, value=12, step=1, label="Layer", elem_id="vv-layer")
+                self.head = gr.Dropdown(["mean", "max"], value="mean", label="Head", elem_id="vv-head")
+                self.scale_choice = gr.Radio(SCALES, value=SCALES[0], label="Colour scale", elem_id="vv-scale")
+            with gr.Row():
+                self.query_text = gr.Markdown("query: the cls token", elem_id="vv-query")
+                self.query = gr.Number(0, precision=0, minimum=0, visible=False, label="Query token")
+                self.prefix_query = gr.Radio(["cls"], value=None, label="Or a prefix token as the query", elem_id="vv-prefix-query")
+            with gr.Row(elem_classes="vv-pair"):
+                self.explorer_img = figure(ViewImage, label="The query's attention (click a patch)", elem_id="vv-explorer")
+                self.mosaic = figure(ViewImage, label="All heads of this layer", elem_id="vv-mosaic")
+        gr.Markdown(
+            "Hover over a patch to see its attention, click to pin it (click again to let go), or pick a prefix "
+            "token; by keyboard, Tab to the map, then arrows, Enter and Escape. Each map is a row of "
+            "softmax(q·kᵀ/√d) over the patches. Colour scale: **one per layer** puts the map and every head of "
+            "the layer on one colour bar; **each map its own** stretches each to its own range (a head's range "
+            "beneath its tile); **all layers and heads** lets layers be compared too. Drawn in your browser "
+            "from the analysis (8 bits per weight).",
+            elem_classes="vv-caption",
+        )
+
+    def analysis_outputs(self):
+        return [self.prefix_query, self.layer, self.head, self.query, self.query_text]
+
+    def analysed(self, done: Analysed) -> Outputs:
+        exp = done.exp
+        depth, heads = exp.analysis.attentions.shape[:2]
+        return {
+            self.prefix_query: gr.update(choices=list(exp.analysis.query_names), value=None),
+            self.layer: gr.update(maximum=depth, value=depth),
+            self.head: gr.update(choices=head_choices(heads), value="mean"),
+            self.query: 0,
+            self.query_text: views.describe_query(exp, 0),
+        }
+
+    def follow_up(self, page):
+        return self.on_explorer, page.state, [self.explorer_live, self.server_explorer, self.explorer_img, self.mosaic]
+
+    def on_explorer(self, ref: SessionRef | None) -> Outputs:
+        """After an analysis is on the page: the explorer's data for the browser (written once per
+        analysis), or, for a model too large for it, the server's explorer."""
+        if not isinstance(ref, SessionRef):
+            return {self.explorer_live: gr.skip()}
+        exp = runtime.recall(ref)
+        if lacks(exp, self.needs) is not None:  # the tab says why there is no explorer
+            return {self.explorer_live: None, self.server_explorer: gr.update(visible=False)}
+        with runtime.EXPLORER_LOCKS.hold(ref.key), runtime.job("explorer", ref.variant) as work:
+            runtime.explorer_sweep(room=work.cost.kept_bytes)
+            live = explorer_data.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
+        on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
+        depth = exp.analysis.attentions.shape[0]
+        return {
+            self.explorer_live: live,
+            self.server_explorer: gr.update(visible=on_server),
+            self.explorer_img: views.render_query(exp, layer=depth, head="mean", query=0) if on_server else None,
+            self.mosaic: views.render_head_mosaic(exp, layer=depth, query=0) if on_server else None,
+        }
+
+    def on_view(self, ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
+        """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
+        exp = runtime.recall(ref)
+        depth, heads = exp.analysis.attentions.shape[:2]
+        layer_value = runtime.checked(inputs.index, layer_value, 1, depth, "layer")
+        head_value = runtime.checked(inputs.head, head_value, heads)
+        query_value = runtime.checked(inputs.index, query_value, 0, exp.analysis.num_queries - 1, "query token")
+        scale = runtime.scale_of(scale_value, SCALES)
+        return {
+            self.explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value, scale=scale),
+            self.mosaic: views.render_head_mosaic(exp, layer=layer_value, query=query_value, scale=scale),
+        }
+
+    def on_click(self, ref: SessionRef | None, layer_value: float, head_value: str, scale_value: str, evt: gr.SelectData) -> Outputs:
+        """A click on the explorer image picks that patch as the query."""
+        exp = runtime.recall(ref)
+        query_value = views.patch_at(exp, *runtime.click_xy(evt))
+        return {
+            self.query: query_value, self.query_text: views.describe_query(exp, query_value), self.prefix_query: None,
+            **self.on_view(ref, layer_value, head_value, query_value, scale_value),
+        }
+
+    def on_prefix_query(self, ref: SessionRef | None, layer_value: float, head_value: str, name: str | None,
+                        scale_value: str = SCALES[0]) -> Outputs:
+        """A prefix token (cls, distillation, a register) or a mean-pooled model's "pool" as the query."""
+        exp = runtime.recall(ref)
+        names = exp.analysis.query_names
+        if name not in names:
+            raise runtime.error(f"The query token must be one of {', '.join(names)}.")
+        index = names.index(name)
+        return {self.query: index, self.query_text: views.describe_query(exp, index),
+                **self.on_view(ref, layer_value, head_value, index, scale_value)}
+
+    def wire(self, page) -> None:
+        view_inputs, shown = [page.state, self.layer, self.head, self.query, self.scale_choice], [self.explorer_img, self.mosaic]
+        self.layer.input(self.on_view, view_inputs, shown, api_visibility="undocumented", api_name="session_view", trigger_mode="always_last")
+        self.head.change(self.on_view, view_inputs, shown, api_visibility="private", trigger_mode="always_last")
+        self.scale_choice.change(self.on_view, view_inputs, shown, api_visibility="private", trigger_mode="always_last")
+        self.explorer_img.select(self.on_click, [page.state, self.layer, self.head, self.scale_choice],
+                                 [self.query, self.query_text, self.prefix_query, *shown], api_visibility="private")
+        self.prefix_query.input(self.on_prefix_query, [page.state, self.layer, self.head, self.prefix_query, self.scale_choice],
+                                [self.query, self.query_text, *shown], api_visibility="private")
+
+
+TAB = register_tab(ExplorerTab())

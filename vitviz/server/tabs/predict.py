@@ -1,0 +1,95 @@
+"""The Predict tab: the top-5 classes, the attention rollout (with its options) and the .npz download."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from vitviz.server import inputs, runtime, views
+from vitviz.server.gradio_io import ViewImage
+from vitviz.server.runtime import Outputs
+from vitviz.server.sessions import SessionRef
+from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
+
+ROLLOUT_NEEDS = frozenset({"global_attention"})
+
+
+class PredictTab(Tab):
+    id = "predict"
+    label = "Predict"
+
+    def build(self, page) -> None:
+        gr.Markdown(
+            "Top-5 classes (click one to explain it) and **attention rollout**: how much the cls token, after "
+            "all layers, draws on each patch.",
+            elem_classes="vv-caption",
+        )
+        self.predict_note = gr.Markdown("", elem_id="vv-predict-note")
+        with gr.Row(elem_classes="vv-pair"):
+            self.predictions = gr.Label(num_top_classes=5, label="Predictions", elem_id="vv-predictions")
+            self.rollout_img = figure(ViewImage, label="Attention rollout", elem_id="vv-rollout")
+            self.dist_rollout_img = figure(ViewImage, label="Rollout of the distillation token", visible=False, elem_id="vv-dist-rollout")
+        with gr.Row() as self.rollout_options:
+            self.head_fusion = gr.Radio(["mean", "max", "min"], value="mean", label="Head fusion", elem_id="vv-fusion")
+            self.discard = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Discard ratio", elem_id="vv-discard")
+        gr.Markdown(
+            "Rollout (Abnar & Zuidema 2020): each layer's attention is fused over heads (mean, max or min), its "
+            "weakest links are optionally discarded, the identity is added for the residual path and each row is "
+            "renormalised to sum to 1 (with mean fusion and no discard, half attention and half identity); the "
+            "layers are then multiplied from the first up.",
+            elem_classes="vv-caption",
+        )
+        with gr.Row():
+            self.export = gr.Button("Prepare the analysis as .npz", size="sm")
+            self.npz = gr.File(label="Attention stack, rollout, distances (.npz)")
+
+    def analysis_outputs(self):
+        return [self.predictions, self.predict_note, self.rollout_img, self.dist_rollout_img, self.rollout_options, self.npz]
+
+    def analysed(self, done: Analysed) -> Outputs:
+        exp, a = done.exp, done.exp.analysis
+        has_head = a.probabilities is not None
+        lacking = lacks(exp, ROLLOUT_NEEDS)  # the rollout's place: one line saying why there is none
+        distilled = lacking is None and "dist" in a.prefix_names
+        options = dict(head_fusion=done.head_fusion, discard_ratio=done.discard_ratio)
+        notes = [] if has_head else [
+            f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
+            "The maps show what its tokens attend to."
+        ]
+        return {
+            self.predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
+            self.predict_note: "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else [])),
+            self.rollout_img: gr.update(value=views.render_rollout(exp, **options) if lacking is None else None, visible=lacking is None),
+            self.rollout_options: gr.update(visible=lacking is None),
+            self.dist_rollout_img: gr.update(value=views.render_rollout(exp, **options, token=1) if distilled else None, visible=distilled),
+            self.npz: None,
+        }
+
+    def on_rollout_options(self, ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
+        """Rollout options changed: drawn again from the stored attention (a rollout is model-sized work)."""
+        exp = runtime.recall(ref)
+        fusion, ratio = runtime.checked(inputs.fusion, head_fusion), runtime.checked(inputs.ratio, discard_ratio)
+        if lacks(exp, ROLLOUT_NEEDS) is not None:
+            return {self.rollout_img: gr.skip()}
+        with runtime.job("view", ref.variant):
+            out: Outputs = {self.rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
+            if "dist" in exp.analysis.prefix_names:
+                out[self.dist_rollout_img] = views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
+        return out
+
+    def on_export(self, ref: SessionRef | None) -> Outputs:
+        """The analysis as .npz, written when asked for (within VITVIZ_DOWNLOADS_MB on disk)."""
+        exp = runtime.recall(ref)
+        with runtime.job("export", ref.variant) as work:
+            try:
+                return {self.npz: runtime.DOWNLOADS.npz(exp, size=work.cost.kept_bytes)}
+            except ValueError as exc:
+                raise runtime.error(inputs.public_text(str(exc))) from None
+
+    def wire(self, page) -> None:
+        options, rollout_outputs = [page.state, self.head_fusion, self.discard], [self.rollout_img, self.dist_rollout_img]
+        self.head_fusion.change(self.on_rollout_options, options, rollout_outputs, api_visibility="undocumented", api_name="session_rollout")
+        self.discard.input(self.on_rollout_options, options, rollout_outputs, api_visibility="private", trigger_mode="always_last")
+        self.export.click(self.on_export, page.state, self.npz, api_visibility="private", **page.model)
+
+
+TAB = register_tab(PredictTab())
