@@ -5,6 +5,9 @@ embeddings and patch filters — from Python or in the browser (`app.py`).
     model = vitviz.load_model("shapes_p16")          # embedded, offline; or "vit_b_16", "timm:...", "hf:..."
     result = vitviz.analyze(model, "photo.jpg")
     result.predictions(), result.cls_map(), result.distances()
+
+    clip = vitviz.load_model("hf:openai/clip-vit-base-patch32")   # an ImageTextModel: a ViT image tower and a text tower
+    clip(images, *clip.tokenize(["a cat", "a dog"]))               # logits_per_image [B, 2]
 """
 
 from vitviz.explanations import METHODS, Explanation, explain, relevance_maps
@@ -22,6 +25,7 @@ from vitviz.analysis import (
 )
 from vitviz.hooks import AttentionRecord, record_attention
 from vitviz.images import ImageError, load_image
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT, ViTConfig
 from vitviz.pipeline import Analysis, analyze
 from vitviz.preprocess import Preprocessing, preprocess
@@ -49,6 +53,7 @@ __all__ = [
     "Method",
     "AttentionRecord",
     "ImageError",
+    "ImageTextModel",
     "Preprocessing",
     "Summary",
     "VariantSpec",
@@ -93,6 +98,6 @@ def __getattr__(name: str):
     import importlib
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
-                "pipeline", "preprocess", "images", "summary", "explanations", "explainers", "layout", "dev", "config"}:
+                "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config"}:
         return importlib.import_module(f"vitviz.{name}")
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

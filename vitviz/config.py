@@ -1,6 +1,7 @@
-"""The records every part of vitviz reads, and nothing else: a model's architecture (`ViTConfig`),
-how its images are prepared (`Preprocessing`) and one named variant (`VariantSpec`: both, its
-class names and where its weights come from).
+"""The records every part of vitviz reads, and nothing else: a model's architecture (`ViTConfig`;
+`TextConfig` for the text tower of an image–text model), how its images are prepared
+(`Preprocessing`) and one named variant (`VariantSpec`: both, its class names and where its weights
+come from).
 
 This module is the leaf of vitviz: it imports no other module of vitviz, nor torch; the model,
 the preprocessing and the weights sources stand on it (`vitviz.model.ViTConfig`,
@@ -18,6 +19,7 @@ from typing import Any, Callable, Literal
 
 __all__ = [
     "ViTConfig",
+    "TextConfig",
     "Preprocessing",
     "VariantSpec",
     "IMAGENET_MEAN",
@@ -164,6 +166,53 @@ class ViTConfig:
         if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
             changes["pos_embed_prefix"] = None
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The architecture of the text tower of an image–text model (CLIP, SigLIP; `vitviz.imagetext`).
+
+    Tokens [T, C] -> token and position embeddings -> L pre-norm blocks -> final LayerNorm -> one
+    token per text (`pool`) -> a linear projection to the shared embedding [T, E].
+
+    Attributes:
+        vocab_size: rows of the token embedding.
+        context_length: C, the most tokens a text may have (rows of the position embedding).
+        width, depth, heads, mlp_dim: D, L, H and the MLP hidden width.
+        embed_dim: E, the width of the shared image–text embedding (the projection's outputs).
+        causal: each token attends to itself and the tokens before it only (CLIP); False lets every
+            token attend to every other (SigLIP). Padding (an attention mask's zeros) is never attended to.
+        pool: which token stands for the text: "eos" (CLIP: the end-of-text token, see
+            `eos_token_id`) or "last" (SigLIP: the last position, padding or not).
+        eos_token_id: with "eos", the text is read at the first position holding this id; None reads
+            it at the position of the highest id (the end-of-text token has the highest id of the
+            original CLIP vocabulary; Hugging Face's configs with `eos_token_id` 2 mean this rule).
+        proj_bias: the projection has a bias (SigLIP's head) or not (CLIP's `text_projection`).
+        act: the MLP's activation, as `ViTConfig.act`.
+        eps: LayerNorm epsilon.
+    """
+
+    vocab_size: int
+    context_length: int
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    embed_dim: int
+    causal: bool = True
+    pool: Literal["eos", "last"] = "eos"
+    eos_token_id: int | None = None
+    proj_bias: bool = False
+    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "quick_gelu"
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.pool not in ("eos", "last"):
+            raise ValueError(f'pool must be "eos" or "last", got {self.pool!r}')
+        if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
+            raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
 
 
 @dataclass(frozen=True)

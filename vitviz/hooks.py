@@ -94,7 +94,8 @@ def record_attention(
     """Records every attention map of `model` (a vitviz ViT) during the block.
 
     Args:
-        model: a vitviz ViT.
+        model: a vitviz ViT, or a module holding one: for an image–text model
+            (`vitviz.imagetext.ImageTextModel`) its image tower's attention, never the text tower's.
         reduce: applied to each layer's attention [B, H, N, N] as soon as it is computed; its
             result is stored instead, so a large batch need not hold the whole stack.
         gradients: also keep the gradient of each layer's softmax output when a backward runs

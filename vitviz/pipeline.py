@@ -2,7 +2,8 @@
 
 image -> `load_image` (checks, RGB) -> `preprocess` (the weights' own resize, centre crop, normalise)
 -> model under `record_attention` -> an `Analysis`: the raw results (class probabilities, the
-attention stack, the final tokens), on the CPU. Everything derived — rollout, the cls map, mean
+attention stack, the final tokens), on the CPU. An image–text model (`vitviz.imagetext.ImageTextModel`)
+is analysed through its image tower. Everything derived — rollout, the cls map, mean
 attention distance, predictions — is a method of the record, computed from explicit options when
 asked for.
 """
@@ -18,15 +19,21 @@ from PIL import Image
 from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map, mean_attention_distance
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
+from vitviz.imagetext import ImageTextModel
 from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.preprocess import preprocess, to_input
 from vitviz.sources.base import VariantSpec
 
-__all__ = ["Analysis", "analyze", "analyze_crop", "layout_of", "spec_of"]
+__all__ = ["Analysis", "analyze", "analyze_crop", "image_tower", "layout_of", "spec_of"]
 
 
-def spec_of(model: ViT) -> VariantSpec:
+def image_tower(model: ViT | ImageTextModel) -> ViT:
+    """The ViT that sees the image: the model itself, or an image–text model's image tower."""
+    return model.image if isinstance(model, ImageTextModel) else model
+
+
+def spec_of(model: ViT | ImageTextModel) -> VariantSpec:
     if getattr(model, "spec", None) is None:
         raise ValueError(
             "this model has no VariantSpec; load it with vitviz.load_model or convert it with ViT.from_torchvision, "
@@ -35,11 +42,12 @@ def spec_of(model: ViT) -> VariantSpec:
     return model.spec
 
 
-def layout_of(spec: VariantSpec, grid: tuple[int, int]) -> TokenLayout:
+def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False) -> TokenLayout:
     """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
-    position embeddings, its prefix tokens, and a classifier when it has a head."""
+    position embeddings, its prefix tokens, a classifier when it has a head, and a text tower when
+    it is the image tower of an image–text model (`text`)."""
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
-                       pooled_query=spec.config.pooled_query, classifier=spec.has_head, position_embeddings=True)
+                       pooled_query=spec.config.pooled_query, classifier=spec.has_head, position_embeddings=True, text=text)
 
 
 @dataclass
@@ -153,11 +161,13 @@ class Analysis:
         )
 
 
-def analyze(model: ViT, image: ImageSource) -> Analysis:
+def analyze(model: ViT | ImageTextModel, image: ImageSource) -> Analysis:
     """Runs `model` once on `image`, recording attention.
 
     Args:
-        model: a vitviz ViT with a spec (from `load_model` or a `ViT.from_*` conversion).
+        model: a vitviz ViT with a spec (from `load_model` or a `ViT.from_*` conversion), or an
+            image–text model: its image tower is analysed (no classes: `probabilities` is None; the
+            layout says the model has a text tower).
         image: anything `vitviz.load_image` accepts (PIL image, path, bytes, file, uint8 array).
     """
     spec = spec_of(model)
@@ -165,14 +175,16 @@ def analyze(model: ViT, image: ImageSource) -> Analysis:
     return _analyze_input(model, x, cropped)
 
 
-def analyze_crop(model: ViT, cropped: Image.Image) -> Analysis:
+def analyze_crop(model: ViT | ImageTextModel, cropped: Image.Image) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
     return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped)
 
 
-def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysis:
+def _analyze_input(model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image) -> Analysis:
     spec = spec_of(model)
+    text = isinstance(model, ImageTextModel)
+    model = image_tower(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
     gh, gw = model.grid_for(x.shape[2], x.shape[3])
@@ -214,5 +226,5 @@ def _analyze_input(model: ViT, x: torch.Tensor, cropped: Image.Image) -> Analysi
         device=str(param.device),
         model_seconds=seconds,
         pooled_query=spec.config.pooled_query,
-        layout=layout_of(spec, (gh, gw)),
+        layout=layout_of(spec, (gh, gw), text=text),
     )

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.sources import base
 from vitviz.sources.base import (
@@ -215,12 +216,14 @@ def load_model(
     weights_path: str | os.PathLike | None = None,
     progress: bool = True,
     image_size: int | None = None,
-) -> ViT:
-    """A vitviz ViT with the variant's weights, in eval mode, on `device` (default: CUDA if available).
+) -> ViT | ImageTextModel:
+    """A vitviz ViT with the variant's weights, in eval mode, on `device` (default: CUDA if available);
+    for a Hugging Face CLIP repository a `vitviz.imagetext.ImageTextModel` (its image tower a vitviz
+    ViT, its spec the image tower's, with the repository's tokenizer).
 
     Args:
         name: a name from `list_variants()`, or "timm:<name>" / "hf:<repo id>" for any model of those
-            libraries' plain ViT families.
+            libraries' plain ViT families (and Hugging Face's CLIP).
         device: where to put the model.
         weights_path: a local checkpoint to use instead of the variant's own weights source (a
             torchvision or vitviz state dict; for "timm:<name>" a timm checkpoint file, for

@@ -1,8 +1,11 @@
 """Hugging Face transformers' ViTs: `ViTModel`, `ViTForImageClassification`, `Dinov2Model` and
-`Dinov2WithRegistersModel` (from a `Dinov2ForImageClassification` checkpoint, the backbone).
+`Dinov2WithRegistersModel` (from a `Dinov2ForImageClassification` checkpoint, the backbone); and the
+image–text model `CLIPModel`, which becomes a `vitviz.imagetext.ImageTextModel` (a vitviz ViT image
+tower, the text tower beside it, and the repository's tokenizer where it has one).
 
     vitviz.load_model("hf:google/vit-base-patch16-224")
     vitviz.load_model("hf:facebook/dinov2-with-registers-small")
+    vitviz.load_model("hf:openai/clip-vit-base-patch32")     # an ImageTextModel
     vitviz.from_transformers(model, processor=processor)   # a model already in hand (= ViT.from_transformers)
 
 transformers is imported only here, and only when used (`pip install vitviz[hf]`); vitviz reads
@@ -32,14 +35,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, ViTConfig
+from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, TextConfig, ViTConfig
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source, split_size
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
-__all__ = ["HuggingFaceSource", "from_transformers", "config_from_transformers", "convert_transformers_state_dict", "preprocessing_from_processor"]
+__all__ = [
+    "HuggingFaceSource",
+    "from_transformers",
+    "config_from_transformers",
+    "text_config_from_transformers",
+    "convert_transformers_state_dict",
+    "convert_image_text_state_dict",
+    "preprocessing_from_processor",
+]
 
-_TYPES = ("vit", "dinov2", "dinov2_with_registers")
+_IMAGE_TEXT = ("clip",)  # model types that become an ImageTextModel
+_TYPES = ("vit", "dinov2", "dinov2_with_registers", *_IMAGE_TEXT)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store them
 
@@ -71,16 +85,39 @@ def _layers(backbone: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _act(name: str) -> str:
+    if name not in _ACTS:
+        raise NotImplementedError(f"the activation {name!r} is not modelled by vitviz")
+    return _ACTS[name]
+
+
 def config_from_transformers(model: nn.Module) -> ViTConfig:
-    """The `ViTConfig` of a Hugging Face ViT / DINOv2 model, or a clear error."""
+    """The `ViTConfig` of a Hugging Face ViT / DINOv2 model (of a CLIP model: its image tower's), or a
+    clear error."""
     cfg = model.config
     kind = getattr(cfg, "model_type", None)
     if kind not in _TYPES:
-        raise TypeError(f"expected a Hugging Face ViT, DINOv2 or DINOv2-with-registers model, got model_type {kind!r}")
+        raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers or CLIP model, got model_type {kind!r}")
+    if kind == "clip":
+        vision = cfg.vision_config
+        return ViTConfig(
+            image_size=vision.image_size,
+            patch_size=vision.patch_size,
+            width=vision.hidden_size,
+            depth=vision.num_hidden_layers,
+            heads=vision.num_attention_heads,
+            mlp_dim=vision.intermediate_size,
+            num_classes=0,
+            patch_bias=False,
+            norm_pre=True,  # pre_layrnorm
+            final_norm=True,  # post_layernorm, on the cls token alone in transformers (a per-token norm: the same)
+            act=_act(vision.hidden_act),
+            eps=vision.layer_norm_eps,
+            pos_embed_antialias=False,
+        )
     if getattr(cfg, "use_swiglu_ffn", False):
         raise NotImplementedError("DINOv2 with a SwiGLU MLP (the giant model) is not modelled by vitviz")
-    if cfg.hidden_act not in _ACTS:
-        raise NotImplementedError(f"the activation {cfg.hidden_act!r} is not modelled by vitviz")
+    _act(cfg.hidden_act)
     backbone, classifier = _backbone(model)
     if kind != "vit" and classifier is not None:
         raise NotImplementedError(
@@ -156,6 +193,72 @@ def convert_transformers_state_dict(model: nn.Module, config: ViTConfig) -> dict
     return {k: v.detach() for k, v in sd.items()}
 
 
+def text_config_from_transformers(model: nn.Module) -> TextConfig:
+    """The `TextConfig` of a Hugging Face CLIP model's text tower.
+
+    CLIP reads each text at its end-of-text token: the first position holding the config's
+    `eos_token_id`, or, where that id is 2 (the configs written before transformers' PR #24773), the
+    position of the highest id, as transformers does.
+    """
+    cfg, text = model.config, model.config.text_config
+    eos = getattr(text, "eos_token_id", None)
+    return TextConfig(
+        vocab_size=text.vocab_size,
+        context_length=text.max_position_embeddings,
+        width=text.hidden_size,
+        depth=text.num_hidden_layers,
+        heads=text.num_attention_heads,
+        mlp_dim=text.intermediate_size,
+        embed_dim=cfg.projection_dim,
+        causal=True,
+        pool="eos",
+        eos_token_id=None if eos == 2 or eos is None else int(eos),
+        proj_bias=False,
+        act=_act(text.hidden_act),
+        eps=text.layer_norm_eps,
+    )
+
+
+def _clip_layers(layers: nn.ModuleList, prefix: str) -> dict[str, torch.Tensor]:
+    """CLIP's encoder layers under vitviz's block names (`EncoderBlock`, `TextBlock`): q, k and v
+    stacked into one qkv projection."""
+    sd: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        at, p = layer.self_attn, f"{prefix}blocks.{i}."
+        sd[p + "norm1.weight"], sd[p + "norm1.bias"] = layer.layer_norm1.weight, layer.layer_norm1.bias
+        sd[p + "norm2.weight"], sd[p + "norm2.bias"] = layer.layer_norm2.weight, layer.layer_norm2.bias
+        sd[p + "attn.qkv.weight"] = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+        sd[p + "attn.qkv.bias"] = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias])
+        sd[p + "attn.proj.weight"], sd[p + "attn.proj.bias"] = at.out_proj.weight, at.out_proj.bias
+        sd[p + "mlp.0.weight"], sd[p + "mlp.0.bias"] = layer.mlp.fc1.weight, layer.mlp.fc1.bias
+        sd[p + "mlp.2.weight"], sd[p + "mlp.2.bias"] = layer.mlp.fc2.weight, layer.mlp.fc2.bias
+    return sd
+
+
+def convert_image_text_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A Hugging Face `CLIPModel`'s weights under the names of a `vitviz.imagetext.ImageTextModel`."""
+    vision, text = model.vision_model, model.text_model
+    emb = vision.embeddings
+    sd: dict[str, torch.Tensor] = {
+        "image.patch_embed.proj.weight": emb.patch_embedding.weight,
+        "image.cls_token": emb.class_embedding.reshape(1, 1, -1),
+        "image.pos_embed": emb.position_embedding.weight[None],  # [1, 1 + gh*gw, D]: the cls token's first
+        "image.norm_pre.weight": vision.pre_layrnorm.weight,
+        "image.norm_pre.bias": vision.pre_layrnorm.bias,
+        "image.norm.weight": vision.post_layernorm.weight,
+        "image.norm.bias": vision.post_layernorm.bias,
+        "image_projection.weight": model.visual_projection.weight,
+        "text.token_embed.weight": text.embeddings.token_embedding.weight,
+        "text.pos_embed": text.embeddings.position_embedding.weight[None],  # [1, C, D]
+        "text.norm.weight": text.final_layer_norm.weight,
+        "text.norm.bias": text.final_layer_norm.bias,
+        "text.proj.weight": model.text_projection.weight,
+        "logit_scale": model.logit_scale.reshape(()),
+    }
+    sd |= _clip_layers(vision.encoder.layers, "image.") | _clip_layers(text.encoder.layers, "text.")
+    return {k: v.detach() for k, v in sd.items()}
+
+
 def preprocessing_from_processor(processor: Any, image_size: int) -> Preprocessing:
     """A Hugging Face image processor (or its config dict) as vitviz's `Preprocessing`."""
     if processor is None:
@@ -194,7 +297,10 @@ def _spec(
         categories = tuple(labels.get(i, labels.get(str(i), f"class {i}")) for i in range(config.num_classes)) if labels else tuple(
             f"class {i}" for i in range(config.num_classes)
         )
-    kind = "features" if categories is None else f"{len(categories)} classes"
+    if getattr(model.config, "model_type", None) in _IMAGE_TEXT:
+        kind = "image–text"
+    else:
+        kind = "features" if categories is None else f"{len(categories)} classes"
     return VariantSpec(
         name=name,
         config=config,
@@ -250,16 +356,26 @@ def _split(name: str) -> tuple[str, int | None]:
     return repo, split_size(name)[1]
 
 
-def from_transformers(model: nn.Module, *, processor: Any = None) -> ViT:
+def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any = None) -> ViT | ImageTextModel:
     """A vitviz ViT with the weights of a Hugging Face `ViTModel`, `ViTForImageClassification`,
     `Dinov2Model` or `Dinov2WithRegistersModel`, giving the same outputs, on the model's device and
     dtype and in its train/eval mode; preprocessing from `processor` (an image processor or its
     config dict) when given (`ViT.from_transformers` is this function).
+
+    A `CLIPModel` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
+    spec is its image tower's (no classes) and its `tokenizer` the one given (else None).
     """
-    config = config_from_transformers(model)
-    ours = ViT(config)
-    ours.load_state_dict(convert_transformers_state_dict(model, config))
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    config = config_from_transformers(model)
+    if model.config.model_type in _IMAGE_TEXT:
+        if not hasattr(model, "text_model"):
+            raise NotImplementedError(f"{type(model).__name__} has no text tower; vitviz converts the image–text model (CLIPModel)")
+        ours = ImageTextModel(config, text_config_from_transformers(model))
+        ours.load_state_dict(convert_image_text_state_dict(model))
+        ours.tokenizer = tokenizer
+    else:
+        ours = ViT(config)
+        ours.load_state_dict(convert_transformers_state_dict(model, config))
     ours.spec = _spec(model, config, name=f"hf:{name}", weights="converted from a Hugging Face model instance", processor=processor)
     param = next(model.parameters())
     return ours.to(device=param.device, dtype=param.dtype).train(model.training)
@@ -270,6 +386,7 @@ class HuggingFaceSource(WeightsSource):
     name = "hf"
     prefix = "hf:"
     library = "transformers"
+    hub = True
 
     def specs(self) -> list[VariantSpec]:
         return []  # any repository by name ("hf:<repo id>"); its config is only known once fetched
@@ -292,7 +409,7 @@ class HuggingFaceSource(WeightsSource):
             where = dict(weights=f"saved with save_pretrained in {folder}", processor=_read_json(folder / "preprocessor_config.json"),
                          locator=str(folder), saved_in=folder.name)
         if getattr(cfg, "model_type", None) not in _TYPES:
-            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2 and DINOv2 with registers")
+            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers and CLIP")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
         spec = _spec(model, config_from_transformers(model), name=name, **where)
@@ -304,8 +421,24 @@ class HuggingFaceSource(WeightsSource):
         archs = getattr(cfg, "architectures", None) or []
         if cfg.model_type == "vit" and any(a.endswith("ForImageClassification") for a in archs):
             return transformers.ViTForImageClassification
+        if cfg.model_type in _IMAGE_TEXT and any(a.endswith("ForImageClassification") for a in archs):
+            raise NotImplementedError(f"{archs[0]} (an image tower with a classifier, no text tower) is not modelled by vitviz")
         return {"vit": transformers.ViTModel, "dinov2": transformers.Dinov2Model,
-                "dinov2_with_registers": transformers.Dinov2WithRegistersModel}[cfg.model_type]
+                "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "clip": transformers.CLIPModel}[cfg.model_type]
+
+    @staticmethod
+    def _tokenizer(source: str, *, local: bool) -> Any:
+        """The tokenizer of a repository or saved folder, or None where it has none (or, offline, where
+        its files are not at hand)."""
+        if local:
+            folder = Path(source) if os.path.isabs(source) else None
+            there = any((folder / f).is_file() for f in _TOKENIZER_FILES) if folder else cached_file(source, _TOKENIZER_FILES)
+            if not there:
+                return None
+        try:
+            return _transformers().AutoTokenizer.from_pretrained(source, local_files_only=local)
+        except OSError:
+            return None
 
     @staticmethod
     def _processor(repo: str) -> dict | None:
@@ -327,9 +460,10 @@ class HuggingFaceSource(WeightsSource):
     def reachable(self) -> bool:
         return hub_reachable()
 
-    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT | ImageTextModel:
         """The model from the hub (through its cache), or with `weights_path` from a folder saved
-        with `save_pretrained`, read alone (`local_files_only`)."""
+        with `save_pretrained`, read alone (`local_files_only`); an image–text model with the
+        tokenizer found beside its weights (None where there is none)."""
         repo, _ = _split(spec.name)
         if weights_path is not None:
             source = str(_saved_folder(weights_path, spec.name))
@@ -351,10 +485,12 @@ class HuggingFaceSource(WeightsSource):
                 missing_message(spec.name, repo, f"{type(exc).__name__}: {exc}", weights_path_hint="a folder saved with save_pretrained")
             ) from exc
         ours = self.convert(model.eval())
+        if isinstance(ours, ImageTextModel):
+            ours.tokenizer = self._tokenizer(source, local=local)
         ours.spec = spec  # the spec `resolve` read (with its image processor); the converted one has none
         return ours
 
-    def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT:
+    def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT | ImageTextModel:
         return from_transformers(model, processor=processor, **options)
 
 
