@@ -14,15 +14,15 @@ import torch
 from vitviz import plots
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
 from vitviz.model import ViT
-from vitviz.sources import VariantSpec, list_variants, load_model
+from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
 
 __all__ = ["ModelFacts", "ModelCache", "prune_hub_cache"]
 
 
 def _repo(spec: VariantSpec) -> str:
-    """The Hugging Face repository a timm or Hugging Face variant's weights come from ("" for others)."""
-    return spec.locator.removeprefix("hf-hub:") if spec.source in ("timm", "hf") else ""
+    """The Hugging Face repository a variant's weights come from ("" for sources outside the hub)."""
+    return source_of(spec).hub_repo(spec)
 
 
 def _folder_bytes(folder: Path) -> int:

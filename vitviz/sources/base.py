@@ -11,10 +11,11 @@ ones (embedded, torchvision, timm, hf: the menus' order) and then the plugins
 (`vitviz.sources.load_plugins`); every lookup (`list_variants`, `get_spec`, `source_of`,
 `load_model`, `weights_status`, `default_variant`) goes through `registered_sources()`.
 
-Within `vitviz.sources`, nothing outside a source's own module branches on a source's name: a spec
-is loaded, checked and described by the source that `source_of(spec)` finds by `spec.source`. Code
-elsewhere still reads `spec.source` by name in two places: `vitviz.server.models` (the hub
-repository of a "timm" or "hf" spec) and `vitviz.dev.bench` (random weights for "torchvision" specs).
+Nothing in the library or the app branches on a source's name: a spec is loaded, checked and
+described by the source that `source_of(spec)` finds by `spec.source`, and what differs between
+sources is an attribute or method of theirs (`cache_dir`, `hub_repo`, `reachable`, ...). Only the
+checkout's benchmark (`vitviz.dev.bench`) picks torchvision's variants by name, to give them random
+weights.
 """
 
 from __future__ import annotations
@@ -57,11 +58,14 @@ class WeightsSource(ABC):
             the start of such names ("timm:"); it answers `resolve` for names outside its list.
         library: the library whose models `convert` takes ("torchvision", "timm", "transformers"),
             for a source that has a conversion; None otherwise.
+        hub: its weights come through the Hugging Face hub's cache, `spec.locator` naming the
+            repository (`hub_repo`): a server bounds that cache by repository.
     """
 
     name: ClassVar[str]
     prefix: ClassVar[str | None] = None
     library: ClassVar[str | None] = None
+    hub: ClassVar[bool] = False
 
     @abstractmethod
     def specs(self) -> list[VariantSpec]:
@@ -84,6 +88,14 @@ class WeightsSource(ABC):
     def reachable(self) -> bool:
         """Whether weights could be downloaded now."""
         return False
+
+    def hub_repo(self, spec: VariantSpec) -> str:
+        """The Hugging Face repository `spec`'s weights come from, or "" (not from the hub, or a
+        checkpoint on this machine)."""
+        where = spec.locator
+        if not self.hub or "/" not in where or Path(where).is_absolute() or Path(where).exists():
+            return ""
+        return spec.locator.removeprefix("hf-hub:")
 
     def cache_dir(self) -> Path | None:
         """The folder where this source looks for a spec's weights file (`spec.filename`) on this

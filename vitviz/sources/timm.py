@@ -315,6 +315,7 @@ class TimmSource(WeightsSource):
     name = "timm"
     prefix = "timm:"
     library = "timm"
+    hub = True
 
     def specs(self) -> list[VariantSpec]:
         try:
