@@ -437,7 +437,8 @@ def test_results_say_which_image_and_variant_they_belong_to(app, example, tmp_pa
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
     assert ref.image == Path(example).name and Path(example).stem in out[page.PAGE.status] and "**shapes_p16**" in out[page.PAGE.status]
-    assert out[page.PAGE.results_box]["elem_classes"] == ["vv-results"] and out[page.PAGE.result_thumb] is not None
+    assert out[page.PAGE.results_box]["elem_classes"] == ["vv-results"]
+    assert out[page.PAGE.result_thumb] is runtime.STORE.get(ref.key).analysis.image  # the thumbnail is the crop this analysis saw
     # a variant that cannot be analysed: the menu goes back, the results are marked as those of their image and variant
     failed = page.on_analyze(example, "shapes_p16@4096", "mean", 0.0, ref, progress=_quiet)
     assert failed[page.PAGE.variant]["value"] == "shapes_p16" and "vv-stale" in failed[page.PAGE.results_box]["elem_classes"]
@@ -518,7 +519,10 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
     assert list(page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)) == [tabs.explain.TAB.explain_note]  # a skip
     fresh = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
     drawn = page.on_refresh_tab(fresh, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
-    assert all(drawn[tabs.explain.TAB.explain_imgs[m]] is not None for m in tabs.explain.METHODS)
+    gh, gw = runtime.STORE.get(fresh.key).analysis.grid
+    for m in tabs.explain.METHODS:
+        picture = drawn[tabs.explain.TAB.explain_imgs[m]]
+        assert isinstance(picture, Image.Image) and picture.size[1] >= gh * 8, (m, picture)  # a map drawn, not a placeholder
 
 
 @pytest.mark.parametrize("change, lacking", [
