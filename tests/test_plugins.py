@@ -67,13 +67,13 @@ def test_a_plugin_method_is_explained_like_the_built_in_ones(plugin_env, tmp_pat
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=plugin_env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["methods"] == ["attention", "rollout", "gradient", "grad_rollout", "centre"]
+    assert got["methods"] == ["attention", "rollout", "gradient", "grad_rollout", "legrad", "centre"]
     assert torch.allclose(torch.tensor(got["map"]), _centre(6, 6)) and torch.allclose(torch.tensor(got["batch"]), _centre(6, 6))
     assert got["label"] == "star" and got["title"] == "Distance to the centre"
     # without the plugin named, the method is unknown and the message lists the known ones
     env = {k: v for k, v in plugin_env.items() if k != "VITVIZ_PLUGINS"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert out.returncode != 0 and "unknown method 'centre'; the methods are attention, rollout, gradient, grad_rollout" in out.stderr
+    assert out.returncode != 0 and "unknown method 'centre'; the methods are attention, rollout, gradient, grad_rollout, legrad" in out.stderr
 
 
 def test_a_plugin_that_cannot_be_imported_is_named(plugin_env, tmp_path):

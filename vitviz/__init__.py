@@ -8,6 +8,7 @@ embeddings and patch filters — from Python or in the browser (`app.py`).
 
     clip = vitviz.load_model("hf:openai/clip-vit-base-patch32")   # an ImageTextModel: a ViT image tower and a text tower
     clip(images, *clip.tokenize(["a cat", "a dog"]))               # logits_per_image [B, 2]
+    vitviz.explain(clip, "photo.jpg", method="legrad", text=["a cat", "a dog"])  # one map per phrase
 """
 
 from vitviz.explanations import METHODS, Explanation, explain, relevance_maps

@@ -8,7 +8,8 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
 - "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
   transients and the rollout's L fused N x N maps.
 - "explain": one forward and one backward with attention and its gradient recorded (2A) and the
-  activations autograd keeps per layer.
+  activations autograd keeps per layer; with `layer_gradients` (LeGrad) the attention kept on the
+  graph and each layer's own gradient (2A more) and one more backward.
 - "faithfulness": "explain", then deletion and insertion forwards of (steps + 1) x 2 perturbed
   images per ordering, `batch` images at a time (the batch is chosen to fit the budget).
 - "export": the .npz written straight to its file (attention in float16 beyond
@@ -122,7 +123,8 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
     return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other}
 
 
-def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True) -> Cost:
+def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
+          layer_gradients: bool = False) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -131,6 +133,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         steps: deletion and insertion steps ("faithfulness").
         budget: bytes the request may take; "faithfulness" picks the largest batch that fits it.
         attentions: whether an "export" holds the attention stack.
+        layer_gradients: an "explain" or "faithfulness" whose methods need each layer's own gradient
+            (`Method.needs_layer_gradients`: LeGrad).
     """
     depth, heads, n, width, mlp = _shape(spec)
     layer = heads * n * n * 4
@@ -139,12 +143,13 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
     kept = stack + token_row + depth * n * 4 + 3 * spec.image_size**2
     analyse = stack + 4 * layer + 2 * depth * n * n * 4 + 2 * depth * token_row + BASE_BYTES
     per_layer_backward = 2 * layer + 12 * token_row + 2 * n * mlp * 4
-    explain = 2 * stack + depth * per_layer_backward + BASE_BYTES
+    explain = (4 if layer_gradients else 2) * stack + depth * per_layer_backward + BASE_BYTES
     flops = forward_flops(spec)
+    explain_flops = (5 if layer_gradients else 3) * flops
     if kind == "analyse":
         return Cost(kind, spec.name, n, analyse, kept, flops)
     if kind == "explain":
-        return Cost(kind, spec.name, n, explain, 0, 3 * flops)
+        return Cost(kind, spec.name, n, explain, 0, explain_flops)
     if kind == "faithfulness":
         per_image = 2 * layer + 8 * token_row + 2 * n * mlp * 4
         images = 2 * FAITHFULNESS_ORDERS * (steps + 1) * 3 * spec.image_size**2 * 4  # the perturbed inputs of one mode
@@ -152,7 +157,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
         forwards = (steps + 1) * 2 * FAITHFULNESS_ORDERS
         peak = max(explain, batch * per_image + images + BASE_BYTES)
-        return Cost(kind, spec.name, n, peak, 0, 3 * flops + forwards * flops, batch)
+        return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
         converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0

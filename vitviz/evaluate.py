@@ -61,7 +61,7 @@ import torch.distributed as dist
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, pointing_game, uniform_attention_distance
 from vitviz.explainers import method as registered_method, methods as registered_methods
-from vitviz.explanations import maps_of, needs_gradients, record
+from vitviz.explanations import maps_of, needs_gradients, needs_layer_gradients, record
 from vitviz.faithfulness import perturbation_curves, random_maps
 from vitviz.hooks import record_attention
 from vitviz.images import MAX_BYTES, ImageError, load_image
@@ -266,7 +266,7 @@ def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, step
     scored = [base[i] for i in index]
     if need_maps:
         targets = [_target(items[i].label, spec.categories) for i in index] if spec.has_head else None
-        rec = record(model, x, targets=targets, gradients=needs_gradients(methods))
+        rec = record(model, x, targets=targets, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
         attn = rec.attentions
         maps = maps_of(rec, methods)
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
@@ -832,7 +832,7 @@ def evaluate(
         spec = get_spec(model)
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
-    if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or any(registered_method(m).needs_classifier for m in methods)):
+    if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or any(registered_method(m).needs_target for m in methods)):
         raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one")
     items = scan(data)
     if not items:

@@ -1,26 +1,39 @@
-"""Why this class: a map over the patch grid from a registered method, for a chosen target class.
+"""Why this class, or where this phrase: a map over the patch grid from a registered method, for a
+chosen target class of a classifier or a phrase of an image–text model (CLIP).
 
     vitviz.explain(model, "cat.jpg", method="gradient", target="tabby, tabby cat")
+    vitviz.explain(clip, "cat.jpg", method="gradient", text="a cat")          # one Explanation
+    vitviz.explain(clip, "cat.jpg", method="legrad", text=["a cat", "grass"]) # one per phrase
 
 Built-in methods (`METHODS`; `vitviz.methods()` lists them with any plugins', `vitviz.explainers`):
 - "attention": the last layer's attention of the cls token, averaged over heads (no target).
 - "rollout": attention rollout from the cls token (Abnar & Zuidema 2020; no target).
-- "gradient": Chefer et al. 2021's relevance for the target logit (`vitviz.relevance`).
+- "gradient": Chefer et al. 2021's relevance for the target score (`vitviz.relevance`).
 - "grad_rollout": attention weighted by the same layer's gradient, fused, clipped and rolled out.
+- "legrad": LeGrad, Bousselham et al. 2024 (`vitviz.explainers.legrad`).
+
+The target score is a class logit, or for an image–text model the image–text similarity of a phrase:
+CLIP's `logits_per_image[b, t]`, exp(logit_scale) times the cosine of the projected image and text
+embeddings (plus SigLIP's bias). The phrases are encoded once, without gradients through the text
+tower; the image tower runs once for all of them, and the gradients of the T phrases' similarities
+come from one vectorised backward (`torch.autograd.grad(..., is_grads_batched=True)`: T
+vector-Jacobian products of the same graph at once, T times the gradient memory of one phrase).
+A recorded batch with phrases is the (image, phrase) pairs, image-major: row b·T + t.
 
 Each map is the classifier's query's row over the patches: the cls token's, or for a model without
 one that classifies from the mean of its patch tokens, the mean of the patch tokens' rows ("pool").
 
 `relevance_maps` computes any set of methods for a batch in one forward and, when a method needs
-gradients, one backward of the summed per-sample target logits (samples do not interact in eval
+gradients, one backward of the summed per-sample target scores (samples do not interact in eval
 mode); it is `record` (the model's part) then `maps_of` (pure).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from PIL import Image
@@ -29,14 +42,19 @@ from vitviz.analysis import POOL, HeadFusion, Query, cls_map
 from vitviz.explainers import method as registered
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
+from vitviz.imagetext import ImageTextModel
 from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.pipeline import layout_of, spec_of
 from vitviz.preprocess import preprocess
 
-__all__ = ["METHODS", "Explanation", "Recorded", "explain", "maps_of", "needs_gradients", "record", "relevance_maps", "resolve_target"]
+__all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_of", "needs_gradients", "needs_layer_gradients", "record",
+           "relevance_maps", "resolve_target"]
 
-METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout")  # the built-in ones
+METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout", "legrad")  # the built-in ones
+
+# phrases: one string, several, token ids [T, C], or token ids and their attention mask (`ImageTextModel.tokenize`)
+TextInput = Union[str, Sequence[str], torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, None]]]
 
 
 @dataclass
@@ -46,10 +64,13 @@ class Explanation:
     Attributes:
         map: relevance of each patch [gh, gw] (larger: more relevant).
         method: a registered method's name (`vitviz.methods()`).
-        target: the class index explained (None for a model without a classifier).
+        target: the class index explained (None for a model without a classifier, and for a phrase).
         label: its name.
         probability: the model's probability of it.
         image: the S x S crop the model saw.
+        text: the phrase explained (image–text models; None for a class, or for a phrase given as
+            token ids).
+        similarity: the image–text score of that phrase, `logits_per_image[0, t]`.
     """
 
     map: torch.Tensor = field(repr=False)
@@ -58,6 +79,8 @@ class Explanation:
     label: str | None
     probability: float | None
     image: Image.Image = field(repr=False)
+    text: str | None = None
+    similarity: float | None = None
 
 
 def resolve_target(target: int | str | None, categories: Sequence[str] | None, probabilities: torch.Tensor | None) -> int | None:
@@ -86,13 +109,22 @@ class Recorded:
     """One forward (and backward) of a batch, as the maps are computed from it.
 
     Attributes:
-        attentions: [L, B, H, N, N]; gradients: the same shape, or None without a gradient method.
-        targets: the class of each sample [B] (None without a classifier); probabilities [B, C] or None.
+        attentions: [L, B, H, N, N]; gradients: the same shape, or None without a gradient method:
+            layer l's entry is d(target score) / d(layer l's attention).
+        targets: the class of each sample [B] (None without a classifier, and for phrases);
+            probabilities [B, C] or None.
         grid: the patch grid; num_prefix_tokens: p.
         pooled_query: the model classifies from the mean of its patch tokens and has no cls token:
             its maps are the mean of the patch tokens' rows ("pool") instead of the cls token's.
         chosen_query: whose row the maps read when not the classifier's (a prefix token's index).
         layout: the tokens and what the model offers; each method's needs are checked against it.
+        texts: the phrases explained (T of them; an entry is None for a phrase given as token ids), or
+            None. With phrases the batch is the (image, phrase) pairs, image-major: B = images x T,
+            row b·T + t; `attentions` repeats each image's attention T times.
+        similarities: each image's score of each phrase, `logits_per_image` [images, T], or None.
+        layer_gradients: [L, B, H, N, N] or None: layer l's entry is d(s_l) / d(layer l's attention),
+            s_l the target score read from layer l's output through the final norm and the head (or
+            the projection and the phrase's embedding); for LeGrad.
     """
 
     attentions: torch.Tensor = field(repr=False)
@@ -104,6 +136,9 @@ class Recorded:
     pooled_query: bool = False
     chosen_query: Query | None = None
     layout: TokenLayout | None = None
+    texts: tuple[str | None, ...] | None = None
+    similarities: torch.Tensor | None = field(default=None, repr=False)
+    layer_gradients: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def query(self) -> Query:
@@ -118,23 +153,109 @@ class Recorded:
 
 
 def needs_gradients(methods: Sequence[str]) -> bool:
-    """Whether any of `methods` needs the gradients of the target logit (ValueError for an unknown one)."""
+    """Whether any of `methods` needs the gradients of the target score (ValueError for an unknown one)."""
     return any(registered(m).needs_gradients for m in methods)
 
 
+def needs_layer_gradients(methods: Sequence[str]) -> bool:
+    """Whether any of `methods` needs the per-layer gradients of per-layer scores (LeGrad)."""
+    return any(registered(m).needs_layer_gradients for m in methods)
+
+
+def _token_ids(model: ImageTextModel, text: TextInput) -> tuple[torch.Tensor, torch.Tensor | None, tuple[str | None, ...]]:
+    """Phrases -> (token ids [T, C], attention mask [T, C] or None, the phrases; None for ids given)."""
+    if isinstance(text, torch.Tensor):
+        ids, mask = text, None
+    elif isinstance(text, tuple) and len(text) == 2 and isinstance(text[0], torch.Tensor):
+        ids, mask = text
+    else:
+        phrases = [text] if isinstance(text, str) else list(text)
+        if not phrases or not all(isinstance(p, str) for p in phrases):
+            raise ValueError(f"text= is a phrase, a list of phrases or token ids [T, C]; got {text!r}")
+        if model.tokenizer is None:
+            raise ValueError(
+                "this image–text model has no tokenizer, so phrases cannot be encoded: set model.tokenizer = "
+                "transformers.AutoTokenizer.from_pretrained(<its repo id>), or pass token ids: text=input_ids [T, C] or "
+                "text=(input_ids, attention_mask)"
+            )
+        ids, mask = model.tokenize(phrases)
+        return ids, mask, tuple(phrases)
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"token ids must be integers of shape [T, C], got {ids.dtype} {list(ids.shape)}")
+    return ids, mask, (None,) * ids.shape[0]
+
+
+def _image_features(vit: ViT, tokens: torch.Tensor) -> torch.Tensor:
+    """The pooled features of normed tokens [B, N, D] -> [B, D], as `ViT.forward_features` pools them."""
+    pooled = vit.pool(tokens)
+    return (pooled[0] + pooled[1]) / 2 if isinstance(pooled, tuple) else pooled
+
+
+def _per_target_grads(scores: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """For each column t of `scores` [B, T], the gradient of sum_b scores[b, t] with respect to each
+    of `inputs`: one [T, *input.shape] per input. One backward for T = 1; for T > 1 one vectorised
+    backward (`is_grads_batched`) of the T one-hot columns. The graph is kept for later calls."""
+    batch, t = scores.shape
+    if t == 1:
+        return [g[None] for g in torch.autograd.grad(scores.sum(), list(inputs), retain_graph=True)]
+    columns = torch.eye(t, dtype=scores.dtype, device=scores.device)[:, None, :].expand(t, batch, t)  # [T, B, T]
+    return list(torch.autograd.grad(scores, list(inputs), grad_outputs=columns, retain_graph=True, is_grads_batched=True))
+
+
+def _pairs(per_target: torch.Tensor) -> torch.Tensor:
+    """[T, B, ...] -> [B*T, ...], image-major (row b·T + t)."""
+    return per_target.transpose(0, 1).reshape(-1, *per_target.shape[2:])
+
+
 def record(
-    model: ViT, x: torch.Tensor, *, targets: Sequence[int | str | None] | torch.Tensor | None = None, gradients: bool = False
+    model: ViT | ImageTextModel,
+    x: torch.Tensor,
+    *,
+    targets: Sequence[int | str | None] | torch.Tensor | None = None,
+    text: TextInput | None = None,
+    gradients: bool = False,
+    layer_gradients: bool = False,
 ) -> Recorded:
-    """A batch's attention (and, with `gradients`, the gradient of each sample's target logit with
-    respect to every layer's softmax output, from one backward of their sum)."""
+    """A batch's attention and, for gradient methods, the gradients of each sample's target score.
+
+    Args:
+        model: a vitviz ViT, or an image–text model (its image tower is recorded).
+        x: preprocessed images [B, 3, S, S].
+        targets: classifiers: per sample a class index, a class name or None (top-1).
+        text: image–text models: the phrases (`TextInput`), each scored against every image.
+        gradients: record d(target score) / d(each layer's attention), for every sample and phrase
+            (one backward of the summed per-sample scores; phrases: one vectorised backward).
+        layer_gradients: record, for each layer l, d(s_l) / d(layer l's attention), s_l the score
+            read from layer l's output (LeGrad): L more backward calls, each through one block and
+            the read-out only.
+
+    Raises:
+        ValueError: a class for an image–text model, phrases for a classifier, a gradient without
+            anything to differentiate (no classifier and no phrase).
+    """
     spec = spec_of(model)
-    if gradients and not spec.has_head:
-        raise ValueError(f"{spec.name} has no classifier: gradient methods need a class logit; use 'attention' or 'rollout'")
-    if not spec.has_head and targets is not None and any(t is not None for t in targets):
-        raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
+    image_text = isinstance(model, ImageTextModel)
+    vit = model.image if image_text else model
+    differentiate = gradients or layer_gradients
+    wanted_classes = targets is not None and any(t is not None for t in targets)
+    if image_text:
+        if wanted_classes:
+            raise ValueError(f"{spec.name} is an image–text model: it has no classes; explain a phrase with text=... instead of target=")
+        if differentiate and text is None:
+            raise ValueError(f"{spec.name} is an image–text model: gradient methods explain a phrase; pass text='a photo of a cat' "
+                             "(or a list of phrases), or use 'attention' or 'rollout'")
+    else:
+        if text is not None:
+            raise ValueError(f"{spec.name} has no text tower: text= needs an image–text model (CLIP, "
+                             "vitviz.load_model('hf:openai/clip-vit-base-patch32')); explain a class with target=")
+        if differentiate and not spec.has_head:
+            raise ValueError(f"{spec.name} has no classifier: gradient methods need a class logit; use 'attention' or 'rollout'")
+        if not spec.has_head and wanted_classes:
+            raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
     param = next(model.parameters())
+    texts = similarities = probs = chosen = grads = layer_grads = None
     with contextlib.ExitStack() as modes:
-        if gradients:  # autograd on, also when the caller is in inference mode
+        if differentiate:  # autograd on, also when the caller is in inference mode
             modes.enter_context(torch.inference_mode(False))
             modes.enter_context(torch.enable_grad())
             # a fresh leaf that requires grad: every attention map is then on the graph, even for frozen weights
@@ -142,25 +263,48 @@ def record(
         else:
             modes.enter_context(torch.inference_mode())
             x = x.to(device=param.device, dtype=param.dtype)
-        with record_attention(model, gradients=gradients) as rec:
-            tokens = model.encode(x)
-            logits = model.head_logits(tokens) if spec.has_head else None
-            probs = logits.detach().float().softmax(-1) if logits is not None else None
-            chosen = None
-            if logits is not None:
+        score: Callable[[torch.Tensor], torch.Tensor] | None = None  # normed tokens [B, N, D] -> scores [B, T]
+        if text is not None:
+            ids, mask, texts = _token_ids(model, text)
+            with torch.no_grad():  # the text tower once; nothing is differentiated through it
+                text_embeds = model.encode_text(ids.to(param.device), None if mask is None else mask.to(param.device))
+
+            def score(tokens: torch.Tensor) -> torch.Tensor:
+                return model.logits(model.image_projection(_image_features(vit, tokens)), text_embeds)
+
+        with record_attention(vit, graph=differentiate) as rec:
+            layers: list[torch.Tensor] | None = [] if layer_gradients else None
+            tokens = vit.encode(x, layers=layers)
+            if score is not None:
+                final = score(tokens)  # [B, T]
+                similarities = final.detach().float()
+            elif spec.has_head:
+                logits = vit.head_logits(tokens)
+                probs = logits.detach().float().softmax(-1)
                 wanted = [None] * x.shape[0] if targets is None else list(targets)
                 if len(wanted) != x.shape[0]:
                     raise ValueError(f"{len(wanted)} targets for {x.shape[0]} images")
                 chosen = torch.tensor([resolve_target(t, spec.categories, probs[i]) for i, t in enumerate(wanted)], device=logits.device)
+
+                def score(tokens: torch.Tensor) -> torch.Tensor:
+                    return vit.head_logits(tokens).gather(1, chosen[:, None])  # [B, 1]
+
+                final = logits.gather(1, chosen[:, None])
+            if differentiate:
+                live = rec.graph_attentions  # layer l's softmax output, on the graph
             if gradients:
-                # one backward for the batch: the sum of each sample's own target logit
-                torch.autograd.grad(logits.gather(1, chosen[:, None]).sum(), x)
+                grads = torch.stack([_pairs(g) for g in _per_target_grads(final, live)]).float()
+            if layer_gradients:
+                # each layer on its own: d(s_l)/d(A_k) is not 0 for k < l, so one backward of the sum would mix layers
+                layer_grads = torch.stack([_pairs(_per_target_grads(score(vit.norm(h)), [a])[0]) for h, a in zip(layers, live)]).float()
         attn = rec.attentions.float()
-        grads = rec.gradients.float() if gradients else None
+    if texts is not None:
+        attn = attn.repeat_interleave(len(texts), dim=1)  # [L, B*T, H, N, N]: each image's attention per phrase
+    grid = vit.grid_for(x.shape[-2], x.shape[-1])
     return Recorded(
-        attentions=attn, gradients=grads, targets=chosen, probabilities=probs,
-        grid=model.grid_for(x.shape[-2], x.shape[-1]), num_prefix_tokens=spec.num_prefix_tokens,
-        pooled_query=spec.config.pooled_query, layout=layout_of(spec, model.grid_for(x.shape[-2], x.shape[-1])),
+        attentions=attn, gradients=grads, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
+        pooled_query=spec.config.pooled_query, layout=layout_of(spec, grid, text=image_text), texts=texts, similarities=similarities,
+        layer_gradients=layer_grads,
     )
 
 
@@ -180,13 +324,21 @@ def maps_of(
     """
     chosen = [registered(m) for m in methods]
     for m in chosen:
-        why = recorded.layout.lacks(m.needs - {"classifier"}) if recorded.layout is not None else None
+        why = recorded.layout.lacks(m.needs - {"classifier", "text", "target"}) if recorded.layout is not None else None
         if why:
             raise ValueError(f"{m.name!r} cannot run: {why}")
     if recorded.gradients is None and any(m.needs_gradients for m in chosen):
         raise ValueError("gradient methods need a batch recorded with gradients=True")
-    if recorded.targets is None and any(m.needs_classifier for m in chosen):
-        raise ValueError(f"{next(m.name for m in chosen if m.needs_classifier)!r} explains a class: it needs a model with a classifier")
+    if recorded.layer_gradients is None and any(m.needs_layer_gradients for m in chosen):
+        raise ValueError(f"{next(m.name for m in chosen if m.needs_layer_gradients)!r} needs a batch recorded with layer_gradients=True")
+    for m in chosen:
+        if "classifier" in m.needs and recorded.targets is None:
+            raise ValueError(f"{m.name!r} explains a class: it needs a model with a classifier")
+        if "text" in m.needs and recorded.texts is None:
+            raise ValueError(f"{m.name!r} explains a phrase: it needs an image–text model and text=...")
+        if "target" in m.needs and recorded.targets is None and recorded.texts is None:
+            raise ValueError(f"{m.name!r} explains a score: it needs a class (a model with a classifier) or a phrase (text=... "
+                             "for an image–text model)")
     rec = recorded if query is None else replace(recorded, chosen_query=query)
     batch, (gh, gw) = recorded.attentions.shape[1], recorded.grid
     maps: dict[str, torch.Tensor] = {}
@@ -199,59 +351,85 @@ def maps_of(
 
 
 def relevance_maps(
-    model: ViT,
+    model: ViT | ImageTextModel,
     x: torch.Tensor,
     *,
     methods: Sequence[str] = METHODS,
     targets: Sequence[int | str | None] | torch.Tensor | None = None,
+    text: TextInput | None = None,
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
     """Maps of several methods for a batch, from one forward (and one backward for gradient methods).
 
     Args:
-        model: a vitviz ViT (in eval mode).
+        model: a vitviz ViT (in eval mode), or an image–text model.
         x: preprocessed images [B, 3, S, S].
-        methods: registered methods' names (`vitviz.methods()`).
+        methods: registered methods' names (`vitviz.methods()`, or an on-demand one such as "legrad").
         targets: per sample a class index, a class name or None (top-1); None for all top-1.
+        text: for an image–text model, T phrases (`TextInput`) scored against every image.
         head_fusion, discard_ratio: for "rollout" and "grad_rollout".
 
     Returns:
-        ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None).
+        classes: ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None);
+        phrases: ({method: maps [B, T, gh, gw]}, None, similarities `logits_per_image` [B, T]).
     """
-    rec = record(model, x, targets=targets, gradients=needs_gradients(methods))
+    rec = record(model, x, targets=targets, text=text, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    if rec.texts is not None:
+        images, t = rec.similarities.shape
+        return {m: v.reshape(images, t, *v.shape[1:]) for m, v in maps.items()}, None, rec.similarities.cpu()
     return maps, (rec.targets.cpu() if rec.targets is not None else None), (rec.probabilities.cpu() if rec.probabilities is not None else None)
 
 
 def explain(
-    model: ViT,
+    model: ViT | ImageTextModel,
     image: ImageSource,
     *,
     method: str = "rollout",
     target: int | str | None = None,
+    text: TextInput | None = None,
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
-) -> Explanation:
-    """The map over the patch grid that `method` gives for `target` (default: the top-1 class).
+) -> Explanation | list[Explanation]:
+    """The map over the patch grid that `method` gives for `target` (default: the top-1 class) or,
+    for an image–text model, for a phrase.
 
     Args:
-        model: a vitviz ViT with a spec (`load_model`, `ViT.from_*`).
+        model: a vitviz ViT with a spec (`load_model`, `ViT.from_*`), or an image–text model.
         image: anything `vitviz.load_image` accepts.
-        method: a registered method: "attention", "rollout", "gradient", "grad_rollout" or a plugin's.
-        target: a class index or name; None for the top-1.
+        method: a registered method: "attention", "rollout", "gradient", "grad_rollout", "legrad" or a plugin's.
+        target: a class index or name; None for the top-1 (classifiers only).
+        text: image–text models only: a phrase, or several (a list, token ids [T, C], or
+            `model.tokenize(...)`'s ids and mask), all from one forward of the image tower.
+
+    Returns:
+        one Explanation; for `text` other than a single string, a list of them, one per phrase in
+        the phrases' order.
     """
     spec = spec_of(model)
+    if isinstance(model, ImageTextModel) and target is not None:
+        raise ValueError(f"{spec.name} is an image–text model: it has no classes; explain a phrase with text=... instead of target=")
     x, cropped = preprocess(load_image(image), spec.preprocessing)
-    maps, targets, probs = relevance_maps(
-        model, x.unsqueeze(0), methods=[method], targets=[target], head_fusion=head_fusion, discard_ratio=discard_ratio
+    maps, targets, scores = relevance_maps(
+        model, x.unsqueeze(0), methods=[method], targets=None if text is not None else [target], text=text,
+        head_fusion=head_fusion, discard_ratio=discard_ratio,
     )
+    if text is not None:
+        given_ids = isinstance(text, torch.Tensor) or (isinstance(text, tuple) and isinstance(text[0], torch.Tensor))
+        names = [None] * scores.shape[1] if given_ids else ([text] if isinstance(text, str) else list(text))
+        found = [
+            Explanation(map=maps[method][0, t], method=method, target=None, label=None, probability=None, image=cropped,
+                        text=names[t], similarity=float(scores[0, t]))
+            for t in range(scores.shape[1])
+        ]
+        return found[0] if isinstance(text, str) else found
     index = int(targets[0]) if targets is not None else None
     return Explanation(
         map=maps[method][0],
         method=method,
         target=index,
         label=spec.categories[index] if index is not None and spec.categories else None,
-        probability=float(probs[0, index]) if index is not None else None,
+        probability=float(scores[0, index]) if index is not None else None,
         image=cropped,
     )

@@ -8,6 +8,10 @@
         model(x)[torch.arange(B), targets].sum().backward()
     rec.gradients             # [L, B, H, N, N]: d(target logit) / d(each layer's softmax output)
 
+    with vitviz.record_attention(model, graph=True) as rec:       # outside inference_mode
+        score = model(x)[:, c].sum()
+    torch.autograd.grad(score, rec.graph_attentions)             # your own derivatives, layer by layer
+
 The hooks sit on each block's softmax module (`Attention.attend`) and are removed in `finally`, also
 when the forward raises. Each recorder keeps only what runs in the thread that opened it, so several
 threads can analyse different images through one shared model at the same time.
@@ -38,12 +42,15 @@ class AttentionRecord:
         self.num_layers = num_layers
         self.calls: list[list[torch.Tensor | None]] = []
         self.grad_calls: list[list[torch.Tensor | None]] = []
+        self.graph_calls: list[list[torch.Tensor | None]] = []
 
-    def _capture(self, layer: int, attn: torch.Tensor) -> int:
+    def _capture(self, layer: int, attn: torch.Tensor, live: torch.Tensor | None = None) -> int:
         if layer == 0 or not self.calls:
             self.calls.append([None] * self.num_layers)
             self.grad_calls.append([None] * self.num_layers)
+            self.graph_calls.append([None] * self.num_layers)
         self.calls[-1][layer] = attn.detach()
+        self.graph_calls[-1][layer] = live
         return len(self.calls) - 1
 
     def _capture_grad(self, call: int, layer: int, grad: torch.Tensor) -> None:
@@ -64,6 +71,23 @@ class AttentionRecord:
         if missing:
             raise RuntimeError(f"the last forward did not reach layers {missing}; nothing complete was captured")
         return torch.stack(last)  # type: ignore[arg-type]
+
+    @property
+    def graph_attentions(self) -> list[torch.Tensor]:
+        """The last forward's softmax outputs themselves, one [B, H, N, N] per layer, still on the
+        autograd graph (recorded with `graph=True`): the `inputs` of `torch.autograd.grad` calls of
+        the caller's own. Layer l's entry is the tensor layer l multiplied by V.
+
+        Raises:
+            RuntimeError: nothing was recorded with graph=True, or the forward ran without autograd.
+        """
+        if not self.graph_calls:
+            raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
+        last = self.graph_calls[-1]
+        if any(a is None or not a.requires_grad for a in last):
+            raise RuntimeError("no attention on the autograd graph: record with graph=True, outside torch.inference_mode / no_grad, "
+                               "with an input or weights that require grad")
+        return list(last)  # type: ignore[arg-type]
 
     @property
     def gradients(self) -> torch.Tensor:
@@ -89,7 +113,8 @@ class AttentionRecord:
 
 @contextmanager
 def record_attention(
-    model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gradients: bool = False
+    model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gradients: bool = False,
+    graph: bool = False,
 ) -> Iterator[AttentionRecord]:
     """Records every attention map of `model` (a vitviz ViT) during the block.
 
@@ -100,6 +125,9 @@ def record_attention(
             result is stored instead, so a large batch need not hold the whole stack.
         gradients: also keep the gradient of each layer's softmax output when a backward runs
             (the forward must run with autograd on).
+        graph: also keep each layer's softmax output as the forward made it, on the autograd graph
+            (`rec.graph_attentions`), for derivatives taken with `torch.autograd.grad` (several
+            scores, each layer on its own) rather than by one `.backward()`.
 
     Yields:
         an `AttentionRecord`; read `rec.attentions` after the forward ([L, ...] of what was stored)
@@ -118,7 +146,7 @@ def record_attention(
     def make_hook(layer: int):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if threading.get_ident() == owner:
-                call = rec._capture(layer, reduce(output) if reduce is not None else output)
+                call = rec._capture(layer, reduce(output) if reduce is not None else output, output if graph else None)
                 if gradients and output.requires_grad:
                     # a hook on this very tensor: its gradient is d/dA of this layer, paired by index
                     output.register_hook(lambda grad, call=call: rec._capture_grad(call, layer, grad))

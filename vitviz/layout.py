@@ -24,6 +24,8 @@ NEEDS: dict[str, str] = {
     "position_embeddings": "has no learned position embeddings",
     "global_attention": "attends within local windows, not across the whole image: there is no one token-by-token matrix per layer",
     "text": "has no text tower: there is no phrase to look for",
+    # a class or a phrase: what a method that differentiates any one score per image needs
+    "target": "has no classifier and no text tower: there is no class or phrase to explain",
 }
 
 
@@ -93,6 +95,7 @@ class TokenLayout:
             "position_embeddings": self.position_embeddings,
             "global_attention": self.attention == "global",
             "text": self.text,
+            "target": self.classifier or self.text,
         }
         return frozenset(name for name, ok in have.items() if ok)
 

@@ -17,13 +17,20 @@ row of an N x N matrix), the target classes and probabilities. `options` carries
 Every consumer — `vitviz.explain`, `relevance_maps`, faithfulness curves, `python -m
 vitviz.evaluate --methods`, the app's Explain tab — loops over `methods()`. Plugins register
 themselves on import: the modules of the entry-point group "vitviz.methods" and those named in
-`VITVIZ_PLUGINS` (comma-separated module names) are imported by `methods()`. The four built-in
-methods are registered the same way, one module each in this package.
+`VITVIZ_PLUGINS` (comma-separated module names) are imported by `methods()`. The five built-in
+methods (attention, rollout, gradient, grad_rollout, legrad) are registered the same way, one module
+each in this package.
+
+A method's target: `needs_classifier=True` (the default for gradient methods) reads `rec.targets`,
+the class of each sample; `needs_classifier=False` with gradients works with whatever score was
+differentiated — a class logit, or for an image–text model a phrase's similarity (`rec.texts`,
+`rec.similarities`; the batch is then the (image, phrase) pairs) — and needs "target": a
+classifier or a text tower.
 """
 
 from vitviz.explainers.registry import ENTRY_POINT_GROUP, PLUGINS_ENV, Method, load_plugins, method, methods, register_method
 
 # the built-in methods, registered in this order
-from vitviz.explainers import attention, rollout, gradient, grad_rollout  # noqa: E402,F401
+from vitviz.explainers import attention, rollout, gradient, grad_rollout, legrad  # noqa: E402,F401
 
 __all__ = ["Method", "register_method", "methods", "method", "load_plugins", "PLUGINS_ENV", "ENTRY_POINT_GROUP"]

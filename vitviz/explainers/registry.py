@@ -25,13 +25,18 @@ class Method:
     Attributes:
         name: what callers pass (`method="gradient"`, `--methods gradient`).
         title: a short title for its map (the app's label).
-        needs_gradients: the pass must record gradients of the target logit (one backward).
+        needs_gradients: the pass must record the gradient of the target score (a class logit, or an
+            image–text similarity) with respect to every layer's attention (`Recorded.gradients`).
         needs_classifier: it explains a class (a model without a classifier cannot use it).
         needs_text: it explains a phrase (image-text models).
+        needs_layer_gradients: the pass must record, for every layer l, the gradient of the score
+            read from layer l's output with respect to layer l's attention (`Recorded.layer_gradients`;
+            LeGrad).
         unit: what its colour bar shows.
         needs: everything the model must offer (names from `vitviz.layout.NEEDS`: "classifier" and
-            "text" as above, "global_attention", "cls", ...); a model that lacks one is told why
-            (`TokenLayout.lacks`) instead of getting a map.
+            "text" as above; "target" for a method that differentiates whatever score is explained,
+            a class logit or a phrase's similarity; "global_attention", "cls", ...); a model that
+            lacks one is told why (`TokenLayout.lacks`) instead of getting a map.
         fn: fn(recorded, **options) -> maps [B, gh, gw].
     """
 
@@ -43,6 +48,12 @@ class Method:
     unit: str
     fn: Callable[..., torch.Tensor]
     needs: frozenset[str] = frozenset()
+    needs_layer_gradients: bool = False
+
+    @property
+    def needs_target(self) -> bool:
+        """It explains a score: a class ("classifier"), a phrase ("text") or either ("target")."""
+        return bool(self.needs & {"classifier", "text", "target"})
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -51,12 +62,15 @@ _LOADED: set[str] = set()
 
 
 def register_method(name: str, *, title: str, needs_gradients: bool, needs_classifier: bool | None = None,
-                    needs_text: bool = False, unit: str = "relevance", needs: tuple[str, ...] | frozenset[str] = ()
-                    ) -> Callable[[Callable], Callable]:
+                    needs_text: bool = False, needs_layer_gradients: bool = False, unit: str = "relevance",
+                    needs: tuple[str, ...] | frozenset[str] = ()) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the explanation method `name` (see the module's docstring).
 
     Args:
-        needs_classifier: default: as `needs_gradients` (a gradient needs a class logit).
+        needs_classifier: default: as `needs_gradients` (a method that reads `rec.targets` needs a
+            class). False for a gradient method that works with any scalar target: it then needs
+            "target" (a class, or a phrase for an image–text model) instead of "classifier".
+        needs_layer_gradients: the per-layer gradients of per-layer scores (`Recorded.layer_gradients`).
         needs: what else the model must offer (`vitviz.layout.NEEDS`), e.g. ("global_attention",).
 
     Raises:
@@ -66,10 +80,13 @@ def register_method(name: str, *, title: str, needs_gradients: bool, needs_class
         raise ValueError(f"a method's name is letters, digits and _ starting with a letter, not {name!r}")
 
     classifier = bool(needs_gradients if needs_classifier is None else needs_classifier)
-    wanted = check_needs(needs) | ({"classifier"} if classifier else set()) | ({"text"} if needs_text else set())
+    any_target = (needs_gradients or needs_layer_gradients) and not classifier and not needs_text
+    wanted = (check_needs(needs) | ({"classifier"} if classifier else set()) | ({"text"} if needs_text else set())
+              | ({"target"} if any_target else set()))
 
     def register(fn: Callable) -> Callable:
-        entry = Method(name, title, bool(needs_gradients), classifier, bool(needs_text), unit, fn, frozenset(wanted))
+        entry = Method(name, title, bool(needs_gradients), classifier, bool(needs_text), unit, fn, frozenset(wanted),
+                       bool(needs_layer_gradients))
         with _LOCK:
             old = _REGISTRY.get(name)
             if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):

@@ -24,11 +24,13 @@ def _input(cache: ModelCache, exp: Exploration):
 
 def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | None) -> tuple[dict[str, torch.Tensor], int | None]:
     """Every registered method's map [gh, gw] for `target` (a class name; None: the top-1) on the
-    analysed crop: the methods whose needs the model meets (`Method.needs`; a model without a
-    classifier gets "attention" and "rollout"; methods that explain a phrase need a text tower)."""
+    analysed crop: the methods whose needs the model meets (`Method.needs`), those that explain a
+    score only for a model with a classifier (a model without one, an image–text model included,
+    gets the maps that need no target: "attention" and "rollout")."""
     model, x = _input(cache, exp)
     a = exp.analysis
-    wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None]
+    has_class = a.probabilities is not None
+    wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None and (has_class or not method(m).needs_target)]
     index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
     maps, _, _ = relevance_maps(model, x, methods=wanted, targets=[index] if index is not None else None)
     return {m: v[0] for m, v in maps.items()}, index
