@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from gradio.components import Component  # noqa: E402
 
 from vitviz.cost import price  # noqa: E402
+from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
@@ -93,7 +94,11 @@ def variant_name(name: object) -> str:
 
 
 def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: float | None = None, **options):
-    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget."""
+    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget.
+    An explanation computes every registered method at once: priced with each layer's own gradients
+    when one of them needs those (LeGrad)."""
+    if kind in ("explain", "faithfulness") and "layer_gradients" not in options:
+        options["layer_gradients"] = any(registered_method(m).needs_layer_gradients for m in registered_methods())
     return priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait)
 
 
@@ -131,16 +136,21 @@ def is_example(path: Path) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Running the model, and the analyses kept for sessions
 
-def run(image: str | None, variant: str) -> views.Exploration:
-    """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
-    the two was the problem ("image" or "variant")."""
+def _requested(image: str | None, variant: object) -> str:
+    """The variant's checked name, once there is an image; a refusal's `cause` is "variant"."""
     if image is None:
         raise error("Upload an image first (or pick an example).")
     try:
-        variant = variant_name(variant)
+        return variant_name(variant)
     except gr.Error as exc:
         exc.cause = "variant"
         raise
+
+
+def run(image: str | None, variant: str) -> views.Exploration:
+    """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
+    the two was the problem ("image" or "variant")."""
+    variant = _requested(image, variant)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
         with job("analyse", variant) as work:
@@ -164,13 +174,7 @@ def run(image: str | None, variant: str) -> views.Exploration:
 @contextmanager
 def analysis_job(image: str | None, variant: object):
     """The job of an analysis and its pictures (`run` inside it takes no second one)."""
-    if image is None:
-        raise error("Upload an image first (or pick an example).")
-    try:
-        name = variant_name(variant)
-    except gr.Error as exc:
-        exc.cause = "variant"
-        raise
+    name = _requested(image, variant)
     try:
         with job("analyse", name) as work:
             yield work
