@@ -221,7 +221,7 @@ def test_models_with_a_cls_token_keep_the_cls_query():
         x = torch.randn(1, 3, 32, 32)
         rec = record(model, x, gradients=True)
         assert rec.query == 0
-        got = maps_of(rec)
+        got = maps_of(rec, ["attention", "rollout", "gradient", "grad_rollout"])  # what a pass with gradients gives (LeGrad needs layer_gradients)
         r = gradient_relevance(rec.attentions, rec.gradients)
         assert torch.equal(got["gradient"], r[:, 0, 1:].reshape(1, 2, 2))
         assert torch.equal(query_row(r, query=0, num_prefix_tokens=1), r[:, 0])
