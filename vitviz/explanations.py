@@ -365,7 +365,7 @@ def relevance_maps(
     Args:
         model: a vitviz ViT (in eval mode), or an image–text model.
         x: preprocessed images [B, 3, S, S].
-        methods: registered methods' names (`vitviz.methods()`, or an on-demand one such as "legrad").
+        methods: registered methods' names (`vitviz.methods()`).
         targets: per sample a class index, a class name or None (top-1); None for all top-1.
         text: for an image–text model, T phrases (`TextInput`) scored against every image.
         head_fusion, discard_ratio: for "rollout" and "grad_rollout".

@@ -14,7 +14,7 @@ from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
 from vitviz.server.views import Exploration
 
-__all__ = ["explain_exploration", "faithfulness_of"]
+__all__ = ["explain_exploration", "find_phrases", "faithfulness_of"]
 
 
 def _input(cache: ModelCache, exp: Exploration):
@@ -34,6 +34,14 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
     index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
     maps, _, _ = relevance_maps(model, x, methods=wanted, targets=[index] if index is not None else None)
     return {m: v[0] for m, v in maps.items()}, index
+
+
+def find_phrases(cache: ModelCache, exp: Exploration, phrases: list[str], *, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`method`'s map [T, gh, gw] for each phrase's image–text similarity on the analysed crop, and
+    the similarities [T]: one forward of the image tower, one batched backward for all phrases."""
+    model, x = _input(cache, exp)
+    maps, _, similarities = relevance_maps(model, x, methods=[method], text=list(phrases))
+    return maps[method][0], similarities[0]
 
 
 def faithfulness_of(cache: ModelCache, exp: Exploration, maps: dict[str, torch.Tensor], *, target: int, steps: int = 16,

@@ -14,6 +14,7 @@ import torch
 from vitviz import plots
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
 from vitviz.model import ViT
+from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
 
@@ -74,13 +75,15 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: ViT) -> "ModelFacts":
+        """The facts of a ViT, or of an image–text model's image tower (what the views show)."""
         spec: VariantSpec = model.spec
-        c = model.config
+        tower = image_tower(model)
+        c = tower.config
         with torch.no_grad():
-            patch_pos = model.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
+            patch_pos = tower.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
             sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
-            comps, explained = embedding_filter_components(model.patch_embed.proj.weight.cpu(), k=28)
-        s = summary(model)
+            comps, explained = embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
+        s = summary(tower)
         uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
         return cls(
             spec=spec,

@@ -204,6 +204,11 @@ def explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict,
 
 
 @gpu
+def find_on_device(exp: views.Exploration, phrases: list[str], method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return explaining.find_phrases(CACHE, exp, phrases, method=method)
+
+
+@gpu
 def faithfulness_on_device(exp: views.Exploration, maps: dict, index: int, batch_size: int, check) -> dict:
     return explaining.faithfulness_of(CACHE, exp, maps, target=index, batch_size=batch_size, check=check)
 

@@ -14,7 +14,7 @@ from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
 
 # the maps: every registered method that explains a class or none (plugins loaded now)
 METHODS = tuple(m for m in methods() if not registered_method(m).needs_text)
-EXPLAIN_SCALES = ("each map", "shared by the four maps")
+EXPLAIN_SCALES = ("each map", "shared by every map")
 
 
 class ExplainTab(Tab):
@@ -29,10 +29,12 @@ class ExplainTab(Tab):
 
     def build(self, page) -> None:
         gr.Markdown(
-            "Why this class: four maps over the patches for the class you pick. The last layer's attention and "
-            "rollout do not depend on the class; **gradient relevance** (Chefer et al. 2021) adds, layer by layer "
+            "Why this class: one map over the patches per method, for the class you pick. The last layer's attention "
+            "and rollout do not depend on the class; **gradient relevance** (Chefer et al. 2021) adds, layer by layer "
             "from the first, the head mean of the positive part of gradient x attention times the relevance so "
-            "far; **gradient-weighted rollout** fuses gradient x attention over heads and rolls it out. Deletion "
+            "far; **gradient-weighted rollout** fuses gradient x attention over heads and rolls it out; **LeGrad** "
+            "(Bousselham et al. 2024) reads the class from every layer's output and sums, over layers, the positive "
+            "part of that score's gradient with respect to the layer's attention. Deletion "
             "removes patches in each map's order (insertion reveals them) and follows the class probability: a "
             "faithful map makes it fall fast and rise fast; a random order is the baseline.",
             elem_classes="vv-caption",
