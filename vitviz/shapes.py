@@ -6,6 +6,10 @@ machine, and a different seed gives images never seen in training. Each image ho
 low-frequency blobs, stripes or checks, pixel noise, and distractor strokes (open lines and arcs,
 never closed shapes). The mask marks the shape's pixels, so that "does the model look at the
 object?" can be measured (see `pointing_game` in `vitviz.analysis`).
+
+`generate_scenes` draws scenes of 2-3 shapes, each in one of the named `COLORS`, with the list of
+their (colour, shape) names and one mask per object: the captioned data of the embedded image–text
+model `shapes_clip` (`python -m vitviz.dev.train_shapes_clip`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["CLASSES", "generate", "render", "write_examples", "write_dataset"]
+__all__ = ["CLASSES", "COLORS", "generate", "generate_scenes", "render", "render_scene", "write_examples", "write_dataset"]
 
 CLASSES: tuple[str, ...] = (
     "circle",
@@ -28,6 +32,16 @@ CLASSES: tuple[str, ...] = (
     "arrow",
     "crescent",
 )
+
+# The named colours of `generate_scenes`, RGB: six hues far apart from each other.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 50),
+    "blue": (30, 70, 230),
+    "yellow": (245, 220, 30),
+    "purple": (150, 40, 200),
+    "orange": (250, 130, 10),
+}
 
 _SUPERSAMPLE = 4
 
@@ -200,6 +214,90 @@ def generate(
     for k, (i, label) in enumerate(zip(range(start, start + n), labels)):
         images[k], masks[k] = render(int(label), seed=seed, index=i, image_size=image_size)
     return images, labels, masks
+
+
+def _cluttered_background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """`_background` with the distractor strokes drawn on it, float32 [size, size, 3] in 0..255."""
+    canvas = Image.fromarray(np.clip(_background(rng, size), 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(canvas)
+    for stroke in _strokes(rng, size):
+        if stroke[0] == "line":
+            draw.line(stroke[1], fill=stroke[2], width=max(1, round(stroke[3])))
+        else:
+            draw.arc(stroke[1], stroke[2], stroke[3], fill=stroke[4], width=max(1, round(stroke[5])))
+    return np.asarray(canvas, dtype=np.float32)
+
+
+def render_scene(
+    *, seed: int, index: int, image_size: int = 96
+) -> tuple[np.ndarray, list[tuple[str, str]], np.ndarray]:
+    """One scene of 2 or 3 shapes that do not overlap, deterministic in `(seed, index)`.
+
+    Each object is a shape of `CLASSES` (radius 0.12-0.21 of the side, random position and rotation)
+    painted in one of the `COLORS` (with 4 % texture), picked among the colours that stand out from
+    the background under it (L1 distance of the RGB values above 200, else the farthest); no two
+    objects of a scene have the same (colour, shape).
+
+    Returns:
+        image uint8 [S, S, 3], objects [(colour, shape)] (K of them), masks bool [K, S, S] (the
+        pixels each object covers at least half, disjoint).
+    """
+    rng = np.random.default_rng([seed, index, 2_000_003])
+    size = image_size
+    img = _cluttered_background(rng, size)
+    count = int(rng.integers(2, 4))
+    placed: list[tuple[float, float, float]] = []
+    objects: list[tuple[str, str]] = []
+    masks = np.zeros((count, size, size), dtype=bool)
+    names = list(COLORS)
+    palette = np.array([COLORS[c] for c in names], dtype=np.float32)  # [6, 3]
+    for k in range(count):
+        for attempt in range(200):  # a free spot (the radius shrinks if none is found)
+            r = rng.uniform(0.12, 0.21) * size * (0.97 ** (attempt // 20))
+            cx, cy = rng.uniform(r + 2, size - r - 2, 2)
+            if all(math.hypot(cx - x, cy - y) > 1.1 * (r + q) + 2 for x, y, q in placed):
+                break
+        placed.append((cx, cy, r))
+        shape = CLASSES[int(rng.integers(len(CLASSES)))]
+        alpha, (rows, cols) = _shape_alpha(size, shape, cx, cy, r, rng.uniform(0, 2 * math.pi))
+        masks[k, rows, cols] = alpha > 0.5
+        under = img[masks[k]].mean(axis=0) if masks[k].any() else img.reshape(-1, 3).mean(axis=0)
+        distance = np.abs(palette - under).sum(axis=1)
+        free = [i for i in range(len(names)) if (names[i], shape) not in objects]
+        contrast = [i for i in free if distance[i] > 200]
+        pick = int(rng.choice(contrast)) if contrast else max(free, key=lambda i: distance[i])
+        objects.append((names[pick], shape))
+        paint = palette[pick] * (1.0 + 0.04 * rng.standard_normal((*alpha.shape, 1), dtype=np.float32))
+        a = alpha[..., None]
+        img[rows, cols] = img[rows, cols] * (1 - a) + paint * a
+    return np.clip(img, 0, 255).astype(np.uint8), objects, masks
+
+
+def generate_scenes(
+    n: int, *, seed: int, image_size: int = 96, start: int = 0
+) -> tuple[np.ndarray, list[list[tuple[str, str]]], list[np.ndarray]]:
+    """`n` scenes of 2-3 coloured shapes (`render_scene`), deterministic in `seed`.
+
+    The colours are `COLORS`: red (220, 30, 30), green (30, 170, 50), blue (30, 70, 230), yellow
+    (245, 220, 30), purple (150, 40, 200), orange (250, 130, 10).
+
+    Args:
+        n: number of scenes.
+        seed: any integer; scenes with different seeds are independent.
+        image_size: side of the square images in pixels.
+        start: index of the first scene, so that a long stream can be generated in chunks.
+
+    Returns:
+        images uint8 [n, S, S, 3]; per image its objects as (colour name, shape name) pairs, distinct
+        within an image; per image its object masks bool [K, S, S], one per object, in that order.
+    """
+    images = np.empty((n, image_size, image_size, 3), dtype=np.uint8)
+    objects, masks = [], []
+    for k, i in enumerate(range(start, start + n)):
+        images[k], objs, m = render_scene(seed=seed, index=i, image_size=image_size)
+        objects.append(objs)
+        masks.append(m)
+    return images, objects, masks
 
 
 def write_examples(folder, *, seed: int = 7, image_size: int = 192) -> list[str]:

@@ -1,5 +1,10 @@
 """The embedded shapes models (`shapes_p8`, `shapes_p16`): small ViTs trained on `vitviz.shapes`,
 shipped with vitviz, offline. `python -m vitviz.dev.train_shapes` makes their weights.
+
+`shapes_clip` is a small image–text model (`vitviz.imagetext.ImageTextModel`, an image tower like
+`shapes_p16`'s and a word-level text tower) trained on captioned scenes of coloured shapes
+(`vitviz.shapes.generate_scenes`); it loads with its tokenizer (`vitviz.words.WordTokenizer`).
+`python -m vitviz.dev.train_shapes_clip` makes its weights.
 """
 
 from __future__ import annotations
@@ -10,14 +15,28 @@ from pathlib import Path
 
 import torch
 
-from vitviz.config import Preprocessing, ViTConfig
+from vitviz.config import Preprocessing, TextConfig, ViTConfig
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source
 
-__all__ = ["EmbeddedSource", "assets_dir", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
+__all__ = ["EmbeddedSource", "assets_dir", "shapes_clip_configs", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
 
 SHAPES_IMAGE_SIZE = 96
 SHAPES_ARCH = dict(width=96, depth=6, heads=3, mlp_dim=192)
+SHAPES_CLIP_PATCH = 16
+SHAPES_CLIP_TEXT = dict(context_length=8, width=64, depth=2, heads=2, mlp_dim=128, embed_dim=64)
+_PREPROCESSING = Preprocessing(image_size=SHAPES_IMAGE_SIZE, resize_size=SHAPES_IMAGE_SIZE, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+
+
+def shapes_clip_configs() -> tuple[ViTConfig, TextConfig]:
+    """The architecture of `shapes_clip`: its image tower (`shapes_p16`'s, without a head) and its
+    text tower (causal, read at the end token of `vitviz.words`)."""
+    from vitviz.words import END_ID, VOCABULARY  # here, so that `python -m vitviz.shapes` runs it first
+
+    vision = ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=SHAPES_CLIP_PATCH, num_classes=0, **SHAPES_ARCH)
+    text = TextConfig(vocab_size=len(VOCABULARY), causal=True, pool="eos", eos_token_id=END_ID, **SHAPES_CLIP_TEXT)
+    return vision, text
 
 
 def assets_dir() -> Path:
@@ -46,9 +65,7 @@ class EmbeddedSource(WeightsSource):
             VariantSpec(
                 name=f"shapes_p{patch}",
                 config=ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=patch, num_classes=len(SHAPE_CLASSES), **SHAPES_ARCH),
-                preprocessing=Preprocessing(
-                    image_size=SHAPES_IMAGE_SIZE, resize_size=SHAPES_IMAGE_SIZE, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
-                ),
+                preprocessing=_PREPROCESSING,
                 categories=SHAPE_CLASSES,
                 source=self.name,
                 weights=f"embedded assets/shapes_p{patch}.pt (python -m vitviz.dev.train_shapes)",
@@ -57,18 +74,40 @@ class EmbeddedSource(WeightsSource):
                 description=f"Shapes ViT /{patch} at {SHAPES_IMAGE_SIZE} px, 8 generated shape classes (embedded, offline)",
             )
             for patch in (8, 16)
+        ] + [
+            VariantSpec(
+                name="shapes_clip",
+                config=shapes_clip_configs()[0],
+                preprocessing=_PREPROCESSING,
+                categories=None,
+                source=self.name,
+                weights="embedded assets/shapes_clip.pt (python -m vitviz.dev.train_shapes_clip)",
+                locator="shapes_clip.pt",
+                filename="shapes_clip.pt",
+                description=f"Shapes image–text model /{SHAPES_CLIP_PATCH} at {SHAPES_IMAGE_SIZE} px, captions of coloured shapes (embedded, offline)",
+            )
         ]
 
     def status(self, spec: VariantSpec) -> Status:
         return "embedded"
 
-    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT:
+    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT | ImageTextModel:
+        """The variant's ViT; for `shapes_clip` an `ImageTextModel` with its `WordTokenizer`."""
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
+        image_text = spec.name == "shapes_clip"
+        script = "train_shapes_clip" if image_text else "train_shapes"
         if not path.is_file():
             raise WeightsUnavailableError(
-                f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.train_shapes`."
+                f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.{script}`."
             )
-        model = spec.build()
+        if image_text:
+            from vitviz.words import WordTokenizer
+
+            model = ImageTextModel(*shapes_clip_configs())
+            model.tokenizer = WordTokenizer()
+            model.spec = spec
+        else:
+            model = spec.build()
         try:
             model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         except RuntimeError as exc:
