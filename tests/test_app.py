@@ -574,3 +574,41 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     assert (tabs.explain.TAB.explain_imgs["gradient"] in explained) is ("explain" not in lacking)
     live = tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.explorer_live]
     assert (live is None) is ("explorer" in lacking)
+
+
+def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
+    """shapes_clip: two phrases give two maps, each the library's own map for that phrase on the
+    analysed crop (the same numbers drawn), titled by the phrase and its similarity; the other slots
+    hidden. A plain ViT gets the reason instead, and the handler refuses it alike."""
+    find = tabs.find.TAB
+    out = page.on_analyze(example, "shapes_clip", "mean", 0.0, progress=_quiet)
+    ref = out[page.PAGE.state]
+    assert out[find.gate.note]["visible"] is False and out[find.gate.content]["visible"] is True
+    got = find.on_find(ref, " a red star ,a blue circle, ", "gradient")
+    model = runtime.CACHE.get("shapes_clip")[0]
+    crop = runtime.STORE.get(ref.key).analysis.image
+    want = vitviz.explain(model, crop, method="gradient", text=["a red star", "a blue circle"])
+    for k, e in enumerate(want):
+        slot = got[find.maps[k]]
+        assert slot["visible"] and f"“{e.text}” — similarity {e.similarity:.2f}" == slot["label"]
+        heat = np.asarray(slot["value"], dtype=float)
+        expected = np.asarray(views_heat(runtime, ref, e.map, f"find-gradient-{e.text}"), dtype=float)
+        assert heat.shape == expected.shape and np.abs(heat - expected).max() == 0
+    assert all(got[m]["visible"] is False for m in find.maps[2:])
+    for bad, match in (("", "one or more phrases"), ("a, b, c, d, e", "At most 4"), ("x" * 81, "at most 80"), (None, "one or more")):
+        with pytest.raises(gr.Error, match=match):
+            find.on_find(ref, bad, "gradient")
+    with pytest.raises(gr.Error, match="method must be one of"):
+        find.on_find(ref, "a red star", "rollout")  # no phrase in it: not offered here
+    plain = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert "has no text tower" in plain[find.gate.note]["value"] and plain[find.gate.content]["visible"] is False
+    with pytest.raises(gr.Error, match="has no text tower"):
+        find.on_find(plain[page.PAGE.state], "a red star", "gradient")
+
+
+def views_heat(runtime, ref, heat, view):
+    """The picture the app draws for a map of the session's analysis (the views' own drawing)."""
+    from vitviz.server import views
+
+    exp = runtime.STORE.get(ref.key)
+    return views._heat_view(exp, heat, name=views._name(exp, *view.split("-", 2)), label="relevance")

@@ -337,6 +337,10 @@ def test_no_bare_error_for_junk_values(server, good, steady):
         ("session_view", [3, "mean", 1e30, "each map its own"]),
         ("session_rollout", ["mean", "x"]),
         ("session_explain", [12, "each map"]),
+        ("session_find", ["a red star", "gradient"]),  # a model without a text tower
+        ("session_find", [["a", "b"], "gradient"]),
+        ("session_find", ["a, b, c, d, e", "legrad"]),
+        ("session_find", ["x" * 5000, 3]),
         ("on_click", [3, "mean", "each map its own"]),
         ("on_dino_share", ["lots"]),
     ]

@@ -481,3 +481,31 @@ def test_a_person_asks_why_this_class(url, page, tmp_path_factory):
     page.screenshot(path=str(shots / "tokens.png"), full_page=True)
     for shot in shots.glob("*.png"):
         assert Image.open(shot).size[0] == 1280
+
+
+def test_a_person_types_two_phrases_and_gets_two_maps(url, page):
+    """shapes_clip from the menu; in the Find tab two phrases, comma-separated: two maps, each titled
+    by its phrase and similarity, the other slots hidden. A plain ViT hides the tab's content behind
+    one line saying why."""
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.get_by_role("tab", name="Find").click()
+    page.wait_for_function("document.querySelector('#vv-find-lacks') && document.querySelector('#vv-find-lacks').innerText.includes('has no text tower')")
+    _choose(page, "Model variant", "shapes_clip ")
+    _analysed(page, "shapes_clip")
+    page.get_by_role("tab", name="Find").click()
+    box = page.locator("#vv-phrases textarea, #vv-phrases input").first
+    box.fill("a red star, a blue circle")
+    page.locator("#vv-find-run").click()
+    page.wait_for_selector("#vv-find-2 img")
+    _settled(page)
+    for k, phrase in ((1, "a red star"), (2, "a blue circle")):
+        slot = page.locator(f"#vv-find-{k}")
+        assert phrase in slot.inner_text(), slot.inner_text()  # the label names the phrase and its similarity
+        size = slot.locator("img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
+        assert size[0] > size[1] > 0
+    assert not page.locator("#vv-find-3").is_visible() and not page.locator("#vv-find-4").is_visible()
+    assert "closest to" in page.locator("#vv-find-note").inner_text()
