@@ -134,3 +134,14 @@ def test_the_training_losses_float32_muon_steps_as_torchs_and_masked_false_negat
     changed[3, 1] -= 10.0
     assert torch.allclose(contrastive_loss(logits, false_negatives=false), contrastive_loss(changed, false_negatives=false))
     assert not torch.allclose(contrastive_loss(logits), contrastive_loss(changed))
+
+
+@pytest.mark.slow
+def test_the_map_of_a_phrase_points_at_its_object():
+    """The phrase pointing game on 60 fresh scenes (seed 4100): `gradient` finds the named object in
+    at least 85 % (95.4 % measured on 1,000, docs/shapes.md), well above a random map."""
+    from vitviz.dev.train_shapes_clip import grounding
+
+    model = vitviz.load_model("shapes_clip", device="cpu")
+    got = grounding(model, n=60, seed=4100, methods=("gradient",))
+    assert got["gradient"] >= 0.85 and got["gradient"] > got["random"] + 0.3, got
