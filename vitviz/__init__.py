@@ -99,6 +99,6 @@ def __getattr__(name: str):
     import importlib
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
-                "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config"}:
+                "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words"}:
         return importlib.import_module(f"vitviz.{name}")
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")
