@@ -591,9 +591,9 @@ def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
     for k, e in enumerate(want):
         slot = got[find.maps[k]]
         assert slot["visible"] and f"“{e.text}” — similarity {e.similarity:.2f}" == slot["label"]
-        heat = np.asarray(slot["value"], dtype=float)
-        expected = np.asarray(views_heat(runtime, ref, e.map, f"find-gradient-{e.text}"), dtype=float)
-        assert heat.shape == expected.shape and np.abs(heat - expected).max() == 0
+        expected = np.asarray(views_heat(runtime, ref, e.map), dtype=float)  # the overlay, left of the colour bar
+        heat = np.asarray(slot["value"], dtype=float)[: expected.shape[0], : expected.shape[1]]
+        assert slot["value"].size[0] > expected.shape[1] and np.abs(heat - expected).max() == 0
     assert all(got[m]["visible"] is False for m in find.maps[2:])
     for bad, match in (("", "one or more phrases"), ("a, b, c, d, e", "At most 4"), ("x" * 81, "at most 80"), (None, "one or more")):
         with pytest.raises(gr.Error, match=match):
@@ -606,9 +606,10 @@ def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
         find.on_find(plain[page.PAGE.state], "a red star", "gradient")
 
 
-def views_heat(runtime, ref, heat, view):
-    """The picture the app draws for a map of the session's analysis (the views' own drawing)."""
+def views_heat(runtime, ref, heat):
+    """The picture the views draw for a map of the session's analysis, on its own range."""
+    from vitviz import plots
     from vitviz.server import views
 
     exp = runtime.STORE.get(ref.key)
-    return views._heat_view(exp, heat, name=views._name(exp, *view.split("-", 2)), label="relevance")
+    return plots.overlay(exp.display_image, heat)

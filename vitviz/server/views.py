@@ -267,6 +267,13 @@ def render_method_maps(exp: Exploration, maps: dict[str, torch.Tensor], *, label
             for name, m in maps.items()}
 
 
+def render_phrase_maps(exp: Exploration, maps: torch.Tensor, phrases: list[str], *, method: str) -> list[Image.Image]:
+    """One overlay per phrase (maps [T, gh, gw]), each on its own range with its colour bar, named by
+    the variant, the method and the phrase."""
+    unit = registered_method(method).unit
+    return [_heat_view(exp, m, name=_name(exp, "find", method, phrase), label=unit) for m, phrase in zip(maps, phrases)]
+
+
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
     """DINO's figure: the last block's cls attention per head (a pooled model's "pool" query's), the
     patches that hold `share` of each head's mass in colour and the rest dimmed (Caron et al. 2021)."""

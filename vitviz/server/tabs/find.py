@@ -83,13 +83,11 @@ class FindTab(Tab):
         layer_gradients = registered_method(method_name).needs_layer_gradients
         with runtime.job("explain", a.variant, request, layer_gradients=layer_gradients):
             maps, similarities = runtime.find_on_device(exp, phrases, method_name)
-        unit = registered_method(method_name).unit
+        pictures = views.render_phrase_maps(exp, maps, phrases, method=method_name)
         out: Outputs = {}
         for k, slot in enumerate(self.maps):
             if k < len(phrases):
-                name = views._name(exp, "find", method_name, phrases[k])
-                picture = views._heat_view(exp, maps[k], name=name, label=unit)
-                out[slot] = gr.update(value=picture, label=f"“{phrases[k]}” — similarity {float(similarities[k]):.2f}", visible=True)
+                out[slot] = gr.update(value=pictures[k], label=f"“{phrases[k]}” — similarity {float(similarities[k]):.2f}", visible=True)
             else:
                 out[slot] = gr.update(value=None, visible=False)
         best = max(range(len(phrases)), key=lambda k: float(similarities[k]))
