@@ -526,8 +526,8 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
 
 
 @pytest.mark.parametrize("change, lacking", [
-    (dict(position_embeddings=False), {"positions"}),
-    (dict(attention="windowed"), {"explain", "explorer", "tokens", "distance"}),
+    (dict(position_embeddings=False), {"positions", "find"}),  # shapes_p16 has no text tower: Find says so as ever
+    (dict(attention="windowed"), {"explain", "find", "explorer", "tokens", "distance"}),
 ])
 def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app, example, monkeypatch, change, lacking):
     """A model without what a tab needs: the tab stays, its content hidden behind the one line
@@ -546,7 +546,7 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
     layout = runtime.STORE.get(ref.key).analysis.layout
-    assert [t.id for t in tabs.TABS][:8] == ["predict", "explain", "explorer", "tokens", "distance", "positions", "architecture", "compare"]
+    assert [t.id for t in tabs.TABS][:9] == ["predict", "explain", "find", "explorer", "tokens", "distance", "positions", "architecture", "compare"]
     for tab in tabs.TABS:
         note, content = out[tab.gate.note], out[tab.gate.content]
         if tab.id in lacking:

@@ -310,11 +310,15 @@ def test_a_line_cut_short_at_the_end_of_a_shard_is_scored_again(finished, tmp_pa
     data, done, settings = finished
     out = tmp_path / "out"
     shutil.copytree(done, out)
+    cut = {}
     for shard in (out / "shards").glob("*.jsonl"):
         lines = shard.read_text().splitlines()
         shard.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+        cut[shard] = shard.read_bytes()
     evaluate(data, out=out, **settings)
     assert _run_json(out)["scored_now"] == 1
+    # the run wrote a shard of its own (even within the same second, by the same process): the cut one is as it was
+    assert all(shard.read_bytes() == text for shard, text in cut.items()) and len(list((out / "shards").glob("*.jsonl"))) > len(cut)
     _same_tables(_table(out / "per_image.csv"), _table(done / "per_image.csv"))
     assert (out / "summary.csv").read_bytes() == (done / "summary.csv").read_bytes()
 

@@ -381,6 +381,12 @@ def _row_problem(row: object, schema: tuple[dict[str, Check], dict[str, Check]])
     return None
 
 
+def _unique() -> str:
+    """A shard's name part no other run's can have: a run resumed in the same second by the same
+    process must not append to a shard whose last line an interrupted run cut short."""
+    return f"{os.getpid()}-{time.time_ns()}-{os.urandom(4).hex()}"
+
+
 def _read_shards(folder: Path, schema) -> list[dict]:
     """Every row of every shard, in order. A last line cut short by an interrupted run is skipped (its
     image is scored again); any other line that is not a row of this run stops the merge.
@@ -864,7 +870,7 @@ def evaluate(
         if changed:  # files only touched or copied keep their rows
             kept = _restamped(_read_shards(shards, schema), items)
             if kept:
-                with open(shards / f"rescan-{os.getpid()}-{int(time.time())}.jsonl", "a") as f:
+                with open(shards / f"rescan-{_unique()}.jsonl", "x") as f:
                     f.write("".join(json.dumps(row) + "\n" for row in kept))
         _write_json(out / "run.json", dict(run, sessions=sessions, **_totals(sessions)))
     _barrier()
@@ -877,11 +883,11 @@ def evaluate(
         EvalDataset(items, spec.preprocessing), batch_sampler=sampler, num_workers=workers,
         collate_fn=_collate, persistent_workers=False,
     )
-    shard = shards / f"rank{rank:03d}-of-{world:03d}-{os.getpid()}-{int(time.time())}.jsonl"
+    shard = shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
     start = time.perf_counter()
     scored_now = failed_now = 0
     bar = tqdm(total=sum(len(b) for p in plans for b in p.batches), unit="img", disable=not (progress and rank == 0), file=sys.stderr)
-    with bar, open(shard, "a") as f:  # the bar closed (its line ended) also when stopped
+    with bar, open(shard, "x") as f:  # the bar closed (its line ended) also when stopped
         batches = iter(loader)
         for _ in range(rounds):  # the ranks in step, a rank out of batches too, so that the bar counts every rank's images
             batch = next(batches, None)

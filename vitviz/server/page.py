@@ -109,7 +109,7 @@ def _results() -> None:
             PAGE.result_thumb = gr.Image(None, show_label=False, interactive=False, container=False, height=56, width=56,
                                          min_width=56, scale=0, elem_id="vv-result-thumb", buttons=[])
             PAGE.status = gr.Markdown("", elem_id="vv-status")
-        with gr.Tabs() as PAGE.tabs:
+        with gr.Tabs(overflow_behavior="wrap") as PAGE.tabs:
             for tab in TABS:
                 tab.page = PAGE
                 with gr.Tab(tab.label, id=tab.id):
