@@ -93,6 +93,7 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     page.get_by_role("tab", name="Compare").click()
     page.locator("#vv-compare-run").click()
     page.wait_for_function("document.querySelector('#vv-compare-2') && document.querySelector('#vv-compare-2').innerText.includes('shapes_p8')")
+    page.locator("#vv-compare-distance").scroll_into_view_if_needed()  # below the fold: the picture loads when seen
     page.wait_for_selector("#vv-compare-distance img")
     assert "shapes_p16" in page.locator("#vv-compare-1").inner_text()
     _no_label_covers_a_picture(page)
