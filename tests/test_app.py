@@ -609,7 +609,6 @@ def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
 def views_heat(runtime, ref, heat):
     """The picture the views draw for a map of the session's analysis, on its own range."""
     from vitviz import plots
-    from vitviz.server import views
 
     exp = runtime.STORE.get(ref.key)
     return plots.overlay(exp.display_image, heat)
