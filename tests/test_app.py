@@ -606,6 +606,30 @@ def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
         find.on_find(plain[page.PAGE.state], "a red star", "gradient")
 
 
+def test_an_image_text_model_predicts_zero_shot_and_a_click_on_a_label_finds_it(app, example):
+    """shapes_clip's Predict tab shows the zero-shot top-5 over the shapes classes (the library's
+    numbers); a click on a label finds its prompt in the Find tab, and the Explain tab stays out of it.
+    A classifier's click goes to the Explain tab as before, and the Find tab stays out of that."""
+    find, explain, predict = tabs.find.TAB, tabs.explain.TAB, tabs.predict.TAB
+    out = page.on_analyze(example, "shapes_clip", "mean", 0.0, progress=_quiet)
+    ref = out[page.PAGE.state]
+    model = runtime.CACHE.get("shapes_clip")[0]
+    want = vitviz.analyze(model, runtime.STORE.get(ref.key).analysis.image).predictions(5)
+    shown = out[predict.predictions]["value"]
+    assert len(want) == 5 and shown == dict(want)
+    assert "Zero-shot" in out[predict.predict_note] and "a photo of a {}" in out[predict.predict_note]
+    label = want[1][0]
+    click = gr.SelectData(None, {"value": {"label": label}, "index": 1, "selected": True})
+    assert explain.on_pick_class(ref, tabs.explain.EXPLAIN_SCALES[0], click) == gr.skip()
+    got = find.on_pick_label(ref, "gradient", click)
+    assert got[find.phrases] == f"a photo of a {label}" and got[page.PAGE.current_tab] == "find"
+    e = vitviz.explain(model, runtime.STORE.get(ref.key).analysis.image, method="gradient", text=f"a photo of a {label}")
+    assert got[find.maps[0]]["label"] == f"“a photo of a {label}” — similarity {e.similarity:.2f}"
+    plain = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
+    assert find.on_pick_label(plain, "gradient", click) == gr.skip()
+    assert explain.on_pick_class(plain, tabs.explain.EXPLAIN_SCALES[0], click)[page.PAGE.current_tab] == "explain"
+
+
 def views_heat(runtime, ref, heat):
     """The picture the views draw for a map of the session's analysis, on its own range."""
     from vitviz import plots

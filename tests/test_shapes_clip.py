@@ -145,3 +145,42 @@ def test_the_map_of_a_phrase_points_at_its_object():
     model = vitviz.load_model("shapes_clip", device="cpu")
     got = grounding(model, n=60, seed=4100, methods=("gradient",))
     assert got["gradient"] >= 0.85 and got["gradient"] > got["random"] + 0.3, got
+
+
+def test_zero_shot_predictions_are_the_softmax_of_the_models_own_logits_over_the_prompts():
+    model = vitviz.load_model("shapes_clip")
+    images, labels, _ = shapes.generate(60, seed=7007)
+    a = vitviz.analyze(model, images[0])
+    assert a.categories == shapes.CLASSES and a.layout.text and not a.layout.classifier
+    x = vitviz.preprocess(vitviz.load_image(images[0]), model.spec.preprocessing)[0][None]
+    with torch.no_grad():
+        expected = model(x, *model.tokenize([f"a photo of a {c}" for c in shapes.CLASSES]))[0].softmax(-1)
+    torch.testing.assert_close(a.probabilities, expected, rtol=1e-5, atol=1e-6)
+    # a label set and a template of the caller's own
+    b = vitviz.analyze(model, images[0], labels=["red star", "blue ring"], template="a {}")
+    with torch.no_grad():
+        expected = model(x, *model.tokenize(["a red star", "a blue ring"]))[0].softmax(-1)
+    torch.testing.assert_close(b.probabilities, expected, rtol=1e-5, atol=1e-6)
+    assert [label for label, _ in b.predictions()] == [["red star", "blue ring"][i] for i in expected.argsort(descending=True)]
+    # and they mean something: fresh single shapes (the trained model reaches 93.6 % on 1,000)
+    hits = sum(vitviz.analyze(model, im).predictions(1)[0][0] == shapes.CLASSES[y] for im, y in zip(images, labels))
+    assert hits / len(images) >= 0.8
+
+
+@pytest.mark.parametrize("labels, template, error", [
+    ([], None, "1 to 5000 labels"),
+    (["a", ""], None, "non-empty"),
+    ("star", None, "not one string"),
+    (["x"] * 5001, None, "1 to 5000"),
+    (["star"], "no slot", 'exactly one "{}"'),
+    (["star"], "{} and {}", 'exactly one "{}"'),
+])
+def test_zero_shot_refuses_a_bad_label_set(labels, template, error):
+    model = vitviz.load_model("shapes_clip")
+    with pytest.raises((ValueError, TypeError), match=error):
+        vitviz.analyze(model, np.zeros((96, 96, 3), np.uint8), labels=labels, template=template)
+
+
+def test_a_classifier_takes_no_label_set():
+    with pytest.raises(ValueError, match="image–text models"):
+        vitviz.analyze(vitviz.load_model("shapes_p16"), np.zeros((96, 96, 3), np.uint8), labels=["star"])

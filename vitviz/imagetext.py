@@ -34,7 +34,11 @@ from torch import nn
 from vitviz.config import TextConfig, VariantSpec, ViTConfig
 from vitviz.model import ViT, _activation
 
-__all__ = ["ImageTextModel", "TextTower", "TextBlock", "TextAttention", "TextConfig", "text_mask"]
+__all__ = ["DEFAULT_TEMPLATE", "MAX_LABELS", "ImageTextModel", "TextTower", "TextBlock", "TextAttention", "TextConfig", "text_mask"]
+
+
+DEFAULT_TEMPLATE = "a photo of a {}"
+MAX_LABELS = 5000  # labels in one zero-shot label set (ImageNet-21k's 21,843 would be a text-tower job of its own)
 
 
 def text_mask(
@@ -177,6 +181,10 @@ class ImageTextModel(nn.Module):
         logit_bias: added to the logits, or None.
         tokenizer: the text tokenizer (a Hugging Face tokenizer) where the model was loaded with one
             (`vitviz.load_model("hf:...")`), else None: `tokenize` needs it.
+        labels: the label set of zero-shot classification when none is given (`vitviz.analyze`):
+            the shapes classes for `shapes_clip`, ImageNet's 1,000 classes for a model from the hub,
+            None for a model built here (no zero-shot predictions unless labels are given).
+        template: the prompt each label is put in ("a photo of a {}").
         spec: the image tower's `VariantSpec` (no classes); the same object as `model.image.spec`.
     """
 
@@ -200,6 +208,9 @@ class ImageTextModel(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(float(logit_scale)))
         self.logit_bias = nn.Parameter(torch.tensor(0.0)) if logit_bias else None
         self.tokenizer: Any = None
+        self.labels: tuple[str, ...] | None = None
+        self.template: str = DEFAULT_TEMPLATE
+        self._label_cache: dict[tuple, torch.Tensor] = {}
 
     @property
     def spec(self) -> VariantSpec | None:
@@ -256,3 +267,45 @@ class ImageTextModel(nn.Module):
         device = self.logit_scale.device
         mask = out.get("attention_mask")
         return out["input_ids"].to(device), None if mask is None else mask.to(device)
+
+    def label_embeddings(self, labels: Sequence[str], template: str | None = None) -> torch.Tensor:
+        """The normalised text embeddings of the template with each label in its "{}" [K, E], computed
+        without gradients in batches of 256 and kept for the next call with the same labels (the
+        last 4 label sets are kept)."""
+        labels, template = _checked_labels(labels, self.template if template is None else template)
+        key = (labels, template, self.logit_scale.device, self.logit_scale.dtype)
+        if key not in self._label_cache:
+            with torch.no_grad():
+                parts = [self.encode_text(*self.tokenize([template.replace("{}", x) for x in labels[i : i + 256]]))
+                         for i in range(0, len(labels), 256)]
+            while len(self._label_cache) >= 4:
+                self._label_cache.pop(next(iter(self._label_cache)))
+            self._label_cache[key] = F.normalize(torch.cat(parts).float(), dim=-1)
+        return self._label_cache[key]
+
+    def zero_shot(self, image_embeds: torch.Tensor, labels: Sequence[str], template: str | None = None) -> torch.Tensor:
+        """Zero-shot classification of image embeddings [B, E] over `labels`: probabilities [B, K].
+
+        CLIP's: the softmax over the labels of logits_per_image (one label per image). A model with a
+        logit bias (SigLIP, trained with a sigmoid loss) scores each label on its own: the sigmoid of
+        each logit (they need not sum to 1), as its authors classify zero-shot.
+        """
+        text = self.label_embeddings(labels, template)
+        logits = self.logit_scale.exp().float() * F.normalize(image_embeds.float(), dim=-1) @ text.T
+        if self.logit_bias is not None:
+            return (logits + self.logit_bias.float()).sigmoid()
+        return logits.softmax(dim=-1)
+
+
+def _checked_labels(labels: Sequence[str], template: str) -> tuple[tuple[str, ...], str]:
+    """`labels` as a tuple of non-empty strings (at most `MAX_LABELS`) and a template with one "{}"."""
+    if isinstance(labels, str) or not isinstance(labels, Sequence):
+        raise TypeError(f"labels must be a list of strings, got {type(labels).__name__}")
+    labels = tuple(labels)
+    if not 1 <= len(labels) <= MAX_LABELS:
+        raise ValueError(f"zero-shot classification takes 1 to {MAX_LABELS} labels, got {len(labels)}")
+    if not all(isinstance(x, str) and x.strip() for x in labels):
+        raise ValueError("every label must be a non-empty string")
+    if not isinstance(template, str) or template.count("{}") != 1:
+        raise ValueError(f'the prompt template must hold exactly one "{{}}" where the label goes, got {template!r}')
+    return labels, template

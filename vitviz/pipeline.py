@@ -11,6 +11,7 @@ asked for.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,8 +58,9 @@ class Analysis:
     Attributes:
         variant: the model's variant name.
         image: the S x S crop the model saw (overlays are drawn on it).
-        probabilities: softmax over the classes [C], or None for a model without a head.
-        categories: class names, or None for a model without a head.
+        probabilities: softmax over the classes [C]; for an image–text model its zero-shot scores over
+            a label set (`ImageTextModel.zero_shot`); None for a model without a head or labels.
+        categories: class names (an image–text model's labels), or None with no probabilities.
         attentions: attention stack [L, H, N, N].
         tokens: every token after the last block and the final norm [N, D].
         token_norms: the L2 norm of every token after each block, before the final norm [L, N]
@@ -137,7 +139,8 @@ class Analysis:
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
     def predictions(self, k: int = 5) -> list[tuple[str, float]]:
-        """The top-k (label, probability), most likely first; empty for a model without a head."""
+        """The top-k (label, probability), most likely first (zero-shot for an image–text model);
+        empty for a model without a head or labels."""
         if self.probabilities is None or self.categories is None:
             return []
         top = self.probabilities.topk(min(k, self.probabilities.numel()))
@@ -161,30 +164,56 @@ class Analysis:
         )
 
 
-def analyze(model: ViT | ImageTextModel, image: ImageSource) -> Analysis:
+def analyze(
+    model: ViT | ImageTextModel, image: ImageSource, *, labels: Sequence[str] | None = None, template: str | None = None
+) -> Analysis:
     """Runs `model` once on `image`, recording attention.
 
     Args:
         model: a vitviz ViT with a spec (from `load_model` or a `ViT.from_*` conversion), or an
-            image–text model: its image tower is analysed (no classes: `probabilities` is None; the
-            layout says the model has a text tower).
+            image–text model: its image tower is analysed, and its predictions are zero-shot
+            classification over a label set (the layout says it has a text tower, not a classifier).
         image: anything `vitviz.load_image` accepts (PIL image, path, bytes, file, uint8 array).
+        labels: an image–text model's zero-shot label set; by default its own (`model.labels`: the
+            shapes classes for `shapes_clip`, ImageNet's classes for a model from the hub; None: no
+            predictions). Each label is scored through `template`.
+        template: the prompt with "{}" where the label goes (default `model.template`, "a photo of a {}").
     """
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
-    return _analyze_input(model, x, cropped)
+    return _analyze_input(model, x, cropped, labels=labels, template=template)
 
 
-def analyze_crop(model: ViT | ImageTextModel, cropped: Image.Image) -> Analysis:
+def analyze_crop(
+    model: ViT | ImageTextModel, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None
+) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
-    return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped)
+    return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template)
 
 
-def _analyze_input(model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image) -> Analysis:
+def _zero_shot_labels(model: ViT | ImageTextModel, labels: Sequence[str] | None, template: str | None) -> tuple[str, ...] | None:
+    """The label set an analysis scores, or None: a ViT's own classes are its head's."""
+    if not isinstance(model, ImageTextModel):
+        if labels is not None or template is not None:
+            raise ValueError("labels and template are for image–text models (zero-shot classification); "
+                             "this model classifies with its own head")
+        return None
+    if isinstance(labels, str):
+        raise TypeError(f"labels must be a list of strings, not one string ({labels[:40]!r})")
+    labels = model.labels if labels is None else labels
+    return None if labels is None else tuple(labels)
+
+
+def _analyze_input(
+    model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None
+) -> Analysis:
     spec = spec_of(model)
+    labels = _zero_shot_labels(model, labels, template)
     text = isinstance(model, ImageTextModel)
-    model = image_tower(model)
+    if labels is not None:
+        model.label_embeddings(labels, template)  # checked (and encoded once) before the image is
+    pair, model = model, image_tower(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
     gh, gw = model.grid_for(x.shape[2], x.shape[3])
@@ -211,12 +240,15 @@ def _analyze_input(model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         probs = logits[0].float().softmax(-1).cpu() if logits is not None else None
+        if labels is not None:
+            embeds = pair.image_projection(model.pool(tokens))
+            probs = pair.zero_shot(embeds, labels, template)[0].cpu()
         tokens, norms = tokens[0].float().cpu(), norms.cpu()
     return Analysis(
         variant=spec.name,
         image=cropped,
         probabilities=probs,
-        categories=spec.categories,
+        categories=labels if labels is not None else spec.categories,
         attentions=attn,
         tokens=tokens,
         token_norms=norms,

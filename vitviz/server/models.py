@@ -13,6 +13,7 @@ import torch
 
 from vitviz import plots
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
@@ -139,6 +140,8 @@ class ModelCache:
                     self._models.move_to_end(name)
                     return self._models[name]
             model = load_model(name, device=self.device)
+            if isinstance(model, ImageTextModel) and model.labels is not None:
+                model.label_embeddings(model.labels)  # zero-shot labels encoded with the load, not inside a request
             entry = (model, ModelFacts.of(model))
             with self._lock:
                 self._models[name] = entry

@@ -105,6 +105,9 @@ class EmbeddedSource(WeightsSource):
 
             model = ImageTextModel(*shapes_clip_configs())
             model.tokenizer = WordTokenizer()
+            from vitviz.shapes import CLASSES
+
+            model.labels = CLASSES  # zero-shot over the shapes classes, "a photo of a star", ...
             model.spec = spec
         else:
             model = spec.build()

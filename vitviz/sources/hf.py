@@ -487,6 +487,9 @@ class HuggingFaceSource(WeightsSource):
         ours = self.convert(model.eval())
         if isinstance(ours, ImageTextModel):
             ours.tokenizer = self._tokenizer(source, local=local)
+            from vitviz.sources.torchvision import _imagenet_categories
+
+            ours.labels = _imagenet_categories()  # zero-shot over ImageNet's classes unless told otherwise
         ours.spec = spec  # the spec `resolve` read (with its image processor); the converted one has none
         return ours
 

@@ -125,6 +125,8 @@ class ExplainTab(Tab):
     def on_pick_class(self, ref: SessionRef | None, scale_value: str, evt: gr.SelectData) -> Outputs:
         """A click on a prediction: that class, explained, in the Explain tab."""
         label = evt.value if isinstance(evt.value, str) else (evt.value or {}).get("label") if isinstance(evt.value, dict) else None
+        if isinstance(ref, SessionRef) and runtime.recall(ref).analysis.layout.text:
+            return gr.skip()  # a zero-shot label: the Find tab looks for it
         shown = {self.target_class: label, self.page.tabs: gr.Tabs(selected=self.id), self.page.current_tab: self.id}
         if isinstance(ref, SessionRef) and lacks(runtime.recall(ref), self.needs) is not None:
             return shown  # the tab says why it has nothing to show

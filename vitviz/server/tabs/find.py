@@ -10,6 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.explainers import method as registered_method, methods
+from vitviz.imagetext import DEFAULT_TEMPLATE
 from vitviz.server import runtime, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
@@ -95,8 +96,19 @@ class FindTab(Tab):
                           f"the image is closest to **{phrases[best]}** ({float(similarities[best]):.2f}).")
         return out
 
+    def on_pick_label(self, ref: SessionRef | None, method_name: str, evt: gr.SelectData, request: gr.Request = None) -> Outputs:
+        """A click on a zero-shot prediction: its prompt, found in the image, in this tab."""
+        label = evt.value if isinstance(evt.value, str) else (evt.value or {}).get("label") if isinstance(evt.value, dict) else None
+        if not isinstance(ref, SessionRef) or not runtime.recall(ref).analysis.layout.text or not isinstance(label, str):
+            return gr.skip()  # a class of a classifier: the Explain tab explains it
+        phrase = DEFAULT_TEMPLATE.replace("{}", label)[:MAX_PHRASE_CHARS].replace(",", " ")
+        shown = {self.phrases: phrase, self.page.tabs: gr.Tabs(selected=self.id), self.page.current_tab: self.id}
+        return {**shown, **self.on_find(ref, phrase, method_name, request)}
+
     def wire(self, page) -> None:
         inputs, outputs = [page.state, self.phrases, self.method], [self.note, *self.maps]
+        page.tab("predict").predictions.select(self.on_pick_label, [page.state, self.method], [self.phrases, page.tabs, page.current_tab, *outputs],
+                                               api_visibility="private", **page.model)
         self.run.click(self.on_find, inputs, outputs, api_visibility="undocumented", api_name="session_find", **page.model)
         self.phrases.submit(self.on_find, inputs, outputs, api_visibility="private", **page.model)
 

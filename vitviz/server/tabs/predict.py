@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from vitviz.imagetext import DEFAULT_TEMPLATE
 from vitviz.server import inputs, runtime, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
@@ -51,10 +52,14 @@ class PredictTab(Tab):
         lacking = lacks(exp, ROLLOUT_NEEDS)  # the rollout's place: one line saying why there is none
         distilled = lacking is None and "dist" in a.prefix_names
         options = dict(head_fusion=done.head_fusion, discard_ratio=done.discard_ratio)
-        notes = [] if has_head else [
-            f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
-            "The maps show what its tokens attend to."
-        ]
+        if a.layout.text and has_head:
+            notes = [f"**Zero-shot**: each of {len(a.categories)} labels put in “{DEFAULT_TEMPLATE}” and scored against the image "
+                     "by the text tower. Click one to find it in the image."]
+        else:
+            notes = [] if has_head else [
+                f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
+                "The maps show what its tokens attend to."
+            ]
         return {
             self.predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
             self.predict_note: "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else [])),
