@@ -155,6 +155,17 @@ def test_batches_give_the_single_image_maps_with_per_sample_targets(model):
             torch.testing.assert_close(batched[method][i], single[method][0], atol=1e-5, rtol=1e-4)
 
 
+def test_relevance_leaves_no_gradient_on_any_weight_and_no_graph_behind(model):
+    """Gradient methods differentiate the attention maps alone: after relevance_maps (every gradient
+    method, LeGrad's per-layer gradients included) no weight holds a gradient, the weights still
+    require grad as before, and the maps carry no graph."""
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(2, 3, 96, 96)
+    maps, _, _ = relevance_maps(model, x, methods=["gradient", "grad_rollout", "legrad"])
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+    assert all(not m.requires_grad and m.grad_fn is None for m in maps.values())
+
+
 def test_explain_names_its_target_and_refuses_what_it_cannot_explain(model):
     star = vitviz.sources.assets_dir() / "examples" / "star.png"
     top = explain(model, star, method="gradient")

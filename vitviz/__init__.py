@@ -38,6 +38,7 @@ from vitviz.sources import (
     default_variant,
     from_timm,
     from_torchvision,
+    from_open_clip,
     from_transformers,
     get_spec,
     list_variants,
@@ -63,6 +64,7 @@ __all__ = [
     "WeightsSource",
     "WeightsUnavailableError",
     "analyze",
+    "Ablation", "Attribution", "ablate", "head_importance",
     "attention_received",
     "attention_rollout",
     "cls_map",
@@ -72,6 +74,7 @@ __all__ = [
     "explain",
     "from_timm",
     "from_torchvision",
+    "from_open_clip",
     "from_transformers",
     "get_spec",
     "list_variants",
@@ -99,6 +102,9 @@ def __getattr__(name: str):
     import importlib
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
-                "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words"}:
+                "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words",
+                "inside"}:
         return importlib.import_module(f"vitviz.{name}")
+    if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
+        return getattr(importlib.import_module("vitviz.inside"), name)
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

@@ -12,7 +12,9 @@ Functions that take an attention stack accept `[L, B, H, N, N]` or, for one imag
 Queries: a map is one row of a token-by-token matrix (rollout, relevance, attention) over the patch
 columns. The row is a token's (0 the cls token, 1 DeiT's distillation token), or "pool" (`POOL`) for
 a model that classifies from the mean of its tokens after the prefix (timm's and vitviz's "avg"
-pooling): that query's row is the mean of those tokens' rows, the patches' rows.
+pooling): that query's row is the mean of those tokens' rows, the patches' rows. A model that pools
+with attention (SigLIP's probe, `ViTConfig.pool == "map"`) reads each token through the probe's
+attention: its "pool" row is the token rows weighted by that attention (`pool_weights`).
 """
 
 from __future__ import annotations
@@ -138,13 +140,17 @@ def rollout_fused(fused: torch.Tensor, *, discard_ratio: float = 0.0, num_prefix
     return rollout
 
 
-def pooled_row(matrix: torch.Tensor, *, num_prefix_tokens: int) -> torch.Tensor:
+def pooled_row(matrix: torch.Tensor, *, num_prefix_tokens: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """The pooled query's row: the mean of the rows of the tokens an "avg" pooling averages, every
-    token from p on (the patches; timm's `global_pool_nlc` without `reduce_include_prefix`).
+    token from p on (the patches; timm's `global_pool_nlc` without `reduce_include_prefix`); with
+    `weights`, the rows weighted by them (attention pooling: the probe's attention over the tokens,
+    which is what it reads each token with).
 
     Args:
         matrix: [..., N, N] (rollout, relevance, one layer's attention).
         num_prefix_tokens: p.
+        weights: None, or a weight per token (row) [..., N] broadcastable against matrix's [..., N]
+            (e.g. [N] for a stack of one image, [B, N] for a batch).
 
     Returns:
         [..., N]: over every key column, prefix included.
@@ -153,43 +159,50 @@ def pooled_row(matrix: torch.Tensor, *, num_prefix_tokens: int) -> torch.Tensor:
         raise ValueError(f"matrix must be [..., N, N], got {list(matrix.shape)}")
     if not 0 <= num_prefix_tokens < matrix.shape[-1]:
         raise ValueError(f"num_prefix_tokens {num_prefix_tokens} leaves no token to pool among {matrix.shape[-1]}")
+    if weights is not None:
+        if weights.shape[-1] != matrix.shape[-1]:
+            raise ValueError(f"pooling weights over {weights.shape[-1]} tokens for a matrix of {matrix.shape[-1]}")
+        return (weights.to(matrix.dtype).unsqueeze(-1) * matrix).sum(dim=-2)
     return matrix[..., num_prefix_tokens:, :].mean(dim=-2)
 
 
-def query_row(matrix: torch.Tensor, *, query: Query, num_prefix_tokens: int) -> torch.Tensor:
+def query_row(matrix: torch.Tensor, *, query: Query, num_prefix_tokens: int, pool_weights: torch.Tensor | None = None) -> torch.Tensor:
     """One query's row of a token-by-token matrix: [..., N, N] -> [..., N] (every key column).
 
     Args:
         query: a token index (0 is the first prefix token; patch (r, c) is p + r * gw + c) or "pool".
+        pool_weights: the "pool" query's weight on each token's row (`pooled_row`), None for the mean.
     """
     if isinstance(query, str):
         if query != POOL:
             raise ValueError(f"a query is a token index or {POOL!r}, got {query!r}")
-        return pooled_row(matrix, num_prefix_tokens=num_prefix_tokens)
+        return pooled_row(matrix, num_prefix_tokens=num_prefix_tokens, weights=pool_weights)
     n = matrix.shape[-1]
     if not 0 <= query < n:
         raise ValueError(f"query {query} is not a token (there are {n})")
     return matrix[..., query, :]
 
 
-def with_pooled_query(matrix: torch.Tensor, *, num_prefix_tokens: int) -> torch.Tensor:
+def with_pooled_query(matrix: torch.Tensor, *, num_prefix_tokens: int, pool_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of every query: the prefix tokens', the pooled query's, then the patches':
     [..., N, N] -> [..., N + 1, N] (the pooled row at index p)."""
     p = num_prefix_tokens
-    pooled = pooled_row(matrix, num_prefix_tokens=p).unsqueeze(-2)
+    pooled = pooled_row(matrix, num_prefix_tokens=p, weights=pool_weights).unsqueeze(-2)
     return torch.cat([matrix[..., :p, :], pooled, matrix[..., p:, :]], dim=-2)
 
 
 def cls_map(
-    rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, token: Query = 0
+    rollout: torch.Tensor, *, grid: tuple[int, int] | None = None, num_prefix_tokens: int = 1, token: Query = 0,
+    pool_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A query's row of a rollout (or any token-by-token map) over the patches: [B, N, N] -> [B, gh, gw]
     (or [N, N] -> [gh, gw]).
 
     `token` 0 is the cls token; 1 is DeiT's distillation token; "pool" is the mean of the patch
-    tokens' rows, the query of a model that classifies from their mean."""
+    tokens' rows, the query of a model that classifies from their mean (with `pool_weights` [B, N]
+    or [N], the rows weighted so: attention pooling's probe)."""
     if isinstance(token, str):
-        row = query_row(rollout, query=token, num_prefix_tokens=num_prefix_tokens)[..., num_prefix_tokens:]
+        row = query_row(rollout, query=token, num_prefix_tokens=num_prefix_tokens, pool_weights=pool_weights)[..., num_prefix_tokens:]
     else:
         if not 0 <= token < num_prefix_tokens:
             hint = f"; a model that pools its patch tokens has {POOL!r} as its query" if num_prefix_tokens == 0 else ""
@@ -207,6 +220,7 @@ def query_attention(
     head: int | HeadFusion = "mean",
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 1,
+    pool_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What one query token attends to among the patches, at one layer.
 
@@ -216,13 +230,14 @@ def query_attention(
         query: token index (0 is the cls token; patch (r, c) is p + r * gw + c), or "pool" (the
             mean of the patch tokens' rows).
         head: a head index, or "mean"/"max"/"min" over heads.
+        pool_weights: the "pool" query's weight on each token's row [N] (attention pooling); None: the mean.
 
     Returns:
         [gh, gw] attention weights on the patch tokens.
     """
     if attn.ndim != 4:
         raise ValueError(f"attn must be [L, H, N, N] for one image, got {list(attn.shape)}")
-    rows = query_row(attn[layer], query=query, num_prefix_tokens=num_prefix_tokens)[:, num_prefix_tokens:]  # [H, gh*gw]
+    rows = query_row(attn[layer], query=query, num_prefix_tokens=num_prefix_tokens, pool_weights=pool_weights)[:, num_prefix_tokens:]  # [H, gh*gw]
     row = rows[head] if isinstance(head, int) else fuse_heads(rows, head, dim=0)
     gh, gw = infer_grid(row.shape[-1], grid)
     return row.reshape(gh, gw)

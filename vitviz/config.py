@@ -58,7 +58,9 @@ class ViTConfig:
         qkv_bias, proj_bias, mlp_bias, patch_bias: whether those projections have biases.
         norm_pre: a LayerNorm before the first block (CLIP).
         final_norm: a LayerNorm after the last block.
-        pool: "token" (the cls token) or "avg" (the mean of the patch tokens).
+        pool: "token" (the cls token), "avg" (the mean of the patch tokens) or "map" (multi-head
+            attention pooling: one learned query, the probe, attends over every token, then an MLP
+            with its own residual; SigLIP's head, Zhai et al. 2023).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
         act: the MLP's activation: "gelu", "gelu_tanh" or "quick_gelu" (x sigmoid(1.702 x), CLIP).
         eps: LayerNorm epsilon.
@@ -84,7 +86,7 @@ class ViTConfig:
     patch_bias: bool = True
     norm_pre: bool = False
     final_norm: bool = True
-    pool: Literal["token", "avg"] = "token"
+    pool: Literal["token", "avg", "map"] = "token"
     fc_norm: bool = False
     act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
     eps: float = 1e-6
@@ -99,8 +101,10 @@ class ViTConfig:
             raise ValueError("a distillation token needs a cls token before it")
         if self.pool == "token" and not self.class_token:
             raise ValueError('pool="token" needs a cls token; use pool="avg"')
-        if self.pool not in ("token", "avg"):
-            raise ValueError(f'pool must be "token" or "avg", got {self.pool!r}')
+        if self.pool not in ("token", "avg", "map"):
+            raise ValueError(f'pool must be "token", "avg" or "map", got {self.pool!r}')
+        if self.fc_norm and self.pool != "avg":
+            raise ValueError('fc_norm is the norm after "avg" pooling')
         if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
             raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
         if self.pos_embed_prefix is None:
@@ -122,10 +126,10 @@ class ViTConfig:
 
     @property
     def pooled_query(self) -> bool:
-        """The classifier reads the mean of the tokens after the prefix (the patches) and there is no
-        cls token: its query is that mean, "pool", whose row of any token-by-token map is the mean of
-        the patch tokens' rows."""
-        return self.pool == "avg" and not self.class_token
+        """The classifier reads the tokens through a pooling and there is no cls token: its query is
+        "pool", whose row of any token-by-token map is the mean of the patch tokens' rows ("avg"), or
+        the rows weighted by the probe's attention ("map")."""
+        return self.pool in ("avg", "map") and not self.class_token
 
     @property
     def query_names(self) -> tuple[str, ...]:
@@ -159,7 +163,9 @@ class ViTConfig:
         )
         norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
         heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0
-        return patch + tokens + self.depth * block + norms + heads
+        # the probe, q, k, v and out projections with biases, a norm, an MLP with biases
+        map_head = d + 4 * (d * d + d) + norm + 2 * d * m + m + d if self.pool == "map" else 0
+        return patch + tokens + self.depth * block + norms + heads + map_head
 
     def replace(self, **changes: Any) -> "ViTConfig":
         """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""

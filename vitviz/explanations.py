@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Sequence, Union
+from typing import Literal, Sequence, Union
 
 import torch
 from PIL import Image
@@ -47,6 +47,7 @@ from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.pipeline import layout_of, spec_of
 from vitviz.preprocess import preprocess
+from vitviz.swin import Swin, swin_relevance_maps
 
 __all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_of", "needs_gradients", "needs_layer_gradients", "record",
            "relevance_maps", "resolve_target"]
@@ -54,6 +55,7 @@ __all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_o
 METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout", "legrad")  # the built-in ones
 
 # phrases: one string, several, token ids [T, C], or token ids and their attention mask (`ImageTextModel.tokenize`)
+PoolRule = Literal["attention", "relevance", "relevance_rows"]  # how an attention-pooled model's "pool" row is weighted
 TextInput = Union[str, Sequence[str], torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, None]]]
 
 
@@ -125,6 +127,9 @@ class Recorded:
         layer_gradients: [L, B, H, N, N] or None: layer l's entry is d(s_l) / d(layer l's attention),
             s_l the target score read from layer l's output through the final norm and the head (or
             the projection and the phrase's embedding); for LeGrad.
+        pool_attention, pool_gradients: a model that pools with attention (SigLIP's probe): the
+            probe's attention over the tokens [B, H, N] and, with gradients, d(target score) / d(it);
+            None otherwise. They make the "pool" query's row (`query_maps`).
     """
 
     attentions: torch.Tensor = field(repr=False)
@@ -139,6 +144,8 @@ class Recorded:
     texts: tuple[str | None, ...] | None = None
     similarities: torch.Tensor | None = field(default=None, repr=False)
     layer_gradients: torch.Tensor | None = field(default=None, repr=False)
+    pool_attention: torch.Tensor | None = field(default=None, repr=False)
+    pool_gradients: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def query(self) -> Query:
@@ -147,9 +154,33 @@ class Recorded:
             return self.chosen_query
         return POOL if self.pooled_query else 0
 
-    def query_maps(self, matrix: torch.Tensor) -> torch.Tensor:
-        """The query's row of an N x N matrix per sample [B, N, N] over the patch grid: [B, gh, gw]."""
-        return cls_map(matrix, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=self.query)
+    def pool_weights(self, rule: PoolRule = "attention") -> torch.Tensor | None:
+        """The "pool" query's weight on each token's row [B, N] for attention pooling (None for the
+        plain mean of the patch rows, as "avg" pooling reads them):
+
+        - "attention": the probe's attention, averaged over its heads (what rollout and attention read);
+        - "relevance": mean over heads of ReLU(gradient x attention) of the probe: Chefer et al.'s
+          rule applied to the probe, which has no residual of its own (the gradient rule's row);
+        - "relevance_rows": the same, scaled to sum to 1 (a rollout row, for gradient rollout).
+        """
+        if self.pool_attention is None:
+            return None
+        if rule == "attention":
+            return self.pool_attention.mean(dim=1)
+        if self.pool_gradients is None:
+            raise ValueError("the probe's gradients were not recorded: record(..., gradients=True)")
+        weights = (self.pool_gradients * self.pool_attention).clamp(min=0).mean(dim=1)
+        if rule == "relevance":
+            return weights
+        if rule == "relevance_rows":
+            return weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+        raise ValueError(f'rule must be "attention", "relevance" or "relevance_rows", got {rule!r}')
+
+    def query_maps(self, matrix: torch.Tensor, *, rule: PoolRule = "attention") -> torch.Tensor:
+        """The query's row of an N x N matrix per sample [B, N, N] over the patch grid: [B, gh, gw]
+        (the "pool" row of an attention-pooled model weighted by `pool_weights(rule)`)."""
+        weights = self.pool_weights(rule) if self.query == POOL else None
+        return cls_map(matrix, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=self.query, pool_weights=weights)
 
 
 def needs_gradients(methods: Sequence[str]) -> bool:
@@ -253,7 +284,7 @@ def record(
         if not spec.has_head and wanted_classes:
             raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
     param = next(model.parameters())
-    texts = similarities = probs = chosen = grads = layer_grads = None
+    texts = similarities = probs = chosen = grads = layer_grads = pool_grads = None
     with contextlib.ExitStack() as modes:
         if differentiate:  # autograd on, also when the caller is in inference mode
             modes.enter_context(torch.inference_mode(False))
@@ -290,21 +321,28 @@ def record(
                     return vit.head_logits(tokens).gather(1, chosen[:, None])  # [B, 1]
 
                 final = logits.gather(1, chosen[:, None])
+            elif vit.attn_pool is not None:
+                vit.pool(tokens)  # nothing to score: the pooling runs for its probe's attention
             if differentiate:
                 live = rec.graph_attentions  # layer l's softmax output, on the graph
             if gradients:
-                grads = torch.stack([_pairs(g) for g in _per_target_grads(final, live)]).float()
+                probe = [rec.graph_pool_attention] if rec.pooled else []  # [B, H, 1, N]: the probe's, when it pools so
+                per_input = [_pairs(g) for g in _per_target_grads(final, live + probe)]
+                grads = torch.stack(per_input[: len(live)]).float()
+                pool_grads = per_input[-1][:, :, 0].float() if probe else None
             if layer_gradients:
                 # each layer on its own: d(s_l)/d(A_k) is not 0 for k < l, so one backward of the sum would mix layers
                 layer_grads = torch.stack([_pairs(_per_target_grads(score(vit.norm(h)), [a])[0]) for h, a in zip(layers, live)]).float()
         attn = rec.attentions.float()
+        pool_attn = None if rec.pool_attention is None else rec.pool_attention.float()
     if texts is not None:
         attn = attn.repeat_interleave(len(texts), dim=1)  # [L, B*T, H, N, N]: each image's attention per phrase
+        pool_attn = None if pool_attn is None else pool_attn.repeat_interleave(len(texts), dim=0)
     grid = vit.grid_for(x.shape[-2], x.shape[-1])
     return Recorded(
         attentions=attn, gradients=grads, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
         pooled_query=spec.config.pooled_query, layout=layout_of(spec, grid, text=image_text), texts=texts, similarities=similarities,
-        layer_gradients=layer_grads,
+        layer_gradients=layer_grads, pool_attention=pool_attn, pool_gradients=pool_grads,
     )
 
 
@@ -374,6 +412,8 @@ def relevance_maps(
         classes: ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None);
         phrases: ({method: maps [B, T, gh, gw]}, None, similarities `logits_per_image` [B, T]).
     """
+    if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin)
+        return swin_relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
     rec = record(model, x, targets=targets, text=text, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
     if rec.texts is not None:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from vitviz.model import Attention, _enter_recording, _leave_recording
+from vitviz.model import Attention, AttentionPool, _enter_recording, _leave_recording
 
 __all__ = ["AttentionRecord", "record_attention"]
 
@@ -36,22 +36,53 @@ class AttentionRecord:
 
     `calls[c][l]` is layer l's attention `[B, H, N, N]` in the c-th forward of the block;
     `grad_calls[c][l]` its gradient, once a backward has run through it (with `gradients=True`).
+    A model that pools with attention (`vitviz.model.AttentionPool`, SigLIP) has its probe's
+    attention `[B, H, N]` recorded as one more entry of each call (index L), read as
+    `pool_attention` (and `pool_gradients`, `graph_pool_attention`); it is not part of the stack.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, *, pooled: bool = False) -> None:
         self.num_layers = num_layers
+        self.pooled = pooled
         self.calls: list[list[torch.Tensor | None]] = []
         self.grad_calls: list[list[torch.Tensor | None]] = []
         self.graph_calls: list[list[torch.Tensor | None]] = []
 
     def _capture(self, layer: int, attn: torch.Tensor, live: torch.Tensor | None = None) -> int:
         if layer == 0 or not self.calls:
-            self.calls.append([None] * self.num_layers)
-            self.grad_calls.append([None] * self.num_layers)
-            self.graph_calls.append([None] * self.num_layers)
+            slots = self.num_layers + int(self.pooled)
+            self.calls.append([None] * slots)
+            self.grad_calls.append([None] * slots)
+            self.graph_calls.append([None] * slots)
         self.calls[-1][layer] = attn.detach()
         self.graph_calls[-1][layer] = live
         return len(self.calls) - 1
+
+    def _pool_entry(self, calls: list[list[torch.Tensor | None]], what: str) -> torch.Tensor | None:
+        if not self.pooled:
+            return None
+        if not calls or calls[-1][self.num_layers] is None:
+            raise RuntimeError(f"no {what} of the attention pooling was captured in the last forward")
+        return calls[-1][self.num_layers]  # [B, H, 1, N]
+
+    @property
+    def pool_attention(self) -> torch.Tensor | None:
+        """The probe's attention over the tokens in the last forward [B, H, N] (rows sum to 1), or
+        None for a model that does not pool with attention."""
+        entry = self._pool_entry(self.calls, "attention")
+        return None if entry is None else entry[:, :, 0]
+
+    @property
+    def pool_gradients(self) -> torch.Tensor | None:
+        """The gradient of the probe's attention [B, H, N] (with `gradients=True`), or None."""
+        entry = self._pool_entry(self.grad_calls, "gradient")
+        return None if entry is None else entry[:, :, 0]
+
+    @property
+    def graph_pool_attention(self) -> torch.Tensor | None:
+        """The probe's attention on the autograd graph as the model made it, [B, H, 1, N] (with
+        `graph=True`; differentiate with respect to this tensor itself), or None."""
+        return self._pool_entry(self.graph_calls, "graph")
 
     def _capture_grad(self, call: int, layer: int, grad: torch.Tensor) -> None:
         slot = self.grad_calls[call]
@@ -66,7 +97,7 @@ class AttentionRecord:
         """
         if not self.calls:
             raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
-        last = self.calls[-1]
+        last = self.calls[-1][: self.num_layers]
         missing = [i for i, a in enumerate(last) if a is None]
         if missing:
             raise RuntimeError(f"the last forward did not reach layers {missing}; nothing complete was captured")
@@ -83,7 +114,7 @@ class AttentionRecord:
         """
         if not self.graph_calls:
             raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
-        last = self.graph_calls[-1]
+        last = self.graph_calls[-1][: self.num_layers]
         if any(a is None or not a.requires_grad for a in last):
             raise RuntimeError("no attention on the autograd graph: record with graph=True, outside torch.inference_mode / no_grad, "
                                "with an input or weights that require grad")
@@ -101,7 +132,7 @@ class AttentionRecord:
         """
         if not self.grad_calls:
             raise RuntimeError("record_attention captured nothing: run the model inside the `with` block")
-        last = self.grad_calls[-1]
+        last = self.grad_calls[-1][: self.num_layers]
         missing = [i for i, g in enumerate(last) if g is None]
         if missing:
             raise RuntimeError(
@@ -139,14 +170,16 @@ def record_attention(
             f"{type(model).__name__} has no vitviz Attention modules; convert it first with vitviz.ViT.from_torchvision, "
             "ViT.from_timm or ViT.from_transformers"
         )
-    rec = AttentionRecord(len(modules))
+    pools = [m for m in model.modules() if isinstance(m, AttentionPool)]
+    rec = AttentionRecord(len(modules), pooled=len(pools) == 1)
     owner = threading.get_ident()
     handles = []
 
-    def make_hook(layer: int):
+    def make_hook(layer: int, *, keep_whole: bool = False):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if threading.get_ident() == owner:
-                call = rec._capture(layer, reduce(output) if reduce is not None else output, output if graph else None)
+                kept = reduce(output) if reduce is not None and not keep_whole else output
+                call = rec._capture(layer, kept, output if graph else None)
                 if gradients and output.requires_grad:
                     # a hook on this very tensor: its gradient is d/dA of this layer, paired by index
                     output.register_hook(lambda grad, call=call: rec._capture_grad(call, layer, grad))
@@ -158,6 +191,8 @@ def record_attention(
     try:
         for i, m in enumerate(modules):
             handles.append(m.attend.register_forward_hook(make_hook(i)))
+        if rec.pooled:  # recorded as it is: the reduction is for the [B, H, N, N] stack
+            handles.append(pools[0].attend.register_forward_hook(make_hook(len(modules), keep_whole=True)))
         yield rec
     finally:
         for h in handles:

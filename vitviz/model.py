@@ -10,7 +10,7 @@ image [B, 3, H, W]
   -> prepend the prefix tokens: cls, distillation, registers   [B, N, D],  N = p + gh*gw
   -> (optional LayerNorm)
   -> L pre-norm encoder blocks: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x)))
-  -> final LayerNorm; the cls token (or the mean of the patches)   [B, D]
+  -> final LayerNorm; the cls token (or the mean of the patches, or attention pooling)   [B, D]
   -> linear head                                               [B, classes]
 
 Attention is softmax(q k^T / sqrt(D / H)) — the scale is applied to the logits before the softmax.
@@ -42,6 +42,7 @@ __all__ = [
     "ViT",
     "ViTConfig",
     "Attention",
+    "AttentionPool",
     "EncoderBlock",
     "PatchEmbedding",
     "LayerScale",
@@ -115,6 +116,41 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class AttentionPool(nn.Module):
+    """Multi-head attention pooling ("MAP"; SigLIP's head, Zhai et al. 2023): one learned query, the
+    probe, attends over every token; an MLP with its own residual follows.
+
+        a = softmax(q(probe) k(x)^T / sqrt(D / H))     [B, H, 1, N], the probe's attention
+        y = proj(a v(x));  out = y + MLP(LN(y))         [B, D]
+
+    The probe has no residual of its own (y is the attention's output alone). The softmax is its own
+    module (`attend`), as in `Attention`: `vitviz.record_attention` records the probe's attention
+    beside the blocks' (`AttentionRecord.pool_attention`).
+    """
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads = c.heads
+        self.scale = (c.width // c.heads) ** -0.5
+        self.probe = nn.Parameter(torch.zeros(1, 1, c.width))
+        self.q = nn.Linear(c.width, c.width)
+        self.kv = nn.Linear(c.width, 2 * c.width)
+        self.attend = nn.Softmax(dim=-1)
+        self.proj = nn.Linear(c.width, c.width)
+        self.norm = nn.LayerNorm(c.width, eps=c.eps)
+        self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), _activation(c.act), nn.Linear(c.mlp_dim, c.width))
+        nn.init.normal_(self.probe, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, N, D] -> [B, D]."""
+        q = rearrange(self.q(self.probe), "one m (h d) -> one h m d", h=self.heads)  # [1, H, 1, d]
+        k, v = rearrange(self.kv(tokens), "b n (two h d) -> two b h n d", two=2, h=self.heads)
+        attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)  # [B, H, 1, N], rows sum to 1
+        y = self.proj(rearrange(attn @ v, "b h m d -> b m (h d)"))[:, 0]
+        return y + self.mlp(self.norm(y))
 
 
 class LayerScale(nn.Module):
@@ -207,6 +243,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(c) for _ in range(c.depth))
         self.norm = nn.LayerNorm(c.width, eps=c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
         self.fc_norm = nn.LayerNorm(c.width, eps=c.eps) if c.fc_norm else nn.Identity()
+        self.attn_pool = AttentionPool(c) if c.pool == "map" else None
         self.head = nn.Linear(c.width, c.num_classes) if c.num_classes else nn.Identity()
         self.head_dist = nn.Linear(c.width, c.num_classes) if c.num_classes and c.distill_token else None
         self.spec: VariantSpec | None = None  # the record of where the model came from, attached by its loader
@@ -293,6 +330,8 @@ class ViT(nn.Module):
         c = self.config
         if c.pool == "avg":
             return self.fc_norm(tokens[:, c.num_prefix_tokens :].mean(dim=1))
+        if c.pool == "map":
+            return self.attn_pool(tokens)
         if c.distill_token:
             return tokens[:, 0], tokens[:, 1]
         return tokens[:, 0]

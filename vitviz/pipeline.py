@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -25,6 +26,10 @@ from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.preprocess import preprocess, to_input
 from vitviz.sources.base import VariantSpec
+
+if TYPE_CHECKING:  # vitviz.inside is imported on first use, so that `python -m vitviz.inside` runs a module not yet imported
+    from vitviz.inside import Attribution, Stream, Target
+from vitviz.swin import Swin, analyze_swin, analyze_swin_crop
 
 __all__ = ["Analysis", "analyze", "analyze_crop", "image_tower", "layout_of", "spec_of"]
 
@@ -73,6 +78,11 @@ class Analysis:
             its query is "pool", the mean of the patch tokens' rows (`query_names`).
         layout: the tokens and what the model offers (`vitviz.layout.TokenLayout`): what views and
             methods check their needs against; made from the fields above when not given.
+        pool_attention: a model that pools with attention (SigLIP): its probe's attention over the
+            tokens [H, N], which weighs the token rows that make the "pool" query's (`pool_weights`);
+            None otherwise.
+        inside: what the classifier's query gathered in each block (`vitviz.inside.Stream`: the
+            logit lens and direct logit attribution); None for a model without a head or labels.
 
     Query indices (the explorer's) are the token indices, except that a pooled model's "pool" sits
     between the prefix tokens and the patches: index i < p is prefix token i, index p is "pool",
@@ -94,6 +104,8 @@ class Analysis:
     model_seconds: float
     pooled_query: bool = False
     layout: TokenLayout | None = None
+    pool_attention: torch.Tensor | None = field(default=None, repr=False)
+    inside: Stream | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -103,6 +115,12 @@ class Analysis:
     @property
     def num_prefix_tokens(self) -> int:
         return len(self.prefix_names)
+
+    @property
+    def pool_weights(self) -> torch.Tensor | None:
+        """The "pool" query's weight on each token's row [N]: the probe's attention averaged over its
+        heads for attention pooling; None for the plain mean of the patch rows (or no pooled query)."""
+        return None if self.pool_attention is None else self.pool_attention.mean(dim=0)
 
     @property
     def query_names(self) -> tuple[str, ...]:
@@ -135,7 +153,7 @@ class Analysis:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors and the crop (what keeping this analysis costs)."""
-        tensors = [t for t in (self.probabilities, self.attentions, self.tokens, self.token_norms) if t is not None]
+        tensors = [t for t in (self.probabilities, self.attentions, self.tokens, self.token_norms, self.pool_attention) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
     def predictions(self, k: int = 5) -> list[tuple[str, float]]:
@@ -155,13 +173,27 @@ class Analysis:
         the cls token, or "pool" for a pooled model); token 1 is DeiT's distillation token."""
         r = self.rollout(head_fusion=head_fusion, discard_ratio=discard_ratio)
         token = self.default_query if token is None else token
-        return cls_map(r, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=token)
+        return cls_map(r, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, token=token, pool_weights=self.pool_weights)
 
     def distances(self, *, renormalize: bool = True) -> torch.Tensor:
         """Mean attention distance in pixels per layer and head [L, H]."""
         return mean_attention_distance(
             self.attentions, patch_size=self.patch_size, num_prefix_tokens=self.num_prefix_tokens, grid=self.grid, renormalize=renormalize
         )
+
+    def logit_lens(self, *, logits: bool = False) -> torch.Tensor:
+        """What the model would predict from its stream after each block [L+1, C] (row 0: the
+        embedding, row L: `probabilities`): probabilities, or logits (`vitviz.inside.lens_of`)."""
+        from vitviz.inside import lens_of
+
+        return lens_of(self.inside, logits=logits)
+
+    def logit_attribution(self, target: Target = None) -> Attribution:
+        """The target logit (index or class name; default the prediction) split into the embedding,
+        each head, each MLP and the biases (`vitviz.inside.attribution_of`)."""
+        from vitviz.inside import attribution_of
+
+        return attribution_of(self.inside, target)
 
 
 def analyze(
@@ -179,6 +211,8 @@ def analyze(
             predictions). Each label is scored through `template`.
         template: the prompt with "{}" where the label goes (default `model.template`, "a photo of a {}").
     """
+    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
+        return analyze_swin(model, image)
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
     return _analyze_input(model, x, cropped, labels=labels, template=template)
@@ -189,6 +223,8 @@ def analyze_crop(
 ) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
+    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
+        return analyze_swin_crop(model, cropped)
     return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template)
 
 
@@ -228,12 +264,18 @@ def _analyze_input(
         attn[layer].copy_(a[0])
         return attn[layer]
 
+    from vitviz.inside import record_stream
+
     with torch.inference_mode():
         start = time.perf_counter()
         layers: list[torch.Tensor] = []
-        with record_attention(model, reduce=keep):
+        with record_attention(model, reduce=keep) as rec, record_stream(pair, labels=labels, template=template) as stream:
             tokens = model.encode(x, layers=layers)
             logits = model.head_logits(tokens) if spec.has_head else None
+            # the pooling runs for the zero-shot embedding, and for the probe's attention of a model without a head
+            pooled = model.pool(tokens) if labels is not None or (model.attn_pool is not None and logits is None) else None
+            embeds = pair.image_projection(pooled) if labels is not None else None
+        pool_attention = None if model.attn_pool is None else rec.pool_attention[0].float().cpu()
         norms = torch.stack([h[0].float().norm(dim=-1) for h in layers])  # [L, N]
         del layers
         if param.device.type == "cuda":
@@ -241,7 +283,6 @@ def _analyze_input(
         seconds = time.perf_counter() - start
         probs = logits[0].float().softmax(-1).cpu() if logits is not None else None
         if labels is not None:
-            embeds = pair.image_projection(model.pool(tokens))
             probs = pair.zero_shot(embeds, labels, template)[0].cpu()
         tokens, norms = tokens[0].float().cpu(), norms.cpu()
     return Analysis(
@@ -259,4 +300,6 @@ def _analyze_input(
         model_seconds=seconds,
         pooled_query=spec.config.pooled_query,
         layout=layout_of(spec, (gh, gw), text=text),
+        pool_attention=pool_attention,
+        inside=stream.stream,
     )

@@ -107,6 +107,53 @@ def model_path_table(arch: str, device: torch.device, *, rounds: int) -> list[tu
     return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
 
+def relevance_table(arch: str, device: torch.device, *, batch: int = 8, rounds: int = 10) -> list[tuple[str, float, float]]:
+    """(name, median ms, ratio to the plain forward and backward) for gradient relevance of a batch.
+
+    The reference is what any gradient costs: a forward with nothing recorded (the fused attention
+    kernel) and a backward to the input, the input requiring grad and every weight frozen. Beside it:
+    `vitviz.relevance_maps` for the whole batch (gradient relevance, each image's top class), and the
+    same rule one image at a time (the loop of Chefer et al.'s notebooks: a forward and a backward
+    per image, the attention and its gradient kept by hooks)."""
+    import torchvision
+
+    from vitviz.relevance import gradient_relevance
+
+    torch.manual_seed(0)
+    tv = getattr(torchvision.models, arch)().eval()
+    ours = vitviz.ViT.from_torchvision(tv).eval().to(device)
+    frozen = vitviz.ViT.from_torchvision(tv).eval().to(device).requires_grad_(False)
+    del tv
+    size = ours.image_size
+    x = torch.randn(batch, 3, size, size, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def plain():
+        inp = x.clone().requires_grad_(True)
+        logits = frozen(inp)
+        top = logits.argmax(-1)
+        (grad,) = torch.autograd.grad(logits.gather(1, top[:, None]).sum(), inp)
+        return grad
+
+    def batched():
+        return vitviz.relevance_maps(ours, x, methods=["gradient"])
+
+    def one_at_a_time():
+        maps = []
+        for i in range(batch):
+            with vitviz.record_attention(ours, gradients=True) as rec:
+                logits = ours(x[i : i + 1])
+                logits[0, logits[0].argmax()].backward()
+            ours.zero_grad(set_to_none=True)
+            maps.append(gradient_relevance(rec.attentions[:, 0], rec.gradients[:, 0])[0, 1:])
+        return maps
+
+    times = measure({"plain forward + backward (frozen, fused)": plain, "vitviz.relevance_maps, gradient": batched,
+                     "one image at a time (hooks, .backward())": one_at_a_time}, rounds=rounds, sync=sync)
+    base = statistics.median(times["plain forward + backward (frozen, fused)"])
+    return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
+
+
 def _count_model_calls():
     """Wraps ViT.encode (every forward goes through it) with a counter; returns (counter dict, undo)."""
     calls = {"n": 0}
@@ -721,7 +768,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inputs", action="store_true", help="hostile images (a checkout's tests/corpus.py): seconds and peak memory")
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
+    ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
+    ap.add_argument("--batch", type=int, default=8, help="the batch of --relevance")
     args = ap.parse_args(argv)
+    if args.relevance:
+        print(f"vitviz.dev.bench --relevance {args.arch}, batch {args.batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        _print_table("CPU", relevance_table(args.arch, torch.device("cpu"), batch=args.batch, rounds=args.rounds))
+        if torch.cuda.is_available() and not args.cpu_only:
+            _print_table(f"CUDA ({torch.cuda.get_device_name()})", relevance_table(args.arch, torch.device("cuda"), batch=args.batch, rounds=args.rounds * 3))
+        print("\ntarget: relevance_maps <= 1.05x the plain forward and backward")
+        return
     if args.inputs:
         print(f"vitviz.dev.bench --inputs; {time.strftime('%Y-%m-%d')}; {_machine()}; each read in a fresh process, median of 5")
         print(f"\n{'input':<22}{'read by':<10}{'seconds':>10}{'peak MB':>10}")

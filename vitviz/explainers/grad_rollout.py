@@ -9,4 +9,4 @@ from vitviz.relevance import gradient_rollout
                  needs=("global_attention",))
 def grad_rollout(rec, *, head_fusion="mean", discard_ratio=0.0, **options):
     return rec.query_maps(gradient_rollout(rec.attentions, rec.gradients, head_fusion=head_fusion, discard_ratio=discard_ratio,
-                                           num_prefix_tokens=rec.num_prefix_tokens))
+                                           num_prefix_tokens=rec.num_prefix_tokens), rule="relevance_rows")

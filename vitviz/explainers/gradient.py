@@ -9,4 +9,4 @@ from vitviz.relevance import gradient_relevance
 @register_method("gradient", title="Gradient relevance", needs_gradients=True, needs_classifier=False, unit="relevance",
                  needs=("global_attention",))
 def gradient(rec, **options):
-    return rec.query_maps(gradient_relevance(rec.attentions, rec.gradients))
+    return rec.query_maps(gradient_relevance(rec.attentions, rec.gradients), rule="relevance")

@@ -73,7 +73,7 @@ def dequantise(q: np.ndarray, top: np.ndarray) -> np.ndarray:
 def query_rows(a: Analysis, layer: int) -> torch.Tensor:
     """Every query's row of one layer (0-based), each head: [H, Q, N]."""
     if a.pooled_query:
-        return with_pooled_query(a.attentions[layer], num_prefix_tokens=a.num_prefix_tokens)
+        return with_pooled_query(a.attentions[layer], num_prefix_tokens=a.num_prefix_tokens, pool_weights=a.pool_weights)
     return a.attentions[layer]
 
 
@@ -81,7 +81,7 @@ def row_values(a: Analysis, *, layer: int, head: int, query: int) -> np.ndarray:
     """The values a view of layer `layer` (0-based), head `head` (0..H-1, H: mean, H+1: max) and query
     `query` (an index of `Analysis.query_token`) shows over the patches: float64 [M], exactly as the
     browser reads them."""
-    row = query_row(a.attentions[layer], query=a.query_token(query), num_prefix_tokens=a.num_prefix_tokens)  # [H, N]
+    row = query_row(a.attentions[layer], query=a.query_token(query), num_prefix_tokens=a.num_prefix_tokens, pool_weights=a.pool_weights)  # [H, N]
     rows = fused_rows(row.unsqueeze(1), a.num_prefix_tokens)[head, 0]
     q, top = quantise_rows(rows)
     return dequantise(q, np.asarray(top))
@@ -93,7 +93,7 @@ def shared_max(a: Analysis) -> np.ndarray:
     p = a.num_prefix_tokens
     top = a.attentions[:, :, :, p:].amax(dim=(0, 1, 3))
     if a.pooled_query:  # the pooled rows alone: [L, H, M], not a second copy of the stack
-        pooled = pooled_row(a.attentions, num_prefix_tokens=p)[..., p:].amax().reshape(1)
+        pooled = pooled_row(a.attentions, num_prefix_tokens=p, weights=a.pool_weights)[..., p:].amax().reshape(1)
         top = torch.cat([top[:p], pooled, top[p:]])
     return top.float().numpy().astype(np.float32)
 

@@ -19,7 +19,7 @@ from PIL import Image
 from vitviz import plots
 from vitviz.explainers import method as registered_method
 from vitviz.analysis import POOL, Query, attention_received
-from vitviz.relevance import dino_head_maps, feature_components, feature_similarity
+from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
 from vitviz.images import ImageSource
 from vitviz.pipeline import Analysis, analyze, analyze_crop
 from vitviz.server import explorer_data
@@ -276,9 +276,14 @@ def render_phrase_maps(exp: Exploration, maps: torch.Tensor, phrases: list[str],
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
     """DINO's figure: the last block's cls attention per head (a pooled model's "pool" query's), the
-    patches that hold `share` of each head's mass in colour and the rest dimmed (Caron et al. 2021)."""
+    patches that hold `share` of each head's mass in colour and the rest dimmed (Caron et al. 2021);
+    for a model that pools with attention, its probe's heads (the last attention its query has)."""
     a = exp.analysis
-    maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share, query=a.default_query)
+    if a.pool_attention is not None:
+        rows = a.pool_attention[:, a.num_prefix_tokens :]  # [H, gh*gw]
+        maps, masks = rows.reshape(-1, *a.grid), keep_mass(rows, share).reshape(-1, *a.grid)
+    else:
+        maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share, query=a.default_query)
     tile = mosaic_tile_px(a.grid)
     small = a.image.resize((tile, tile), Image.BILINEAR)
     tiles = []

@@ -36,9 +36,10 @@ from vitviz.sources.base import (
 )
 
 # the built-in sources, registered on import in this order (the menus' order)
-from vitviz.sources import embedded, torchvision, timm, hf  # noqa: E402,F401  isort: skip
+from vitviz.sources import embedded, torchvision, timm, hf, open_clip  # noqa: E402,F401  isort: skip
 from vitviz.sources.embedded import assets_dir  # noqa: E402
 from vitviz.sources.hf import from_transformers  # noqa: E402
+from vitviz.sources.open_clip import from_open_clip  # noqa: E402
 from vitviz.sources.timm import from_timm  # noqa: E402
 from vitviz.sources.torchvision import checkpoint_dir, from_torchvision  # noqa: E402
 
@@ -55,6 +56,7 @@ __all__ = [
     "from_torchvision",
     "from_timm",
     "from_transformers",
+    "from_open_clip",
     "list_variants",
     "get_spec",
     "source_of",

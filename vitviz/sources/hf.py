@@ -1,7 +1,8 @@
 """Hugging Face transformers' ViTs: `ViTModel`, `ViTForImageClassification`, `Dinov2Model` and
 `Dinov2WithRegistersModel` (from a `Dinov2ForImageClassification` checkpoint, the backbone); and the
-image–text model `CLIPModel`, which becomes a `vitviz.imagetext.ImageTextModel` (a vitviz ViT image
-tower, the text tower beside it, and the repository's tokenizer where it has one).
+image–text models `CLIPModel` and `SiglipModel`, which become a `vitviz.imagetext.ImageTextModel` (a
+vitviz ViT image tower, the text tower beside it, and the repository's tokenizer where it has one;
+SigLIP's attention-pooling head is the image tower's `attn_pool`).
 
     vitviz.load_model("hf:google/vit-base-patch16-224")
     vitviz.load_model("hf:facebook/dinov2-with-registers-small")
@@ -30,6 +31,7 @@ import math
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnava
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
 __all__ = [
+    "CURATED",
     "HuggingFaceSource",
     "from_transformers",
     "config_from_transformers",
@@ -51,8 +54,9 @@ __all__ = [
     "preprocessing_from_processor",
 ]
 
-_IMAGE_TEXT = ("clip",)  # model types that become an ImageTextModel
+_IMAGE_TEXT = ("clip", "siglip")  # model types that become an ImageTextModel
 _TYPES = ("vit", "dinov2", "dinov2_with_registers", *_IMAGE_TEXT)
+_SWIN = ("swin", "swinv2")  # model types converted by vitviz.sources.swin (Swin V2 is refused there, clearly)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store them
@@ -92,12 +96,29 @@ def _act(name: str) -> str:
 
 
 def config_from_transformers(model: nn.Module) -> ViTConfig:
-    """The `ViTConfig` of a Hugging Face ViT / DINOv2 model (of a CLIP model: its image tower's), or a
+    """The `ViTConfig` of a Hugging Face ViT / DINOv2 model (of a CLIP or SigLIP model: its image tower's), or a
     clear error."""
     cfg = model.config
     kind = getattr(cfg, "model_type", None)
     if kind not in _TYPES:
-        raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers or CLIP model, got model_type {kind!r}")
+        raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers, CLIP or SigLIP model, got model_type {kind!r}")
+    if kind == "siglip":
+        vision = cfg.vision_config
+        return ViTConfig(
+            image_size=vision.image_size,
+            patch_size=vision.patch_size,
+            width=vision.hidden_size,
+            depth=vision.num_hidden_layers,
+            heads=vision.num_attention_heads,
+            mlp_dim=vision.intermediate_size,
+            num_classes=0,
+            class_token=False,
+            pool="map",  # the attention-pooling head (its probe): SigLIP's image embedding
+            final_norm=True,  # post_layernorm
+            act=_act(vision.hidden_act),
+            eps=vision.layer_norm_eps,
+            pos_embed_antialias=False,
+        )
     if kind == "clip":
         vision = cfg.vision_config
         return ViTConfig(
@@ -194,13 +215,29 @@ def convert_transformers_state_dict(model: nn.Module, config: ViTConfig) -> dict
 
 
 def text_config_from_transformers(model: nn.Module) -> TextConfig:
-    """The `TextConfig` of a Hugging Face CLIP model's text tower.
+    """The `TextConfig` of a Hugging Face CLIP or SigLIP model's text tower.
 
     CLIP reads each text at its end-of-text token: the first position holding the config's
     `eos_token_id`, or, where that id is 2 (the configs written before transformers' PR #24773), the
-    position of the highest id, as transformers does.
+    position of the highest id, as transformers does. SigLIP reads the last position (its texts are
+    padded to the context length), attends without a causal mask, and its projection has a bias.
     """
     cfg, text = model.config, model.config.text_config
+    if cfg.model_type == "siglip":
+        return TextConfig(
+            vocab_size=text.vocab_size,
+            context_length=text.max_position_embeddings,
+            width=text.hidden_size,
+            depth=text.num_hidden_layers,
+            heads=text.num_attention_heads,
+            mlp_dim=text.intermediate_size,
+            embed_dim=getattr(text, "projection_size", None) or text.hidden_size,
+            causal=False,
+            pool="last",
+            proj_bias=True,
+            act=_act(text.hidden_act),
+            eps=text.layer_norm_eps,
+        )
     eos = getattr(text, "eos_token_id", None)
     return TextConfig(
         vocab_size=text.vocab_size,
@@ -235,8 +272,48 @@ def _clip_layers(layers: nn.ModuleList, prefix: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _siglip_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A Hugging Face `SiglipModel`'s weights under an `ImageTextModel`'s names: the attention-pooling
+    head's `nn.MultiheadAttention` input projection split into the probe's q and the tokens' k, v."""
+    vision, text = model.vision_model, model.text_model
+    head, d = vision.head, vision.config.hidden_size
+    sd: dict[str, torch.Tensor] = {
+        "image.patch_embed.proj.weight": vision.embeddings.patch_embedding.weight,
+        "image.patch_embed.proj.bias": vision.embeddings.patch_embedding.bias,
+        "image.pos_embed": vision.embeddings.position_embedding.weight[None],  # [1, gh*gw, D]
+        "image.norm.weight": vision.post_layernorm.weight,
+        "image.norm.bias": vision.post_layernorm.bias,
+        "image.attn_pool.probe": head.probe,
+        "image.attn_pool.q.weight": head.attention.in_proj_weight[:d],
+        "image.attn_pool.q.bias": head.attention.in_proj_bias[:d],
+        "image.attn_pool.kv.weight": head.attention.in_proj_weight[d:],
+        "image.attn_pool.kv.bias": head.attention.in_proj_bias[d:],
+        "image.attn_pool.proj.weight": head.attention.out_proj.weight,
+        "image.attn_pool.proj.bias": head.attention.out_proj.bias,
+        "image.attn_pool.norm.weight": head.layernorm.weight,
+        "image.attn_pool.norm.bias": head.layernorm.bias,
+        "image.attn_pool.mlp.0.weight": head.mlp.fc1.weight,
+        "image.attn_pool.mlp.0.bias": head.mlp.fc1.bias,
+        "image.attn_pool.mlp.2.weight": head.mlp.fc2.weight,
+        "image.attn_pool.mlp.2.bias": head.mlp.fc2.bias,
+        "text.token_embed.weight": text.embeddings.token_embedding.weight,
+        "text.pos_embed": text.embeddings.position_embedding.weight[None],
+        "text.norm.weight": text.final_layer_norm.weight,
+        "text.norm.bias": text.final_layer_norm.bias,
+        "text.proj.weight": text.head.weight,
+        "text.proj.bias": text.head.bias,
+        "logit_scale": model.logit_scale.reshape(()),
+        "logit_bias": model.logit_bias.reshape(()),
+    }
+    sd |= _clip_layers(vision.encoder.layers, "image.") | _clip_layers(text.encoder.layers, "text.")
+    return {k: v.detach() for k, v in sd.items()}
+
+
 def convert_image_text_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A Hugging Face `CLIPModel`'s weights under the names of a `vitviz.imagetext.ImageTextModel`."""
+    """A Hugging Face `CLIPModel`'s (or `SiglipModel`'s) weights under the names of a
+    `vitviz.imagetext.ImageTextModel`."""
+    if model.config.model_type == "siglip":
+        return _siglip_state_dict(model)
     vision, text = model.vision_model, model.text_model
     emb = vision.embeddings
     sd: dict[str, torch.Tensor] = {
@@ -314,6 +391,33 @@ def _spec(
     )
 
 
+# The image–text repositories the app's menu offers by name, with what is known of them before any
+# download (their config.json and preprocessor_config.json as published), so that the menu lists them
+# offline: repo -> (model type, config overrides of transformers' defaults, image processor).
+_CLIP_PIXELS = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+CURATED: dict[str, tuple[str, dict, dict]] = {
+    "openai/clip-vit-base-patch16": (
+        "clip", dict(vision_config=dict(patch_size=16), projection_dim=512),
+        dict(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, do_center_crop=True, resample=3, **_CLIP_PIXELS),
+    ),
+    "google/siglip-base-patch16-224": (
+        "siglip", dict(text_config=dict(bos_token_id=None, eos_token_id=1, pad_token_id=1)),
+        dict(size={"height": 224, "width": 224}, resample=3, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
+    ),
+}
+
+
+def _curated_spec(repo: str) -> VariantSpec:
+    """The spec of a curated repository from its known config (transformers' classes' defaults are
+    those of the base models: CLIP ViT-B/32 and SigLIP B/16 at 224 px)."""
+    transformers = _transformers()
+    kind, overrides, processor = CURATED[repo]
+    cfg = {"clip": transformers.CLIPConfig, "siglip": transformers.SiglipConfig}[kind](**overrides)
+    model = SimpleNamespace(config=cfg)  # an image–text model's ViTConfig and spec read its config alone
+    return _spec(model, config_from_transformers(model), name=f"hf:{repo}", weights=f"Hugging Face {repo}", processor=processor,
+                 locator=repo)
+
+
 def _read_json(path: Path) -> dict | None:
     """A JSON file's content, or None where there is no such file."""
     if not path.is_file():
@@ -362,15 +466,19 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
     dtype and in its train/eval mode; preprocessing from `processor` (an image processor or its
     config dict) when given (`ViT.from_transformers` is this function).
 
-    A `CLIPModel` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
+    A `CLIPModel` or `SiglipModel` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
     spec is its image tower's (no classes) and its `tokenizer` the one given (else None).
     """
+    if getattr(model.config, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
+        from vitviz.sources.swin import swin_from_transformers
+        return swin_from_transformers(model, preprocessing=preprocessing_from_processor(processor, model.config.image_size))
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     config = config_from_transformers(model)
     if model.config.model_type in _IMAGE_TEXT:
         if not hasattr(model, "text_model"):
-            raise NotImplementedError(f"{type(model).__name__} has no text tower; vitviz converts the image–text model (CLIPModel)")
-        ours = ImageTextModel(config, text_config_from_transformers(model))
+            raise NotImplementedError(f"{type(model).__name__} has no text tower; vitviz converts the image–text model (CLIPModel, SiglipModel)")
+        siglip = model.config.model_type == "siglip"
+        ours = ImageTextModel(config, text_config_from_transformers(model), image_projection=not siglip, logit_bias=siglip)
         ours.load_state_dict(convert_image_text_state_dict(model))
         ours.tokenizer = tokenizer
     else:
@@ -389,7 +497,13 @@ class HuggingFaceSource(WeightsSource):
     hub = True
 
     def specs(self) -> list[VariantSpec]:
-        return []  # any repository by name ("hf:<repo id>"); its config is only known once fetched
+        """The curated image–text models (`CURATED`); any other repository by name ("hf:<repo id>"),
+        whose config is only known once fetched."""
+        try:
+            _transformers()
+        except ImportError:
+            return []
+        return [_curated_spec(repo) for repo in CURATED]
 
     def _config(self, repo: str):
         transformers = _transformers()
@@ -408,8 +522,13 @@ class HuggingFaceSource(WeightsSource):
             cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
             where = dict(weights=f"saved with save_pretrained in {folder}", processor=_read_json(folder / "preprocessor_config.json"),
                          locator=str(folder), saved_in=folder.name)
+        if getattr(cfg, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
+            from vitviz.sources.swin import swin_spec_from_transformers
+            spec = swin_spec_from_transformers(cfg, name=name, weights=where["weights"], locator=where["locator"], saved_in=where.get("saved_in", ""),
+                                               preprocessing=preprocessing_from_processor(where["processor"], cfg.image_size))
+            return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) not in _TYPES:
-            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers and CLIP")
+            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, CLIP and SigLIP")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
         spec = _spec(model, config_from_transformers(model), name=name, **where)
@@ -419,12 +538,15 @@ class HuggingFaceSource(WeightsSource):
     def _model_class(cfg):
         transformers = _transformers()
         archs = getattr(cfg, "architectures", None) or []
+        if cfg.model_type in _SWIN:
+            return transformers.SwinForImageClassification if any(a.endswith("ForImageClassification") for a in archs) else transformers.SwinModel
         if cfg.model_type == "vit" and any(a.endswith("ForImageClassification") for a in archs):
             return transformers.ViTForImageClassification
         if cfg.model_type in _IMAGE_TEXT and any(a.endswith("ForImageClassification") for a in archs):
             raise NotImplementedError(f"{archs[0]} (an image tower with a classifier, no text tower) is not modelled by vitviz")
         return {"vit": transformers.ViTModel, "dinov2": transformers.Dinov2Model,
-                "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "clip": transformers.CLIPModel}[cfg.model_type]
+                "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "clip": transformers.CLIPModel,
+                "siglip": transformers.SiglipModel}[cfg.model_type]
 
     @staticmethod
     def _tokenizer(source: str, *, local: bool) -> Any:
@@ -489,7 +611,8 @@ class HuggingFaceSource(WeightsSource):
             ours.tokenizer = self._tokenizer(source, local=local)
             from vitviz.sources.torchvision import _imagenet_categories
 
-            ours.labels = _imagenet_categories()  # zero-shot over ImageNet's classes unless told otherwise
+            if ours.tokenizer is not None:  # zero-shot over ImageNet's classes unless told otherwise
+                ours.labels = _imagenet_categories()
         ours.spec = spec  # the spec `resolve` read (with its image processor); the converted one has none
         return ours
 

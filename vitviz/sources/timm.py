@@ -48,6 +48,7 @@ from vitviz.sources.base import (
     Status, VariantSpec, WeightsSource, WeightsUnavailableError, check_size, register_source, split_size,
 )
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
+from vitviz.sources.swin import is_timm_swin, swin_config_from_timm, swin_from_timm
 
 __all__ = ["TimmSource", "from_timm", "CURATED", "config_from_timm", "convert_timm_state_dict"]
 
@@ -219,7 +220,7 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 def _checkpoint_classes(sd: dict[str, torch.Tensor]) -> int:
     """The class count of a checkpoint: the rows of its head (timm's `num_classes`), 0 without one."""
-    head = sd.get("head.weight")
+    head = sd.get("head.weight", sd.get("head.fc.weight"))  # a Swin's head is head.fc
     return int(head.shape[0]) if head is not None and head.ndim == 2 else 0
 
 
@@ -273,7 +274,7 @@ def _spec(
         locator: where the weights are; by default the pretrained config's hub repository.
         note: said after the name in the description (where the weights come from).
     """
-    config = config_from_timm(model)
+    config = swin_config_from_timm(model) if is_timm_swin(model) else config_from_timm(model)
     categories = _categories(model)  # None with a head (CLIP): the head's output is the features
     cfg = getattr(model, "pretrained_cfg", None) or {}
     kind = "features" if categories is None else f"{len(categories)} classes"
@@ -295,11 +296,14 @@ def from_timm(model: nn.Module) -> ViT:
     """A vitviz ViT with the weights of a timm `VisionTransformer` (ViT, DeiT, DINO, DINOv2, CLIP
     towers, fine-tuned or not), giving the same outputs, on the model's device and dtype and in its
     train/eval mode; preprocessing and labels from its `pretrained_cfg` (`ViT.from_timm` is this
-    function).
+    function). A `SwinTransformer` becomes a `vitviz.swin.Swin` (`vitviz.sources.swin`).
     """
-    config = config_from_timm(model)
-    ours = ViT(config)
-    ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
+    if is_timm_swin(model):  # hierarchical, windowed: vitviz.sources.swin
+        ours = swin_from_timm(model)
+    else:
+        ours = ViT(config_from_timm(model))
+        ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
+    config = ours.config
     cfg = getattr(model, "pretrained_cfg", None) or {}
     arch = cfg.get("architecture") or type(model).__name__
     pretrained = cfg.get("input_size")
