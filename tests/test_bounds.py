@@ -343,6 +343,11 @@ def test_no_bare_error_for_junk_values(server, good, steady):
         ("session_find", ["x" * 5000, 3]),
         ("on_click", [3, "mean", "each map its own"]),
         ("on_dino_share", ["lots"]),
+        ("session_rank_heads", ["not a class", "zero"]),
+        ("session_rank_heads", [None, "sideways"]),
+        ("on_inside", [None, ["L99 H1"], "zero"]),
+        ("on_inside", [None, "L1 H1" * 1000, "zero"]),
+        ("on_inside", [None, [], {"mode": "zero"}]),
     ]
     for name, data in cases:
         event_data = {"index": [float("nan"), "x"], "value": None} if name == "on_click" else None

@@ -16,12 +16,20 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
   `FLOAT32_ATTENTION_BYTES`, the N x N rollout only up to `FULL_ROLLOUT_TOKENS`); in memory, the
   float16 copy of the stack and the rollout.
 - "view": a view drawn again from a kept analysis with new options (a rollout).
+- "ablate": two forwards of one image (with and without some heads), nothing recorded.
+- "importance": a forward, then for each layer a batch of H copies of the image run from that
+  layer on, one head switched off in each (`vitviz.inside.head_importance`).
 - "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`,
   else of one layer ("explorer_layer"), else nothing (the server draws the views).
 - "compare": `analyse` for each variant, all held at once.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (thread pools, images,
 figures). Model work is counted in multiply-adds x 2 (`forward_flops`).
+
+A windowed model (Swin: its config has `geometries`) holds each layer's attention window by window,
+`[windows, heads, M², M²]`: linear in tokens. Its requests are priced from those shapes, layer by
+layer (`_windowed_price`), with the same kinds and the same rules; "explorer" is the size of its
+windowed explorer file (`vitviz.server.swin_explorer`), all layers or nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ __all__ = [
     "FULL_ROLLOUT_TOKENS",
     "FAITHFULNESS_BATCH",
     "BROWSER_BYTES",
+    "explorer_bytes",
 ]
 
-Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view"]
+Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance"]
 
 BASE_BYTES = 64 * 2**20
 FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up to this size, float16 beyond
@@ -96,15 +105,57 @@ def _shape(spec) -> tuple[int, int, int, int, int]:
     return c.depth, c.heads, spec.num_tokens, c.width, c.mlp_dim
 
 
+def _windowed(spec) -> bool:
+    return hasattr(spec.config, "geometries")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One windowed layer at the size a request feeds: heads, real tokens N, windows x M² places
+    (padding included), width and MLP width."""
+
+    heads: int
+    tokens: int
+    windows: int
+    area: int
+    width: int
+    hidden: int
+
+    @property
+    def places(self) -> int:
+        return self.windows * self.area
+
+    @property
+    def attention(self) -> int:
+        """Its attention's bytes for one image: [windows, heads, M², M²] float32."""
+        return self.windows * self.heads * self.area * self.area * 4
+
+
+def _layers(spec) -> list[_Layer]:
+    c = spec.config
+    out = []
+    for s, g in zip(c.layer_stages, c.geometries(spec.grid)):
+        out.append(_Layer(c.num_heads[s], g.num_tokens, g.num_windows, g.area, c.dims[s], int(c.mlp_ratio * c.dims[s])))
+    return out
+
+
 def attention_bytes(spec) -> int:
-    """A: the float32 attention stack [L, H, N, N] of one image."""
+    """A: the float32 attention stack [L, H, N, N] of one image (a windowed model: every layer's
+    [windows, heads, M², M²])."""
+    if _windowed(spec):
+        return sum(layer.attention for layer in _layers(spec))
     depth, heads, n, _, _ = _shape(spec)
     return depth * heads * n * n * 4
 
 
 def forward_flops(spec) -> float:
     """Multiply-adds x 2 of one forward of one image: the projections and MLPs (2 x weights x N)
-    and the two attention products (4 x L x N^2 x D)."""
+    and the two attention products (4 x L x N^2 x D; windowed: 4 x windows x M² x M² x D per layer)."""
+    if _windowed(spec):
+        c, n0 = spec.config, spec.grid[0] * spec.grid[1]
+        merges = sum(2.0 * 8 * c.dims[s - 1] ** 2 * g[0] * g[1] for s, g in enumerate(c.stage_grids(spec.grid)) if s)
+        blocks = sum(2.0 * (4 * l.width**2 + 2 * l.width * l.hidden) * l.places + 4.0 * l.places * l.area * l.width for l in _layers(spec))
+        return 2.0 * 3 * spec.patch_size**2 * c.embed_dim * n0 + merges + blocks
     depth, _, n, width, mlp = _shape(spec)
     block_weights = 4 * width * width + 2 * width * mlp
     return 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width
@@ -112,7 +163,17 @@ def forward_flops(spec) -> float:
 
 def export_plan(spec, *, attentions: bool = True) -> dict:
     """What an .npz export of an analysis holds: {"attention_dtype", "rollout_rows", "bytes"}
-    (`attentions=False`: without the attention stack)."""
+    (`attentions=False`: without the attention stack). A windowed model's: every layer's window
+    attention and relative position bias, the rollout's N_last rows onto the finest grid."""
+    if _windowed(spec):
+        layers, n0 = _layers(spec), spec.grid[0] * spec.grid[1]
+        a32 = attention_bytes(spec)
+        dtype = "float32" if a32 <= FLOAT32_ATTENTION_BYTES else "float16"
+        attention = 0 if not attentions else a32 if dtype == "float32" else a32 // 2
+        biases = sum(l.heads * l.area * l.area * 4 for l in layers)
+        rows = layers[-1].tokens
+        other = rows * n0 * 4 + n0 * 4 + len(layers) * (max(l.heads for l in layers) + 8) * 8 + biases + 4 * spec.num_classes
+        return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other + 3 * spec.image_size**2 + 64 * 1024}
     depth, heads, n, width, _ = _shape(spec)
     a32 = attention_bytes(spec)
     dtype = "float32" if a32 <= FLOAT32_ATTENTION_BYTES else "float16"
@@ -136,6 +197,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         layer_gradients: an "explain" or "faithfulness" whose methods need each layer's own gradient
             (`Method.needs_layer_gradients`: LeGrad).
     """
+    if _windowed(spec):
+        return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions)
     depth, heads, n, width, mlp = _shape(spec)
     layer = heads * n * n * 4
     stack = depth * layer
@@ -162,6 +225,11 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         plan = export_plan(spec, attentions=attentions)
         converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
         return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], 0.0)
+    if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
+        return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES, 0, 2 * flops)
+    if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
+        per_copy = 4 * layer + 4 * token_row + 2 * n * mlp * 4
+        return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES, 0, (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
         return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
     if kind in ("explorer", "explorer_layer"):
@@ -174,5 +242,51 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         else:
             written = one + 4 * queries
         transient = views * queries * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
+        return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
+    raise ValueError(f"unknown kind of request {kind!r}")
+
+
+def explorer_bytes(spec) -> int:
+    """The windowed explorer's file for one image (`vitviz.server.swin_explorer`): per layer, each
+    window's tokens (int32 [windows, M²]), each token's window and mask region (int32 [N] twice),
+    then per view (the heads, their mean and max) each query's row over its window (float32 maxima
+    [V, N], uint8 [V, N, M²]) and the pooled query's row over the grid (float32 [V], uint8 [V, N])."""
+    return sum(l.places * 4 + 8 * l.tokens + (l.heads + 2) * (l.tokens * (4 + l.area) + 4 + l.tokens) for l in _layers(spec))
+
+
+def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attentions: bool) -> Cost:
+    """`price` for a windowed model: the same kinds, from each layer's own shapes (`_layers`)."""
+    layers, n0 = _layers(spec), spec.grid[0] * spec.grid[1]
+    stack, layer, n = attention_bytes(spec), max(l.attention for l in layers), n0
+    last = layers[-1]
+    biases = sum(l.heads * l.area * l.area * 4 for l in layers)
+    # what the analysis keeps (`SwinAnalysis.nbytes`): window attention, biases, final tokens, probabilities, the crop
+    kept = stack + biases + last.tokens * last.width * 4 + 4 * spec.num_classes + 3 * spec.image_size**2
+    products = 3 * last.tokens * max(l.places for l in layers) * 4  # rollout and relevance: [N_last, N_s] and its spread over windows
+    activations = sum(l.tokens * l.width * 4 for l in layers)
+    analyse = stack + 4 * layer + products + 2 * activations + BASE_BYTES
+    explain = 2 * stack + sum(2 * l.attention + 12 * l.tokens * l.width * 4 + 2 * l.places * l.hidden * 4 for l in layers) + products + BASE_BYTES
+    flops = forward_flops(spec)
+    if kind == "analyse":
+        return Cost(kind, spec.name, n, analyse, kept, flops)
+    if kind == "explain":
+        return Cost(kind, spec.name, n, explain, 0, 3 * flops)
+    if kind == "faithfulness":
+        per_image = 2 * layer + 8 * max(l.tokens * l.width * 4 for l in layers) + 2 * max(l.places * l.hidden for l in layers) * 4
+        images = 2 * FAITHFULNESS_ORDERS * (steps + 1) * 3 * spec.image_size**2 * 4
+        room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
+        batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
+        forwards = (steps + 1) * 2 * FAITHFULNESS_ORDERS
+        return Cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES), 0, 3 * flops + forwards * flops, batch)
+    if kind == "export":
+        plan = export_plan(spec, attentions=attentions)
+        converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
+        return Cost(kind, spec.name, n, converted + 2 * products + BASE_BYTES, plan["bytes"], 0.0)
+    if kind == "view":
+        return Cost(kind, spec.name, n, 2 * products + BASE_BYTES, 0, 2.0 * sum(last.tokens * l.places * l.area for l in layers))
+    if kind in ("explorer", "explorer_layer"):  # all layers in one file when the browser can hold it, else the server draws
+        whole = explorer_bytes(spec)
+        written = whole if whole <= BROWSER_BYTES else 0
+        transient = max((l.heads + 2) * l.tokens * l.area * (4 + 8 + 8) for l in layers) if written else 0
         return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")

@@ -45,6 +45,12 @@ __all__ = [
     "norms_figure",
     "faithfulness_figure",
     "curves_figure",
+    "outline_cells",
+    "layer_distance_figure",
+    "bias_tables_image",
+    "lens_figure",
+    "HeadGrid",
+    "head_grid_image",
 ]
 
 CMAP = "inferno"
@@ -536,3 +542,166 @@ def _curve_panels(series: dict, fractions: np.ndarray, *, ylabel: str, title: st
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
+
+
+# ------------------------------------------------------------------------------------------------
+# Hierarchical models (Swin): regions of a grid outlined, ragged heads per layer, bias tables
+
+
+def outline_cells(pixels: np.ndarray, ids: np.ndarray, *, cell_px: int, width: int, color: tuple[int, int, int],
+                  where: np.ndarray | None = None) -> np.ndarray:
+    """Outlines regions of a grid drawn over a picture: uint8 [gh x cell_px, gw x cell_px, 3] -> a copy.
+
+    A pixel of cell (r, c) takes `color` when the cell is in `where` (default: every cell) and the
+    pixel lies within `width` px of a side of the cell whose neighbour has another id (or is off the
+    grid). The one rule the server and the browser's windowed explorer (`vitviz/server/
+    swin_explorer.js`) both draw by.
+
+    Args:
+        ids: [gh, gw] region ids; where: bool [gh, gw].
+    """
+    ids = np.asarray(ids)
+    gh, gw = ids.shape
+    if pixels.shape[0] != gh * cell_px or pixels.shape[1] != gw * cell_px:
+        raise ValueError(f"a {pixels.shape[1]}x{pixels.shape[0]} picture is not {gh}x{gw} cells of {cell_px} px")
+    pad = np.pad(ids.astype(np.int64), 1, constant_values=np.iinfo(np.int64).min)  # off the grid: another id
+    sides = [pad[1:-1, 1:-1] != pad[1:-1, :-2], pad[1:-1, 1:-1] != pad[1:-1, 2:], pad[1:-1, 1:-1] != pad[:-2, 1:-1],
+             pad[1:-1, 1:-1] != pad[2:, 1:-1]]  # left, right, top, bottom: [gh, gw] each
+    inside = np.arange(cell_px)
+    near = [inside < width, cell_px - 1 - inside < width]  # [cell_px]: near the first side, near the second
+    left, right, top, bottom = (s.repeat(cell_px, 0).repeat(cell_px, 1) for s in sides)
+    col_first, col_last = np.tile(near[0], gw)[None, :], np.tile(near[1], gw)[None, :]
+    row_first, row_last = np.tile(near[0], gh)[:, None], np.tile(near[1], gh)[:, None]
+    edge = (left & col_first) | (right & col_last) | (top & row_first) | (bottom & row_last)
+    if where is not None:
+        edge &= np.asarray(where, dtype=bool).repeat(cell_px, 0).repeat(cell_px, 1)
+    out = pixels.copy()
+    out[edge] = color
+    return out
+
+
+def layer_distance_figure(distances: list[torch.Tensor] | dict[str, list[torch.Tensor]], *, stages: list[int] | None = None,
+                          title: str = "Mean attention distance") -> Figure:
+    """Mean attention distance with a head count of its own per layer (a hierarchical model's stages):
+    one dot per head at each layer, stage boundaries as vertical lines, each stage labelled.
+
+    Args:
+        distances: per layer a [H_l] in pixels; or {name: that} for several models in one chart
+            (each its own depth).
+        stages: each layer's stage (of the first series), for the boundaries and labels.
+    """
+    ax = _chart_axes()
+    series = distances if isinstance(distances, dict) else {"": distances}
+    markers = "os^D"
+    top = 0.0
+    for k, (name, layers) in enumerate(series.items()):
+        nudge = (k - (len(series) - 1) / 2) * 0.18
+        x = np.concatenate([np.full(len(d), l + 1 + nudge, dtype=np.float64) for l, d in enumerate(layers)])
+        y = np.concatenate([d.detach().cpu().double().numpy().reshape(-1) for d in layers])
+        ax.scatter(x, y, s=14, alpha=0.75, marker=markers[k % 4], label=name or None, zorder=6)
+        top = max(top, float(np.nanmax(y)) if y.size else 0.0)
+    ax.set_ylim(0, axis_top(top))
+    if stages is not None:
+        bounds = [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
+        for b in bounds:
+            ax.axvline(b + 0.5, color="0.55", lw=1, ls=":")
+        starts = [0] + bounds
+        ends = bounds + [len(stages)]
+        for s, (a, b) in enumerate(zip(starts, ends)):
+            ax.text((a + b + 1) / 2, 0.98, f"stage {stages[a] + 1}", transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7,
+                    color="0.3")
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Mean attention distance (pixels)")
+    ax.set_title(title, fontsize=10)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    return ax.figure
+
+
+def bias_tables_image(tables: torch.Tensor, *, tile: int = 128, cmap: str = "RdBu_r") -> Image.Image:
+    """Relative position bias tables, one tile per head, on one symmetric colour scale with its bar.
+
+    Args:
+        tables: [H, 2wh - 1, 2ww - 1]: entry (r, c) is the bias a query adds to the logit of the key
+            (r - wh + 1, c - ww + 1) cells away from it (the centre is the query itself, outlined).
+    """
+    t = tables.detach().cpu().double().numpy()
+    heads, th, tw = t.shape
+    bound = float(np.abs(t).max()) or 1.0
+    cell = max(1, tile // max(th, tw))
+    tiles = []
+    for h in range(heads):
+        rgb = colorize(t[h], cmap=cmap, vmin=-bound, vmax=bound).repeat(cell, 0).repeat(cell, 1)
+        centre = np.zeros((th, tw), dtype=np.int64)
+        centre[th // 2, tw // 2] = 1
+        rgb = outline_cells(rgb, centre, cell_px=cell, width=max(1, cell // 6), color=(30, 30, 30), where=centre.astype(bool))
+        tiles.append(Image.fromarray(rgb))
+    img = mosaic(tiles, cols=math.ceil(math.sqrt(heads)), labels=[f"head {h + 1}" for h in range(heads)])
+    return with_colorbar(img, vmin=-bound, vmax=bound, label="bias", cmap=cmap)
+
+
+def lens_figure(lens: torch.Tensor, *, categories, classes: list[int], title: str = "Logit lens") -> Figure:
+    """The logit lens [L+1, C] as lines: each of `classes`' probability against depth (0: the embedding)."""
+    ax = _chart_axes(fitted=True)
+    depth = np.arange(lens.shape[0])
+    values = lens.detach().cpu().float()
+    for c in classes:
+        name = categories[c] if categories is not None else f"class {c}"
+        ax.plot(depth, values[:, c].numpy(), marker="o", ms=3, lw=1.5, label=str(name)[:28])
+    ax.set_xlabel("After block (0: the embedding)")
+    ax.set_ylabel("Probability")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(depth if len(depth) <= 13 else depth[:: math.ceil(len(depth) / 13)])
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    return ax.figure
+
+
+class HeadGrid:
+    """The layout of a heads x layers picture (`head_grid_image`): a cell per (layer, head), layers
+    down, heads across, after a left margin of layer labels and a top margin of head labels."""
+
+    LEFT, TOP = 44, 22
+
+    def __init__(self, layers: int, heads: int, *, cell: int | None = None) -> None:
+        self.layers, self.heads = layers, heads
+        self.cell = cell or max(14, min(36, 432 // max(heads, 1), 432 // max(layers, 1)))
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.LEFT + self.heads * self.cell + 1, self.TOP + self.layers * self.cell + 1
+
+    def cell_at(self, x: float, y: float) -> tuple[int, int] | None:
+        """The (layer, head) under pixel (x, y) of the picture, or None outside the cells."""
+        col, row = math.floor((x - self.LEFT) / self.cell), math.floor((y - self.TOP) / self.cell)
+        return (row, col) if 0 <= row < self.layers and 0 <= col < self.heads else None
+
+
+def head_grid_image(values: torch.Tensor, *, off: set[tuple[int, int]] = frozenset(), label: str = "",
+                    cmap: str = "RdBu_r") -> tuple[Image.Image, HeadGrid]:
+    """A value per (layer, head) [L, H] as coloured cells (a diverging map centred on 0, the same
+    range both ways), the cells in `off` crossed out, with a colour bar; and its layout (for clicks)."""
+    v = values.detach().cpu().double().numpy()
+    layers, heads = v.shape
+    grid = HeadGrid(layers, heads)
+    top = float(np.abs(v).max()) or 1.0
+    colours = colorize(v, cmap=cmap, vmin=-top, vmax=top)  # [L, H, 3]
+    img = Image.new("RGB", grid.size, "white")
+    draw = ImageDraw.Draw(img)
+    font, c = _font(10), grid.cell
+    for h in range(heads):
+        if heads <= 16 or h % 2 == 0:
+            _draw_text(draw, (grid.LEFT + h * c + c / 2, grid.TOP - 4), f"H{h + 1}", font=font, anchor="ms")
+    for layer in range(layers):
+        y = grid.TOP + layer * c
+        _draw_text(draw, (grid.LEFT - 4, y + c / 2), f"L{layer + 1}", font=font, anchor="rm")
+        for h in range(heads):
+            x = grid.LEFT + h * c
+            draw.rectangle([x, y, x + c, y + c], fill=tuple(int(u) for u in colours[layer, h]), outline=(255, 255, 255))
+            if (layer, h) in off:
+                draw.line([x + 2, y + 2, x + c - 2, y + c - 2], fill=(20, 20, 20), width=2)
+                draw.line([x + 2, y + c - 2, x + c - 2, y + 2], fill=(20, 20, 20), width=2)
+    return with_colorbar(img, vmin=-top, vmax=top, label=label, cmap=cmap), grid

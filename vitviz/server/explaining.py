@@ -13,6 +13,7 @@ from vitviz.faithfulness import Curves, perturbation_curves, random_maps
 from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
 from vitviz.server.views import Exploration
+from vitviz.swin import SWIN_METHODS, SwinAnalysis
 
 __all__ = ["explain_exploration", "find_phrases", "faithfulness_of"]
 
@@ -26,12 +27,16 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
     """Every registered method's map [gh, gw] for `target` (a class name; None: the top-1) on the
     analysed crop: the methods whose needs the model meets (`Method.needs`), those that explain a
     score only for a model with a classifier (a model without one, an image–text model included,
-    gets the maps that need no target: "attention" and "rollout")."""
+    gets the maps that need no target: "attention" and "rollout"). A Swin: the methods of
+    `vitviz.swin.SWIN_METHODS` (its windowed attention made global, through every merge)."""
     model, x = _input(cache, exp)
     a = exp.analysis
-    has_class = a.probabilities is not None
-    wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None and (has_class or not method(m).needs_target)]
-    index = resolve_target(target, a.categories, a.probabilities) if a.probabilities is not None else None
+    has_class = a.probabilities is not None and a.layout.classifier  # an image–text model's zero-shot labels are phrases (Find)
+    if isinstance(a, SwinAnalysis):
+        wanted = [m for m in SWIN_METHODS if m in methods() and (has_class or not method(m).needs_target)]
+    else:
+        wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None and (has_class or not method(m).needs_target)]
+    index = resolve_target(target, a.categories, a.probabilities) if has_class else None
     maps, _, _ = relevance_maps(model, x, methods=wanted, targets=[index] if index is not None else None)
     return {m: v[0] for m, v in maps.items()}, index
 

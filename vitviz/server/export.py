@@ -12,8 +12,9 @@ import numpy as np
 
 from vitviz.cost import export_plan
 from vitviz.server.views import Exploration
+from vitviz.swin import SwinAnalysis
 
-__all__ = ["export_npz", "Downloads", "sweep"]
+__all__ = ["export_npz", "export_swin_npz", "Downloads", "sweep"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
@@ -22,9 +23,12 @@ def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -
     to 1,024 tokens, the prefix tokens' rows beyond) and its map, distances, probabilities, the crop.
     `vitviz.cost.export_plan` says what an export holds and weighs before it is written.
 
-    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes.
+    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes. A Swin's
+    analysis is `export_swin_npz`'s.
     """
     a = exp.analysis
+    if isinstance(a, SwinAnalysis):
+        return export_swin_npz(exp, path, attentions=attentions)
     plan = export_plan(exp.facts.spec)
     path = Path(path)
     extra = {}
@@ -47,6 +51,33 @@ def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -
             head_fusion="mean",
             discard_ratio=0.0,
             variant=a.variant,
+        )
+    return path
+
+
+def export_swin_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
+    """A Swin's analysis as an .npz: each layer's window attention `attention_<l>` [windows, heads,
+    M², M²] (optional; float32 up to 64 MB, float16 beyond) and relative position bias `bias_<l>`
+    [heads, M², M²]; each layer's grid, window, shift and stage; the rollout [N_last, N_0] (mean
+    fusion) and the pooled query's map on the finest grid; the distances [L, H_max] (NaN for heads a
+    layer lacks); probabilities, the crop."""
+    a = exp.analysis
+    plan = export_plan(exp.facts.spec)
+    per_layer = {f"bias_{l}": b.numpy() for l, b in enumerate(a.biases)}
+    if attentions:
+        per_layer.update({f"attention_{l}": t.numpy().astype(plan["attention_dtype"], copy=False) for l, t in enumerate(a.attentions)})
+    if a.probabilities is not None:
+        per_layer.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
+    distances = [d.numpy() for d in a.distances()]
+    table = np.full((len(distances), max(len(d) for d in distances)), np.nan, dtype=np.float32)
+    for l, d in enumerate(distances):
+        table[l, : len(d)] = d
+    path = Path(path)
+    with open(path, "wb") as f:
+        np.savez(
+            f, **per_layer, rollout=a.rollout().numpy(), cls_map=a.cls_map().numpy(), distances=table, image=np.asarray(a.image),
+            patch_size=a.patch_size, grid=np.array(a.grid), grids=np.array([g.grid for g in a.geometries]),
+            windows=np.array(a.window_sizes), shifts=np.array(a.shifts), stages=np.array(a.stages), head_fusion="mean", variant=a.variant,
         )
     return path
 

@@ -19,7 +19,8 @@ class InputError(ValueError):
 
 def variant(value: object, *, max_params: int | None = None, max_tokens: int | None = None, open_models: bool = True) -> str:
     """A variant name vitviz can load: a listed one, or "timm:<name>" / "hf:<repo id>" of at most
-    `max_params` parameters (when `open_models`), at a size of at most `max_tokens` tokens."""
+    `max_params` parameters (when `open_models`), at a size of at most `max_tokens` tokens (a windowed
+    model: at most max_tokens² attention weights per head in any layer, what that many global tokens hold)."""
     if not isinstance(value, str) or not value.strip():
         raise InputError("Choose a model variant from the menu (or type timm:<name> or hf:<repo id> in the box below it).")
     value = value.strip()
@@ -36,7 +37,14 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
             f"{value} has {spec.config.num_params / 1e6:,.0f} M parameters; this server loads models of up to "
             f"{max_params / 1e6:,.0f} M (VITVIZ_MAX_PARAMS)."
         )
-    if max_tokens is not None and spec.num_tokens > max_tokens:
+    if max_tokens is not None and hasattr(spec.config, "geometries"):  # windowed attention: linear in tokens
+        held = max(g.num_windows * g.area**2 for g in spec.config.geometries(spec.grid))  # weights per head of its largest layer
+        if held > max_tokens**2:
+            raise InputError(
+                f"{value} at {spec.image_size} px holds {held:,} attention weights per head in a layer; this server holds at most "
+                f"{max_tokens**2:,}, as many as {max_tokens:,} tokens attending to each other (VITVIZ_MAX_TOKENS)."
+            )
+    elif max_tokens is not None and spec.num_tokens > max_tokens:
         side = math.isqrt(max_tokens - spec.num_prefix_tokens) * spec.patch_size
         raise InputError(
             f"{value} cuts a {spec.image_size} px image into {spec.num_tokens:,} tokens; this server analyses at most "

@@ -18,6 +18,7 @@ from vitviz.model import ViT
 from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
+from vitviz.swin import Swin
 
 __all__ = ["ModelFacts", "ModelCache", "prune_hub_cache"]
 
@@ -60,23 +61,60 @@ def prune_hub_cache(repos: "OrderedDict[str, None]", *, max_bytes: int, keep: st
     return total
 
 
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def swin_summary_rows(model: Swin) -> list[list[str]]:
+    """A Swin stage by stage as the Architecture tab lists it (stage, layer, output shape, parameters):
+    the patch embedding, each stage's merge and blocks (heads, window, shift), the pooling and the head;
+    parameters read from the modules, shapes from the config at the spec's image size."""
+    c, spec = model.config, model.spec
+    side = spec.image_size
+    grids = c.stage_grids(spec.grid)
+    geometries = c.geometries(spec.grid)
+    rows = [["Input image", "", f"[B, 3, {side}, {side}]", "--"],
+            ["Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}, LayerNorm",
+             f"[B, {grids[0][0]}, {grids[0][1]}, {c.embed_dim}]", f"{_count(model.patch_embed) + _count(model.patch_norm):,}"]]
+    first = 0
+    for s, stage in enumerate(model.stages):
+        (gh, gw), dim = grids[s], c.dims[s]
+        if stage.merge is not None:
+            rows.append([f"Stage {s + 1}: patch merging", f"2x2 -> 1, LayerNorm, Linear {4 * c.dims[s - 1]} -> {dim}",
+                         f"[B, {gh}, {gw}, {dim}]", f"{_count(stage.merge):,}"])
+        for i, block in enumerate(stage.blocks):
+            g = geometries[first + i]
+            where = f"shifted by {g.shift[0]}x{g.shift[1]}" if g.shifted else "not shifted"
+            rows.append([f"  Stage {s + 1}, block {i + 1}", f"{c.num_heads[s]} heads, windows {g.window[0]}x{g.window[1]} "
+                         f"({g.num_windows}), {where}", f"[B, {gh}, {gw}, {dim}]", f"{_count(block):,}"])
+        first += len(stage.blocks)
+    rows.append(["Final LayerNorm, mean of the final tokens", "", f"[B, {c.dims[-1]}]", f"{_count(model.norm):,}"])
+    if c.num_classes:
+        rows.append(["Classification head", "Linear", f"[B, {c.num_classes}]", f"{_count(model.head):,}"])
+    return rows
+
+
 @dataclass(frozen=True)
 class ModelFacts:
-    """What a variant shows independently of the image, computed once per loaded model."""
+    """What a variant shows independently of the image, computed once per loaded model. A Swin has
+    no position embeddings (`similarity` None) and no one distance chart (`distance_chart` None: its
+    stages differ in heads and pixels per token)."""
 
     spec: VariantSpec
-    similarity: torch.Tensor  # [gh, gw, gh, gw] at the trained grid
+    similarity: torch.Tensor | None  # [gh, gw, gh, gw] at the trained grid
     components: torch.Tensor  # [28, 3, P, P]
     explained: torch.Tensor  # [28]
     summary_rows: list[list[str]]
     total_params: int
-    uniform_distance: float
-    distance_chart: plots.DistanceChart = field(repr=False, compare=False)
+    uniform_distance: float | None
+    distance_chart: plots.DistanceChart | None = field(repr=False, compare=False)
     drawn: dict = field(default_factory=dict, repr=False, compare=False)  # pictures of these facts, drawn once
 
     @classmethod
-    def of(cls, model: ViT) -> "ModelFacts":
-        """The facts of a ViT, or of an image–text model's image tower (what the views show)."""
+    def of(cls, model: ViT | Swin) -> "ModelFacts":
+        """The facts of a ViT, or of an image–text model's image tower (what the views show), or of a Swin."""
+        if isinstance(model, Swin):
+            return cls._of_swin(model)
         spec: VariantSpec = model.spec
         tower = image_tower(model)
         c = tower.config
@@ -96,6 +134,16 @@ class ModelFacts:
             uniform_distance=uniform,
             distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
         )
+
+    @classmethod
+    def _of_swin(cls, model: Swin) -> "ModelFacts":
+        """A Swin's facts: its patch-embedding filters and its stage table (no position embeddings)."""
+        with torch.no_grad():
+            comps, explained = embedding_filter_components(model.patch_embed.weight.cpu(), k=28)
+        rows = swin_summary_rows(model)
+        total = _count(model)
+        return cls(spec=model.spec, similarity=None, components=comps, explained=explained,
+                   summary_rows=rows + [["Total", "", "", f"{total:,}"]], total_params=total, uniform_distance=None, distance_chart=None)
 
 
 class ModelCache:

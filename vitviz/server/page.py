@@ -14,13 +14,13 @@ import gradio as gr
 
 from vitviz.cost import price
 from vitviz.images import describe_limits
-from vitviz.server import inputs, runtime, views
+from vitviz.server import inputs, runtime, swin_views, views
 from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, as_text
 from vitviz.server.menus import spec_line, variant_choices
 from vitviz.server.runtime import EXAMPLES, Outputs
 from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs import TABS, Analysed, Tab
-from vitviz.server.tabs.base import gate, lacks
+from vitviz.server.tabs.base import gate
 from vitviz.server.tabs.explain import METHODS
 from vitviz.sources import checkpoint_dir, get_spec
 
@@ -113,7 +113,7 @@ def _results() -> None:
             for tab in TABS:
                 tab.page = PAGE
                 with gr.Tab(tab.label, id=tab.id):
-                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates)
+                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, tab.swin_needs)
                     with tab.gate.content:
                         tab.build(PAGE)
     PAGE.analysis_outputs = [
@@ -233,7 +233,7 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
     for g in PAGE.gates:
         out.update(g.outputs(exp))
     for tab in TABS:
-        if lacks(exp, tab.needs) is None:
+        if tab.lacks(exp) is None:
             out.update(tab.analysed(done))
         else:
             out.update({c: gr.skip() for c in tab.analysis_outputs()})
@@ -285,7 +285,7 @@ def _draw_tab(ref: SessionRef | None, tab_id: str, values: tuple) -> Outputs:
     start = 0
     for tab in PAGE.on_demand:
         mine, start = values[start : start + len(tab.draw_inputs)], start + len(tab.draw_inputs)
-        if tab.id == tab_id and isinstance(ref, SessionRef) and lacks(runtime.recall(ref), tab.needs) is None:
+        if tab.id == tab_id and isinstance(ref, SessionRef) and tab.lacks(runtime.recall(ref)) is None:
             return tab.draw(ref, *mine)
     return _nothing()
 
@@ -348,10 +348,11 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
             path = runtime.DOWNLOADS.npz(exp, attentions=False, size=size)
         except ValueError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
+        drawn = swin_views if swin_views.is_swin(exp) else views  # a Swin's rollout and distances are its own
         return {
             PAGE.api_pred: views.render_predictions(exp) or None,
-            PAGE.api_rollout: views.render_rollout(exp),
-            PAGE.api_distance: views.render_distance(exp),
+            PAGE.api_rollout: drawn.render_rollout(exp),
+            PAGE.api_distance: drawn.render_distance(exp),
             PAGE.api_npz: path,
         }
 
@@ -379,6 +380,8 @@ def api_explain(image: str | None, variant: str, target: str, method: str) -> Ou
     with runtime.job("explain", a.variant):
         maps, index = runtime.explain_on_device(exp, target)
     if method not in maps:
+        if swin_views.is_swin(exp):
+            raise runtime.error(f"{method} cannot run on {a.variant} (windowed attention): it offers {', '.join(maps)}.")
         raise runtime.error(f"{a.variant} has no classifier: only attention and rollout can be shown.")
     label = a.categories[index] if index is not None else "no-class"
     return {PAGE.api_map: views.render_method_maps(exp, {method: maps[method]}, label=label)[method]}
@@ -393,14 +396,22 @@ def api_attention(image: str | None, variant: str, layer: float, head: str, quer
         layer: the layer, 1 to the model's depth.
         head: "mean", "max" or "head <k>" (1-based).
         query: the query token: 0 is the cls token (for a mean-pooled model without one, the pooled
-            query "pool", after any registers); patches follow in raster order.
+            query "pool", after any registers); patches follow in raster order. For a Swin, 0 is the
+            pooled query and 1 + r x gw + c the finest patch (r, c): its stage's token at that layer,
+            drawn on the stage's grid with its window outlined.
 
     Returns:
         The query's attention over the patches, drawn on the image.
     """
     exp = runtime.run(image, variant)
-    depth, heads = exp.analysis.attentions.shape[:2]
+    a = exp.analysis
+    if swin_views.is_swin(exp):  # the query's attention on its layer's stage grid, its window outlined
+        layer = runtime.checked(inputs.index, layer, 1, a.num_layers, "layer")
+        head = runtime.checked(inputs.head, head, a.heads(layer - 1))
+        query = runtime.checked(inputs.index, query, 0, a.grid[0] * a.grid[1], "query token")
+        return {PAGE.api_map: swin_views.render_window_query(exp, layer=layer, head=head, query=query)}
+    depth, heads = a.attentions.shape[:2]
     layer = runtime.checked(inputs.index, layer, 1, depth, "layer")
     head = runtime.checked(inputs.head, head, heads)
-    query = runtime.checked(inputs.index, query, 0, exp.analysis.num_queries - 1, "query token")
+    query = runtime.checked(inputs.index, query, 0, a.num_queries - 1, "query token")
     return {PAGE.api_map: views.render_query(exp, layer=layer, head=head, query=query)}

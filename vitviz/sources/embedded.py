@@ -5,6 +5,9 @@ shipped with vitviz, offline. `python -m vitviz.dev.train_shapes` makes their we
 `shapes_p16`'s and a word-level text tower) trained on captioned scenes of coloured shapes
 (`vitviz.shapes.generate_scenes`); it loads with its tokenizer (`vitviz.words.WordTokenizer`).
 `python -m vitviz.dev.train_shapes_clip` makes its weights.
+
+`shapes_swin` is a small Swin Transformer (`vitviz.swin.Swin`) trained on the same data;
+`python -m vitviz.dev.train_shapes_swin` makes its weights.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from vitviz.config import Preprocessing, TextConfig, ViTConfig
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source
+from vitviz.swin import Swin, SwinConfig
 
-__all__ = ["EmbeddedSource", "assets_dir", "shapes_clip_configs", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
+__all__ = ["EmbeddedSource", "assets_dir", "shapes_clip_configs", "shapes_swin_config", "SHAPES_IMAGE_SIZE", "SHAPES_ARCH"]
 
 SHAPES_IMAGE_SIZE = 96
 SHAPES_ARCH = dict(width=96, depth=6, heads=3, mlp_dim=192)
@@ -37,6 +41,14 @@ def shapes_clip_configs() -> tuple[ViTConfig, TextConfig]:
     vision = ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=SHAPES_CLIP_PATCH, num_classes=0, **SHAPES_ARCH)
     text = TextConfig(vocab_size=len(VOCABULARY), causal=True, pool="eos", eos_token_id=END_ID, **SHAPES_CLIP_TEXT)
     return vision, text
+
+
+def shapes_swin_config(num_classes: int = 8) -> SwinConfig:
+    """The architecture of `shapes_swin`: patch 8 (a 12 x 12 grid at 96 px), three stages of two
+    blocks, 48-96-192 wide, 2-4-8 heads of 24, windows 6-3-3 (each stage's grid 12, 6, 3 a whole
+    number of windows; the last stage's window is its whole grid), MLP ratio 2."""
+    return SwinConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=8, embed_dim=48, depths=(2, 2, 2), num_heads=(2, 4, 8),
+                      window_size=(6, 3, 3), mlp_ratio=2.0, num_classes=num_classes)
 
 
 def assets_dir() -> Path:
@@ -85,17 +97,30 @@ class EmbeddedSource(WeightsSource):
                 locator="shapes_clip.pt",
                 filename="shapes_clip.pt",
                 description=f"Shapes image–text model /{SHAPES_CLIP_PATCH} at {SHAPES_IMAGE_SIZE} px, captions of coloured shapes (embedded, offline)",
-            )
+            ),
+            VariantSpec(
+                name="shapes_swin",
+                config=shapes_swin_config(len(SHAPE_CLASSES)),
+                preprocessing=_PREPROCESSING,
+                categories=SHAPE_CLASSES,
+                source=self.name,
+                weights="embedded assets/shapes_swin.pt (python -m vitviz.dev.train_shapes_swin)",
+                locator="shapes_swin.pt",
+                filename="shapes_swin.pt",
+                description=f"Shapes Swin /8 at {SHAPES_IMAGE_SIZE} px, windows 6-3-3, 8 generated shape classes (embedded, offline)",
+            ),
         ]
 
     def status(self, spec: VariantSpec) -> Status:
         return "embedded"
 
-    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT | ImageTextModel:
-        """The variant's ViT; for `shapes_clip` an `ImageTextModel` with its `WordTokenizer`."""
+    def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT | ImageTextModel | Swin:
+        """The variant's ViT; for `shapes_clip` an `ImageTextModel` with its `WordTokenizer`; for
+        `shapes_swin` a `vitviz.swin.Swin`."""
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
         image_text = spec.name == "shapes_clip"
-        script = "train_shapes_clip" if image_text else "train_shapes"
+        swin = isinstance(spec.config, SwinConfig)
+        script = "train_shapes_clip" if image_text else "train_shapes_swin" if swin else "train_shapes"
         if not path.is_file():
             raise WeightsUnavailableError(
                 f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.{script}`."
@@ -108,6 +133,9 @@ class EmbeddedSource(WeightsSource):
             from vitviz.shapes import CLASSES
 
             model.labels = CLASSES  # zero-shot over the shapes classes, "a photo of a star", ...
+            model.spec = spec
+        elif swin:  # `spec.build()` builds ViTs only
+            model = Swin(spec.config)
             model.spec = spec
         else:
             model = spec.build()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import views
+from vitviz.server import swin_views, views
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
@@ -16,21 +16,26 @@ class ArchitectureTab(Tab):
     def build(self, page) -> None:
         gr.Markdown(
             "The image as the model sees it: resized, centre-cropped and cut into patches, each becoming one "
-            "token. The table follows the tokens stage by stage with output shapes and parameter counts.",
+            "token. The table follows the tokens stage by stage with output shapes and parameter counts. A Swin's stages "
+            "are drawn too: each stage's tokens (thin lines) and windows (cyan), and its shifted windows cut by the mask "
+            "into the regions a token attends within; between stages, 2x2 tokens merge into one.",
             elem_classes="vv-caption",
         )
         self.grid_img = figure(label="Patch grid", elem_id="vv-grid")
+        self.stages_img = figure(label="Stages: tokens, windows and shifted windows", visible=False, elem_id="vv-stages")
         self.table = gr.Dataframe(
             headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True, elem_id="vv-table",
             column_widths=["30%", "34%", "20%", "16%"],
         )
 
     def analysis_outputs(self):
-        return [self.grid_img, self.table]
+        return [self.grid_img, self.stages_img, self.table]
 
     def analysed(self, done: Analysed) -> Outputs:
         grid, table_rows = views.render_architecture(done.exp)
-        return {self.grid_img: grid, self.table: gr.skip() if done.same_model else table_rows}
+        swin = swin_views.is_swin(done.exp)
+        stages = gr.update(value=swin_views.render_stages(done.exp) if swin else None, visible=swin)
+        return {self.grid_img: grid, self.stages_img: stages, self.table: gr.skip() if done.same_model else table_rows}
 
 
 TAB = register_tab(ArchitectureTab())

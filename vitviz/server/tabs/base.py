@@ -1,7 +1,8 @@
 """What a tab of the results is, and the registry the page builds its tabs from.
 
 A tab is one object (a `Tab` subclass, one module each): its `id` and `label`, the `needs` of the
-analysed model it depends on (names from `vitviz.layout.NEEDS`), `build` (its components, inside its
+analysed model it depends on (names from `vitviz.layout.NEEDS`; `swin_needs` those of its views of a
+Swin analysis, whose windowed attention the tab serves its own way), `build` (its components, inside its
 `gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
 shown, for `on_demand` tabs), `follow_up` (a step after the analysis is on the page) and `wire`
 (its own events). The page builds and wires every registered tab in one loop, and hides the content
@@ -18,7 +19,8 @@ import gradio as gr
 from gradio.components import Component
 
 from vitviz.layout import check_needs
-from vitviz.server import views
+from vitviz.server import runtime, views
+from vitviz.server.swin_views import is_swin
 from vitviz.server.gradio_io import PngImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
@@ -36,27 +38,31 @@ class Gate:
     needs: frozenset[str]
     note: Component
     content: Component
+    swin_needs: frozenset[str] | None = None
 
     def lacks(self, exp: views.Exploration) -> str | None:
-        return lacks(exp, self.needs)
+        return lacks(exp, self.needs, self.swin_needs)
 
     def outputs(self, exp: views.Exploration) -> Outputs:
         reason = self.lacks(exp)
         return {self.note: gr.update(value=reason or "", visible=reason is not None), self.content: gr.update(visible=reason is None)}
 
 
-def lacks(exp: views.Exploration, needs: Iterable[str]) -> str | None:
-    """None when the analysed model meets `needs`, else the line shown in their place."""
+def lacks(exp: views.Exploration, needs: Iterable[str], swin_needs: Iterable[str] | None = None) -> str | None:
+    """None when the analysed model meets `needs` (a Swin analysis: `swin_needs`, when the content has
+    views of its own for one), else the line shown in their place."""
     a = exp.analysis
-    return a.layout.lacks(needs, name=a.variant)
+    wanted = swin_needs if swin_needs is not None and is_swin(exp) else needs
+    return a.layout.lacks(wanted, name=a.variant)
 
 
-def gate(needs: Iterable[str], elem_id: str, gates: list[Gate]) -> Gate:
+def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], swin_needs: Iterable[str] | None = None) -> Gate:
     """A note (`<elem_id>-lacks`) and a column (`<elem_id>-content`) for content that needs `needs`
-    (open the column with `with gate.content:`); kept in `gates`, whose outputs every analysis gives."""
+    (`swin_needs` for a Swin analysis, when it has views of its own for one; open the column with
+    `with gate.content:`); kept in `gates`, whose outputs every analysis gives."""
     note = gr.Markdown("", visible=False, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
     content = gr.Column(visible=True, elem_id=f"{elem_id}-content")
-    g = Gate(check_needs(needs), note, content)
+    g = Gate(check_needs(needs), note, content, None if swin_needs is None else check_needs(swin_needs))
     gates.append(g)
     return g
 
@@ -77,14 +83,28 @@ class Tab:
     id: str = ""
     label: str = ""
     needs: frozenset[str] = frozenset()
+    swin_needs: frozenset[str] | None = None  # the needs of its views of a Swin analysis; None: it has none (`needs` apply)
     on_demand: bool = False  # drawn when shown (`draw`), not with every analysis
 
     def __init__(self) -> None:
         self.needs = check_needs(self.needs)
+        self.swin_needs = None if self.swin_needs is None else check_needs(self.swin_needs)
         self.page = None  # set by the page before `build`
         self.gate: Gate | None = None  # set by the page: this tab's content and its one-line note
         self.draw_inputs: list[Component] = []  # what `draw` reads besides the session's analysis
         self.draw_outputs: list[Component] = []  # what `draw` fills
+
+    def lacks(self, exp: views.Exploration) -> str | None:
+        """None when the tab can draw `exp`, else the line shown in place of its content."""
+        return lacks(exp, self.needs, self.swin_needs)
+
+    def recall(self, ref: SessionRef | None) -> views.Exploration:
+        """The session's analysis, when the tab can draw it; else a clear error (the line the tab shows)."""
+        exp = runtime.recall(ref)
+        reason = self.lacks(exp)
+        if reason is not None:
+            raise runtime.error(f"{reason}.")
+        return exp
 
     def build(self, page) -> None:
         """The tab's components (the page has opened its `gr.Tab` and content column)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.cost import price, together
-from vitviz.server import runtime, views
+from vitviz.server import runtime, swin_views, views
 from vitviz.server.menus import variant_choices
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Tab, figure, register_tab
@@ -55,7 +55,9 @@ class CompareTab(Tab):
             return {self.compare_notice: runtime.notice_html(exc.message)}
 
     def _outputs(self, exps: list[views.Exploration]) -> Outputs:
-        out: Outputs = {self.compare_notice: "", self.compare_distance: views.render_compare_distance(exps)}
+        ragged = any(swin_views.is_swin(e) for e in exps)  # a Swin's heads differ by stage
+        distance = swin_views.render_compare_distance(exps) if ragged else views.render_compare_distance(exps)
+        out: Outputs = {self.compare_notice: "", self.compare_distance: distance}
         for k, (col, md, ro, gd) in enumerate(self.slots):
             if k < len(exps):
                 e = exps[k]
@@ -66,7 +68,7 @@ class CompareTab(Tab):
                     f"### {a.variant}\n{a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px · {e.facts.total_params:,} params · "
                     f"{a.model_seconds * 1e3:.0f} ms\n\n{top}"
                 )
-                out[ro] = views.render_rollout(e)
+                out[ro] = swin_views.render_rollout(e) if swin_views.is_swin(e) else views.render_rollout(e)
                 out[gd] = views.render_architecture(e)[0]
             else:
                 out[col], out[md], out[ro], out[gd] = gr.update(visible=False), "", None, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import views
+from vitviz.server import swin_views, views
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
@@ -13,12 +13,15 @@ class DistanceTab(Tab):
     id = "distance"
     label = "Distance"
     needs = frozenset({"global_attention"})
+    swin_needs = frozenset()  # a Swin: each layer on its own stage's grid
 
     def build(self, page) -> None:
         gr.Markdown(
             "How far each head looks (the paper's Figure 7, right): for every head, the average pixel distance "
             "between a patch and the patches it attends to, weighted by attention. In the paper's models, early "
-            "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give.",
+            "layers mix near and far heads and later ones look far. The dashed line is what uniform attention would give. "
+            "A Swin's heads look only inside their windows: each layer is measured on its own stage's grid (a token there "
+            "covers 2x2 of the stage before) in input pixels, and the head count changes with the stage.",
             elem_classes="vv-caption",
         )
         self.distance_img = figure(label="Mean attention distance", elem_id="vv-distance")
@@ -27,7 +30,8 @@ class DistanceTab(Tab):
         return [self.distance_img]
 
     def analysed(self, done: Analysed) -> Outputs:
-        return {self.distance_img: views.render_distance(done.exp)}
+        draw = swin_views.render_distance if swin_views.is_swin(done.exp) else views.render_distance
+        return {self.distance_img: draw(done.exp)}
 
 
 TAB = register_tab(DistanceTab())

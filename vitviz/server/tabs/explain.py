@@ -6,11 +6,11 @@ import gradio as gr
 
 from vitviz import plots
 from vitviz.explainers import method as registered_method, methods
-from vitviz.server import runtime, views
+from vitviz.server import runtime, swin_views, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
-from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
+from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 # the maps: every registered method that explains a class or none (plugins loaded now)
 METHODS = tuple(m for m in methods() if not registered_method(m).needs_text)
@@ -21,6 +21,7 @@ class ExplainTab(Tab):
     id = "explain"
     label = "Explain"
     needs = frozenset({"global_attention"})
+    swin_needs = frozenset()  # a Swin's maps: its windowed attention made global (`vitviz.swin`)
     on_demand = True
 
     def __init__(self) -> None:
@@ -81,7 +82,7 @@ class ExplainTab(Tab):
         """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        if a.categories is not None and target not in a.categories:
+        if a.layout.classifier and a.categories is not None and target not in a.categories:
             raise runtime.error("Pick one of the model's classes to explain.")
         scale = runtime.scale_of(scale_value, EXPLAIN_SCALES)
         with runtime.job("explain", a.variant, request):
@@ -90,9 +91,14 @@ class ExplainTab(Tab):
         pictures = views.render_method_maps(exp, maps, label=label, scale=scale)
         if index is None:
             note = (f"**{a.variant} has no classifier**: the gradient methods need a class logit, so only the attention of the "
-                    "last layer and its rollout are shown.")
+                    "last layer and its rollout are shown." + (" Its phrases, zero-shot labels included, are explained in the Find tab."
+                                                               if a.layout.text else ""))
         else:
             note = f"Explaining **{label}** ({float(a.probabilities[index]):.1%})."
+        missing = [registered_method(m).title for m in METHODS if m not in maps]
+        if swin_views.is_swin(exp) and missing:
+            note += (f" Not for a Swin (windowed attention): {', '.join(missing)}. The maps are the pooled query's (the mean of the "
+                     "final tokens' rows), through every window layer and patch merge onto the finest grid.")
         faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: None}
         self.explained.add(ref.key)
         return {self.explain_note: note, **faith, **{self.explain_imgs[m]: pictures.get(m) for m in METHODS}}
@@ -105,7 +111,7 @@ class ExplainTab(Tab):
         """Deletion and insertion curves of every method for the chosen class, with a random order beside."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        if a.categories is None:
+        if a.categories is None or not a.layout.classifier:
             raise runtime.error(f"{a.variant} has no classifier: deletion and insertion measure the probability of a class.")
         if target not in a.categories:
             raise runtime.error("Pick one of the model's classes first.")
@@ -128,7 +134,7 @@ class ExplainTab(Tab):
         if isinstance(ref, SessionRef) and runtime.recall(ref).analysis.layout.text:
             return gr.skip()  # a zero-shot label: the Find tab looks for it
         shown = {self.target_class: label, self.page.tabs: gr.Tabs(selected=self.id), self.page.current_tab: self.id}
-        if isinstance(ref, SessionRef) and lacks(runtime.recall(ref), self.needs) is not None:
+        if isinstance(ref, SessionRef) and self.lacks(runtime.recall(ref)) is not None:
             return shown  # the tab says why it has nothing to show
         return {**shown, **self.on_explain(ref, label, scale_value)}
 

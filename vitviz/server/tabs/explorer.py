@@ -1,18 +1,21 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
-data (written after the analysis is on the page), or by the server for a model too large for it."""
+data (written after the analysis is on the page), or by the server for a model too large for it.
+A Swin gets the windowed explorer (`vitviz.server.swin_explorer`): a query's attention on its layer's
+stage grid, its window outlined."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import explorer_data, inputs, runtime, views
+from vitviz.server import explorer_data, inputs, runtime, swin_explorer, swin_views, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.menus import head_choices
 from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
 from vitviz.server.sessions import SessionRef
-from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
+from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"
+SWIN_WIDGET = swin_explorer.widget_files()
 
 
 def explorer_layer(request: list) -> str:
@@ -25,6 +28,8 @@ def explorer_layer(request: list) -> str:
     exp = runtime.STORE.get(key) if isinstance(key, str) else None
     if exp is None:
         raise runtime.error("This analysis is no longer kept: analyse the image again.")
+    if swin_views.is_swin(exp):  # its explorer's data is one file, written with the analysis
+        raise runtime.error("This analysis is a Swin's: its windowed explorer has no layer files.")
     layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
     calls = runtime.EXPLORER_CALLS
@@ -42,14 +47,26 @@ class ExplorerTab(Tab):
     id = "explorer"
     label = "Explorer"
     needs = frozenset({"global_attention"})
+    swin_needs = frozenset()  # a Swin: the windowed explorer
 
     def build(self, page) -> None:
         gr.Markdown("What one token attends to at one layer, for one head or fused over heads, and every head beside it.",
                     elem_classes="vv-caption")
-        self.explorer_live = gr.HTML(
-            value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
-            js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
-        )
+        with gr.Column() as self.global_box:
+            self.explorer_live = gr.HTML(
+                value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
+                js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
+            )
+        with gr.Column(visible=False) as self.swin_box:
+            self.swin_live = gr.HTML(value=None, html_template=SWIN_WIDGET["html"], css_template=SWIN_WIDGET["css"],
+                                     js_on_load=SWIN_WIDGET["js"], elem_id="vv-swin-explorer")
+            gr.Markdown(
+                "A Swin attends inside windows: at each layer a token's row is nonzero only over its window (cyan), on that "
+                "layer's stage grid (each merge halves the grid: a token there covers 2x2 of the stage before). Every second "
+                "layer shifts the windows by half a window; a window that wraps round the border is cut by the mask into "
+                "regions, and a token attends within its own. **pool** is the classifier's query: the mean of the tokens' rows.",
+                elem_classes="vv-caption",
+            )
         # the server's explorer: the API's, and the page's for models too large for the browser
         with gr.Group(visible=False) as self.server_explorer:
             with gr.Row():
@@ -77,60 +94,84 @@ class ExplorerTab(Tab):
         return [self.prefix_query, self.layer, self.head, self.query, self.query_text]
 
     def analysed(self, done: Analysed) -> Outputs:
-        exp = done.exp
-        depth, heads = exp.analysis.attentions.shape[:2]
+        exp, a = done.exp, done.exp.analysis
+        swin = swin_views.is_swin(exp)
+        depth, heads = (a.num_layers, max(a.heads(l) for l in range(a.num_layers))) if swin else a.attentions.shape[:2]
         return {
-            self.prefix_query: gr.update(choices=list(exp.analysis.query_names), value=None),
+            self.prefix_query: gr.update(choices=list(a.query_names), value=None),
             self.layer: gr.update(maximum=depth, value=depth),
             self.head: gr.update(choices=head_choices(heads), value="mean"),
             self.query: 0,
-            self.query_text: views.describe_query(exp, 0),
+            self.query_text: swin_views.describe_query(exp, 0) if swin else views.describe_query(exp, 0),
         }
 
     def follow_up(self, page):
-        return self.on_explorer, page.state, [self.explorer_live, self.server_explorer, self.explorer_img, self.mosaic]
+        return self.on_explorer, page.state, [self.explorer_live, self.swin_live, self.global_box, self.swin_box, self.server_explorer,
+                                              self.explorer_img, self.mosaic]
 
     def on_explorer(self, ref: SessionRef | None) -> Outputs:
         """After an analysis is on the page: the explorer's data for the browser (written once per
-        analysis), or, for a model too large for it, the server's explorer."""
+        analysis; a Swin's for the windowed explorer), or, for a model too large for it, the server's explorer."""
         if not isinstance(ref, SessionRef):
             return {self.explorer_live: gr.skip()}
         exp = runtime.recall(ref)
-        if lacks(exp, self.needs) is not None:  # the tab says why there is no explorer
-            return {self.explorer_live: None, self.server_explorer: gr.update(visible=False)}
+        if self.lacks(exp) is not None:  # the tab says why there is no explorer
+            return {self.explorer_live: None, self.swin_live: None, self.server_explorer: gr.update(visible=False)}
+        swin = swin_views.is_swin(exp)
         with runtime.EXPLORER_LOCKS.hold(ref.key), runtime.job("explorer", ref.variant) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
-            live = explorer_data.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
+            if swin:
+                live = swin_explorer.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR, spec=exp.facts.spec)
+            else:
+                live = explorer_data.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
         on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
-        depth = exp.analysis.attentions.shape[0]
+        depth = exp.analysis.num_layers if swin else exp.analysis.attentions.shape[0]
+        first = self._pictures(exp, depth, "mean", 0, "layer") if on_server else {self.explorer_img: None, self.mosaic: None}
         return {
-            self.explorer_live: live,
+            self.explorer_live: None if swin else live,
+            self.swin_live: live if swin else None,
+            self.global_box: gr.update(visible=not swin),
+            self.swin_box: gr.update(visible=swin),
             self.server_explorer: gr.update(visible=on_server),
-            self.explorer_img: views.render_query(exp, layer=depth, head="mean", query=0) if on_server else None,
-            self.mosaic: views.render_head_mosaic(exp, layer=depth, query=0) if on_server else None,
+            **first,
         }
+
+    def _pictures(self, exp: views.Exploration, layer: int, head: str, query: int, scale: str) -> Outputs:
+        """The server's explorer: the query's map and the layer's heads (a Swin's on its stage grid, its window outlined)."""
+        if swin_views.is_swin(exp):
+            return {self.explorer_img: swin_views.render_window_query(exp, layer=layer, head=head, query=query, scale=scale),
+                    self.mosaic: swin_views.render_window_mosaic(exp, layer=layer, query=query, scale=scale)}
+        return {self.explorer_img: views.render_query(exp, layer=layer, head=head, query=query, scale=scale),
+                self.mosaic: views.render_head_mosaic(exp, layer=layer, query=query, scale=scale)}
 
     def on_view(self, ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
         """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
         exp = runtime.recall(ref)
-        depth, heads = exp.analysis.attentions.shape[:2]
+        a = exp.analysis
+        swin = swin_views.is_swin(exp)
+        depth = a.num_layers if swin else a.attentions.shape[0]
         layer_value = runtime.checked(inputs.index, layer_value, 1, depth, "layer")
+        heads = a.heads(layer_value - 1) if swin else a.attentions.shape[1]
         head_value = runtime.checked(inputs.head, head_value, heads)
-        query_value = runtime.checked(inputs.index, query_value, 0, exp.analysis.num_queries - 1, "query token")
+        queries = 1 + a.grid[0] * a.grid[1] if swin else a.num_queries
+        query_value = runtime.checked(inputs.index, query_value, 0, queries - 1, "query token")
         scale = runtime.scale_of(scale_value, SCALES)
-        return {
-            self.explorer_img: views.render_query(exp, layer=layer_value, head=head_value, query=query_value, scale=scale),
-            self.mosaic: views.render_head_mosaic(exp, layer=layer_value, query=query_value, scale=scale),
-        }
+        if swin and scale == "shared":
+            raise runtime.error("A Swin's layers lie on grids of their own: its colour scale is one per layer or each map its own.")
+        return self._pictures(exp, layer_value, head_value, query_value, scale)
 
     def on_click(self, ref: SessionRef | None, layer_value: float, head_value: str, scale_value: str, evt: gr.SelectData) -> Outputs:
         """A click on the explorer image picks that patch as the query."""
         exp = runtime.recall(ref)
-        query_value = views.patch_at(exp, *runtime.click_xy(evt))
-        return {
-            self.query: query_value, self.query_text: views.describe_query(exp, query_value), self.prefix_query: None,
-            **self.on_view(ref, layer_value, head_value, query_value, scale_value),
-        }
+        x, y = runtime.click_xy(evt)
+        swin = swin_views.is_swin(exp)
+        query_value = swin_views.patch_at(exp, x, y) if swin else views.patch_at(exp, x, y)
+        shown = self.on_view(ref, layer_value, head_value, query_value, scale_value)  # the values checked
+        if swin:  # the patch, and the token of the layer's stage over it
+            text = swin_views.describe_query(exp, query_value, layer=int(float(layer_value)))
+        else:
+            text = views.describe_query(exp, query_value)
+        return {self.query: query_value, self.query_text: text, self.prefix_query: None, **shown}
 
     def on_prefix_query(self, ref: SessionRef | None, layer_value: float, head_value: str, name: str | None,
                         scale_value: str = SCALES[0]) -> Outputs:
@@ -140,7 +181,8 @@ class ExplorerTab(Tab):
         if name not in names:
             raise runtime.error(f"The query token must be one of {', '.join(names)}.")
         index = names.index(name)
-        return {self.query: index, self.query_text: views.describe_query(exp, index),
+        text = swin_views.describe_query(exp, index) if swin_views.is_swin(exp) else views.describe_query(exp, index)
+        return {self.query: index, self.query_text: text,
                 **self.on_view(ref, layer_value, head_value, index, scale_value)}
 
     def wire(self, page) -> None:

@@ -15,7 +15,7 @@ from vitviz.server import runtime, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
-from vitviz.server.tabs.base import Tab, figure, lacks, register_tab
+from vitviz.server.tabs.base import Tab, figure, register_tab
 
 MAX_PHRASES = 4
 MAX_PHRASE_CHARS = 80
@@ -43,6 +43,7 @@ class FindTab(Tab):
     id = "find"
     label = "Find"
     needs = frozenset({"text", "global_attention"})
+    swin_needs = frozenset({"text"})  # what a Swin lacks first: a text tower
 
     def build(self, page) -> None:
         gr.Markdown(
@@ -75,7 +76,7 @@ class FindTab(Tab):
         """Each phrase's map for the session's analysis, side by side, with its similarity."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        why = lacks(exp, self.needs)
+        why = self.lacks(exp)
         if why:
             raise runtime.error(why)
         phrases = parse_phrases(text)

@@ -1,11 +1,13 @@
-"""The Positions tab: the learned position embeddings' similarity and the patch-embedding filters."""
+"""The Positions tab: the learned position embeddings' similarity and the patch-embedding filters; for
+a Swin (no position embeddings), each layer's relative position bias tables per head instead."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import views
+from vitviz.server import inputs, runtime, swin_views, views
 from vitviz.server.runtime import Outputs
+from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 
@@ -13,6 +15,7 @@ class PositionsTab(Tab):
     id = "positions"
     label = "Positions"
     needs = frozenset({"position_embeddings"})
+    swin_needs = frozenset()  # a Swin: its relative position bias
 
     def build(self, page) -> None:
         gr.Markdown(
@@ -22,18 +25,48 @@ class PositionsTab(Tab):
             "with the share of the filters' variance it explains.",
             elem_classes="vv-caption",
         )
+        with gr.Group(visible=False) as self.bias_box:
+            gr.Markdown(
+                "This model has no position embeddings: each layer adds a learned **relative position bias** to its attention "
+                "logits inside a window, one table per head. A tile shows where the key lies relative to the query (the "
+                "centre, outlined, is the query itself; up is a key above it); red raises the key's attention, blue lowers it.",
+                elem_classes="vv-caption",
+            )
+            self.bias_layer = gr.Slider(1, 2, value=1, step=1, label="Layer", elem_id="vv-bias-layer")
+            self.bias_img = figure(label="Relative position bias per head", elem_id="vv-bias")
         with gr.Row(elem_classes="vv-pair"):
-            self.similarity_img = figure(label="Position-embedding similarity", elem_id="vv-similarity")
+            with gr.Column(min_width=240) as self.similarity_box:
+                self.similarity_img = figure(label="Position-embedding similarity", elem_id="vv-similarity")
             self.filters_img = figure(label="Filters: principal components", elem_id="vv-filters")
 
     def analysis_outputs(self):
-        return [self.similarity_img, self.filters_img]
+        return [self.similarity_img, self.filters_img, self.similarity_box, self.bias_box, self.bias_layer, self.bias_img]
 
     def analysed(self, done: Analysed) -> Outputs:
         if done.same_model:  # the model's own pictures are on the page already
-            return {self.similarity_img: gr.skip(), self.filters_img: gr.skip()}
-        similarity, filters = views.render_position(done.exp)
-        return {self.similarity_img: similarity, self.filters_img: filters}
+            return {c: gr.skip() for c in self.analysis_outputs()}
+        exp = done.exp
+        if swin_views.is_swin(exp):
+            return {
+                self.similarity_img: None, self.similarity_box: gr.update(visible=False), self.filters_img: swin_views.render_filters(exp),
+                self.bias_box: gr.update(visible=True), self.bias_layer: gr.update(maximum=exp.analysis.num_layers, value=1),
+                self.bias_img: swin_views.render_bias(exp, layer=1),
+            }
+        similarity, filters = views.render_position(exp)
+        return {self.similarity_img: similarity, self.filters_img: filters, self.similarity_box: gr.update(visible=True),
+                self.bias_box: gr.update(visible=False), self.bias_layer: gr.skip(), self.bias_img: None}
+
+    def on_bias_layer(self, ref: SessionRef | None, layer_value: float) -> Outputs:
+        """Another layer's relative position bias tables (a Swin's)."""
+        exp = runtime.recall(ref)
+        if not swin_views.is_swin(exp):
+            raise runtime.error(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables.")
+        layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.num_layers, "layer")
+        return {self.bias_img: swin_views.render_bias(exp, layer=layer_value)}
+
+    def wire(self, page) -> None:
+        self.bias_layer.input(self.on_bias_layer, [page.state, self.bias_layer], self.bias_img, api_visibility="undocumented",
+                              api_name="session_bias", trigger_mode="always_last")
 
 
 TAB = register_tab(PositionsTab())

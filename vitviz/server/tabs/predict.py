@@ -5,13 +5,19 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.imagetext import DEFAULT_TEMPLATE
-from vitviz.server import inputs, runtime, views
+from vitviz.server import inputs, runtime, swin_views, views
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
 
 ROLLOUT_NEEDS = frozenset({"global_attention"})
+SWIN_ROLLOUT = (
+    "**Rollout of the pooled query.** {variant} has no cls token: its classifier reads the mean of its final tokens, so "
+    "the map is the mean of their rows of the rollout, carried through every window layer (the shift undone, masked pairs "
+    "0) and every patch merge (each merged token drawing equally on its 2x2 children) onto the finest grid. The discard "
+    "ratio is not defined for windowed attention."
+)
 
 
 class PredictTab(Tab):
@@ -44,12 +50,19 @@ class PredictTab(Tab):
             self.npz = gr.File(label="Attention stack, rollout, distances (.npz)")
 
     def analysis_outputs(self):
-        return [self.predictions, self.predict_note, self.rollout_img, self.dist_rollout_img, self.rollout_options, self.npz]
+        return [self.predictions, self.predict_note, self.rollout_img, self.dist_rollout_img, self.rollout_options, self.discard, self.npz]
+
+    def _rollout(self, exp: views.Exploration, head_fusion: str, discard_ratio: float):
+        """The rollout picture of an analysis (a Swin's: its pooled query's, without a discard ratio)."""
+        if swin_views.is_swin(exp):
+            return swin_views.render_rollout(exp, head_fusion=head_fusion)
+        return views.render_rollout(exp, head_fusion=head_fusion, discard_ratio=discard_ratio)
 
     def analysed(self, done: Analysed) -> Outputs:
         exp, a = done.exp, done.exp.analysis
         has_head = a.probabilities is not None
-        lacking = lacks(exp, ROLLOUT_NEEDS)  # the rollout's place: one line saying why there is none
+        swin = swin_views.is_swin(exp)
+        lacking = None if swin else lacks(exp, ROLLOUT_NEEDS)  # the rollout's place: one line saying why there is none
         distilled = lacking is None and "dist" in a.prefix_names
         options = dict(head_fusion=done.head_fusion, discard_ratio=done.discard_ratio)
         if a.layout.text and has_head:
@@ -60,11 +73,13 @@ class PredictTab(Tab):
                 f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
                 "The maps show what its tokens attend to."
             ]
+        notes += [SWIN_ROLLOUT.format(variant=a.variant)] if swin else []
         return {
             self.predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
             self.predict_note: "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else [])),
-            self.rollout_img: gr.update(value=views.render_rollout(exp, **options) if lacking is None else None, visible=lacking is None),
+            self.rollout_img: gr.update(value=self._rollout(exp, **options) if lacking is None else None, visible=lacking is None),
             self.rollout_options: gr.update(visible=lacking is None),
+            self.discard: gr.update(value=0.0, interactive=False) if swin else gr.update(interactive=True),
             self.dist_rollout_img: gr.update(value=views.render_rollout(exp, **options, token=1) if distilled else None, visible=distilled),
             self.npz: None,
         }
@@ -73,6 +88,12 @@ class PredictTab(Tab):
         """Rollout options changed: drawn again from the stored attention (a rollout is model-sized work)."""
         exp = runtime.recall(ref)
         fusion, ratio = runtime.checked(inputs.fusion, head_fusion), runtime.checked(inputs.ratio, discard_ratio)
+        if swin_views.is_swin(exp):
+            if ratio:
+                raise runtime.error("The discard ratio is not defined for windowed attention (most of each row lies outside the "
+                                    "window): leave it at 0.")
+            with runtime.job("view", ref.variant):
+                return {self.rollout_img: swin_views.render_rollout(exp, head_fusion=fusion)}
         if lacks(exp, ROLLOUT_NEEDS) is not None:
             return {self.rollout_img: gr.skip()}
         with runtime.job("view", ref.variant):

@@ -14,6 +14,7 @@ class TokensTab(Tab):
     id = "tokens"
     label = "Tokens"
     needs = frozenset({"global_attention"})
+    swin_needs = frozenset({"cls"})  # a Swin: attention received by prefix tokens, DINO's cls heads — it has none
     on_demand = True
 
     def build(self, page) -> None:
@@ -46,7 +47,7 @@ class TokensTab(Tab):
 
     def on_tokens(self, ref: SessionRef | None, share: float) -> Outputs:
         """The Tokens tab: attention received, token norms, DINO's head maps and the patch features."""
-        exp = runtime.recall(ref)
+        exp = self.recall(ref)
         share = runtime.checked(inputs.share, share)
         norms_chart, norms_map = views.render_token_norms(exp)
         features, features_caption = views.render_features(exp)
@@ -61,11 +62,11 @@ class TokensTab(Tab):
         }
 
     def on_dino_share(self, ref: SessionRef | None, share: float) -> Outputs:
-        return {self.dino_img: views.render_dino_heads(runtime.recall(ref), share=runtime.checked(inputs.share, share))}
+        return {self.dino_img: views.render_dino_heads(self.recall(ref), share=runtime.checked(inputs.share, share))}
 
     def on_feature_click(self, ref: SessionRef | None, evt: gr.SelectData) -> Outputs:
         """A click on the feature image: how similar every patch's feature is to that patch's."""
-        exp = runtime.recall(ref)
+        exp = self.recall(ref)
         return {self.similarity_map_img: views.render_feature_similarity(exp, query=views.patch_at(exp, *runtime.click_xy(evt)))}
 
     def wire(self, page) -> None:

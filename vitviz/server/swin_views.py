@@ -1,0 +1,229 @@
+"""The app's pictures of a Swin analysis (`vitviz.swin.SwinAnalysis`): no Gradio.
+
+A Swin attends inside windows, each stage on its own grid (the finest first, halved at each merge),
+and classifies from the mean of its final tokens: there is no cls token and no position embedding.
+What applies, drawn here from the stored analysis (no model runs):
+
+- the rollout of the pooled query through every layer and merge, on the finest grid (`cls_map`);
+- a query token's attention at any layer on that layer's stage grid, its window outlined
+  (`render_window_query`, the browser's windowed explorer draws the same pixels: `swin_explorer`);
+- mean attention distance per layer and head in input pixels, heads by stage (`render_distance`);
+- each layer's relative position bias tables per head (`render_bias`), in place of position
+  embeddings;
+- the stages: grids, windows, shifted windows and their masked regions (`render_stages`).
+
+The maps for a class are `vitviz.server.explaining`'s (one forward and one backward) drawn by
+`views.render_method_maps`, as for a ViT.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitviz import plots
+from vitviz.swin import SwinAnalysis, relative_position_index
+from vitviz.server import swin_explorer
+from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, tick
+
+__all__ = ["is_swin", "finest", "render_rollout", "render_window_query", "render_window_mosaic", "query_range", "distance_table",
+           "render_distance", "bias_tables", "render_bias", "render_filters", "render_stages", "describe_query", "head_view", "patch_at",
+           "render_compare_distance"]
+
+WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
+QUERY_COLOR = (255, 255, 255)  # the query token
+
+
+def is_swin(exp: Exploration) -> bool:
+    """Whether the exploration is a Swin's (windowed attention served window by window)."""
+    return isinstance(exp.analysis, SwinAnalysis)
+
+
+def finest(values: torch.Tensor | np.ndarray, grid: tuple[int, int], stage: int) -> np.ndarray:
+    """A stage's map [gh_s, gw_s] on the finest grid [gh0, gw0]: cell (r, c) shows (r >> s, c >> s)."""
+    v = np.asarray(values)
+    rows, cols = np.arange(grid[0]) >> stage, np.arange(grid[1]) >> stage
+    return v[rows][:, cols]
+
+
+def render_rollout(exp: Exploration, *, head_fusion: str = "mean") -> Image.Image:
+    """The pooled query's rollout through every layer and merge (the mean of the final tokens' rows),
+    over the image, with its colour bar."""
+    heat = exp.analysis.cls_map(head_fusion=head_fusion)  # type: ignore[arg-type]
+    return _heat_view(exp, heat, name=_name(exp, "rollout", "pool", head_fusion), label="rollout")
+
+
+def head_view(head: str, heads: int) -> int:
+    """A head choice ("head k", "mean", "max") as a view index of a layer with `heads` heads."""
+    if head.startswith("head "):
+        return int(head.split()[1]) - 1
+    return heads + ("mean", "max").index(head)
+
+
+def query_range(exp: Exploration, *, layer: int, query: int, scale: str, view: int) -> tuple[float, float]:
+    """The colour scale of a query's view at layer `layer` (1-based): "map" the view's own min..max;
+    "layer" the min..max over every view of the layer (its heads, mean and max) for that query."""
+    a = exp.analysis
+    views = range(a.heads(layer - 1) + 2) if scale == "layer" else [view] if scale == "map" else None
+    if views is None:
+        raise ValueError(f"unknown colour scale {scale!r} (layer or map)")
+    rows = [swin_explorer.row_values(a, layer=layer - 1, view=v, query=query) for v in views]
+    return float(min(r.min() for r in rows)), float(max(r.max() for r in rows))
+
+
+def _outlined(exp: Exploration, img: Image.Image, *, layer: int, query: int) -> Image.Image:
+    """The query's window (cyan) and the query token (white) outlined on a map of the display image."""
+    a = exp.analysis
+    seen = swin_explorer.visible(a, layer - 1, query)
+    if seen is None:
+        return img
+    s, px = a.stages[layer - 1], a.patch_size * exp.scale
+    width = swin_explorer.outline_width(px)
+    cell = swin_explorer.query_cell(a, layer - 1, query)
+    mine = np.zeros(seen.shape, dtype=bool)
+    mine[cell] = True
+    pixels = np.asarray(img.convert("RGB"))
+    for mask, color in ((seen, WINDOW_COLOR), (mine, QUERY_COLOR)):
+        big = finest(mask, a.grid, s)
+        pixels = plots.outline_cells(pixels, big.astype(np.int64), cell_px=px, width=width, color=color, where=big)
+    out = Image.fromarray(pixels)
+    out.info.update(img.info)
+    return out
+
+
+def render_window_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "layer") -> Image.Image:
+    """Layer `layer` (1-based) attention of query `query` (`swin_explorer.POOL_QUERY`, or 1 + a
+    finest patch: the stage's token over it) on the layer's stage grid, over the image, its window
+    outlined, with a colour bar. The values are the 8-bit rows the browser draws, so both give the
+    same pixels."""
+    a = exp.analysis
+    s = a.stages[layer - 1]
+    view = head_view(head, a.heads(layer - 1))
+    values = swin_explorer.row_values(a, layer=layer - 1, view=view, query=query).reshape(a.geometries[layer - 1].grid)
+    lo, hi = query_range(exp, layer=layer, query=query, scale=scale, view=view)
+    img = plots.overlay(exp.display_image, torch.from_numpy(finest(values, a.grid, s)), vmin=lo, vmax=hi)
+    img = plots.named(_outlined(exp, img, layer=layer, query=query), _name(exp, "windows", f"layer{layer}", head.replace(" ", ""),
+                                                                             f"token{query}", scale))
+    return plots.with_colorbar(img, vmin=lo, vmax=hi, label="attention")
+
+
+def render_window_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "layer") -> Image.Image:
+    """Every head of one layer for the same query, tiles about 160 px, on the layer's colour bar
+    ("layer") or each on its own range, written beneath it ("map")."""
+    a = exp.analysis
+    s, heads = a.stages[layer - 1], a.heads(layer - 1)
+    grid = a.geometries[layer - 1].grid
+    heats = torch.stack([torch.from_numpy(finest(swin_explorer.row_values(a, layer=layer - 1, view=h, query=query).reshape(grid), a.grid, s))
+                         for h in range(heads)])
+    tile = mosaic_tile_px(a.grid)
+    small = a.image.resize((tile, tile), Image.BILINEAR)
+    common = query_range(exp, layer=layer, query=query, scale="layer", view=0) if scale == "layer" else None
+    tiles = plots.overlay_many(small, heats, vmin=common[0] if common else None, vmax=common[1] if common else None)
+    labels = [f"head {h + 1}" if common else f"head {h + 1}: {tick(float(m.min()))}–{tick(float(m.max()))}" for h, m in enumerate(heats)]
+    img = plots.named(plots.mosaic(tiles, cols=math.ceil(math.sqrt(heads)), labels=labels), _name(exp, "window-heads", f"layer{layer}",
+                                                                                                 f"token{query}", scale))
+    return plots.with_colorbar(img, vmin=common[0], vmax=common[1], label="attention") if common else img
+
+
+def patch_at(exp: Exploration, x: float, y: float) -> int:
+    """The query index (1 + r x gw0 + c) of the finest patch under display pixel (x, y)."""
+    a = exp.analysis
+    px = a.patch_size * exp.scale
+    r = min(a.grid[0] - 1, max(0, int(y // px)))
+    c = min(a.grid[1] - 1, max(0, int(x // px)))
+    return 1 + r * a.grid[1] + c
+
+
+def describe_query(exp: Exploration, query: int, layer: int | None = None) -> str:
+    """What query index `query` stands for, in words (at `layer`, 1-based: its stage's token)."""
+    a = exp.analysis
+    if query == swin_explorer.POOL_QUERY:
+        return "query: the mean of the final tokens (what the classifier reads)"
+    r, c = divmod(query - 1, a.grid[1])
+    text = f"query: patch row {r + 1}, column {c + 1}"
+    if layer is not None and a.stages[layer - 1]:
+        sr, sc = swin_explorer.query_cell(a, layer - 1, query)
+        text += f" (stage {a.stages[layer - 1] + 1} token row {sr + 1}, column {sc + 1})"
+    return text
+
+
+def distance_table(a: SwinAnalysis) -> torch.Tensor:
+    """Mean attention distance per layer and head [L, H_max] in input pixels, heads a layer lacks NaN."""
+    rows = a.distances()
+    out = torch.full((len(rows), max(len(r) for r in rows)), float("nan"))
+    for l, r in enumerate(rows):
+        out[l, : len(r)] = r
+    return out
+
+
+def render_distance(exp: Exploration) -> Image.Image:
+    """Mean attention distance per layer and head, each layer on its own stage's grid in input
+    pixels; stage boundaries marked (heads differ by stage)."""
+    a = exp.analysis
+    fig = plots.layer_distance_figure(a.distances(), stages=list(a.stages), title=f"{a.variant}: mean attention distance per head")
+    return plots.named(plots.figure_to_image(fig), _name(exp, "attention-distance"))
+
+
+def bias_tables(a: SwinAnalysis, layer: int) -> torch.Tensor:
+    """Layer `layer`'s (0-based) relative position bias as tables [heads, 2wh - 1, 2ww - 1]: entry
+    (r, c) is the bias a query adds to the logit of the key (r - wh + 1, c - ww + 1) cells away."""
+    bias = a.relative_position_bias(layer)  # [heads, M², M²] (query place, key place)
+    wh, ww = a.window_sizes[layer]
+    index = relative_position_index((wh, ww))  # (query - key + M - 1) flattened
+    dy, dx = index // (2 * ww - 1) - (wh - 1), index % (2 * ww - 1) - (ww - 1)  # query - key
+    out = bias.new_zeros(bias.shape[0], 2 * wh - 1, 2 * ww - 1)
+    out[:, (wh - 1) - dy, (ww - 1) - dx] = bias  # key - query, from the centre
+    return out
+
+
+def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
+    """Layer `layer`'s (1-based) relative position bias tables, one tile per head, on one colour bar."""
+    img = plots.bias_tables_image(bias_tables(exp.analysis, layer - 1))
+    return plots.named(img, _name(exp, "position-bias", f"layer{layer}"))
+
+
+def render_filters(exp: Exploration) -> Image.Image:
+    """The patch-embedding filters' principal components (drawn once per loaded model)."""
+    f = exp.facts
+    if "filters" not in f.drawn:
+        f.drawn["filters"] = plots.named(plots.filters_image(f.components, f.explained), _name(exp, "filter-components"))
+    return f.drawn["filters"]
+
+
+def render_stages(exp: Exploration) -> Image.Image:
+    """Each stage over the image: its tokens (thin lines) and windows (cyan); a stage that shifts also
+    its shifted windows, each of its mask's regions outlined (a token attends within its own)."""
+    a = exp.analysis
+    tile = mosaic_tile_px(a.grid, 200)
+    px = tile // a.grid[1]
+    small = np.asarray(a.image.resize((tile, tile), Image.BILINEAR).convert("RGB"))
+    tiles, labels, seen = [], [], set()
+    for layer, g in enumerate(a.geometries):
+        s = a.stages[layer]
+        if (s, g.shifted) in seen:
+            continue  # one plain and one shifted tile per stage
+        seen.add((s, g.shifted))
+        window, _ = g.placement()
+        groups = (window * 9 + g.token_regions()).reshape(g.grid).numpy()
+        cells = np.arange(g.num_tokens).reshape(g.grid)
+        pixels = plots.outline_cells(small, finest(cells, a.grid, s), cell_px=px, width=1, color=(235, 235, 235))
+        tiles.append(Image.fromarray(plots.outline_cells(pixels, finest(groups, a.grid, s), cell_px=px, width=2, color=WINDOW_COLOR)))
+        where = f"shifted {g.shift[0]}x{g.shift[1]}" if g.shifted else f"windows {g.window[0]}x{g.window[1]}"
+        labels.append(f"stage {s + 1}: {g.grid[0]}x{g.grid[1]}, {where}")
+    img = plots.mosaic(tiles, cols=min(len(tiles), 4), labels=labels)
+    return plots.named(img, _name(exp, "stages"))
+
+
+def render_compare_distance(exps: list[Exploration]) -> Image.Image:
+    """Several variants' mean attention distance in one chart, each layer's heads its own (a Swin's
+    by stage, a ViT's all alike), each in its own input pixels."""
+    series = {}
+    for e in exps:
+        d = e.analysis.distances()
+        series[e.facts.spec.name] = list(d) if isinstance(d, list) else [row for row in d]
+    fig = plots.layer_distance_figure(series, title="Mean attention distance per head (each variant's own pixels)")
+    names = "-".join("".join(c if c.isalnum() or c in "-_." else "-" for c in e.facts.spec.name) for e in exps)
+    return plots.named(plots.figure_to_image(fig), f"compare-{names}-attention-distance.png")
