@@ -616,3 +616,183 @@ def test_the_dataset_commands_of_the_readme_and_the_docs_run_one_after_another(t
             assert _main(*args) == 0, command
             outs.append(Path(args[args.index("--out") + 1]))
     assert len(set(outs)) == 2 and all((out / "summary.csv").is_file() for out in outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Phrases: an image–text model explained and scored for --text, or for each image's caption
+
+
+def _shard_rows(out: Path) -> dict[str, dict]:
+    """The shard rows of a run by relative path, curves included (per_image.csv leaves them out)."""
+    rows = {}
+    for shard in sorted((out / "shards").glob("*.jsonl")):
+        for line in shard.read_text().splitlines():
+            row = json.loads(line)
+            rows[row["file"]] = row
+    return rows
+
+
+def _write_captions(path: Path, rows: list[tuple[str, str]], *, header: str = "file,text", encoding: str = "utf-8") -> Path:
+    with open(path, "w", newline="", encoding=encoding) as f:
+        w = csv.writer(f)
+        w.writerow(header.split(","))
+        w.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory):
+    """Four fresh scenes of 2-3 coloured shapes; each captioned "a <colour> <shape>" for one of its
+    objects, whose mask is the image's mask. Returns (DATA, the captions file, {file: caption})."""
+    from PIL import Image
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("scenes")
+    folder = root / "data"
+    (folder / "masks").mkdir(parents=True)
+    images, objects, masks = vitviz.shapes.generate_scenes(4, seed=91)
+    captions = {}
+    for i, (image, objs, m) in enumerate(zip(images, objects, masks)):
+        k = i % len(objs)
+        name = f"scene{i}.png"
+        Image.fromarray(image).save(folder / name)
+        Image.fromarray(m[k].astype(np.uint8) * 255).save(folder / "masks" / name)
+        captions[name] = f"a {objs[k][0]} {objs[k][1]}"
+    # a byte-order mark, an extra column and "./" are all read as meant
+    path = root / "captions.csv"
+    with open(path, "w", newline="", encoding="utf-8-sig") as f:
+        w = csv.writer(f)
+        w.writerow(["file", "note", "text"])
+        w.writerows([(f"./{name}" if i == 0 else name, "seen", text) for i, (name, text) in enumerate(captions.items())])
+    return folder, path, captions
+
+
+def _similarity_by_hand(model, x: torch.Tensor, ids, mask) -> float:
+    """logits_per_image of one image [3, S, S] and one phrase, from the model's own forward."""
+    with torch.no_grad():
+        return float(model(x[None], ids, mask)[0, 0])
+
+
+def _deletion_by_hand(model, x: torch.Tensor, patch_map: torch.Tensor, ids, mask, steps: int) -> tuple[list[float], float]:
+    """The similarity as the patches go, most relevant first (ties in index order), each set to 0
+    (the mean colour), round(i N / steps) of N patches at step i; its trapezoidal area."""
+    gh, gw = patch_map.shape
+    p = model.spec.patch_size
+    order = sorted(range(gh * gw), key=lambda j: (-float(patch_map.flatten()[j]), j))
+    fractions, values = [], []
+    for i in range(steps + 1):
+        count = round(i * gh * gw / steps)
+        y = x.clone()
+        for j in order[:count]:
+            r, c = divmod(j, gw)
+            y[:, r * p : (r + 1) * p, c * p : (c + 1) * p] = 0
+        fractions.append(count / (gh * gw))
+        values.append(_similarity_by_hand(model, y, ids, mask))
+    area = sum((fractions[k + 1] - fractions[k]) * (values[k + 1] + values[k]) / 2 for k in range(steps))
+    return values, area
+
+
+def test_captions_explain_each_image_for_its_phrase_as_vitviz_explain_does(scenes, tmp_path):
+    """Each row: its caption, the similarity, the pointing game of vitviz.explain(..., text=caption)'s
+    map and its deletion curve as the model's own forward gives it on the perturbed image."""
+    import numpy as np
+
+    data, captions_file, captions = scenes
+    out = tmp_path / "out"
+    summary = evaluate(data, model="shapes_clip", out=out, methods=("rollout", "gradient"), metrics=("pointing", "deletion", "insertion"),
+                       steps=4, batch_size=4, workers=0, compare=False, progress=False, captions=captions_file)
+    assert {(r["method"], r["metric"]) for r in summary} == {(m, k) for m in ("rollout", "gradient", "random")
+                                                             for k in ("pointing", "deletion", "insertion")}
+    model = vitviz.load_model("shapes_clip", device="cpu")
+    rows = _shard_rows(out)
+    assert {f: r["text"] for f, r in rows.items()} == captions
+    for file, phrase in captions.items():
+        row = rows[file]
+        ids, mask = model.tokenize([phrase])
+        x, _ = vitviz.preprocess(vitviz.load_image(str(data / file)), model.spec.preprocessing)
+        assert row["similarity"] == pytest.approx(_similarity_by_hand(model, x, ids, mask), abs=1e-4)
+        object_mask = torch.from_numpy(np.asarray(vitviz.load_image(str(data / "masks" / file)))[None, :, :, 0] > 127)
+        for method in ("rollout", "gradient"):
+            why = vitviz.explain(model, str(data / file), method=method, text=phrase)
+            assert why.text == phrase and row["similarity"] == pytest.approx(why.similarity, abs=1e-4)
+            assert row[f"{method}_pointing"] == float(vitviz.pointing_game(why.map[None], object_mask, patch_size=16)[0])
+            values, area = _deletion_by_hand(model, x, why.map, ids, mask, steps=4)
+            np.testing.assert_allclose(row[f"{method}_deletion_curve"], values, rtol=0, atol=1e-3)
+            assert row[f"{method}_deletion"] == pytest.approx(area, abs=1e-3)
+    # similarities, not probabilities: per_image.csv has the phrase and its similarity, no class
+    table = _table(out / "per_image.csv")
+    assert "text" in table[0] and "similarity" in table[0] and "probability" not in table[0]
+    assert not (out / "curves.png").exists() and (out / "curves.csv").is_file()
+    # another captions file is another setting: a run into the same folder is refused
+    changed = _write_captions(tmp_path / "changed.csv", [(f, "a red star") for f in captions])
+    with pytest.raises(EvaluateError, match="holds a run with other settings \\(captions "):
+        evaluate(data, model="shapes_clip", out=out, methods=("rollout", "gradient"), metrics=("pointing", "deletion", "insertion"),
+                 steps=4, batch_size=4, workers=0, compare=False, progress=False, captions=changed)
+
+
+def test_one_phrase_for_every_image_from_the_command(scenes, tmp_path, capsys):
+    data, _, captions = scenes
+    out = tmp_path / "out"
+    assert _main(data, "--model", "shapes_clip", "--text", "a red star", "--methods", "gradient", "--metrics", "pointing,deletion",
+                 "--steps", "3", "--workers", "0", "--no-compare", "--out", out) == 0
+    printed = capsys.readouterr().out
+    assert "| gradient | pointing | 4 |" in printed and "| random | deletion | 4 |" in printed
+    model = vitviz.load_model("shapes_clip", device="cpu")
+    rows = _table(out / "per_image.csv")
+    assert len(rows) == 4 and all(r["text"] == "a red star" for r in rows)
+    for r in rows:
+        why = vitviz.explain(model, r["path"], method="gradient", text="a red star")
+        assert float(r["similarity"]) == pytest.approx(why.similarity, abs=1e-4)
+    assert _run_json(out)["text"] == "a red star"
+
+
+CAPTION_MISTAKES = {
+    "an image without a row": (lambda c: list(c.items())[:3], "has no row for 1 of the 4 images under DATA (e.g. scene3.png): add a row"),
+    "a row of no image": (lambda c: [*c.items(), ("cat.png", "a cat")], "line 6: cat.png is not an image under DATA (1 row like it)"),
+    "an empty text": (lambda c: [(f, "  " if f == "scene1.png" else t) for f, t in c.items()], "line 3: the text of scene1.png is empty"),
+    "a huge text": (lambda c: [(f, "a" * 1001 if f == "scene0.png" else t) for f, t in c.items()],
+                    "line 2: the text of scene0.png is 1,001 characters; a caption is at most 1,000"),
+    "a file twice": (lambda c: [*c.items(), ("scene0.png", "a blue ring")], "line 6: scene0.png has a caption already (line 2)"),
+}
+
+
+@pytest.mark.parametrize("mistake", [*CAPTION_MISTAKES, "no text column", "not UTF-8", "no such file", "a classifier", "both",
+                                     "an empty --text", "a huge --text", "a phrase method without a phrase"])
+def test_a_captions_file_that_does_not_fit_is_refused_in_one_line(scenes, tmp_path, capsys, mistake):
+    data, _, captions = scenes
+    path = tmp_path / "captions.csv"
+    model, extra = "shapes_clip", ["--captions", path]
+    if mistake in CAPTION_MISTAKES:
+        rows, words = CAPTION_MISTAKES[mistake]
+        _write_captions(path, rows(captions))
+    elif mistake == "no text column":
+        _write_captions(path, list(captions.items()), header="file,caption")
+        words = "its header file,caption lacks the column text; the first line is file,text"
+    elif mistake == "not UTF-8":
+        path.write_bytes(b"file,text\nscene0.png,a r\xe9d star\n")
+        words = "is not UTF-8 text (byte 24): save it as UTF-8"
+    elif mistake == "no such file":
+        words = f"--captions {path} is not a file; it is a CSV file with a header file,text"
+    elif mistake == "a classifier":
+        model, extra = "shapes_p16", ["--text", "a red star"]
+        words = "--text needs an image–text model (shapes_clip, hf:openai/clip-vit-base-patch16, ...); shapes_p16 is not one"
+    elif mistake == "both":
+        _write_captions(path, list(captions.items()))
+        extra += ["--text", "a red star"]
+        words = "--text gives every image one phrase and --captions each image its own: give one of them"
+    elif mistake == "an empty --text":
+        extra = ["--text", " "]
+        words = "--text is empty; it is the phrase every image is scored against"
+    elif mistake == "a huge --text":
+        extra = ["--text", "a" * 1001]
+        words = "--text is 1,001 characters; a phrase is at most 1,000"
+    else:
+        extra = []
+        words = ("shapes_clip has no classifier: deletion, insertion and the methods that explain a class need one (an image–text "
+                 "model explains a phrase: give one with --text, or one per image with --captions)")
+    status = _main(data, "--model", model, "--methods", "gradient", "--metrics", "pointing,deletion", "--workers", "0", "--no-compare",
+                   "--out", tmp_path / "out", *extra)
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("vitviz.evaluate: "), err
+    assert words in err, err
+    assert not (tmp_path / "out").exists()

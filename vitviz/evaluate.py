@@ -16,7 +16,22 @@ image's row and stops nothing. `python -m vitviz.shapes DIR --n 1000` writes suc
 Metrics: "distance" (mean attention distance per layer and head, the paper's Figure 7, averaged over
 images), "pointing" (does each method's map peak on the object, dilated by one patch), "deletion" and
 "insertion" (area under the class probability's curve as patches go in the map's order; a random
-order, seeded by the image's relative path, is scored beside every method). The images are cut into
+order, seeded by the image's relative path, is scored beside every method).
+
+Published protocols, by name, their settings fixed (`PROTOCOLS`; --metrics and --steps are refused
+with them): --protocol chefer2021 (or chefer2021-target) is Chefer et al. 2021's positive and
+negative perturbation test, metrics "positive" and "negative": accuracy against each image's class
+(its folder) with 0 %, 10 %, ..., 90 % of the pixels removed, AUC = np.trapz x 100, maps of the
+predicted class (or of the image's class); --protocol rise is RISE's deletion (to zeros) and insertion
+(from a blurred copy), S pixels a step on S x S images, the predicted class's probability, RISE's
+area. Both resize images to S x S as their authors' loaders do (no crop); see
+`vitviz.faithfulness` for the definitions, docs/evaluate.md for the command that reproduces Chefer
+et al.'s table on ImageNet.
+
+Image–text models (CLIP, shapes_clip) are explained for a phrase: --text "a red star" for every image,
+or --captions FILE.csv (columns file,text; `read_captions`) for a phrase per image; each method's map
+is then the phrase's, the pointing game uses the masks as for classes, and deletion and insertion
+record the image–text similarity (logits_per_image, not a probability) of the perturbed image. The images are cut into
 global batches of --batch-size in file order, dealt to the ranks in turn: every image is scored
 once, by the same batch whatever the number of processes, and none is repeated to pad a rank. Each
 rank appends one line per image to its shard (DIR/shards/): the image's relative path, its size and
@@ -44,9 +59,11 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -62,18 +79,73 @@ from vitviz import plots
 from vitviz.analysis import mean_attention_distance, pointing_game, uniform_attention_distance
 from vitviz.explainers import method as registered_method, methods as registered_methods
 from vitviz.explanations import maps_of, needs_gradients, needs_layer_gradients, record
-from vitviz.faithfulness import perturbation_curves, random_maps
+from vitviz.faithfulness import (
+    CHEFER2021_FRACTIONS, chefer2021_auc, chefer2021_curves, perturbation_curves, phrase_similarity, pixel_maps, random_maps,
+    rise_auc, rise_curves,
+)
 from vitviz.hooks import record_attention
 from vitviz.images import MAX_BYTES, ImageError, load_image
+from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.preprocess import Preprocessing, crop, to_input
 
-__all__ = ["METRICS", "Item", "EvaluateError", "EvaluateWarning", "scan", "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
+__all__ = ["METRICS", "PROTOCOLS", "Protocol", "MAX_TEXT_CHARS", "Item", "EvaluateError", "EvaluateWarning", "scan", "read_captions",
+           "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
 
 METRICS = ("distance", "pointing", "deletion", "insertion")
+CURVE_METRICS = ("deletion", "insertion", "positive", "negative")  # the metrics with a curve per image and its area
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95 % interval
 FORMAT = 2  # of run.json and the shard rows: rows keyed by the image's relative path, stamped and hashed
+MAX_TEXT_CHARS = 1000  # of a phrase (--text, or a caption): the text towers read 77 tokens or fewer anyway
+MAX_CAPTIONS_BYTES = 64 * 2**20  # of a --captions file
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A published benchmark protocol, run by name (`--protocol`); its settings are fixed.
+
+    Attributes:
+        name: what `--protocol` takes.
+        kind: "chefer2021" or "rise": which of `vitviz.faithfulness`'s protocols it runs.
+        metrics: the metrics it scores, each an area per method and image.
+        explains: the class each map explains: "predicted" (the top-1) or "label" (the image's
+            class, from its folder).
+        description: one line for --help and errors.
+    """
+
+    name: str
+    kind: str
+    metrics: tuple[str, ...]
+    explains: str
+    description: str
+
+    def steps(self, image_size: int) -> int:
+        """Steps of a curve (its points less one): 9 for Chefer et al.'s 10 %, ..., 90 %; S for RISE."""
+        return len(CHEFER2021_FRACTIONS) - 1 if self.kind == "chefer2021" else image_size
+
+    def fractions(self, image_size: int) -> np.ndarray:
+        """The x of a curve's points: the share of pixels removed (inserted) at each."""
+        if self.kind == "chefer2021":
+            return np.asarray(CHEFER2021_FRACTIONS, dtype=np.float64)
+        return np.arange(image_size + 1, dtype=np.float64) / image_size
+
+    def preprocessing(self, pre: Preprocessing) -> Preprocessing:
+        """The images as both authors' loaders make them: resized to S x S (`transforms.Resize((S, S))`,
+        bilinear, no crop), normalised with the model's own mean and std."""
+        return Preprocessing(pre.image_size, None, "squash", pre.mean, pre.std, interpolation="bilinear")
+
+
+PROTOCOLS: dict[str, Protocol] = {
+    p.name: p for p in (
+        Protocol("chefer2021", "chefer2021", ("positive", "negative"), "predicted",
+                 "Chefer et al. 2021's positive and negative perturbation, maps of the predicted class (their --vis-class top)"),
+        Protocol("chefer2021-target", "chefer2021", ("positive", "negative"), "label",
+                 "the same, maps of each image's dataset class (their --vis-class target)"),
+        Protocol("rise", "rise", ("deletion", "insertion"), "predicted",
+                 "RISE's deletion (to zeros) and insertion (from a blurred copy), S pixels a step, the predicted class"),
+    )
+}
 
 
 class EvaluateError(ValueError):
@@ -170,14 +242,26 @@ def _seed(file: str) -> int:
     return int.from_bytes(hashlib.sha256(file.encode()).digest()[:8], "big") >> 1
 
 
+def _to_input_as_their_scripts(cropped, pre: Preprocessing) -> torch.Tensor:
+    """The S x S crop -> [3, S, S] as Chefer et al.'s and RISE's scripts make it: torchvision's
+    `ToTensor()` (x / 255) then `Normalize(mean, std)` ((x - mean) / std). `to_input` gives the same
+    values but for the last bit of some (it multiplies by 1 / 255), which can reorder tied pixels."""
+    from torchvision.transforms import functional as F1
+
+    return F1.normalize(F1.to_tensor(cropped.convert("RGB")), mean=list(pre.mean), std=list(pre.std))
+
+
 class EvalDataset(torch.utils.data.Dataset):
     """Items read, checked and preprocessed (in DataLoader workers): the model's input, the object
     mask cropped the same way (nearest), the digests of the bytes read, and what was wrong with the
     image (its row counts nowhere) or with its mask (its row counts everywhere but the pointing game)."""
 
-    def __init__(self, items: list[Item], pre: Preprocessing) -> None:
+    def __init__(self, items: list[Item], pre: Preprocessing, *, as_their_scripts: bool = False) -> None:
+        """`as_their_scripts`: the crop made a tensor as the published protocols' scripts make it
+        (`_to_input_as_their_scripts`), to the bit."""
         self.items = items
         self.pre = pre
+        self.to_input = _to_input_as_their_scripts if as_their_scripts else to_input
         self.mask_pre = Preprocessing(pre.image_size, pre.resize_size, pre.mode, interpolation="nearest")
 
     def __len__(self) -> int:
@@ -192,7 +276,7 @@ class EvalDataset(torch.utils.data.Dataset):
             data = _read(item.path)
             out["sha256"] = _digest(data)
             image = load_image(data)
-            out["x"] = to_input(crop(image, self.pre), self.pre)
+            out["x"] = self.to_input(crop(image, self.pre), self.pre)
         except ImageError as exc:
             out.update(ok=False, error=str(exc))
             return out
@@ -237,24 +321,67 @@ class _Batches(torch.utils.data.Sampler):
 # One batch
 
 
-def _target(label: str | None, categories) -> int | None:
+_WNID = re.compile(r"n[0-9]{8}")
+
+
+def _imagenet_wnids(categories) -> list[str] | None:
+    """ImageNet-1k's WordNet ids (n01440764, ...) in class order, for a model of its 1,000 classes
+    when timm (which lists them) is installed; else None."""
+    if categories is None or len(categories) != 1000:
+        return None
+    try:
+        from timm.data import ImageNetInfo
+    except ImportError:
+        return None
+    return list(ImageNetInfo().label_names())
+
+
+def _target(label: str | None, categories, wnids: list[str] | None = None) -> int | None:
+    """The class index of an image's folder name: a class name of the model, the first name of an
+    entry such as timm's "tench, Tinca tinca", or an ImageNet WordNet id (`wnids`); None if none."""
     if label is None or categories is None:
         return None
     names = list(categories)
     if label in names:
         return names.index(label)
     short = [c.split(",")[0].strip().lower() for c in names]  # timm's "tench, Tinca tinca"
-    return short.index(label.lower()) if label.lower() in short else None
+    if label.lower() in short:
+        return short.index(label.lower())
+    if wnids is not None and _WNID.fullmatch(label) and label in wnids:
+        return wnids.index(label)
+    return None
 
 
-def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, steps: int) -> list[dict]:
-    """Per-image results of one batch (the rows of its unreadable images with their error)."""
-    spec = model.spec
+def _classes(items: list[Item], categories) -> dict[str, int | None]:
+    """{folder name: class index or None} for the classes of `items`."""
+    labels = sorted({item.label for item in items if item.label is not None})
+    wnids = _imagenet_wnids(categories) if any(_WNID.fullmatch(label) for label in labels) else None
+    return {label: _target(label, categories, wnids) for label in labels}
+
+
+def _base_rows(batch: dict, items: list[Item]) -> dict[int, dict]:
+    """{index: the row's keys every row has} for the images of a batch."""
     base = {}
     for b, i in enumerate(batch["index"].tolist()):
         item = items[i]
         base[i] = dict(index=i, file=item.file, path=item.path, label=item.label, stamp=item.stamp, sha256=batch["sha256"][b],
                        mask_sha256=batch["mask_sha256"][b], error=batch["error"][b], mask_error=batch["mask_error"][b])
+    return base
+
+
+def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, methods, metrics, steps: int,
+           classes: dict[str, int | None] | None = None, protocol: str | None = None,
+           phrases: dict[str, str] | None = None) -> list[dict]:
+    """Per-image results of one batch (the rows of its unreadable images with their error).
+
+    Args:
+        classes: {folder name: class index}, the class explained where the model knows it.
+        protocol: a name of `PROTOCOLS`: its metrics instead of `metrics`.
+        phrases: {relative path: phrase} for an image–text model: each image's maps, curves and
+            similarity are its phrase's.
+    """
+    spec = model.spec
+    base = _base_rows(batch, items)
     keep = [k for k, ok in enumerate(batch["ok"]) if ok]
     rows = [base[int(i)] for i, ok in zip(batch["index"], batch["ok"]) if not ok]
     if not keep:
@@ -262,51 +389,131 @@ def _score(model: ViT, batch: dict, items: list[Item], *, methods, metrics, step
     x = batch["x"][keep]
     index = batch["index"][keep].tolist()
     mask, has_mask = batch["mask"][keep], batch["has_mask"][keep]
-    need_maps = bool({"pointing", "deletion", "insertion"} & set(metrics)) and bool(methods)
     scored = [base[i] for i in index]
-    if need_maps:
-        targets = [_target(items[i].label, spec.categories) for i in index] if spec.has_head else None
+    classes = classes if classes is not None else {}
+    if protocol is not None:
+        _score_protocol(model, x, [items[i] for i in index], scored, methods=methods, protocol=PROTOCOLS[protocol], classes=classes)
+        return rows + scored
+    need_maps = bool({"pointing", "deletion", "insertion"} & set(metrics)) and bool(methods)
+    dist_lbh = probs = rec = None
+    if phrases is not None:
+        texts = [phrases[items[i].file] for i in index]
+        maps, similarities, attn, grid = _phrase_maps(model, x, texts, methods, distance="distance" in metrics)
+        maps["random"] = torch.stack([random_maps(grid, seed=_seed(items[i].file)) for i in index])
+        for b, row in enumerate(scored):
+            row.update(text=texts[b], similarity=float(similarities[b]))
+        if attn is not None:
+            dist_lbh = mean_attention_distance(attn, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
+                                               grid=grid).permute(1, 0, 2).cpu().double()
+    elif need_maps:
+        targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
         rec = record(model, x, targets=targets, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
-        attn = rec.attentions
         maps = maps_of(rec, methods)
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
+        probs = rec.probabilities.cpu() if rec.probabilities is not None else None
+        if "distance" in metrics:
+            dist_lbh = mean_attention_distance(rec.attentions, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
+                                               grid=rec.grid).permute(1, 0, 2).cpu().double()
     else:  # distance only: each layer reduced as it is recorded, no stack held
         def per_layer(a: torch.Tensor) -> torch.Tensor:
             return mean_attention_distance(a.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens, grid=spec.grid)[0]
 
-        param = next(model.parameters())
-        with torch.inference_mode(), record_attention(model, reduce=per_layer) as r:
-            logits = model(x.to(device=param.device, dtype=param.dtype))
+        vit = _tower(model)
+        param = next(vit.parameters())
+        with torch.inference_mode(), record_attention(vit, reduce=per_layer) as r:
+            logits = vit(x.to(device=param.device, dtype=param.dtype))
         dist_lbh = r.attentions.permute(1, 0, 2).cpu().double()  # [B, L, H]
-        rec = None
         probs = logits.float().softmax(-1).cpu() if spec.has_head else None
-    if need_maps:
-        probs = rec.probabilities.cpu() if rec.probabilities is not None else None
-        if "distance" in metrics:
-            dist_lbh = mean_attention_distance(attn, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
-                                               grid=rec.grid).permute(1, 0, 2).cpu().double()
     for b, row in enumerate(scored):
         if probs is not None:
             target = int(rec.targets[b]) if rec is not None else int(probs[b].argmax())
             row.update(target=target, predicted=int(probs[b].argmax()), probability=float(probs[b, target]))
         if "distance" in metrics:
             row["distance"] = dist_lbh[b].tolist()
-    if need_maps:
-        for method, m in maps.items():
-            if "pointing" in metrics:
-                hits = pointing_game(m, mask, patch_size=spec.patch_size)
-                for b, row in enumerate(scored):
-                    row[f"{method}_pointing"] = float(hits[b]) if has_mask[b] else None
-            if {"deletion", "insertion"} & set(metrics):
-                curves = perturbation_curves(model, x, m, rec.targets, steps=steps)
-                for b, row in enumerate(scored):
-                    if "deletion" in metrics:
-                        row[f"{method}_deletion"] = float(curves.deletion_auc[b])
-                        row[f"{method}_deletion_curve"] = curves.deletion[b].tolist()
-                    if "insertion" in metrics:
-                        row[f"{method}_insertion"] = float(curves.insertion_auc[b])
-                        row[f"{method}_insertion_curve"] = curves.insertion[b].tolist()
+    if not need_maps:
+        return rows + scored
+    score = None
+    if phrases is not None and {"deletion", "insertion"} & set(metrics):
+        score = phrase_similarity(model, _phrase_embeddings(model, [row["text"] for row in scored]))
+    for method, m in maps.items():
+        if "pointing" in metrics:
+            hits = pointing_game(m, mask, patch_size=spec.patch_size)
+            for b, row in enumerate(scored):
+                row[f"{method}_pointing"] = float(hits[b]) if has_mask[b] else None
+        if {"deletion", "insertion"} & set(metrics):
+            curves = perturbation_curves(model, x, m, None if rec is None else rec.targets, steps=steps, score=score)
+            for b, row in enumerate(scored):
+                for mode in ("deletion", "insertion"):
+                    if mode in metrics:
+                        row[f"{method}_{mode}"] = float(getattr(curves, f"{mode}_auc")[b])
+                        row[f"{method}_{mode}_curve"] = getattr(curves, mode)[b].tolist()
     return rows + scored
+
+
+def _tower(model: ViT | ImageTextModel) -> ViT:
+    """The vitviz ViT that sees the images: the model, or an image–text model's image tower."""
+    return model.image if isinstance(model, ImageTextModel) else model
+
+
+def _phrase_embeddings(model: ImageTextModel, texts: list[str]) -> torch.Tensor:
+    """The text embedding of each of `texts` [T, E], each distinct phrase encoded once."""
+    distinct = sorted(set(texts))
+    with torch.inference_mode():
+        ids, attention_mask = model.tokenize(distinct)
+        embeds = model.encode_text(ids, attention_mask)
+    return embeds[torch.tensor([distinct.index(t) for t in texts], device=embeds.device)]
+
+
+def _phrase_maps(model: ImageTextModel, x: torch.Tensor, texts: list[str], methods, *, distance: bool):
+    """Each image's maps for its own phrase: one recorded pass per distinct phrase over the images
+    that have it. Returns ({method: [B, gh, gw]}, similarities [B], attention [L, B, H, N, N] when
+    `distance` (else None), the grid)."""
+    groups: dict[str, list[int]] = {}
+    for b, text in enumerate(texts):
+        groups.setdefault(text, []).append(b)
+    maps: dict[str, torch.Tensor] = {}
+    similarities = torch.empty(len(texts), dtype=torch.float64)
+    attn = grid = None
+    for text, where in groups.items():
+        rec = record(model, x[where], text=text, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+        grid = rec.grid
+        for method, m in maps_of(rec, methods).items():
+            maps.setdefault(method, torch.empty(len(texts), *m.shape[1:]))[where] = m
+        similarities[where] = rec.similarities[:, 0].cpu().double()
+        if distance:
+            a = rec.attentions.cpu()
+            if attn is None:
+                attn = torch.empty(a.shape[0], len(texts), *a.shape[2:])
+            attn[:, where] = a
+    return maps, similarities, attn, grid
+
+
+def _score_protocol(model: ViT, x: torch.Tensor, items: list[Item], scored: list[dict], *, methods, protocol: "Protocol",
+                    classes: dict[str, int | None]) -> None:
+    """Fills the rows `scored` with `protocol`'s areas and curves of each method and a random map."""
+    spec = model.spec
+    labels = [classes.get(item.label) for item in items]
+    targets = labels if protocol.explains == "label" else None
+    rec = record(model, x, targets=targets, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+    maps = maps_of(rec, methods)
+    maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(item.file)) for item in items])
+    probs = rec.probabilities.cpu()
+    for b, row in enumerate(scored):
+        target = int(rec.targets[b])
+        row.update(target=target, predicted=int(probs[b].argmax()), probability=float(probs[b, target]))
+    for method, m in maps.items():
+        pixels = pixel_maps(m, patch_size=spec.patch_size)
+        if protocol.kind == "chefer2021":
+            curves = chefer2021_curves(model, x, pixels, torch.tensor(labels))
+            areas = {name: chefer2021_auc(hits) for name, hits in curves.items()}
+        else:
+            _, found = rise_curves(model, x, pixels)
+            curves = {"deletion": found.deletion, "insertion": found.insertion}
+            areas = {name: rise_auc(values) for name, values in curves.items()}
+        for b, row in enumerate(scored):
+            for name in protocol.metrics:
+                row[f"{method}_{name}"] = float(areas[name][b])
+                row[f"{method}_{name}_curve"] = curves[name][b].tolist()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,7 +538,8 @@ def _digest_or_none(v) -> bool:
 Check = tuple[str, Callable[[object], bool]]
 
 
-def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes: int) -> tuple[dict[str, Check], dict[str, Check]]:
+def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes: int, protocol: str | None = None,
+                text: bool = False) -> tuple[dict[str, Check], dict[str, Check]]:
     """(the keys of every row, the keys a scored row adds), each with what it holds and its test."""
     every: dict[str, Check] = {
         "index": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
@@ -351,14 +559,26 @@ def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes
     if "distance" in metrics:
         scored["distance"] = (f"{depth} lists of {heads} distances >= 0", lambda v: isinstance(v, list) and len(v) == depth and all(
             isinstance(h, list) and len(h) == heads and all(_number(d) and d >= 0 for d in h) for h in v))
-    curve = (f"a list of {steps + 1} probabilities in [0, 1]",
-             lambda v: isinstance(v, list) and len(v) == steps + 1 and all(_unit(p) for p in v))
+    if text:
+        scored["text"] = (f"a phrase of 1 to {MAX_TEXT_CHARS} characters", lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT_CHARS)
+        scored["similarity"] = ("a number", _number)
+    if protocol is not None and PROTOCOLS[protocol].kind == "chefer2021":
+        area: Check = ("an area in [0, 90]", lambda v: _number(v) and -_SLACK <= v <= 90 + _SLACK)
+        curve: Check = (f"a list of {steps + 1} hits, 0 or 1",
+                        lambda v: isinstance(v, list) and len(v) == steps + 1 and all(_number(p) and p in (0, 1) for p in v))
+    elif text:  # similarities: any finite number
+        area = ("a finite area", _number)
+        curve = (f"a list of {steps + 1} numbers", lambda v: isinstance(v, list) and len(v) == steps + 1 and all(_number(p) for p in v))
+    else:
+        area = ("an area in [0, 1]", _unit)
+        curve = (f"a list of {steps + 1} probabilities in [0, 1]",
+                 lambda v: isinstance(v, list) and len(v) == steps + 1 and all(_unit(p) for p in v))
     for method in (*methods, "random"):
         if "pointing" in metrics:
             scored[f"{method}_pointing"] = ("0, 1 or null", lambda v: v is None or (_number(v) and v in (0, 1)))
-        for mode in ("deletion", "insertion"):
+        for mode in CURVE_METRICS:
             if mode in metrics:
-                scored[f"{method}_{mode}"] = ("an area in [0, 1]", _unit)
+                scored[f"{method}_{mode}"] = area
                 scored[f"{method}_{mode}_curve"] = curve
     return every, scored
 
@@ -502,7 +722,7 @@ def _scores(rows, methods, metrics) -> dict[tuple[str, str], list[float]]:
         if "distance" in metrics and row.get("distance") is not None:
             out.setdefault(("model", "distance"), []).append(float(np.mean(row["distance"])))
         for method in (*methods, "random"):
-            for metric in ("pointing", "deletion", "insertion"):
+            for metric in ("pointing", *CURVE_METRICS):
                 value = row.get(f"{method}_{metric}")
                 if metric in metrics and value is not None:
                     out.setdefault((method, metric), []).append(float(value))
@@ -541,11 +761,12 @@ def _summary_rows(values: dict[tuple[str, str], list[float]], order: list[tuple[
 
 def _order(methods, metrics):
     out = [("model", "distance")] if "distance" in metrics else []
-    return out + [(m, k) for m in (*methods, "random") for k in ("pointing", "deletion", "insertion") if k in metrics]
+    return out + [(m, k) for m in (*methods, "random") for k in ("pointing", *CURVE_METRICS) if k in metrics]
 
 
-def _columns(methods, metrics) -> list[str]:
-    columns = ["index", "path", "label", "error", "mask_error", "target", "predicted", "probability"]
+def _columns(methods, metrics, *, text: bool = False) -> list[str]:
+    columns = ["index", "path", "label", "error", "mask_error"]
+    columns += ["text", "similarity"] if text else ["target", "predicted", "probability"]
     if "distance" in metrics:
         columns.append("distance_mean")
     columns += [f"{m}_{k}" for m, k in _order(methods, metrics) if m != "model"]
@@ -571,10 +792,11 @@ def summarize(out: str | Path) -> list[dict]:
 
 
 def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
-    """per_image.csv, summary.csv/.md, distance.csv/.png and curves.png from the merged rows (sorted
-    by index); returns the summary rows."""
+    """per_image.csv, summary.csv/.md, distance.csv/.png, curves.csv and (for class probabilities)
+    curves.png from the merged rows (sorted by index); returns the summary rows."""
     methods, metrics, steps = run["methods"], run["metrics"], run["steps"]
-    columns = _columns(methods, metrics)
+    protocol, text = run.get("protocol"), bool(run.get("text") or run.get("captions"))
+    columns = _columns(methods, metrics, text=text)
     with open(out / "per_image.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
@@ -590,8 +812,9 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
         w.writerows(summary)
     lines = [f"| method | metric | images | mean | 95 % interval |", "|---|---|---|---|---|"]
     for r in summary:
-        pct = r["metric"] == "pointing"
-        fmt = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.2f} px" if r["metric"] == "distance" else f"{v:.3f}")
+        pct, two = r["metric"] == "pointing", r["metric"] in ("distance", "positive", "negative")  # Chefer et al.'s areas x 100
+        fmt = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.2f}{' px' if r['metric'] == 'distance' else ''}" if two
+                                                           else f"{v:.3f}")
         lines.append(f"| {r['method']} | {r['metric']} | {r['n']} | {fmt(r['mean'])} | {fmt(r['ci95_low'])} to {fmt(r['ci95_high'])} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     scored = [r for r in rows if not r.get("error")]
@@ -610,14 +833,25 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
         plots.figure_to_image(fig).save(out / "distance.png")
     curves = {}
     for method in (*methods, "random"):
-        for mode in ("deletion", "insertion"):
+        for mode in CURVE_METRICS:
             with_curve = [r[f"{method}_{mode}_curve"] for r in scored if r.get(f"{method}_{mode}_curve") is not None]
             if mode in metrics and with_curve:
                 curves[(method, mode)] = np.asarray(with_curve, dtype=np.float64).mean(0)
     if curves:
-        # over the fractions really removed, as the areas in summary.csv: the legend's areas are the table's
-        fig = plots.curves_figure(curves, fractions=_fractions(steps, spec.grid[0] * spec.grid[1]), title=f"{spec.name}: mean over the images")
-        plots.figure_to_image(fig).save(out / "curves.png")
+        if protocol is not None:
+            fractions = PROTOCOLS[protocol].fractions(spec.image_size)
+        else:
+            fractions = _fractions(steps, spec.grid[0] * spec.grid[1])
+        with open(out / "curves.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["method", "metric", "step", "fraction", "mean", "images"])
+            for (method, mode), mean in curves.items():
+                n = sum(1 for r in scored if r.get(f"{method}_{mode}_curve") is not None)
+                w.writerows([method, mode, i, repr(float(fractions[i])), repr(float(v)), n] for i, v in enumerate(mean))
+        if protocol is None and not text:
+            # over the fractions really removed, as the areas in summary.csv: the legend's areas are the table's
+            fig = plots.curves_figure(curves, fractions=fractions, title=f"{spec.name}: mean over the images")
+            plots.figure_to_image(fig).save(out / "curves.png")
     return summary
 
 
@@ -707,7 +941,7 @@ def _check_previous(out: Path, before: dict | None, run: dict, *, rescan: bool) 
         return False
     if before.get("format") != FORMAT:
         raise EvaluateError(f"{out} holds a run written by an earlier vitviz.evaluate (its rows are not keyed by file); use another --out")
-    settings = ("data", "model", "methods", "metrics", "steps", "batch_size")
+    settings = ("data", "model", "protocol", "methods", "metrics", "steps", "batch_size", "text", "captions")
     differ = [f"{k} {before.get(k)!r} there, {run[k]!r} here" for k in settings if before.get(k) != run[k]]
     if differ:
         raise EvaluateError(f"{out} holds a run with other settings ({'; '.join(differ)}): use another --out, one per model and settings")
@@ -725,17 +959,55 @@ def _whole(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_size, workers, max_images) -> None:
+def _check_protocol(protocol: str, *, metrics, steps, text, captions) -> None:
+    """Raises EvaluateError for an unknown protocol, or one asked for with settings it fixes itself."""
+    if protocol not in PROTOCOLS:
+        raise EvaluateError(f"unknown protocol {protocol!r} in --protocol; the protocols are {', '.join(PROTOCOLS)}")
+    p = PROTOCOLS[protocol]
+    steps_of = "0 %, 10 %, ..., 90 % of the pixels" if p.kind == "chefer2021" else "S pixels a step, S + 1 points on S x S images"
+    fixed = f"its metrics ({', '.join(p.metrics)}) and its steps ({steps_of})"
+    given = [name for name, value in (("--metrics", metrics), ("--steps", steps)) if value is not None]
+    if given:
+        raise EvaluateError(f"--protocol {protocol} fixes {fixed}: leave out {' and '.join(given)}, or leave out --protocol "
+                            f"to choose them")
+    if text is not None or captions is not None:
+        raise EvaluateError(f"--protocol {protocol} scores a classifier's classes; a phrase (--text, --captions) is scored "
+                            f"without --protocol, with --metrics pointing,deletion,insertion")
+
+
+def _check_text(text: str | None, captions: str | Path | None) -> None:
+    """Raises EvaluateError for --text and --captions together, or a --text that is no phrase."""
+    if text is not None and captions is not None:
+        raise EvaluateError("--text gives every image one phrase and --captions each image its own: give one of them")
+    if text is not None:
+        if not isinstance(text, str) or not text.strip():
+            raise EvaluateError("--text is empty; it is the phrase every image is scored against, e.g. --text 'a red star'")
+        if len(text) > MAX_TEXT_CHARS:
+            raise EvaluateError(f"--text is {len(text):,} characters; a phrase is at most {MAX_TEXT_CHARS:,} (the text towers read "
+                                f"77 tokens or fewer)")
+
+
+def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_size, workers, max_images, protocol=None, text=None,
+                     captions=None) -> None:
     """Raises EvaluateError (status 2) for a mistake in the arguments, before anything is loaded or read."""
+    phrases = text is not None or captions is not None
+    if protocol is not None:
+        _check_protocol(protocol, metrics=metrics, steps=steps, text=text, captions=captions)
+        metrics, steps = PROTOCOLS[protocol].metrics, 16
+    metrics = METRICS if metrics is None else metrics
+    steps = 16 if steps is None else steps
+    _check_text(text, captions)
     for name in metrics:
-        if name not in METRICS:
+        if name not in METRICS and protocol is None:
             raise EvaluateError(f"unknown metric {name!r} in --metrics; the metrics are {', '.join(METRICS)}")
     known = registered_methods()  # plugins (VITVIZ_PLUGINS, the "vitviz.methods" entry points) included
     for name in methods:
         if name not in known:
             raise EvaluateError(f"unknown method {name!r} in --methods; the methods are {', '.join(known)}")
-        if registered_method(name).needs_text:
-            raise EvaluateError(f"--methods {name} explains a phrase; the evaluator scores class explanations")
+        if registered_method(name).needs_text and not phrases:
+            raise EvaluateError(f"--methods {name} explains a phrase: give an image–text model one with --text or --captions")
+        if "classifier" in registered_method(name).needs and phrases:
+            raise EvaluateError(f"--methods {name} explains a class; with --text or --captions the maps explain a phrase")
     if not metrics:
         raise EvaluateError(f"--metrics names no metric; name one or more of {', '.join(METRICS)}")
     on_maps = [m for m in metrics if m != "distance"]
@@ -760,6 +1032,76 @@ def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_si
         raise EvaluateError(f"{data} is a file; DATA is a folder of images (DATA/<class>/<image> gives classes)")
     if out.exists() and not out.is_dir():
         raise EvaluateError(f"--out {out} is a file; it is the folder the results go to (made when missing)")
+
+
+def _check_labels(items: list[Item], classes: dict[str, int | None], protocol: str) -> None:
+    """Raises EvaluateError unless every image's folder names a class of the model (Chefer et al.'s
+    accuracy is against each image's dataset class)."""
+    unknown = [item for item in items if classes.get(item.label) is None]
+    if unknown:
+        example = unknown[0]
+        why = "it is in no class folder" if example.label is None else f"its folder {example.label!r} is no class of the model"
+        raise EvaluateError(
+            f"--protocol {protocol} measures the accuracy of each image's class, and {len(unknown)} of the {len(items)} images "
+            f"have none the model knows (e.g. {example.file}: {why}): put each image in DATA/<class>/, the folder named by a "
+            f"class of the model (its name, its first name such as tench, or with timm installed ImageNet's WordNet id such "
+            f"as n01440764)"
+        )
+
+
+def read_captions(path: str | Path, items: list[Item]) -> dict[str, str]:
+    """The phrase of each image of `items` from a CSV file with a header and the columns file (the
+    image's path relative to DATA, with "/") and text (other columns are ignored).
+
+    Raises:
+        EvaluateError: a file that cannot be read, is over 64 MiB or not UTF-8; a missing column; a
+            row whose text is empty or over `MAX_TEXT_CHARS` characters, whose file is not an image
+            of DATA or has a row already; an image without a row. The message names the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise EvaluateError(f"--captions {path} is not a file; it is a CSV file with a header file,text and a row per image")
+    size = path.stat().st_size
+    if size > MAX_CAPTIONS_BYTES:
+        raise EvaluateError(f"--captions {path} is {size:,} bytes; a captions file is at most {MAX_CAPTIONS_BYTES:,} (64 MiB)")
+    try:
+        lines = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise EvaluateError(f"--captions {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    reader = csv.DictReader(io.StringIO(lines, newline=""))
+    missing = [c for c in ("file", "text") if c not in (reader.fieldnames or [])]
+    if missing:
+        raise EvaluateError(f"--captions {path}: its header {','.join(reader.fieldnames or []) or '(none)'} lacks the column "
+                            f"{' and '.join(missing)}; the first line is file,text")
+    files = {item.file for item in items}
+    found: dict[str, str] = {}
+    where: dict[str, int] = {}
+    unknown = []
+    for row in reader:
+        line = reader.line_num
+        file = (row["file"] or "").strip().removeprefix("./")
+        phrase = (row["text"] or "").strip()
+        if file not in files:
+            unknown.append((line, file))
+            continue
+        if file in found:
+            raise EvaluateError(f"--captions {path}, line {line}: {file} has a caption already (line {where[file]}); one row per image")
+        if not phrase:
+            raise EvaluateError(f"--captions {path}, line {line}: the text of {file} is empty")
+        if len(phrase) > MAX_TEXT_CHARS:
+            raise EvaluateError(f"--captions {path}, line {line}: the text of {file} is {len(phrase):,} characters; a caption is at "
+                                f"most {MAX_TEXT_CHARS:,}")
+        found[file], where[file] = phrase, line
+    if unknown:
+        line, file = unknown[0]
+        raise EvaluateError(f"--captions {path}, line {line}: {file or '(empty)'} is not an image under DATA ({len(unknown)} "
+                            f"row{'s' if len(unknown) > 1 else ''} like it); the file column holds paths relative to DATA, "
+                            f"with /, e.g. {items[0].file}")
+    without = [item.file for item in items if item.file not in found]
+    if without:
+        raise EvaluateError(f"--captions {path} has no row for {len(without)} of the {len(items)} images under DATA (e.g. "
+                            f"{without[0]}): add a row file,text for each")
+    return found
 
 
 def _mask_example(data: Path, file: str) -> str:
@@ -803,25 +1145,36 @@ def evaluate(
     model: str,
     out: str | Path,
     methods: tuple[str, ...] = ("rollout", "gradient"),
-    metrics: tuple[str, ...] = METRICS,
-    steps: int = 16,
+    metrics: tuple[str, ...] | None = None,
+    steps: int | None = None,
     batch_size: int = 32,
     workers: int | None = None,
     max_images: int | None = None,
     compare: bool = True,
     progress: bool = True,
     rescan: bool = False,
+    protocol: str | None = None,
+    text: str | None = None,
+    captions: str | Path | None = None,
 ) -> list[dict] | None:
     """Scores every image of `data` (see the module's doc); on rank 0 returns the summary rows.
 
     Args:
+        metrics: of `METRICS`; None: all four (or the protocol's).
+        steps: of a deletion or insertion curve; None: 16 (or the protocol's).
         rescan: resume a run into `out` although DATA changed since it began: score the images that
             are new or changed, drop the rows of those that are gone.
+        protocol: a name of `PROTOCOLS`: a published protocol with its own metrics and steps (then
+            `metrics` and `steps` are refused).
+        text: an image–text model: the phrase every image's maps and curves are about.
+        captions: an image–text model: a CSV file with columns file,text, a phrase per image
+            (`read_captions`).
 
     Raises:
         EvaluateError: a mistake in the arguments (unknown names, a folder that does not exist or
-            holds no images, numbers out of range), a run in `out` this one cannot resume, or (status
-            1) a run whose every image failed.
+            holds no images, numbers out of range, a protocol with settings of its own, a captions
+            file that does not fit DATA), a run in `out` this one cannot resume, or (status 1) a run
+            whose every image failed.
 
     Warns:
         EvaluateWarning: on rank 0, a metric left out for some or all images (the pointing game
@@ -833,17 +1186,34 @@ def evaluate(
 
     data, out = Path(data), Path(out)
     _check_arguments(data, out, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size, workers=workers,
-                     max_images=max_images)
+                     max_images=max_images, protocol=protocol, text=text, captions=captions)
+    chosen = PROTOCOLS[protocol] if protocol is not None else None
+    metrics = chosen.metrics if chosen is not None else (METRICS if metrics is None else tuple(metrics))
+    steps = 16 if steps is None else steps
+    phrased = text is not None or captions is not None
     try:
         spec = get_spec(model)
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
-    if not spec.has_head and ({"deletion", "insertion"} & set(metrics) or any(registered_method(m).needs_target for m in methods)):
-        raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one")
+    if chosen is not None:
+        steps = chosen.steps(spec.image_size)
+        if not spec.has_head:
+            raise EvaluateError(f"--protocol {protocol} measures a classifier and {spec.name} has none")
+    if not phrased and not spec.has_head and ({"deletion", "insertion"} & set(metrics)
+                                              or any(registered_method(m).needs_target for m in methods)):
+        raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one "
+                            f"(an image–text model explains a phrase: give one with --text, or one per image with --captions)")
     items = scan(data)
     if not items:
         raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}: put images there (DATA/<class>/<image> "
                             f"gives classes), or write some with python -m vitviz.shapes {data} --n 100")
+    classes = _classes(items, spec.categories)
+    if chosen is not None and chosen.kind == "chefer2021":
+        _check_labels(items, classes, protocol)
+    phrases = digest = None
+    if phrased:
+        phrases = {item.file: text for item in items} if text is not None else read_captions(captions, items)
+        digest = None if captions is None else _digest(Path(captions).read_bytes())
     notes = []
     if "pointing" in metrics and not any(item.mask for item in items):
         others = [m for m in metrics if m != "pointing"]
@@ -858,9 +1228,14 @@ def evaluate(
     shards = out / "shards"
     net = load_model(model, device=device)
     spec = net.spec
-    run = dict(format=FORMAT, data=str(data), model=model, methods=list(methods), metrics=list(metrics), steps=steps,
-               batch_size=batch_size, images=len(items), files={item.file: item.stamp for item in items})
-    schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes)
+    if phrased and not isinstance(net, ImageTextModel):
+        raise EvaluateError(f"{'--text' if text is not None else '--captions'} needs an image–text model (shapes_clip, "
+                            f"hf:openai/clip-vit-base-patch16, ...); {spec.name} is not one: explain its classes without a phrase")
+    run = dict(format=FORMAT, data=str(data), model=model, protocol=protocol, methods=list(methods), metrics=list(metrics),
+               steps=steps, batch_size=batch_size, text=text, captions=digest, images=len(items),
+               files={item.file: item.stamp for item in items})
+    schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes,
+                         protocol=protocol, text=phrased)
     before = _previous(out)
     changed = _check_previous(out, before, run, rescan=rescan)  # on every rank: all refuse alike
     sessions = list(before.get("sessions", [])) if before else []  # the timing of the sessions that scored the rows kept
@@ -880,7 +1255,9 @@ def evaluate(
     rounds = max(len(p) for p in plans)
     workers = workers if workers is not None else max(0, min(4, (os.cpu_count() or 1) // world - 1))
     loader = torch.utils.data.DataLoader(
-        EvalDataset(items, spec.preprocessing), batch_sampler=sampler, num_workers=workers,
+        EvalDataset(items, chosen.preprocessing(spec.preprocessing) if chosen is not None else spec.preprocessing,
+                    as_their_scripts=chosen is not None),
+        batch_sampler=sampler, num_workers=workers,
         collate_fn=_collate, persistent_workers=False,
     )
     shard = shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
@@ -893,7 +1270,8 @@ def evaluate(
             batch = next(batches, None)
             n = 0
             if batch is not None:
-                for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps):
+                for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps, classes=classes,
+                                  protocol=protocol, phrases=phrases):
                     problem = _row_problem(row, schema)
                     if problem:  # e.g. non-finite outputs: an error row, so that every line written passes the merge's check
                         row = {key: row[key] for key in schema[0]} | {"error": f"the results are not usable: {problem}"}
@@ -911,7 +1289,7 @@ def evaluate(
     plain = None
     if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
         x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
-        plain = _plain_rate(net, x, batches=max(1, min(8, math.ceil(len(items) / batch_size / world))), device=device)
+        plain = _plain_rate(_tower(net), x, batches=max(1, min(8, math.ceil(len(items) / batch_size / world))), device=device)
     _barrier()
     summary, message = None, f"none of the {_plural(len(items), 'image')} could be scored"
     verdict = torch.zeros(2, dtype=torch.float64)  # (images scored, whether every image has a row), from rank 0
@@ -1002,8 +1380,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
     ap.add_argument("--methods", default="rollout,gradient",
                     help="comma-separated, of attention, rollout, gradient, grad_rollout and any a plugin registers (VITVIZ_PLUGINS)")
-    ap.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated, of {', '.join(METRICS)}")
-    ap.add_argument("--steps", type=int, default=16, help="deletion/insertion steps, 2 or more")
+    ap.add_argument("--metrics", default=None, help=f"comma-separated, of {', '.join(METRICS)} (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="deletion/insertion steps, 2 or more (default: 16)")
+    ap.add_argument("--protocol", default=None,
+                    help="a published protocol, its metrics and steps fixed: " + "; ".join(f"{p.name}: {p.description}" for p in PROTOCOLS.values()))
+    ap.add_argument("--text", default=None, help="image–text models: the phrase every image is explained and scored for, e.g. 'a red star'")
+    ap.add_argument("--captions", type=Path, default=None, help="image–text models: a CSV file with the columns file,text, a phrase per image")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=None, help="decoding processes per rank, 0 or more")
     ap.add_argument("--max-images", type=int, default=None, help="stop after about this many new images (run again to go on)")
@@ -1014,7 +1396,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = ap.parse_args(argv)
     methods = tuple(m for m in args.methods.split(",") if m)
-    metrics = tuple(m for m in args.metrics.split(",") if m)
+    metrics = None if args.metrics is None else tuple(m for m in args.metrics.split(",") if m)
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, EvaluateWarning):
@@ -1028,7 +1410,8 @@ def main(argv: list[str] | None = None) -> None:
             default, warnings.showwarning = warnings.showwarning, show
             summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
                                batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
-                               compare=not args.no_compare, rescan=args.rescan)
+                               compare=not args.no_compare, rescan=args.rescan, protocol=args.protocol, text=args.text,
+                               captions=args.captions)
     except KeyboardInterrupt:
         if args.debug:
             raise
