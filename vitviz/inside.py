@@ -60,6 +60,7 @@ from torch import nn
 
 from vitviz.images import ImageSource, load_image
 from vitviz.imagetext import ImageTextModel
+from vitviz.config import ViTConfig
 from vitviz.model import ViT
 from vitviz.preprocess import preprocess, to_input
 
@@ -825,13 +826,14 @@ def _top_heads(model: ViT, x: torch.Tensor, y: torch.Tensor, mode: AblationMode,
 def report(
     names: Sequence[str] | None = None, *, n: int = 1000, ablation_images: int = 1000, seed: int = 3535, batch_size: int = 100
 ) -> list[dict]:
-    """For each shapes classifier (`vitviz.list_variants()` named "shapes_*" but shapes_clip), over `n`
+    """For each shapes ViT classifier (`vitviz.list_variants()` named "shapes_*": not shapes_clip or shapes_swin), over `n`
     fresh images of `seed`: the logit lens' figures (`_lens_figures`) and, over the first
     `ablation_images`, the five heads whose ablation alone costs the true class the most probability
     (zero and mean ablation)."""
     from vitviz.sources import list_variants, load_model
 
-    names = list(names) if names else [s.name for s in list_variants() if s.name.startswith("shapes_") and s.name != "shapes_clip"]
+    names = list(names) if names else [s.name for s in list_variants()  # the shapes ViTs (not the image-text or windowed ones)
+                                       if s.name.startswith("shapes_") and isinstance(s.config, ViTConfig) and s.has_head]
     out = []
     for name in names:
         start = time.perf_counter()
