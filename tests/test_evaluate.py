@@ -796,3 +796,79 @@ def test_a_captions_file_that_does_not_fit_is_refused_in_one_line(scenes, tmp_pa
     assert status == 2 and err.count("\n") == 1 and err.startswith("vitviz.evaluate: "), err
     assert words in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# --metrics inside: the logit lens and direct logit attribution as dataset statistics
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    """Eight shapes with masks (batches of 3: 3, 3 and 2)."""
+    folder = tmp_path_factory.mktemp("eight") / "data"
+    vitviz.shapes.write_dataset(folder, 8, seed=35)
+    return folder
+
+
+@pytest.mark.parametrize("path", ["plain forward", "recorded with gradients"])
+def test_inside_rows_and_heads_equal_the_library_image_by_image(eight, tmp_path, path):
+    """Each row's first_top1 and per-head attribution against vitviz.analyze(...).logit_lens() and
+    .logit_attribution(its class) on the same file alone; summary.csv's and heads.csv's figures against
+    the mean of those. The plain path is the one forward of --metrics distance,inside; the other is the
+    forward that record() differentiates for the gradient maps."""
+    out = tmp_path / "out"
+    metrics, methods = (("distance", "inside"), ()) if path == "plain forward" else (("inside", "pointing"), ("gradient",))
+    summary = evaluate(eight, model="shapes_p16", out=out, methods=methods, metrics=metrics, batch_size=3, workers=0,
+                       compare=False, progress=False)
+    model = vitviz.load_model("shapes_p16", device="cpu")
+    rows = _shard_rows(out)
+    assert len(rows) == 8
+    firsts, heads = [], []
+    for file, row in rows.items():
+        label = file.split("/")[0]
+        target = vitviz.shapes.CLASSES.index(label)  # the image's folder: the class followed
+        assert row["target"] == target
+        result = vitviz.analyze(model, row["path"])
+        lens = result.logit_lens()  # [L+1, C]
+        top = lens.argmax(dim=-1) == target
+        first = int(top.nonzero()[0]) if top.any() else None
+        assert row["first_top1"] == first, file
+        want = result.logit_attribution(target).heads  # [L, H]
+        torch.testing.assert_close(torch.tensor(row["attribution"], dtype=torch.float64), want, atol=1e-4, rtol=1e-4)
+        firsts.append(first)
+        heads.append(want)
+    table = {(r["method"], r["metric"]): r for r in summary}
+    reached = [f for f in firsts if f is not None]
+    assert table[("model", "first_top1")]["n"] == len(reached)
+    assert table[("model", "first_top1")]["mean"] == pytest.approx(sum(reached) / len(reached), abs=1e-12)
+    assert table[("model", "never_top1")]["n"] == 8
+    assert table[("model", "never_top1")]["mean"] * 8 == pytest.approx(8 - len(reached), abs=1e-9)
+    assert [{k: str(v) for k, v in r.items()} for r in summarize(out)] == _table(out / "summary.csv")
+    mean = torch.stack(heads).mean(0)  # [L, H]
+    csv_rows = _table(out / "heads.csv")
+    assert len(csv_rows) == 6 * 3 and {r["images"] for r in csv_rows} == {"8"}
+    got = torch.zeros(6, 3, dtype=torch.float64)
+    for r in csv_rows:
+        got[int(r["layer"]), int(r["head"])] = float(r["mean_attribution"])
+        assert float(r["ci95_low"]) <= float(r["mean_attribution"]) <= float(r["ci95_high"])
+    torch.testing.assert_close(got, mean, atol=1e-5, rtol=0)
+    # the report (summary.md, which the command prints) lists the five heads of the highest mean, the highest first
+    best = mean.flatten().argsort(descending=True)[:5].tolist()
+    listed = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(int(c[1]), int(c[2])) for c in (line.split("|") for line in listed)] == [(i // 3, i % 3) for i in best]
+
+
+def test_inside_is_not_scored_unless_named(eight, tmp_path):
+    out = tmp_path / "out"
+    evaluate(eight, model="shapes_p16", out=out, methods=(), metrics=("distance",), batch_size=4, workers=0, compare=False,
+             progress=False)
+    assert "first_top1" not in next(iter(_shard_rows(out).values())) and not (out / "heads.csv").exists()
+    assert "inside" not in ev.METRICS and "inside" in ev.EXTRA_METRICS
+
+
+@pytest.mark.parametrize("model", ["timm:vit_small_patch8_224.dino", "shapes_clip"])
+def test_inside_on_a_model_without_a_head_is_refused_in_one_line(tiny, tmp_path, capsys, model):
+    status = _main(tiny, "--model", model, "--metrics", "inside", "--out", tmp_path / "out", "--workers", "0", "--no-compare")
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "--metrics inside reads the logit lens" in err and "has none" in err, err
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,11 @@ image's row and stops nothing. `python -m vitviz.shapes DIR --n 1000` writes suc
 Metrics: "distance" (mean attention distance per layer and head, the paper's Figure 7, averaged over
 images), "pointing" (does each method's map peak on the object, dilated by one patch), "deletion" and
 "insertion" (area under the class probability's curve as patches go in the map's order; a random
-order, seeded by the image's relative path, is scored beside every method).
+order, seeded by the image's relative path, is scored beside every method); and, asked for by name
+(not in the default set), "inside": per image, from the same forward, the first layer at which the
+logit lens ranks the image's class top-1 (0 = the embedding) and the direct logit attribution of
+that class per head [L, H] (`vitviz.inside`); summary.csv gets the mean of that layer and the share
+of images where it never comes, heads.csv each head's mean attribution, summary.md the top five.
 
 Published protocols, by name, their settings fixed (`PROTOCOLS`; --metrics and --steps are refused
 with them): --protocol chefer2021 (or chefer2021-target) is Chefer et al. 2021's positive and
@@ -67,6 +71,7 @@ import re
 import sys
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -86,13 +91,15 @@ from vitviz.faithfulness import (
 from vitviz.hooks import record_attention
 from vitviz.images import MAX_BYTES, ImageError, load_image
 from vitviz.imagetext import ImageTextModel
+from vitviz.inside import Stream, attribution_of, first_top1_layer, lens_of, record_stream
 from vitviz.model import ViT
 from vitviz.preprocess import Preprocessing, crop, to_input
 
-__all__ = ["METRICS", "PROTOCOLS", "Protocol", "MAX_TEXT_CHARS", "Item", "EvaluateError", "EvaluateWarning", "scan", "read_captions",
+__all__ = ["METRICS", "EXTRA_METRICS", "PROTOCOLS", "Protocol", "MAX_TEXT_CHARS", "Item", "EvaluateError", "EvaluateWarning", "scan", "read_captions",
            "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]
 
-METRICS = ("distance", "pointing", "deletion", "insertion")
+METRICS = ("distance", "pointing", "deletion", "insertion")  # the default set
+EXTRA_METRICS = ("inside",)  # scored only when named in --metrics
 CURVE_METRICS = ("deletion", "insertion", "positive", "negative")  # the metrics with a curve per image and its area
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95 % interval
@@ -396,6 +403,8 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
         return rows + scored
     need_maps = bool({"pointing", "deletion", "insertion"} & set(metrics)) and bool(methods)
     dist_lbh = probs = rec = None
+    streams = ExitStack()  # "inside": the stream recorded around the batch's one forward (`_inside_of`)
+    inside = streams.enter_context(record_stream(_tower(model))) if "inside" in metrics else None
     if phrases is not None:
         texts = [phrases[items[i].file] for i in index]
         maps, similarities, attn, grid = _phrase_maps(model, x, texts, methods, distance="distance" in metrics)
@@ -407,27 +416,33 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
                                                grid=grid).permute(1, 0, 2).cpu().double()
     elif need_maps:
         targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
-        rec = record(model, x, targets=targets, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+        with streams:  # record's one forward through the blocks (its backward passes run no block)
+            rec = record(model, x, targets=targets, gradients=needs_gradients(methods),
+                         layer_gradients=needs_layer_gradients(methods))
         maps = maps_of(rec, methods)
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
         probs = rec.probabilities.cpu() if rec.probabilities is not None else None
         if "distance" in metrics:
             dist_lbh = mean_attention_distance(rec.attentions, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
                                                grid=rec.grid).permute(1, 0, 2).cpu().double()
-    else:  # distance only: each layer reduced as it is recorded, no stack held
+    else:  # distance and "inside" only: one plain forward, each layer's distances reduced as it is recorded, no stack held
         def per_layer(a: torch.Tensor) -> torch.Tensor:
             return mean_attention_distance(a.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens, grid=spec.grid)[0]
 
         vit = _tower(model)
         param = next(vit.parameters())
-        with torch.inference_mode(), record_attention(vit, reduce=per_layer) as r:
+        with streams, torch.inference_mode(), ExitStack() as attention:
+            r = attention.enter_context(record_attention(vit, reduce=per_layer)) if "distance" in metrics else None
             logits = vit(x.to(device=param.device, dtype=param.dtype))
-        dist_lbh = r.attentions.permute(1, 0, 2).cpu().double()  # [B, L, H]
+        dist_lbh = r.attentions.permute(1, 0, 2).cpu().double() if r is not None else None  # [B, L, H]
         probs = logits.float().softmax(-1).cpu() if spec.has_head else None
     for b, row in enumerate(scored):
         if probs is not None:
-            target = int(rec.targets[b]) if rec is not None else int(probs[b].argmax())
+            known = classes.get(items[index[b]].label)
+            target = int(rec.targets[b]) if rec is not None else known if known is not None else int(probs[b].argmax())
             row.update(target=target, predicted=int(probs[b].argmax()), probability=float(probs[b, target]))
+            if inside is not None:
+                row.update(_inside_of(inside.streams[b], target))
         if "distance" in metrics:
             row["distance"] = dist_lbh[b].tolist()
     if not need_maps:
@@ -453,6 +468,14 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
 def _tower(model: ViT | ImageTextModel) -> ViT:
     """The vitviz ViT that sees the images: the model, or an image–text model's image tower."""
     return model.image if isinstance(model, ImageTextModel) else model
+
+
+def _inside_of(stream: Stream, target: int) -> dict:
+    """An image's "inside" results for its class `target`, from its recorded forward: first_top1, the
+    first layer l (0: the embedding, l: after block l) at which the logit lens [L+1, C] ranks `target`
+    first (None: never), and attribution, the target logit's direct attribution to each head
+    [L][H] (`vitviz.inside.attribution_of`: layer and head from 0)."""
+    return {"first_top1": first_top1_layer(lens_of(stream), target), "attribution": attribution_of(stream, target).heads.tolist()}
 
 
 def _phrase_embeddings(model: ImageTextModel, texts: list[str]) -> torch.Tensor:
@@ -559,6 +582,11 @@ def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes
     if "distance" in metrics:
         scored["distance"] = (f"{depth} lists of {heads} distances >= 0", lambda v: isinstance(v, list) and len(v) == depth and all(
             isinstance(h, list) and len(h) == heads and all(_number(d) and d >= 0 for d in h) for h in v))
+    if "inside" in metrics:
+        scored["first_top1"] = (f"a layer in 0..{depth} or null", lambda v: v is None or (
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= depth))
+        scored["attribution"] = (f"{depth} lists of {heads} numbers", lambda v: isinstance(v, list) and len(v) == depth and all(
+            isinstance(h, list) and len(h) == heads and all(_number(a) for a in h) for h in v))
     if text:
         scored["text"] = (f"a phrase of 1 to {MAX_TEXT_CHARS} characters", lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT_CHARS)
         scored["similarity"] = ("a number", _number)
@@ -721,12 +749,25 @@ def _scores(rows, methods, metrics) -> dict[tuple[str, str], list[float]]:
             continue
         if "distance" in metrics and row.get("distance") is not None:
             out.setdefault(("model", "distance"), []).append(float(np.mean(row["distance"])))
+        if "inside" in metrics and "first_top1" in row:
+            _inside_scores(out, None if row["first_top1"] is None else float(row["first_top1"]))
         for method in (*methods, "random"):
             for metric in ("pointing", *CURVE_METRICS):
                 value = row.get(f"{method}_{metric}")
                 if metric in metrics and value is not None:
                     out.setdefault((method, metric), []).append(float(value))
     return out
+
+
+def _inside_scores(out: dict[tuple[str, str], list[float]], first: float | None) -> None:
+    """Adds a scored image's first_top1 layer (None: never) to ("model", "first_top1"), which counts
+    the images where the class comes top-1, and 0 or 1 to ("model", "never_top1"), which counts every image."""
+    if first is not None:
+        out.setdefault(("model", "first_top1"), []).append(first)
+    out.setdefault(("model", "never_top1"), []).append(float(first is None))
+
+
+PROPORTIONS = ("pointing", "never_top1")  # metrics that are shares of the images: Wilson's interval
 
 
 def wilson(hits: float, n: float, z: float = Z95) -> tuple[float, float]:
@@ -747,20 +788,27 @@ def _summary_rows(values: dict[tuple[str, str], list[float]], order: list[tuple[
         n = len(v)
         if n == 0:
             continue
-        total = math.fsum(v)
-        mean = total / n
-        if metric == "pointing":
-            low, high = wilson(total, n)
+        if metric in PROPORTIONS:
+            mean = math.fsum(v) / n
+            low, high = wilson(math.fsum(v), n)
         else:
-            var = math.fsum((x - mean) ** 2 for x in v) / (n - 1) if n > 1 else 0.0
-            half = Z95 * math.sqrt(var / n)
-            low, high = mean - half, mean + half
+            mean, low, high = _normal_interval(v)
         rows.append(dict(method=method, metric=metric, n=n, mean=mean, ci95_low=low, ci95_high=high))
     return rows
 
 
+def _normal_interval(v: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of values: mean ± 1.96 s / sqrt(n), the sums exact (`math.fsum`)."""
+    n = len(v)
+    mean = math.fsum(v) / n
+    var = math.fsum((x - mean) ** 2 for x in v) / (n - 1) if n > 1 else 0.0
+    half = Z95 * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
 def _order(methods, metrics):
     out = [("model", "distance")] if "distance" in metrics else []
+    out += [("model", "first_top1"), ("model", "never_top1")] if "inside" in metrics else []
     return out + [(m, k) for m in (*methods, "random") for k in ("pointing", *CURVE_METRICS) if k in metrics]
 
 
@@ -769,6 +817,8 @@ def _columns(methods, metrics, *, text: bool = False) -> list[str]:
     columns += ["text", "similarity"] if text else ["target", "predicted", "probability"]
     if "distance" in metrics:
         columns.append("distance_mean")
+    if "inside" in metrics:
+        columns.append("first_top1")
     columns += [f"{m}_{k}" for m, k in _order(methods, metrics) if m != "model"]
     return columns + ["sha256", "mask_sha256"]
 
@@ -784,7 +834,11 @@ def summarize(out: str | Path) -> list[dict]:
     for row in table:
         if row["error"]:
             continue
+        if "inside" in run["metrics"]:
+            _inside_scores(values, float(row["first_top1"]) if row["first_top1"] else None)
         for method, metric in order:
+            if metric in ("first_top1", "never_top1"):
+                continue
             value = row.get("distance_mean" if method == "model" else f"{method}_{metric}", "")
             if value:
                 values.setdefault((method, metric), []).append(float(value))
@@ -792,8 +846,8 @@ def summarize(out: str | Path) -> list[dict]:
 
 
 def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
-    """per_image.csv, summary.csv/.md, distance.csv/.png, curves.csv and (for class probabilities)
-    curves.png from the merged rows (sorted by index); returns the summary rows."""
+    """per_image.csv, summary.csv/.md, distance.csv/.png, heads.csv ("inside"), curves.csv and (for
+    class probabilities) curves.png from the merged rows (sorted by index); returns the summary rows."""
     methods, metrics, steps = run["methods"], run["metrics"], run["steps"]
     protocol, text = run.get("protocol"), bool(run.get("text") or run.get("captions"))
     columns = _columns(methods, metrics, text=text)
@@ -812,12 +866,17 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
         w.writerows(summary)
     lines = [f"| method | metric | images | mean | 95 % interval |", "|---|---|---|---|---|"]
     for r in summary:
-        pct, two = r["metric"] == "pointing", r["metric"] in ("distance", "positive", "negative")  # Chefer et al.'s areas x 100
+        pct = r["metric"] in PROPORTIONS
+        two = r["metric"] in ("distance", "positive", "negative", "first_top1")  # Chefer et al.'s areas x 100
         fmt = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.2f}{' px' if r['metric'] == 'distance' else ''}" if two
                                                            else f"{v:.3f}")
-        lines.append(f"| {r['method']} | {r['metric']} | {r['n']} | {fmt(r['mean'])} | {fmt(r['ci95_low'])} to {fmt(r['ci95_high'])} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+        mean = fmt(r["mean"]) + (f" ({_plural(round(r['mean'] * r['n']), 'image')})" if r["metric"] == "never_top1" else "")
+        lines.append(f"| {r['method']} | {r['metric']} | {r['n']} | {mean} | {fmt(r['ci95_low'])} to {fmt(r['ci95_high'])} |")
     scored = [r for r in rows if not r.get("error")]
+    attributions = [r["attribution"] for r in scored if r.get("attribution") is not None]
+    if "inside" in metrics and attributions:
+        lines += _write_heads(out / "heads.csv", attributions)
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
     distances = [r["distance"] for r in scored if r.get("distance") is not None]
     if "distance" in metrics and distances:
         stack = np.asarray(distances, dtype=np.float64)  # [images, L, H], in file order
@@ -853,6 +912,28 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
             fig = plots.curves_figure(curves, fractions=fractions, title=f"{spec.name}: mean over the images")
             plots.figure_to_image(fig).save(out / "curves.png")
     return summary
+
+
+def _write_heads(path: Path, attributions: list[list[list[float]]], top: int = 5) -> list[str]:
+    """heads.csv from the images' direct logit attributions of their class per head ([L][H] each, in
+    file order): per head its mean over the images and the normal 95 % interval; returns the lines of
+    summary.md that list the `top` heads of the highest mean."""
+    n, depth, heads = len(attributions), len(attributions[0]), len(attributions[0][0])
+    table = []
+    for layer in range(depth):
+        for head in range(heads):
+            mean, low, high = _normal_interval([float(a[layer][head]) for a in attributions])
+            table.append(dict(layer=layer, head=head, mean_attribution=mean, ci95_low=low, ci95_high=high, images=n))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    best = sorted(table, key=lambda r: (-r["mean_attribution"], r["layer"], r["head"]))[:top]
+    lines = ["", f"The {len(best)} heads that write the class's logit most (mean direct logit attribution over {_plural(n, 'image')}; "
+             f"layer and head counted from 0, as vitviz.ablate takes them; every head in {path.name}):", "",
+             "| layer | head | mean attribution | 95 % interval |", "|---|---|---|---|"]
+    return lines + [f"| {r['layer']} | {r['head']} | {r['mean_attribution']:+.3f} | {r['ci95_low']:+.3f} to {r['ci95_high']:+.3f} |"
+                    for r in best]
 
 
 def _fractions(steps: int, patches: int) -> np.ndarray:
@@ -998,8 +1079,11 @@ def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_si
     steps = 16 if steps is None else steps
     _check_text(text, captions)
     for name in metrics:
-        if name not in METRICS and protocol is None:
-            raise EvaluateError(f"unknown metric {name!r} in --metrics; the metrics are {', '.join(METRICS)}")
+        if name not in METRICS + EXTRA_METRICS and protocol is None:
+            raise EvaluateError(f"unknown metric {name!r} in --metrics; the metrics are {', '.join(METRICS + EXTRA_METRICS)}")
+    if "inside" in metrics and phrases:
+        raise EvaluateError("--metrics inside reads a classifier's logit lens and the attribution of its class; with --text or "
+                            "--captions the model explains a phrase: leave out inside, or use a classifier")
     known = registered_methods()  # plugins (VITVIZ_PLUGINS, the "vitviz.methods" entry points) included
     for name in methods:
         if name not in known:
@@ -1010,7 +1094,7 @@ def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_si
             raise EvaluateError(f"--methods {name} explains a class; with --text or --captions the maps explain a phrase")
     if not metrics:
         raise EvaluateError(f"--metrics names no metric; name one or more of {', '.join(METRICS)}")
-    on_maps = [m for m in metrics if m != "distance"]
+    on_maps = [m for m in metrics if m not in ("distance", "inside")]
     if on_maps and not methods:
         raise EvaluateError(f"--methods names no method, and {', '.join(on_maps)} score methods' maps: name one or more of "
                             f"{', '.join(known)}, or ask for --metrics distance only")
@@ -1160,7 +1244,7 @@ def evaluate(
     """Scores every image of `data` (see the module's doc); on rank 0 returns the summary rows.
 
     Args:
-        metrics: of `METRICS`; None: all four (or the protocol's).
+        metrics: of `METRICS` and `EXTRA_METRICS`; None: the four of `METRICS` (or the protocol's).
         steps: of a deletion or insertion curve; None: 16 (or the protocol's).
         rescan: resume a run into `out` although DATA changed since it began: score the images that
             are new or changed, drop the rows of those that are gone.
@@ -1199,6 +1283,9 @@ def evaluate(
         steps = chosen.steps(spec.image_size)
         if not spec.has_head:
             raise EvaluateError(f"--protocol {protocol} measures a classifier and {spec.name} has none")
+    if "inside" in metrics and not spec.has_head:
+        raise EvaluateError(f"--metrics inside reads the logit lens and the attribution of a class through the model's head, "
+                            f"and {spec.name} has none (no classifier): leave out inside, or use a model with a head")
     if not phrased and not spec.has_head and ({"deletion", "insertion"} & set(metrics)
                                               or any(registered_method(m).needs_target for m in methods)):
         raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one "
@@ -1228,6 +1315,9 @@ def evaluate(
     shards = out / "shards"
     net = load_model(model, device=device)
     spec = net.spec
+    if "inside" in metrics and not isinstance(net, ViT):
+        raise EvaluateError(f"--metrics inside reads the residual stream of a plain ViT's blocks; {spec.name} is a "
+                            f"{type(net).__name__}: leave out inside")
     if phrased and not isinstance(net, ImageTextModel):
         raise EvaluateError(f"{'--text' if text is not None else '--captions'} needs an image–text model (shapes_clip, "
                             f"hf:openai/clip-vit-base-patch16, ...); {spec.name} is not one: explain its classes without a phrase")
@@ -1380,7 +1470,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
     ap.add_argument("--methods", default="rollout,gradient",
                     help="comma-separated, of attention, rollout, gradient, grad_rollout and any a plugin registers (VITVIZ_PLUGINS)")
-    ap.add_argument("--metrics", default=None, help=f"comma-separated, of {', '.join(METRICS)} (default: all)")
+    ap.add_argument("--metrics", default=None, help=f"comma-separated, of {', '.join(METRICS + EXTRA_METRICS)} (default: "
+                                                    f"{', '.join(METRICS)})")
     ap.add_argument("--steps", type=int, default=None, help="deletion/insertion steps, 2 or more (default: 16)")
     ap.add_argument("--protocol", default=None,
                     help="a published protocol, its metrics and steps fixed: " + "; ".join(f"{p.name}: {p.description}" for p in PROTOCOLS.values()))
