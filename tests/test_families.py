@@ -110,7 +110,7 @@ def test_a_plugin_family_is_listed_loaded_and_analysed_like_the_built_in_ones(to
     plugin = sys.modules["vv_toy"]
     assert Path(plugin.__file__).parent == toy_plugin  # the family lives outside vitviz
     assert names[-2:] == ["toy:tiny", "toy:small"] and names[:2] == ["shapes_p8", "shapes_p16"]
-    assert _names(vitviz.sources.SOURCES) == ["embedded", "torchvision", "timm", "hf", "toy"]
+    assert _names(vitviz.sources.SOURCES) == ["embedded", "torchvision", "timm", "hf", "open_clip", "toy"]
     assert "toy_flat" in vitviz.methods()  # one plugin module, a source and a method
 
     model = vitviz.load_model("toy:tiny", device="cpu")

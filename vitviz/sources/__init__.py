@@ -6,7 +6,7 @@
 
 A model family is one module: a `WeightsSource` subclass that registers itself
 (`@register_source`) and, for a library's models, its conversion `from_<library>`. This package
-imports the built-in ones (embedded, torchvision, timm, hf: the menus' order), then, at the first
+imports the built-in ones (embedded, torchvision, timm, hf, open_clip: the menus' order), then, at the first
 lookup (and again when `VITVIZ_PLUGINS` changes), the plugins (`load_plugins`): the modules of the entry-point group "vitviz.sources", and
 those named in `VITVIZ_PLUGINS` (comma-separated; the same variable names explanation-method
 plugins, and one module may register both). A plugin's source is then listed, loaded and resolved
