@@ -102,8 +102,13 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
     kind = getattr(cfg, "model_type", None)
     if kind not in _TYPES:
         raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers, CLIP or SigLIP model, got model_type {kind!r}")
-    if kind == "siglip":
+    if kind in _IMAGE_TEXT:
         vision = cfg.vision_config
+        own = (  # what the two image towers do differently
+            dict(class_token=False, pool="map")  # SigLIP: no cls token; the attention-pooling head (its probe) reads the tokens
+            if kind == "siglip" else
+            dict(patch_bias=False, norm_pre=True)  # CLIP: pre_layrnorm; post_layernorm on the cls token alone (per token: the same)
+        )
         return ViTConfig(
             image_size=vision.image_size,
             patch_size=vision.patch_size,
@@ -112,29 +117,11 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
             heads=vision.num_attention_heads,
             mlp_dim=vision.intermediate_size,
             num_classes=0,
-            class_token=False,
-            pool="map",  # the attention-pooling head (its probe): SigLIP's image embedding
             final_norm=True,  # post_layernorm
             act=_act(vision.hidden_act),
             eps=vision.layer_norm_eps,
             pos_embed_antialias=False,
-        )
-    if kind == "clip":
-        vision = cfg.vision_config
-        return ViTConfig(
-            image_size=vision.image_size,
-            patch_size=vision.patch_size,
-            width=vision.hidden_size,
-            depth=vision.num_hidden_layers,
-            heads=vision.num_attention_heads,
-            mlp_dim=vision.intermediate_size,
-            num_classes=0,
-            patch_bias=False,
-            norm_pre=True,  # pre_layrnorm
-            final_norm=True,  # post_layernorm, on the cls token alone in transformers (a per-token norm: the same)
-            act=_act(vision.hidden_act),
-            eps=vision.layer_norm_eps,
-            pos_embed_antialias=False,
+            **own,
         )
     if getattr(cfg, "use_swiglu_ffn", False):
         raise NotImplementedError("DINOv2 with a SwiGLU MLP (the giant model) is not modelled by vitviz")
