@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import vitviz
-from vitviz.explanations import explain, relevance_maps
+from vitviz.explanations import explain, maps_of, record, record_for, relevance_maps
 from vitviz.faithfulness import _patch_mask, auc, perturbation_curves
 from vitviz.relevance import (
     dino_head_maps,
@@ -164,6 +164,36 @@ def test_relevance_leaves_no_gradient_on_any_weight_and_no_graph_behind(model):
     maps, _, _ = relevance_maps(model, x, methods=["gradient", "grad_rollout", "legrad"])
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
     assert all(not m.requires_grad and m.grad_fn is None for m in maps.values())
+
+
+def test_the_backward_reduces_each_layer_and_keeps_no_gradient(model):
+    """The pass `relevance_maps` makes: each gradient method's per-layer term computed inside the
+    backward (no gradient stack kept, nothing below the first layer's attention differentiated),
+    giving the maps of the pass that keeps every gradient; options it was not reduced with are
+    refused, not silently answered."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 3, 96, 96)
+    methods = ["gradient", "grad_rollout"]
+    reached = []
+    handle = model.patch_embed.register_full_backward_hook(lambda *args: reached.append(1))
+    try:
+        fused = record_for(model, x, methods, head_fusion="max", discard_ratio=0.0)
+    finally:
+        handle.remove()
+    assert fused.gradients is None and set(fused.reduced) == set(methods) and not reached
+    assert all(t.shape == (3, 37, 37) and t.grad_fn is None for t in fused.reduced["gradient"][1])
+    kept = record(model, x, gradients=True)
+    assert kept.gradients.shape == (6, 3, 3, 37, 37) and not kept.reduced
+    want = {fusion: maps_of(kept, methods, head_fusion=fusion) for fusion in ("max", "mean")}
+    got = maps_of(fused, methods, head_fusion="max")
+    for m in methods:
+        torch.testing.assert_close(got[m], want["max"][m], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(want["mean"]["grad_rollout"], got["grad_rollout"])  # the fusion matters, so the check above can fail
+    with pytest.raises(ValueError, match="kept no gradients"):
+        maps_of(fused, ["grad_rollout"], head_fusion="mean")
+    torch.testing.assert_close(maps_of(fused, ["gradient"], head_fusion="mean")["gradient"], want["mean"]["gradient"], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="layerwise"):
+        vitviz.register_method("bad_layerwise", title="x", needs_gradients=False, layerwise=lambda a, g: a)
 
 
 def test_explain_names_its_target_and_refuses_what_it_cannot_explain(model):

@@ -83,7 +83,7 @@ import torch.distributed as dist
 from vitviz import plots
 from vitviz.analysis import mean_attention_distance, pointing_game, uniform_attention_distance
 from vitviz.explainers import method as registered_method, methods as registered_methods
-from vitviz.explanations import maps_of, needs_gradients, needs_layer_gradients, record
+from vitviz.explanations import maps_of, record_for
 from vitviz.faithfulness import (
     CHEFER2021_FRACTIONS, chefer2021_auc, chefer2021_curves, perturbation_curves, phrase_similarity, pixel_maps, random_maps,
     rise_auc, rise_curves,
@@ -417,8 +417,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
     elif need_maps:
         targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
         with streams:  # record's one forward through the blocks (its backward passes run no block)
-            rec = record(model, x, targets=targets, gradients=needs_gradients(methods),
-                         layer_gradients=needs_layer_gradients(methods))
+            rec = record_for(model, x, methods, targets=targets)
         maps = maps_of(rec, methods)
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
         probs = rec.probabilities.cpu() if rec.probabilities is not None else None
@@ -498,7 +497,7 @@ def _phrase_maps(model: ImageTextModel, x: torch.Tensor, texts: list[str], metho
     similarities = torch.empty(len(texts), dtype=torch.float64)
     attn = grid = None
     for text, where in groups.items():
-        rec = record(model, x[where], text=text, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+        rec = record_for(model, x[where], methods, text=text)
         grid = rec.grid
         for method, m in maps_of(rec, methods).items():
             maps.setdefault(method, torch.empty(len(texts), *m.shape[1:]))[where] = m
@@ -517,7 +516,7 @@ def _score_protocol(model: ViT, x: torch.Tensor, items: list[Item], scored: list
     spec = model.spec
     labels = [classes.get(item.label) for item in items]
     targets = labels if protocol.explains == "label" else None
-    rec = record(model, x, targets=targets, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+    rec = record_for(model, x, methods, targets=targets)
     maps = maps_of(rec, methods)
     maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(item.file)) for item in items])
     probs = rec.probabilities.cpu()

@@ -31,7 +31,7 @@ mode); it is `record` (the model's part) then `maps_of` (pure).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence, Union
 
@@ -50,7 +50,7 @@ from vitviz.preprocess import preprocess
 from vitviz.swin import Swin, swin_relevance_maps
 
 __all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_of", "needs_gradients", "needs_layer_gradients", "record",
-           "relevance_maps", "resolve_target"]
+           "record_for", "relevance_maps", "resolve_target"]
 
 METHODS: tuple[str, ...] = ("attention", "rollout", "gradient", "grad_rollout", "legrad")  # the built-in ones
 
@@ -111,8 +111,13 @@ class Recorded:
     """One forward (and backward) of a batch, as the maps are computed from it.
 
     Attributes:
-        attentions: [L, B, H, N, N]; gradients: the same shape, or None without a gradient method:
-            layer l's entry is d(target score) / d(layer l's attention).
+        attention_layers: each layer's attention [B, H, N, N], as the forward made it (no copy);
+            `attentions` stacks them [L, B, H, N, N] when first read.
+        gradients: [L, B, H, N, N], layer l's entry d(target score) / d(layer l's attention); None
+            without a gradient method, and when every gradient method of the pass reduced each
+            layer inside the backward instead (`layerwise`).
+        reduced: {method: (options, [the method's `layerwise` result per layer])} computed inside
+            the backward (`record(..., layerwise=...)`).
         targets: the class of each sample [B] (None without a classifier, and for phrases);
             probabilities [B, C] or None.
         grid: the patch grid; num_prefix_tokens: p.
@@ -132,7 +137,7 @@ class Recorded:
             None otherwise. They make the "pool" query's row (`query_maps`).
     """
 
-    attentions: torch.Tensor = field(repr=False)
+    attention_layers: tuple[torch.Tensor, ...] = field(repr=False)
     gradients: torch.Tensor | None = field(repr=False)
     targets: torch.Tensor | None
     probabilities: torch.Tensor | None = field(repr=False)
@@ -146,6 +151,42 @@ class Recorded:
     layer_gradients: torch.Tensor | None = field(default=None, repr=False)
     pool_attention: torch.Tensor | None = field(default=None, repr=False)
     pool_gradients: torch.Tensor | None = field(default=None, repr=False)
+    reduced: dict[str, tuple[dict, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
+    _stack: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def attentions(self) -> torch.Tensor:
+        """Every layer's attention [L, B, H, N, N] (stacked once, when first read)."""
+        if self._stack is None:
+            self._stack = torch.stack(self.attention_layers)
+        return self._stack
+
+    @property
+    def batch(self) -> int:
+        """B: the samples (or image–phrase pairs) of the pass."""
+        return self.attention_layers[0].shape[0]
+
+    def layerwise(self, name: str, **options) -> list[torch.Tensor]:
+        """Method `name`'s per-layer reduction (`Method.layerwise`) with `options`, first layer first:
+        as computed inside the backward when the pass was recorded for it with these options, else
+        from the kept gradients.
+
+        Raises:
+            ValueError: the method has no such reduction, or the pass kept neither it (with these
+                options) nor the gradients.
+        """
+        if name in self.reduced:
+            given, results = self.reduced[name]
+            if all(given.get(k) == v for k, v in options.items()):
+                return results
+        fn = registered(name).layerwise
+        if fn is None:
+            raise ValueError(f"method {name!r} has no per-layer reduction (layerwise=)")
+        if self.gradients is None:
+            kept = self.reduced[name][0] if name in self.reduced else None
+            raise ValueError(f"the pass reduced {name!r}'s layers with {kept} and kept no gradients; record it with these options "
+                             f"({options}) or with keep_gradients=True")
+        return [fn(a, g, **options) for a, g in zip(self.attention_layers, self.gradients)]
 
     @property
     def query(self) -> Query:
@@ -233,6 +274,35 @@ def _per_target_grads(scores: torch.Tensor, inputs: Sequence[torch.Tensor]) -> l
     return list(torch.autograd.grad(scores, list(inputs), grad_outputs=columns, retain_graph=True, is_grads_batched=True))
 
 
+def _reduce_in_backward(
+    final: torch.Tensor, live: list[torch.Tensor], probe: list[torch.Tensor], reducers: Mapping[str, Callable[..., torch.Tensor]],
+    options: Mapping[str, object], *, retain: bool,
+) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor | None]:
+    """One backward of the summed scores `final` [B, 1] down to the first layer's attention, each
+    layer's reductions computed by a hook on its attention as its gradient arrives; the gradients
+    themselves are autograd's, dropped as it goes on. Returns ({name: [per layer]}, the probe's
+    gradient [B, H, 1, N] or None)."""
+    per_layer: dict[str, list[torch.Tensor | None]] = {name: [None] * len(live) for name in reducers}
+
+    def reduce(layer: int, attn: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            for name, fn in reducers.items():
+                per_layer[name][layer] = fn(attn, grad, **options)
+
+        return hook
+
+    handles = [a.register_hook(reduce(layer, a.detach())) for layer, a in enumerate(live)]
+    try:
+        found = torch.autograd.grad(final.sum(), [live[0], *probe], retain_graph=retain)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [layer for layer, r in enumerate(next(iter(per_layer.values()))) if r is None]
+    if missing:
+        raise RuntimeError(f"no gradient reached the attention of layers {missing}")
+    return per_layer, (found[1] if probe else None)  # type: ignore[return-value]
+
+
 def _pairs(per_target: torch.Tensor) -> torch.Tensor:
     """[T, B, ...] -> [B*T, ...], image-major (row b·T + t)."""
     return per_target.transpose(0, 1).reshape(-1, *per_target.shape[2:])
@@ -246,6 +316,9 @@ def record(
     text: TextInput | None = None,
     gradients: bool = False,
     layer_gradients: bool = False,
+    layerwise: Sequence[str] = (),
+    layerwise_options: Mapping[str, object] | None = None,
+    keep_gradients: bool = True,
 ) -> Recorded:
     """A batch's attention and, for gradient methods, the gradients of each sample's target score.
 
@@ -259,6 +332,13 @@ def record(
         layer_gradients: record, for each layer l, d(s_l) / d(layer l's attention), s_l the score
             read from layer l's output (LeGrad): L more backward calls, each through one block and
             the read-out only.
+        layerwise: with `gradients`, registered methods whose per-layer reduction
+            (`Method.layerwise`, called with `layerwise_options`) is computed inside the backward,
+            each layer's as its gradient arrives (`Recorded.reduced`).
+        keep_gradients: keep the gradient stack (`Recorded.gradients`); False with `layerwise`: no
+            gradient outlives the backward, the backward stops at the first layer's attention and
+            keeps no graph beyond what `layer_gradients` needs (one phrase or a class; several
+            phrases keep their vectorised backward and reduce after it).
 
     Raises:
         ValueError: a class for an image–text model, phrases for a classifier, a gradient without
@@ -285,6 +365,7 @@ def record(
             raise ValueError(f"{spec.name} has no classifier: there is no class to explain")
     param = next(model.parameters())
     texts = similarities = probs = chosen = grads = layer_grads = pool_grads = None
+    reduced: dict[str, tuple[dict, list[torch.Tensor]]] = {}
     with contextlib.ExitStack() as modes:
         if differentiate:  # autograd on, also when the caller is in inference mode
             modes.enter_context(torch.inference_mode(False))
@@ -327,22 +408,56 @@ def record(
                 live = rec.graph_attentions  # layer l's softmax output, on the graph
             if gradients:
                 probe = [rec.graph_pool_attention] if rec.pooled else []  # [B, H, 1, N]: the probe's, when it pools so
-                per_input = [_pairs(g) for g in _per_target_grads(final, live + probe)]
-                grads = torch.stack(per_input[: len(live)]).float()
-                pool_grads = per_input[-1][:, :, 0].float() if probe else None
+                reducers = {name: registered(name).layerwise for name in layerwise}
+                if any(fn is None for fn in reducers.values()):
+                    raise ValueError(f"methods without a per-layer reduction: {[n for n, fn in reducers.items() if fn is None]}")
+                options = dict(layerwise_options or {})
+                if reducers and not keep_gradients and final.shape[1] == 1:
+                    per_layer, pool_grad = _reduce_in_backward(final, live, probe, reducers, options, retain=layer_gradients)
+                    reduced = {name: (options, [r.float() for r in results]) for name, results in per_layer.items()}
+                    pool_grads = None if pool_grad is None else pool_grad[:, :, 0].float()
+                else:
+                    per_input = [_pairs(g) for g in _per_target_grads(final, live + probe)]
+                    grads = torch.stack(per_input[: len(live)]).float()
+                    pool_grads = per_input[-1][:, :, 0].float() if probe else None
+                    pairs = [a.detach().float().repeat_interleave(final.shape[1], dim=0) for a in live]
+                    reduced = {name: (options, [fn(a, g, **options).float() for a, g in zip(pairs, grads)]) for name, fn in reducers.items()}
+                    grads = grads if keep_gradients else None
             if layer_gradients:
                 # each layer on its own: d(s_l)/d(A_k) is not 0 for k < l, so one backward of the sum would mix layers
                 layer_grads = torch.stack([_pairs(_per_target_grads(score(vit.norm(h)), [a])[0]) for h, a in zip(layers, live)]).float()
-        attn = rec.attentions.float()
+        attn = tuple(a.float() for a in rec.layers)
         pool_attn = None if rec.pool_attention is None else rec.pool_attention.float()
-    if texts is not None:
-        attn = attn.repeat_interleave(len(texts), dim=1)  # [L, B*T, H, N, N]: each image's attention per phrase
+    if texts is not None and len(texts) > 1:
+        attn = tuple(a.repeat_interleave(len(texts), dim=0) for a in attn)  # [B*T, H, N, N]: each image's attention per phrase
         pool_attn = None if pool_attn is None else pool_attn.repeat_interleave(len(texts), dim=0)
     grid = vit.grid_for(x.shape[-2], x.shape[-1])
     return Recorded(
-        attentions=attn, gradients=grads, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
+        attention_layers=attn, gradients=grads, reduced=reduced, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
         pooled_query=spec.config.pooled_query, layout=layout_of(spec, grid, text=image_text), texts=texts, similarities=similarities,
         layer_gradients=layer_grads, pool_attention=pool_attn, pool_gradients=pool_grads,
+    )
+
+
+def record_for(
+    model: ViT | ImageTextModel,
+    x: torch.Tensor,
+    methods: Sequence[str],
+    *,
+    targets: Sequence[int | str | None] | torch.Tensor | None = None,
+    text: TextInput | None = None,
+    **options,
+) -> Recorded:
+    """The pass `methods` need and nothing more (`record`): the gradients only when one needs them;
+    each gradient method with a per-layer reduction has it computed inside the backward (with
+    `options`: head_fusion, discard_ratio), and the gradient stack is kept only for a method without
+    one."""
+    chosen = [registered(m) for m in methods]
+    gradient_methods = [m for m in chosen if m.needs_gradients]
+    return record(
+        model, x, targets=targets, text=text, gradients=bool(gradient_methods), layer_gradients=any(m.needs_layer_gradients for m in chosen),
+        layerwise=[m.name for m in gradient_methods if m.layerwise is not None], layerwise_options=options,
+        keep_gradients=any(m.layerwise is None for m in gradient_methods),
     )
 
 
@@ -365,8 +480,9 @@ def maps_of(
         why = recorded.layout.lacks(m.needs - {"classifier", "text", "target"}) if recorded.layout is not None else None
         if why:
             raise ValueError(f"{m.name!r} cannot run: {why}")
-    if recorded.gradients is None and any(m.needs_gradients for m in chosen):
-        raise ValueError("gradient methods need a batch recorded with gradients=True")
+    lacking = [m.name for m in chosen if m.needs_gradients and recorded.gradients is None and m.name not in recorded.reduced]
+    if lacking:
+        raise ValueError(f"{lacking[0]!r} needs a batch recorded with gradients=True (and keep_gradients=True, or layerwise=[{lacking[0]!r}])")
     if recorded.layer_gradients is None and any(m.needs_layer_gradients for m in chosen):
         raise ValueError(f"{next(m.name for m in chosen if m.needs_layer_gradients)!r} needs a batch recorded with layer_gradients=True")
     for m in chosen:
@@ -378,7 +494,7 @@ def maps_of(
             raise ValueError(f"{m.name!r} explains a score: it needs a class (a model with a classifier) or a phrase (text=... "
                              "for an image–text model)")
     rec = recorded if query is None else replace(recorded, chosen_query=query)
-    batch, (gh, gw) = recorded.attentions.shape[1], recorded.grid
+    batch, (gh, gw) = recorded.batch, recorded.grid
     maps: dict[str, torch.Tensor] = {}
     for m in chosen:
         out = m.fn(rec, head_fusion=head_fusion, discard_ratio=discard_ratio)
@@ -414,7 +530,7 @@ def relevance_maps(
     """
     if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin)
         return swin_relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
-    rec = record(model, x, targets=targets, text=text, gradients=needs_gradients(methods), layer_gradients=needs_layer_gradients(methods))
+    rec = record_for(model, x, methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
     if rec.texts is not None:
         images, t = rec.similarities.shape

@@ -89,8 +89,8 @@ class AttentionRecord:
         slot[layer] = grad.detach() if slot[layer] is None else slot[layer] + grad.detach()  # several backwards add up
 
     @property
-    def attentions(self) -> torch.Tensor:
-        """The last forward's attention, stacked over layers: [L, B, H, N, N].
+    def layers(self) -> list[torch.Tensor]:
+        """The last forward's attention, one entry per layer as captured (no copy).
 
         Raises:
             RuntimeError: no forward ran in this block, or one stopped part-way.
@@ -101,7 +101,12 @@ class AttentionRecord:
         missing = [i for i, a in enumerate(last) if a is None]
         if missing:
             raise RuntimeError(f"the last forward did not reach layers {missing}; nothing complete was captured")
-        return torch.stack(last)  # type: ignore[arg-type]
+        return list(last)  # type: ignore[arg-type]
+
+    @property
+    def attentions(self) -> torch.Tensor:
+        """The last forward's attention, stacked over layers: [L, B, H, N, N] (RuntimeError as `layers`)."""
+        return torch.stack(self.layers)
 
     @property
     def graph_attentions(self) -> list[torch.Tensor]:

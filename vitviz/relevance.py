@@ -22,6 +22,8 @@ one image, [L, H, N, N].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +31,10 @@ from vitviz.analysis import HeadFusion, Query, _as_batched, fuse_heads, infer_gr
 
 __all__ = [
     "gradient_relevance",
+    "relevance_layer",
+    "relevance_from_layers",
     "gradient_rollout",
+    "gradient_rollout_layer",
     "last_layer_attention",
     "dino_head_maps",
     "keep_mass",
@@ -46,6 +51,22 @@ def _paired(attn: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
     return a, g, unbatched
 
 
+def relevance_layer(attn_l: torch.Tensor, grad_l: torch.Tensor) -> torch.Tensor:
+    """One layer's term of Chefer et al.'s rule: mean_h (G_l ⊙ A_l)⁺, [B, H, N, N] -> [B, N, N]."""
+    return grad_l.mul(attn_l).clamp_(min=0).mean(dim=-3)
+
+
+def relevance_from_layers(terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Chefer et al.'s R from each layer's term (`relevance_layer`), first layer first: R = I;
+    R <- R + term_l R. [B, N, N] each -> [B, N, N]."""
+    first = terms[0]
+    n = first.shape[-1]
+    r = torch.eye(n, dtype=first.dtype, device=first.device).expand(*first.shape[:-2], n, n).clone()
+    for term in terms:
+        r = r + term @ r
+    return r
+
+
 def gradient_relevance(attn: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """Chefer et al. 2021's relevance R [B, N, N] (or [N, N]): R = I; R <- R + mean_h (G_l ⊙ A_l)⁺ R, first
     layer first.
@@ -56,12 +77,14 @@ def gradient_relevance(attn: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
             same shape (layer l of `grads` is the gradient of layer l of `attn`).
     """
     a, g, unbatched = _paired(attn, grads)
-    n = a.shape[-1]
-    r = torch.eye(n, dtype=a.dtype, device=a.device).expand(a.shape[1], n, n).clone()
-    for a_l, g_l in zip(a, g):
-        cam = (g_l * a_l).clamp(min=0).mean(dim=1)  # [B, N, N]
-        r = r + cam @ r
+    r = relevance_from_layers([relevance_layer(a_l, g_l) for a_l, g_l in zip(a, g)])
     return r[0] if unbatched else r
+
+
+def gradient_rollout_layer(attn_l: torch.Tensor, grad_l: torch.Tensor, *, head_fusion: HeadFusion = "mean") -> torch.Tensor:
+    """One layer's gradient-weighted attention for gradient rollout: fuse_h(G_l ⊙ A_l), negatives set
+    to 0; [B, H, N, N] -> [B, N, N]."""
+    return fuse_heads(grad_l.mul(attn_l), head_fusion, dim=-3).clamp_(min=0)
 
 
 def gradient_rollout(
@@ -75,7 +98,7 @@ def gradient_rollout(
     """Gradient rollout R [B, N, N] (or [N, N]): A'_l = fuse_h(G_l ⊙ A_l), negatives set to 0, then
     discard, identity, row normalisation and the product R = Â_L ··· Â_1 as in attention rollout."""
     a, g, unbatched = _paired(attn, grads)
-    fused = fuse_heads(g * a, head_fusion, dim=2).clamp(min=0)  # [L, B, N, N]
+    fused = torch.stack([gradient_rollout_layer(a_l, g_l, head_fusion=head_fusion) for a_l, g_l in zip(a, g)])  # [L, B, N, N]
     r = rollout_fused(fused, discard_ratio=discard_ratio, num_prefix_tokens=num_prefix_tokens)
     return r[0] if unbatched else r
 

@@ -4,7 +4,6 @@ last attention the pooled query has."""
 
 from vitviz.analysis import POOL
 from vitviz.explainers.registry import register_method
-from vitviz.relevance import last_layer_attention
 
 
 @register_method("attention", title="Last-layer attention", needs_gradients=False, unit="attention", needs=("global_attention",))
@@ -12,4 +11,4 @@ def attention(rec, **options):
     if rec.query == POOL and rec.pool_attention is not None:
         probe = rec.pool_attention.mean(dim=1)[:, rec.num_prefix_tokens :]  # [B, gh*gw]
         return probe.reshape(-1, *rec.grid)
-    return rec.query_maps(last_layer_attention(rec.attentions))
+    return rec.query_maps(rec.attention_layers[-1].mean(dim=1))  # last_layer_attention, without stacking every layer

@@ -38,6 +38,11 @@ class Method:
             a class logit or a phrase's similarity; "global_attention", "cls", ...); a model that
             lacks one is told why (`TokenLayout.lacks`) instead of getting a map.
         fn: fn(recorded, **options) -> maps [B, gh, gw].
+        layerwise: for a gradient method that reads each layer's attention A_l and gradient G_l only
+            through a per-layer reduction: layerwise(A_l [B, H, N, N], G_l [B, H, N, N], **options)
+            -> anything per layer. The pass then computes it inside the backward, as each layer's
+            gradient arrives, and neither the gradient nor the attention stack is kept; `fn` reads
+            the L results with `recorded.layerwise(name, **options)`.
     """
 
     name: str
@@ -49,6 +54,7 @@ class Method:
     fn: Callable[..., torch.Tensor]
     needs: frozenset[str] = frozenset()
     needs_layer_gradients: bool = False
+    layerwise: Callable[..., torch.Tensor] | None = None
 
     @property
     def needs_target(self) -> bool:
@@ -63,7 +69,8 @@ _LOADED: set[str] = set()
 
 def register_method(name: str, *, title: str, needs_gradients: bool, needs_classifier: bool | None = None,
                     needs_text: bool = False, needs_layer_gradients: bool = False, unit: str = "relevance",
-                    needs: tuple[str, ...] | frozenset[str] = ()) -> Callable[[Callable], Callable]:
+                    needs: tuple[str, ...] | frozenset[str] = (),
+                    layerwise: Callable[..., torch.Tensor] | None = None) -> Callable[[Callable], Callable]:
     """Registers the decorated function as the explanation method `name` (see the module's docstring).
 
     Args:
@@ -72,12 +79,16 @@ def register_method(name: str, *, title: str, needs_gradients: bool, needs_class
             "target" (a class, or a phrase for an image–text model) instead of "classifier".
         needs_layer_gradients: the per-layer gradients of per-layer scores (`Recorded.layer_gradients`).
         needs: what else the model must offer (`vitviz.layout.NEEDS`), e.g. ("global_attention",).
+        layerwise: the method's per-layer reduction of (attention, gradient) (`Method.layerwise`);
+            only for a method that needs gradients.
 
     Raises:
         ValueError: a bad name, or a name already registered by another function.
     """
     if not isinstance(name, str) or not name.replace("_", "").isalnum() or not name[:1].isalpha():
         raise ValueError(f"a method's name is letters, digits and _ starting with a letter, not {name!r}")
+    if layerwise is not None and not (needs_gradients and callable(layerwise)):
+        raise ValueError(f"method {name!r}: layerwise= is a function of each layer's attention and gradient; it needs needs_gradients=True")
 
     classifier = bool(needs_gradients if needs_classifier is None else needs_classifier)
     any_target = (needs_gradients or needs_layer_gradients) and not classifier and not needs_text
@@ -86,7 +97,7 @@ def register_method(name: str, *, title: str, needs_gradients: bool, needs_class
 
     def register(fn: Callable) -> Callable:
         entry = Method(name, title, bool(needs_gradients), classifier, bool(needs_text), unit, fn, frozenset(wanted),
-                       bool(needs_layer_gradients))
+                       bool(needs_layer_gradients), layerwise)
         with _LOCK:
             old = _REGISTRY.get(name)
             if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
