@@ -509,6 +509,41 @@ def test_run_json_times_every_session_of_a_run_in_parts(tiny, tmp_path):
     assert all(s["world_size"] == 1 and s["images_per_second"] == pytest.approx(s["scored"] / s["seconds"]) for s in run["sessions"])
 
 
+def test_a_gradient_run_is_timed_against_forwards_and_backwards_and_a_distance_run_against_forwards(tiny, tmp_path, capsys):
+    """run.json and the closing line name the plain pass each run is compared with: a gradient method's
+    maps cost a forward and a backward, distances a forward."""
+    rates = {}
+    for metrics, methods in (("pointing", "gradient"), ("distance", "rollout")):
+        out = tmp_path / metrics
+        assert _main(tiny, "--model", "shapes_p16", "--metrics", metrics, "--methods", methods, "--out", out) == 0
+        run = _run_json(out)
+        rates[metrics] = (run["plain_forward_images_per_second"], run["plain_forward_backward_images_per_second"])
+        assert run["sessions"][0]["plain_forward_backward_images_per_second"] == rates[metrics][1]
+        last = _lines(capsys.readouterr().out)[-1]
+        assert ("plain forwards and backwards" in last) == (metrics == "pointing")
+    assert rates["pointing"][0] > rates["pointing"][1] > 0 and rates["distance"][0] > 0 and rates["distance"][1] is None
+
+
+def test_distances_recorded_a_few_images_at_a_time_equal_the_whole_batchs(tiny, tmp_path, monkeypatch):
+    """On CPU a distance pass records as many images at a time as keep a layer's attention in cache;
+    the rows are those of one forward of the whole batch."""
+    import vitviz.evaluate as ev
+
+    model = vitviz.load_model("shapes_p16")
+    x = torch.zeros(5, 3, 96, 96)
+    assert ev._images_in_cache(model, x) == 5  # 3 heads x 37 x 37 tokens: the whole batch fits
+    monkeypatch.setattr(ev, "CACHE_BYTES", 2 * 3 * 37 * 37 * 4)
+    assert ev._images_in_cache(model, x) == 2
+    settings = dict(FAST, metrics=("distance",), batch_size=3)
+    evaluate(tiny, out=tmp_path / "two", **settings)
+    monkeypatch.setattr(ev, "CACHE_BYTES", 10**9)
+    evaluate(tiny, out=tmp_path / "whole", **settings)
+    for table in ("per_image.csv", "distance.csv"):  # each image's mean distance; each layer's and head's over the images
+        two, whole = _table(tmp_path / "two" / table), _table(tmp_path / "whole" / table)
+        assert len(two) == (3 if table == "per_image.csv" else 6 * 3)
+        _same_tables([{k: v for k, v in r.items() if k != "path"} for r in two], [{k: v for k, v in r.items() if k != "path"} for r in whole])
+
+
 def test_the_pointing_game_without_masks_is_a_warning_naming_where_masks_go(tiny, tmp_path, capsys):
     data = tmp_path / "data"
     shutil.copytree(tiny, data)

@@ -430,11 +430,17 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
 
         vit = _tower(model)
         param = next(vit.parameters())
-        with streams, torch.inference_mode(), ExitStack() as attention:
-            r = attention.enter_context(record_attention(vit, reduce=per_layer)) if "distance" in metrics else None
-            logits = vit(x.to(device=param.device, dtype=param.dtype))
-        dist_lbh = r.attentions.permute(1, 0, 2).cpu().double() if r is not None else None  # [B, L, H]
-        probs = logits.float().softmax(-1).cpu() if spec.has_head else None
+        x = x.to(device=param.device, dtype=param.dtype)
+        outputs, distances = [], []
+        with streams, torch.inference_mode():
+            for part in x.split(_images_in_cache(vit, x)) if inside is None else (x,):  # "inside" records one forward's stream
+                with ExitStack() as attention:
+                    r = attention.enter_context(record_attention(vit, reduce=per_layer)) if "distance" in metrics else None
+                    outputs.append(vit(part))
+                if r is not None:
+                    distances.append(r.attentions)  # [L, b, H]
+        dist_lbh = torch.cat(distances, dim=1).permute(1, 0, 2).cpu().double() if distances else None  # [B, L, H]
+        probs = torch.cat(outputs).float().softmax(-1).cpu() if spec.has_head else None
     for b, row in enumerate(scored):
         if probs is not None:
             known = classes.get(items[index[b]].label)
@@ -462,6 +468,22 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
                         row[f"{method}_{mode}"] = float(getattr(curves, f"{mode}_auc")[b])
                         row[f"{method}_{mode}_curve"] = getattr(curves, mode)[b].tolist()
     return rows + scored
+
+
+CACHE_BYTES = 8 * 2**20  # a layer's attention a recorded CPU forward keeps within the processor's cache
+
+
+def _images_in_cache(vit: ViT, x: torch.Tensor) -> int:
+    """How many images of `x` one recorded forward takes: on CPU, as many as keep a layer's attention
+    [b, H, N, N] within `CACHE_BYTES` (the softmax, its product with V and the distances then read it
+    from cache, not memory: ViT-B/16 at 224 px, 4 images of 32 run at 0.95x the time of the fused
+    attention's batch of 32, the whole batch at 1.21x); on a GPU, the whole batch."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
+    tokens = gh * gw + vit.config.num_prefix_tokens
+    per_image = vit.config.heads * tokens * tokens * x.element_size()
+    return max(1, min(x.shape[0], CACHE_BYTES // per_image))
 
 
 def _tower(model: ViT | ImageTextModel) -> ViT:
@@ -974,15 +996,32 @@ def _all_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.cpu()
 
 
-def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device) -> float:
-    """Images per second of plain batched forwards on every rank at once (summed over the ranks)."""
+def _differentiates(methods, metrics, protocol) -> bool:
+    """Whether the run's pass is a forward and a backward: maps of a gradient method are scored."""
+    wants_maps = protocol is not None or bool({"pointing", "deletion", "insertion"} & set(metrics))
+    return wants_maps and any(registered_method(m).needs_gradients or registered_method(m).needs_layer_gradients for m in methods)
+
+
+def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device, *, backward: bool = False) -> float:
+    """Images per second of plain batched forwards on every rank at once (summed over the ranks); with
+    `backward`, each forward followed by the backward of the top logits' sum to the input (what any
+    gradient of the batch costs: nothing recorded, no weight's gradient)."""
     x = x.to(device)
-    with torch.inference_mode():
-        model(x)  # warm-up
+
+    def once() -> None:
+        if not backward:
+            model(x)
+            return
+        inp = x.clone().requires_grad_(True)
+        logits = model(inp)
+        torch.autograd.grad(logits.amax(dim=-1).sum(), inp)
+
+    with torch.inference_mode(not backward), torch.set_grad_enabled(backward):
+        once()  # warm-up
         _barrier()
         start = time.perf_counter()
         for _ in range(batches):
-            model(x)
+            once()
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -1215,11 +1254,12 @@ def _totals(sessions: list[dict]) -> dict:
         return {}
     images = sum(s["scored"] + s["failed"] for s in sessions)
     seconds = math.fsum(s["seconds"] for s in sessions)
-    plain = None
-    if all(s["plain_forward_images_per_second"] for s in sessions):
-        plain = images / math.fsum((s["scored"] + s["failed"]) / s["plain_forward_images_per_second"] for s in sessions)
-    return dict(timed_images=images, seconds=seconds, images_per_second=images / max(1e-9, seconds),
-                plain_forward_images_per_second=plain)
+    rates = {}
+    for key in ("plain_forward_images_per_second", "plain_forward_backward_images_per_second"):
+        rates[key] = None
+        if all(s.get(key) for s in sessions):
+            rates[key] = images / math.fsum((s["scored"] + s["failed"]) / s[key] for s in sessions)
+    return dict(timed_images=images, seconds=seconds, images_per_second=images / max(1e-9, seconds), **rates)
 
 
 def evaluate(
@@ -1375,10 +1415,13 @@ def evaluate(
     seconds = time.perf_counter() - start
     counts = _all_sum(torch.tensor([float(scored_now), float(failed_now)], dtype=torch.float64), device)
     scored_now, failed_now = int(counts[0]), int(counts[1])
-    plain = None
+    plain = plain_backward = None
     if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
         x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
-        plain = _plain_rate(_tower(net), x, batches=max(1, min(8, math.ceil(len(items) / batch_size / world))), device=device)
+        batches = max(1, min(8, math.ceil(len(items) / batch_size / world)))
+        plain = _plain_rate(_tower(net), x, batches=batches, device=device)
+        if _differentiates(methods, metrics, protocol):
+            plain_backward = _plain_rate(_tower(net), x, batches=batches, device=device, backward=True)
     _barrier()
     summary, message = None, f"none of the {_plural(len(items), 'image')} could be scored"
     verdict = torch.zeros(2, dtype=torch.float64)  # (images scored, whether every image has a row), from rank 0
@@ -1389,7 +1432,7 @@ def evaluate(
         if scored_now + failed_now:  # a run that found everything scored keeps the timing of those that scored it
             sessions.append(dict(world_size=world, device=str(device), scored=scored_now, failed=failed_now, seconds=seconds,
                                  images_per_second=(scored_now + failed_now) / max(1e-9, seconds),
-                                 plain_forward_images_per_second=plain))
+                                 plain_forward_images_per_second=plain, plain_forward_backward_images_per_second=plain_backward))
         if "pointing" in metrics and any(item.mask for item in items):
             note = _pointing_note(rows, data)
             if note:
@@ -1441,6 +1484,8 @@ def _report(out: Path, run: dict) -> str:
     s = run["sessions"][-1]
     plain = s["plain_forward_images_per_second"]
     ratio = f"; plain batched forwards {plain:.1f} img/s, {s['images_per_second'] / plain:.3g}x" if plain else ""
+    both = s.get("plain_forward_backward_images_per_second")
+    ratio += f"; plain forwards and backwards {both:.1f} img/s, {s['images_per_second'] / both:.3g}x" if both else ""
     return (f"{now} in {s['seconds']:.1f} s on {_plural(s['world_size'], 'process')}: {s['images_per_second']:.1f} img/s{ratio}"
             f"{everything}; results in {out}{todo}")
 
