@@ -11,7 +11,7 @@ asked for.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -197,7 +197,8 @@ class Analysis:
 
 
 def analyze(
-    model: ViT | ImageTextModel, image: ImageSource, *, labels: Sequence[str] | None = None, template: str | None = None
+    model: ViT | ImageTextModel, image: ImageSource, *, labels: Sequence[str] | None = None, template: str | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Analysis:
     """Runs `model` once on `image`, recording attention.
 
@@ -210,22 +211,26 @@ def analyze(
             shapes classes for `shapes_clip`, ImageNet's classes for a model from the hub; None: no
             predictions). Each label is scored through `template`.
         template: the prompt with "{}" where the label goes (default `model.template`, "a photo of a {}").
+        on_layer: called with (layer, its attention [H, N, N] on the CPU) as soon as each block has
+            computed it, before the next block runs (a Swin's windowed attention is not passed).
     """
     if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
         return analyze_swin(model, image)
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
-    return _analyze_input(model, x, cropped, labels=labels, template=template)
+    return _analyze_input(model, x, cropped, labels=labels, template=template, on_layer=on_layer)
 
 
 def analyze_crop(
-    model: ViT | ImageTextModel, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None
+    model: ViT | ImageTextModel, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
     if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
         return analyze_swin_crop(model, cropped)
-    return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template)
+    return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template,
+                          on_layer=on_layer)
 
 
 def _zero_shot_labels(model: ViT | ImageTextModel, labels: Sequence[str] | None, template: str | None) -> tuple[str, ...] | None:
@@ -242,7 +247,8 @@ def _zero_shot_labels(model: ViT | ImageTextModel, labels: Sequence[str] | None,
 
 
 def _analyze_input(
-    model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None
+    model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Analysis:
     spec = spec_of(model)
     labels = _zero_shot_labels(model, labels, template)
@@ -262,6 +268,8 @@ def _analyze_input(
     def keep(a: torch.Tensor) -> torch.Tensor:
         layer = next(slot)
         attn[layer].copy_(a[0])
+        if on_layer is not None:
+            on_layer(layer, attn[layer])
         return attn[layer]
 
     from vitviz.inside import record_stream

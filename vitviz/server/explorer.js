@@ -1,6 +1,7 @@
 // vitviz's attention explorer, drawn in the browser (gr.HTML's js_on_load: `element`, `props`,
 // `watch` and `server` are Gradio's). Every view is computed here from the 8-bit rows the server
-// sends once per analysis (vitviz/server/explorer_data.py), by the same rule as the server's own
+// writes once per analysis (vitviz/server/explorer_data.py; the layer shown first is fetched
+// before the others), by the same rule as the server's own
 // pictures, so both give the same pixels: value = q * rowmax / 255; index = floor((v - lo) /
 // (hi - lo) * 255 + 1/2); pixel = floor((2 * image + 3 * colour + 2) / 5).
 (() => {
@@ -69,23 +70,57 @@
     return response.arrayBuffer();
   }
 
+  // bytes [start, end) of the file: an HTTP Range request (Gradio's file route answers 206); a server
+  // that sends the whole file instead (200) is read from it
+  async function fetchRange(url, start, end) {
+    const response = await fetch(url, { headers: { Range: `bytes=${start}-${end - 1}` } });
+    if (!response.ok) throw new Error(`${response.status} for the explorer's data`);
+    const buffer = await response.arrayBuffer();
+    return response.status === 206 ? buffer : buffer.slice(start, end);
+  }
+
+  // the "stack" file: the shared maxima and the layer shown first (the last) fetched first, then the
+  // other layers in one request; a layer asked for meanwhile waits for them
+  function fetchStack(url, ticket) {
+    const head = 4 * meta.tokens, block = meta.views * meta.tokens * (4 + meta.patches), last = meta.depth - 1;
+    const top = fetchRange(url, 0, head).then((buffer) => { if (ticket === loading) sharedMax = new Float32Array(buffer); });
+    layers[last] = Promise.all([top, fetchRange(url, head + last * block, head + meta.depth * block)])
+      .then(([, buffer]) => parseLayer(buffer, 0)[0]);
+    if (last > 0) {
+      const rest = layers[last].then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
+        const parsed = [];
+        for (let l = 0, offset = 0; l < last; l++) [parsed[l], offset] = parseLayer(buffer, offset);
+        return parsed;
+      });
+      for (let l = 0; l < last; l++) layers[l] = rest.then((parsed) => parsed[l]);
+    }
+    layers.forEach((p) => p.catch(() => {}));  // a failure is reported when its layer is drawn
+  }
+
   async function ensureLayer(layer) {
     if (layers[layer - 1] && !(layers[layer - 1] instanceof Promise)) return layers[layer - 1];
     if (!layers[layer - 1]) {
       layers[layer - 1] = (async () => {
+        if (meta.mode === "stack") {  // fetched again by itself: its block of the file
+          const head = 4 * meta.tokens, block = meta.views * meta.tokens * (4 + meta.patches);
+          if (!sharedMax) sharedMax = new Float32Array(await fetchRange(fileUrl(meta.data), 0, head));
+          return parseLayer(await fetchRange(fileUrl(meta.data), head + (layer - 1) * block, head + layer * block), 0)[0];
+        }
         const path = await server.explorer_layer(meta.id, layer);
         const buffer = await fetchBuffer(fileUrl(path));
         sharedMax = new Float32Array(buffer.slice(0, 4 * meta.tokens));
         return parseLayer(buffer, 4 * meta.tokens)[0];
       })();
     }
+    const pending = layers[layer - 1];
     try {
-      layers[layer - 1] = await layers[layer - 1];
+      const got = await pending;
+      if (layers[layer - 1] === pending) layers[layer - 1] = got;
+      return got;
     } catch (error) {
-      layers[layer - 1] = null;  // not kept: the layer is asked for again when it is next shown
+      if (layers[layer - 1] === pending) layers[layer - 1] = null;  // not kept: asked for again when it is next shown
       throw error;
     }
-    return layers[layer - 1];
   }
 
   async function load(value) {
@@ -101,19 +136,13 @@
     }
     root.classList.toggle("vvx-off", false);
     statusText.textContent = "";
+    if (meta.mode === "stack") fetchStack(fileUrl(meta.data), ticket);  // beside the pictures
     const [b, t] = await Promise.all([imageData(fileUrl(meta.base)), imageData(fileUrl(meta.tile_base))]);
     if (ticket !== loading) return;
     base = b;
     tileBase = t;
     pixelPatch = patchIndex(base.width, meta.grid);
     tilePatch = patchIndex(tileBase.width, meta.grid);
-    if (meta.mode === "stack") {
-      const buffer = await fetchBuffer(fileUrl(meta.data));
-      if (ticket !== loading) return;
-      sharedMax = new Float32Array(buffer.slice(0, 4 * meta.tokens));
-      let offset = 4 * meta.tokens;
-      for (let l = 0; l < meta.depth; l++) [layers[l], offset] = parseLayer(buffer, offset);
-    }
     setupControls();
     Object.assign(view, { layer: meta.depth, head: meta.heads, query: 0, pinned: false });
     layerInput.value = view.layer;
@@ -329,6 +358,7 @@
   headSelect.addEventListener("change", () => { view.head = Number(headSelect.value); draw(); });
   scaleSelect.addEventListener("change", () => { view.scale = scaleSelect.value; draw(); });
 
-  watch("value", () => load(props.value));
+  // the same analysis again (its explorer came with the analysis, then from the step after it): kept as it is
+  watch("value", () => { const v = props.value; if (!(v && meta && v.id === meta.id && v.mode === meta.mode)) load(v); });
   load(props.value);
 })();

@@ -39,7 +39,7 @@ from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "stack_file", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
+           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -58,11 +58,18 @@ def fused_rows(attn_layer: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor
 
 def quantise_rows(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """float rows [..., M] -> (uint8 [..., M], float32 row maxima [...]): floor(a / max x 255 + 1/2)."""
-    r = rows.detach().cpu().float().numpy()
-    top = r.max(axis=-1).astype(np.float32)
-    safe = np.where(top > 0, top, 1).astype(np.float64)
-    q = np.floor(r.astype(np.float64) / safe[..., None] * 255.0 + 0.5)
-    return np.clip(q, 0, 255).astype(np.uint8), top
+    q, top = _quantised(rows)
+    return q.numpy(), top.numpy()
+
+
+def _quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantise_rows` as tensors: each step in float64, in the rule's order (a / max, x 255, + 1/2,
+    floor), so the bytes are those of the rule computed in float64 anywhere."""
+    r = rows.detach().cpu().float()
+    top = r.amax(dim=-1)
+    safe = torch.where(top > 0, top, torch.ones_like(top)).double()
+    q = r.double().div_(safe.unsqueeze(-1)).mul_(255.0).add_(0.5).floor_().clamp_(0, 255)
+    return q.to(torch.uint8), top
 
 
 def dequantise(q: np.ndarray, top: np.ndarray) -> np.ndarray:
@@ -129,8 +136,14 @@ def layout_of(a: Analysis, *, budget: int = BUDGET) -> ExplorerLayout:
 
 def layer_block(a: Analysis, layer: int) -> bytes:
     """One layer as the browser reads it: float32 row maxima [H + 2, N], then uint8 rows [H + 2, N, M]."""
-    q, top = quantise_rows(fused_rows(query_rows(a, layer), a.num_prefix_tokens))
-    return top.astype("<f4").tobytes() + q.tobytes()
+    return block_of(query_rows(a, layer), a.num_prefix_tokens)
+
+
+def block_of(rows: torch.Tensor, num_prefix_tokens: int) -> bytes:
+    """One layer's block from every query's row of it, each head [H, Q, N]: float32 row maxima
+    [H + 2, Q], then uint8 rows [H + 2, Q, M] (little-endian)."""
+    q, top = _quantised(fused_rows(rows, num_prefix_tokens))
+    return top.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
 
 
 def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
@@ -140,6 +153,81 @@ def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
     for layer in layers:
         buf.write(layer_block(a, layer))
     return buf.getvalue()
+
+
+class StackStream:
+    """The "stack" file written while the forward runs (`vitviz.pipeline.analyze`'s `on_layer`): each
+    layer's block goes to its final offset as soon as the layer is computed, and the shared maxima,
+    which need every layer, are written last, at the start of the file. The file keeps a temporary
+    name until it is complete (`finish`), so no half file is ever under `path`; `abort` removes it.
+
+    Nothing is streamed when the stack is over `budget` (the "layers" and "server" layouts write
+    their files as they are asked for) or when the pooled query's row weighs the tokens by the
+    attention pooling's probe, which runs after every block (`finish` writes those blocks then).
+
+    Args:
+        path: the file's final name.
+        depth: L, the layers the forward will run.
+        num_prefix_tokens: p.
+        pooled_query: the model has the pooled query "pool" (its row sits at index p).
+        pool_weighted: that query's row is weighted by the attention pooling's probe.
+        budget: the most bytes the browser is sent at once.
+    """
+
+    def __init__(self, path, *, depth: int, num_prefix_tokens: int, pooled_query: bool = False, pool_weighted: bool = False,
+                 budget: int = BUDGET) -> None:
+        self.path = Path(path)
+        self.part = self.path.with_name(self.path.name + ".part")
+        self.depth, self.prefix, self.pooled, self.deferred, self.budget = depth, num_prefix_tokens, pooled_query, pool_weighted, budget
+        self.layout: ExplorerLayout | None = None
+        self.written: set[int] = set()
+        self._file = None
+
+    def on_layer(self, layer: int, attn: torch.Tensor) -> None:
+        """Layer `layer`'s (0-based) attention [H, N, N], as the forward computed it: its block written."""
+        if self.layout is None:
+            heads, n = attn.shape[0], attn.shape[-1]
+            q = n + int(self.pooled)
+            self.layout = ExplorerLayout("stack", self.depth, heads + 2, q, n - self.prefix)
+            if self.layout.stack_bytes <= self.budget:
+                self.part.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.part, "wb", buffering=0)  # each block reaches the file as it is written
+        if self._file is None or self.deferred:
+            return
+        rows = with_pooled_query(attn, num_prefix_tokens=self.prefix) if self.pooled else attn
+        self._write(layer, block_of(rows, self.prefix))
+
+    def _write(self, layer: int, block: bytes) -> None:
+        self._file.seek(4 * self.layout.tokens + layer * self.layout.layer_bytes)
+        self._file.write(block)
+        self.written.add(layer)
+
+    def finish(self, a: Analysis) -> Path | None:
+        """The file complete under its name (the analysis `a` of the forward gives the shared maxima and,
+        for a probe-weighted pooled query, its blocks); None when nothing was streamed."""
+        if self._file is None:
+            return None
+        try:
+            for layer in range(self.depth):
+                if self.deferred:
+                    self._write(layer, layer_block(a, layer))
+            if self.written != set(range(self.depth)) or a.attentions.shape[0] != self.depth:
+                raise RuntimeError(f"the forward wrote {len(self.written)} of {self.depth} layers of the explorer's file")
+            self._file.seek(0)
+            self._file.write(shared_max(a).astype("<f4").tobytes())
+            self._file.close()
+            self.part.replace(self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.path
+
+    def abort(self) -> None:
+        """Stops and removes the temporary file (the forward failed)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.part.unlink(missing_ok=True)
 
 
 def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:

@@ -177,7 +177,8 @@ def _wire() -> None:
 
 def _analysis(event) -> None:
     """After an analysis is on the page: the page goes to the results (on a narrow screen), each
-    tab's follow-up step runs (the explorer's data written for the browser), and the tab on show is
+    tab's follow-up step runs (a Swin's explorer, or the server's for a model too large for the
+    browser; the browser's own explorer came with the analysis), and the tab on show is
     drawn for it when it is one of those drawn on demand."""
     event.then(None, None, None, js=SCROLL_TO_RESULTS, api_visibility="private", queue=False)
     for tab in TABS:
@@ -205,8 +206,9 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     try:
         head_fusion = runtime.checked(inputs.fusion, head_fusion)
         discard_ratio = runtime.checked(inputs.ratio, discard_ratio)
-        with runtime.analysis_job(image, variant):  # the job lasts until every picture of the analysis is drawn
-            exp = runtime.run(image, variant)
+        # the job lasts until every picture of the analysis is drawn; the explorer's file is written during the forward
+        with runtime.analysis_job(image, variant, explorer=True):
+            exp = runtime.run(image, variant, explorer_key=runtime.new_key())
             return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
     except gr.Error as exc:
         return _refused(exc, ref)

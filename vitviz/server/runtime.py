@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 from gradio.components import Component  # noqa: E402
 
-from vitviz.cost import price  # noqa: E402
+from vitviz.cost import BASE_BYTES, Cost, price  # noqa: E402
 from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
@@ -117,8 +120,17 @@ def files_sweep() -> None:
 
 
 def explorer_sweep(*, room: int) -> None:
-    """The explorer's files within VITVIZ_EXPLORER_MB, with `room` for one about to be written."""
-    sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=room)
+    """The explorer's files within VITVIZ_EXPLORER_MB, with `room` for one about to be written; a file
+    an analysis is writing now (`explorer_data.StackStream`'s temporary one) stays."""
+    sweep(EXPLORER_DIR, max_age=1800, max_bytes=SETTINGS.explorer_bytes, room=room, keep=_being_written)
+
+
+def _being_written(path: Path) -> bool:
+    """A temporary explorer file of a forward running now (one older than the longest request is left over)."""
+    try:
+        return path.name.endswith(".part") and time.time() - path.stat().st_mtime < max(60.0, 2 * SETTINGS.request_seconds)
+    except OSError:
+        return False
 
 
 _EXAMPLE_FILES = {(Path(p).name, Path(p).stat().st_size): hashlib.sha256(Path(p).read_bytes()).digest() for p in EXAMPLES}
@@ -147,15 +159,22 @@ def _requested(image: str | None, variant: object) -> str:
         raise
 
 
-def run(image: str | None, variant: str) -> views.Exploration:
+def run(image: str | None, variant: str, *, explorer_key: str | None = None) -> views.Exploration:
     """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
-    the two was the problem ("image" or "variant")."""
+    the two was the problem ("image" or "variant"). With `explorer_key` (a new session key: see
+    `new_key`), the explorer's file for the browser is written under it while the forward runs
+    (`views.explore`), within the analysis' own job and price."""
     variant = _requested(image, variant)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
-        with job("analyse", variant) as work:
+        with priced(analysis_price(variant, explorer=explorer_key is not None)) as work:
             work.unpriced = variant not in CACHE.loaded()  # loading (or downloading) is not model speed
-            return _analyze_on_device(image, variant)
+            if explorer_key is None:
+                return _analyze_on_device(image, variant)
+            with EXPLORER_LOCKS.hold(explorer_key):
+                explorer_sweep(room=price(get_spec(variant), "explorer").kept_bytes)
+                exp = _analyze_on_device(image, variant, stream_to=str(EXPLORER_DIR / f"{explorer_key}-stack.bin"))
+            return replace(exp, key=explorer_key)
     except ImageError as exc:
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
         refused.cause = "image"
@@ -171,12 +190,30 @@ def run(image: str | None, variant: str) -> views.Exploration:
         release_memory()
 
 
+def analysis_price(variant: str, *, explorer: bool = False) -> Cost:
+    """An analysis' price; with `explorer`, its explorer's file written while the forward runs: one
+    layer's rows, in float32 and float64 while quantised, held beside the forward's own peak (the file
+    goes to disk). A Swin's explorer is written after the analysis, priced on its own."""
+    spec = get_spec(variant)
+    cost = price(spec, "analyse", budget=WORK.budget_bytes)
+    if not explorer or hasattr(spec.config, "geometries"):
+        return cost
+    file = price(spec, "explorer")
+    return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
+
+
+def new_key() -> str:
+    """A new session key (random, unguessable): the analysis is kept under it, and its explorer's files are named by it."""
+    return secrets.token_urlsafe(16)
+
+
 @contextmanager
-def analysis_job(image: str | None, variant: object):
-    """The job of an analysis and its pictures (`run` inside it takes no second one)."""
+def analysis_job(image: str | None, variant: object, *, explorer: bool = False):
+    """The job of an analysis and its pictures (`run` inside it takes no second one); with
+    `explorer`, priced with the explorer's file written while the forward runs."""
     name = _requested(image, variant)
     try:
-        with job("analyse", name) as work:
+        with priced(analysis_price(name, explorer=explorer)) as work:
             yield work
     except gr.Error as exc:
         exc.cause = getattr(exc, "cause", None) or "variant"
@@ -189,8 +226,8 @@ def file_name(path: str | None) -> str:
 
 
 @gpu
-def _analyze_on_device(image: str, variant: str) -> views.Exploration:
-    return views.explore(CACHE, image, variant)
+def _analyze_on_device(image: str, variant: str, stream_to: str | None = None) -> views.Exploration:
+    return views.explore(CACHE, image, variant, stream_to=stream_to)
 
 
 @gpu
@@ -213,9 +250,10 @@ def faithfulness_on_device(exp: views.Exploration, maps: dict, index: int, batch
     return explaining.faithfulness_of(CACHE, exp, maps, target=index, batch_size=batch_size, check=check)
 
 
-def remember(exp: views.Exploration, source: str = "") -> SessionRef:
-    """Keeps `exp` in the store; the session holds only the returned reference."""
-    key = STORE.put(exp, exp.analysis.nbytes)
+def remember(exp: views.Exploration, source: str = "", *, key: str | None = None) -> SessionRef:
+    """Keeps `exp` in the store (under `key`, the one chosen for it before its forward, or a new one);
+    the session holds only the returned reference."""
+    key = STORE.put(exp, exp.analysis.nbytes, key=key or exp.key)
     return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image, image=file_name(source), source=source)
 
 

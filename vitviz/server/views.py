@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,9 +22,10 @@ from vitviz.explainers import method as registered_method
 from vitviz.analysis import POOL, Query, attention_received
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
 from vitviz.images import ImageSource
-from vitviz.pipeline import Analysis, analyze, analyze_crop
+from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower
 from vitviz.server import explorer_data
 from vitviz.server.models import ModelCache, ModelFacts
+from vitviz.swin import Swin
 
 __all__ = [
     "DISPLAY_PX",
@@ -60,6 +62,7 @@ class Exploration:
 
     analysis: Analysis
     facts: ModelFacts
+    key: str | None = None  # the session key chosen before the forward (`runtime.run`): the explorer's files are named by it
 
     @property
     def scale(self) -> int:
@@ -71,10 +74,24 @@ class Exploration:
         return img.resize((img.size[0] * self.scale, img.size[1] * self.scale), Image.NEAREST)
 
 
-def explore(cache: ModelCache, image: ImageSource, variant: str) -> Exploration:
-    """The analysis: `variant` run once on `image`, its attention recorded."""
+def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: str | Path | None = None) -> Exploration:
+    """The analysis: `variant` run once on `image`, its attention recorded. With `stream_to`, the
+    explorer's "stack" file (`explorer_data`) is written there while the forward runs, each layer's
+    block as soon as the layer is computed (`explorer_data.StackStream`; nothing for a Swin or a
+    stack over the browser's budget); when the forward fails, no file is left."""
     model, facts = cache.get(variant)
-    return Exploration(analyze(model, image), facts)
+    if stream_to is None or isinstance(model, Swin):
+        return Exploration(analyze(model, image), facts)
+    tower = image_tower(model)
+    stream = explorer_data.StackStream(stream_to, depth=tower.config.depth, num_prefix_tokens=tower.config.num_prefix_tokens,
+                                       pooled_query=tower.config.pooled_query, pool_weighted=tower.attn_pool is not None)
+    try:
+        a = analyze(model, image, on_layer=stream.on_layer)
+        stream.finish(a)
+    except BaseException:
+        stream.abort()
+        raise
+    return Exploration(a, facts)
 
 
 def explore_crop(cache: ModelCache, cropped: Image.Image, variant: str) -> Exploration:

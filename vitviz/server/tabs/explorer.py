@@ -1,5 +1,6 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
-data (written after the analysis is on the page), or by the server for a model too large for it.
+data (written while the analysis' forward runs, and sent with its outputs), or by the server for a
+model too large for it.
 A Swin gets the windowed explorer (`vitviz.server.swin_explorer`): a query's attention on its layer's
 stage grid, its window outlined."""
 
@@ -91,7 +92,10 @@ class ExplorerTab(Tab):
         )
 
     def analysis_outputs(self):
-        return [self.prefix_query, self.layer, self.head, self.query, self.query_text]
+        return [self.prefix_query, self.layer, self.head, self.query, self.query_text, *self._live_outputs()]
+
+    def _live_outputs(self) -> list:
+        return [self.explorer_live, self.swin_live, self.global_box, self.swin_box, self.server_explorer, self.explorer_img, self.mosaic]
 
     def analysed(self, done: Analysed) -> Outputs:
         exp, a = done.exp, done.exp.analysis
@@ -103,15 +107,32 @@ class ExplorerTab(Tab):
             self.head: gr.update(choices=head_choices(heads), value="mean"),
             self.query: 0,
             self.query_text: swin_views.describe_query(exp, 0) if swin else views.describe_query(exp, 0),
+            **self._live_now(exp),
         }
 
+    def _sent_with_analysis(self, exp: views.Exploration) -> bool:
+        """Whether the browser's explorer goes with the analysis' own outputs: its file was written
+        during the forward (`runtime.run`), or its layers are written when shown. A Swin's, and the
+        server's explorer of a model too large for the browser, follow the analysis (`follow_up`)."""
+        return exp.key is not None and not swin_views.is_swin(exp) and explorer_data.layout_of(exp.analysis).mode != "server"
+
+    def _live_now(self, exp: views.Exploration) -> Outputs:
+        if not self._sent_with_analysis(exp):
+            return {c: gr.skip() for c in self._live_outputs()}
+        with runtime.EXPLORER_LOCKS.hold(exp.key):  # the file is there (`runtime.run`): the pictures beside it
+            live = explorer_data.write_payload(exp, key=exp.key, folder=runtime.EXPLORER_DIR)
+        return {self.explorer_live: live, self.swin_live: None, self.global_box: gr.update(visible=True),
+                self.swin_box: gr.update(visible=False), self.server_explorer: gr.update(visible=False),
+                self.explorer_img: None, self.mosaic: None}
+
     def follow_up(self, page):
-        return self.on_explorer, page.state, [self.explorer_live, self.swin_live, self.global_box, self.swin_box, self.server_explorer,
-                                              self.explorer_img, self.mosaic]
+        return self.on_explorer, page.state, self._live_outputs()
 
     def on_explorer(self, ref: SessionRef | None) -> Outputs:
         """After an analysis is on the page: the explorer's data for the browser (written once per
-        analysis; a Swin's for the windowed explorer), or, for a model too large for it, the server's explorer."""
+        analysis; a Swin's for the windowed explorer), or, for a model too large for it, the server's explorer.
+        The browser's explorer came with the analysis already (`_live_now`): the same value again, which
+        the page does not load twice."""
         if not isinstance(ref, SessionRef):
             return {self.explorer_live: gr.skip()}
         exp = runtime.recall(ref)

@@ -1,0 +1,216 @@
+"""The explorer's file written while the analysis' forward runs (`explorer_data.StackStream`, through
+`views.explore(..., stream_to=...)`): complete, byte for byte the file `explorer_data.stack_file`
+writes from the finished analysis, each layer on disk before the next layer runs, no file left by a
+forward that fails, and the app sending the explorer's value with the analysis."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vitviz
+from vitviz.model import Attention
+from vitviz.server import explorer_data, views
+from vitviz.server.models import ModelFacts
+
+IMAGE = np.random.default_rng(0).integers(0, 256, (90, 70, 3), dtype=np.uint8)
+
+
+class _Cache:
+    """`views.explore`'s model cache, holding one model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get(self, variant):
+        return self.model, ModelFacts.of(self.model)
+
+
+def _with_spec(model: vitviz.ViT, size: int, name: str) -> vitviz.ViT:
+    model.spec = vitviz.VariantSpec(name=name, config=model.config, preprocessing=vitviz.Preprocessing(size),
+                                    categories=tuple(f"class {i}" for i in range(model.config.num_classes)), source="test", weights="random")
+    return model.eval()
+
+
+def _torchvision_small():
+    """A torchvision ViT of the B/16 architecture, made small: 64 px, 3 layers of 4 heads."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(5)
+    tv = VisionTransformer(image_size=64, patch_size=16, num_layers=3, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=7).eval()
+    torch.nn.init.normal_(tv.heads.head.weight, std=0.02)
+    return vitviz.ViT.from_torchvision(tv).eval()
+
+
+def _pooled(pool: str):
+    """No cls token, the patches' mean ("avg") or an attention probe ("map") classified: the "pool" query."""
+    torch.manual_seed(6)
+    return _with_spec(vitviz.ViT(image_size=48, patch_size=16, width=16, depth=3, heads=2, mlp_dim=32, num_classes=3,
+                                 class_token=False, pool=pool), 48, f"pooled-{pool}")
+
+
+MODELS = {
+    "shapes_p16": lambda: vitviz.load_model("shapes_p16", device="cpu"),
+    "torchvision": _torchvision_small,
+    "pooled-mean": lambda: _pooled("avg"),
+    "pooled-probe": lambda: _pooled("map"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def _numpy_rule(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The quantisation rule written out in numpy float64: floor(a / max x 255 + 1/2), max from float32."""
+    top = rows.astype(np.float32).max(axis=-1)
+    safe = np.where(top > 0, top, 1).astype(np.float64)
+    return np.clip(np.floor(rows.astype(np.float32).astype(np.float64) / safe[..., None] * 255.0 + 0.5), 0, 255).astype(np.uint8), top
+
+
+def test_quantised_rows_follow_the_float64_rule():
+    torch.manual_seed(0)
+    rows = torch.rand(5, 40, 300) ** 4
+    rows[0, 0] = 0  # a row of zeros: all 0, its maximum 0
+    rows[1, 1, :3] = torch.tensor([1.0, 0.5 / 255, 1.5 / 255])  # values at a half step, as close as float32 gets
+    q, top = explorer_data.quantise_rows(rows)
+    want_q, want_top = _numpy_rule(rows.numpy())
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(top, want_top)
+    assert q.dtype == np.uint8 and top.dtype == np.float32 and not q[0, 0].any()
+
+
+def test_the_streamed_file_is_the_finished_analysis_file(model, tmp_path):
+    path = tmp_path / "key-stack.bin"
+    exp = views.explore(_Cache(model), IMAGE, model.spec.name, stream_to=path)
+    a = exp.analysis
+    assert explorer_data.layout_of(a).mode == "stack"
+    assert path.read_bytes() == explorer_data.stack_file(a, range(a.attentions.shape[0]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key-stack.bin"]  # no temporary file left
+    # the library's analysis is the same with and without the stream
+    plain = vitviz.analyze(model, IMAGE)
+    assert torch.equal(plain.attentions, a.attentions) and torch.equal(plain.tokens, a.tokens)
+    # the page's value finds the file written: the same bytes, not written again
+    before = path.stat().st_mtime_ns
+    value = explorer_data.write_payload(exp, key="key", folder=tmp_path)
+    assert value["data"] == str(path) and path.stat().st_mtime_ns == before
+
+
+def test_each_layer_is_on_disk_before_the_next_layer_runs(tmp_path):
+    model = _torchvision_small()
+    path = tmp_path / "k-stack.bin"
+    part = path.with_name(path.name + ".part")
+    blocks = [m for m in model.modules() if isinstance(m, Attention)]
+    seen = {}
+
+    def looking(layer):
+        def hook(module, args):
+            seen[layer] = part.read_bytes() if part.exists() else None  # before this layer's attention is computed
+        return hook
+
+    handles = [m.register_forward_pre_hook(looking(i)) for i, m in enumerate(blocks)]
+    try:
+        exp = views.explore(_Cache(model), IMAGE, "tv", stream_to=path)
+    finally:
+        for h in handles:
+            h.remove()
+    a = exp.analysis
+    layout = explorer_data.layout_of(a)
+    head = 4 * layout.tokens
+    assert seen[0] is None or len(seen[0]) == 0  # nothing written before the first layer
+    for layer in range(1, len(blocks)):
+        written = seen[layer]
+        # every layer before this one is there, at its place, and nothing after it yet
+        assert len(written) == head + layer * layout.layer_bytes
+        for done in range(layer):
+            at = head + done * layout.layer_bytes
+            assert written[at : at + layout.layer_bytes] == explorer_data.layer_block(a, done)
+    assert path.read_bytes()[:head] == explorer_data.shared_max(a).astype("<f4").tobytes()  # the header, written last
+
+
+def test_a_forward_that_fails_leaves_no_file(tmp_path):
+    model = _torchvision_small()
+    path = tmp_path / "k-stack.bin"
+    blocks = [m for m in model.modules() if isinstance(m, Attention)]
+
+    def fail(module, args):
+        raise RuntimeError("out of memory in layer 3")
+
+    handle = blocks[2].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="layer 3"):
+            views.explore(_Cache(model), IMAGE, "tv", stream_to=path)
+    finally:
+        handle.remove()
+    assert list(tmp_path.iterdir()) == []
+    # a stream that never saw every layer refuses to finish, and leaves nothing
+    stream = explorer_data.StackStream(path, depth=3, num_prefix_tokens=1)
+    a = vitviz.analyze(model, IMAGE)
+    stream.on_layer(0, a.attentions[0])
+    with pytest.raises(RuntimeError, match="1 of 3 layers"):
+        stream.finish(a)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stack_over_the_budget_is_not_streamed(tmp_path):
+    model = _torchvision_small()
+    path = tmp_path / "k-stack.bin"
+    stream = explorer_data.StackStream(path, depth=3, num_prefix_tokens=1, budget=1000)
+    a = vitviz.analyze(model, IMAGE, on_layer=stream.on_layer)
+    assert stream.finish(a) is None and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+@pytest.fixture(scope="module")
+def app():
+    global page, runtime, tabs
+    from vitviz.server import app as app_module, page, runtime, tabs
+
+    return app_module
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def test_the_analysis_sends_the_explorer_with_its_outputs(app):
+    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
+    ref, explorer = out[page.PAGE.state], tabs.explorer.TAB
+    live = out[explorer.explorer_live]
+    assert live["mode"] == "stack" and live["id"] == ref.key
+    data = Path(live["data"])
+    assert data.name == f"{ref.key}-stack.bin" and data.parent == runtime.EXPLORER_DIR
+    exp = runtime.recall(ref)
+    assert exp.key == ref.key and data.read_bytes() == explorer_data.stack_file(exp.analysis, range(exp.analysis.attentions.shape[0]))
+    assert out[explorer.server_explorer]["visible"] is False and out[explorer.global_box]["visible"] is True
+    # the step after the analysis sends the same value (the page keeps what it loaded), the file not written again
+    before = data.stat().st_mtime_ns
+    assert explorer.on_explorer(ref)[explorer.explorer_live] == live and data.stat().st_mtime_ns == before
+    # priced with the file: the analysis' job holds one layer's rows beside the forward
+    plain, streamed = runtime.analysis_price("shapes_p16"), runtime.analysis_price("shapes_p16", explorer=True)
+    assert streamed.bytes > plain.bytes and streamed.kept_bytes == plain.kept_bytes and streamed.flops == plain.flops
+
+
+def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):
+    calls = []
+    original = explorer_data.block_of
+
+    def failing(rows, p):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the disk is full")
+        return original(rows, p)
+
+    monkeypatch.setattr(explorer_data, "block_of", failing)
+    before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
+    with pytest.raises(RuntimeError, match="disk is full"):
+        page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert set(runtime.EXPLORER_DIR.glob("*")) == before  # nothing written, nothing half written
+    assert runtime.WORK.running() == []  # its job is over
+    monkeypatch.setattr(explorer_data, "block_of", original)
+    out = page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()
