@@ -519,28 +519,34 @@ def test_a_gradient_run_is_timed_against_forwards_and_backwards_and_a_distance_r
         run = _run_json(out)
         rates[metrics] = (run["plain_forward_images_per_second"], run["plain_forward_backward_images_per_second"])
         assert run["sessions"][0]["plain_forward_backward_images_per_second"] == rates[metrics][1]
+        assert 0 <= run["sessions"][0]["data_wait_seconds"] <= run["sessions"][0]["seconds"]  # the model idle, waiting for images
         last = _lines(capsys.readouterr().out)[-1]
         assert ("plain forwards and backwards" in last) == (metrics == "pointing")
     assert rates["pointing"][0] > rates["pointing"][1] > 0 and rates["distance"][0] > 0 and rates["distance"][1] is None
 
 
-def test_distances_recorded_a_few_images_at_a_time_equal_the_whole_batchs(tiny, tmp_path, monkeypatch):
-    """On CPU a distance pass records as many images at a time as keep a layer's attention in cache;
-    the rows are those of one forward of the whole batch."""
+@pytest.mark.parametrize("maps", [False, True], ids=["distance", "maps"])
+def test_passes_recorded_a_few_images_at_a_time_equal_the_whole_batchs(tiny, tmp_path, monkeypatch, maps):
+    """On CPU a distance pass records as many images at a time as keep a layer's attention in cache,
+    and a pass for maps as many as keep every layer's within `KEPT_BYTES`; the rows are those of one
+    pass over the whole batch."""
     import vitviz.evaluate as ev
 
     model = vitviz.load_model("shapes_p16")
     x = torch.zeros(5, 3, 96, 96)
-    assert ev._images_in_cache(model, x) == 5  # 3 heads x 37 x 37 tokens: the whole batch fits
+    assert ev._images_in_cache(model, x) == 5 and ev._images_in_cache(model, x, layers=True) == 5  # 6 x 3 x 37 x 37: all fit
     monkeypatch.setattr(ev, "CACHE_BYTES", 2 * 3 * 37 * 37 * 4)
-    assert ev._images_in_cache(model, x) == 2
-    settings = dict(FAST, metrics=("distance",), batch_size=3)
+    monkeypatch.setattr(ev, "KEPT_BYTES", 2 * 6 * 3 * 37 * 37 * 4)
+    assert ev._images_in_cache(model, x) == 2 and ev._images_in_cache(model, x, layers=True) == 2
+    settings = dict(FAST, metrics=("distance", "pointing") if maps else ("distance",), methods=("rollout", "gradient"), batch_size=3)
     evaluate(tiny, out=tmp_path / "two", **settings)
     monkeypatch.setattr(ev, "CACHE_BYTES", 10**9)
+    monkeypatch.setattr(ev, "KEPT_BYTES", 10**9)
     evaluate(tiny, out=tmp_path / "whole", **settings)
-    for table in ("per_image.csv", "distance.csv"):  # each image's mean distance; each layer's and head's over the images
+    for table in ("per_image.csv", "distance.csv"):  # each image's results; each layer's and head's distance over the images
         two, whole = _table(tmp_path / "two" / table), _table(tmp_path / "whole" / table)
         assert len(two) == (3 if table == "per_image.csv" else 6 * 3)
+        assert not maps or table != "per_image.csv" or {"rollout_pointing", "gradient_pointing", "target"} <= two[0].keys()
         _same_tables([{k: v for k, v in r.items() if k != "path"} for r in two], [{k: v for k, v in r.items() if k != "path"} for r in whole])
 
 

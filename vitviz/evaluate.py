@@ -402,7 +402,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
         _score_protocol(model, x, [items[i] for i in index], scored, methods=methods, protocol=PROTOCOLS[protocol], classes=classes)
         return rows + scored
     need_maps = bool({"pointing", "deletion", "insertion"} & set(metrics)) and bool(methods)
-    dist_lbh = probs = rec = None
+    dist_lbh = probs = explained = None
     streams = ExitStack()  # "inside": the stream recorded around the batch's one forward (`_inside_of`)
     inside = streams.enter_context(record_stream(_tower(model))) if "inside" in metrics else None
     if phrases is not None:
@@ -416,14 +416,22 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
                                                grid=grid).permute(1, 0, 2).cpu().double()
     elif need_maps:
         targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
-        with streams:  # record's one forward through the blocks (its backward passes run no block)
-            rec = record_for(model, x, methods, targets=targets)
-        maps = maps_of(rec, methods)
+        step = _images_in_cache(_tower(model), x, layers=True) if inside is None else len(x)  # "inside": one forward's stream
+        parts = []
+        with streams:  # record's forwards through the blocks (its backward passes run no block)
+            for first in range(0, len(x), step):
+                part = slice(first, first + step)
+                rec = record_for(model, x[part], methods, targets=None if targets is None else targets[part])
+                dist = None
+                if "distance" in metrics:
+                    dist = mean_attention_distance(rec.attentions, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
+                                                   grid=rec.grid).permute(1, 0, 2).cpu().double()
+                parts.append((maps_of(rec, methods), rec.targets, rec.probabilities, dist))
+        maps = {method: torch.cat([part[0][method] for part in parts]) for method in parts[0][0]}
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])
-        probs = rec.probabilities.cpu() if rec.probabilities is not None else None
-        if "distance" in metrics:
-            dist_lbh = mean_attention_distance(rec.attentions, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
-                                               grid=rec.grid).permute(1, 0, 2).cpu().double()
+        explained = torch.cat([part[1] for part in parts]) if parts[0][1] is not None else None
+        probs = torch.cat([part[2] for part in parts]).cpu() if parts[0][2] is not None else None
+        dist_lbh = torch.cat([part[3] for part in parts]) if "distance" in metrics else None
     else:  # distance and "inside" only: one plain forward, each layer's distances reduced as it is recorded, no stack held
         def per_layer(a: torch.Tensor) -> torch.Tensor:
             return mean_attention_distance(a.float().unsqueeze(0), patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens, grid=spec.grid)[0]
@@ -444,7 +452,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
     for b, row in enumerate(scored):
         if probs is not None:
             known = classes.get(items[index[b]].label)
-            target = int(rec.targets[b]) if rec is not None else known if known is not None else int(probs[b].argmax())
+            target = int(explained[b]) if explained is not None else known if known is not None else int(probs[b].argmax())
             row.update(target=target, predicted=int(probs[b].argmax()), probability=float(probs[b, target]))
             if inside is not None:
                 row.update(_inside_of(inside.streams[b], target))
@@ -461,7 +469,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
             for b, row in enumerate(scored):
                 row[f"{method}_pointing"] = float(hits[b]) if has_mask[b] else None
         if {"deletion", "insertion"} & set(metrics):
-            curves = perturbation_curves(model, x, m, None if rec is None else rec.targets, steps=steps, score=score)
+            curves = perturbation_curves(model, x, m, explained, steps=steps, score=score)
             for b, row in enumerate(scored):
                 for mode in ("deletion", "insertion"):
                     if mode in metrics:
@@ -471,19 +479,23 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
 
 
 CACHE_BYTES = 8 * 2**20  # a layer's attention a recorded CPU forward keeps within the processor's cache
+KEPT_BYTES = 192 * 2**20  # every layer's attention a recorded CPU pass keeps for its maps (and backward)
 
 
-def _images_in_cache(vit: ViT, x: torch.Tensor) -> int:
-    """How many images of `x` one recorded forward takes: on CPU, as many as keep a layer's attention
+def _images_in_cache(vit: ViT, x: torch.Tensor, *, layers: bool = False) -> int:
+    """How many images of `x` one recorded pass takes: on CPU, as many as keep a layer's attention
     [b, H, N, N] within `CACHE_BYTES` (the softmax, its product with V and the distances then read it
     from cache, not memory: ViT-B/16 at 224 px, 4 images of 32 run at 0.95x the time of the fused
-    attention's batch of 32, the whole batch at 1.21x); on a GPU, the whole batch."""
+    attention's batch of 32, the whole batch at 1.21x) or, with `layers` (a pass that keeps every
+    layer's attention, for maps and a backward), all L of them within `KEPT_BYTES` (ViT-B/16: 9 images
+    at a time; with 8, gradient relevance and rollout of 32 images took 0.85x the time of a plain
+    forward and backward of the 32, the whole batch at once 1.26x); on a GPU, the whole batch."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
     gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
     tokens = gh * gw + vit.config.num_prefix_tokens
-    per_image = vit.config.heads * tokens * tokens * x.element_size()
-    return max(1, min(x.shape[0], CACHE_BYTES // per_image))
+    per_image = vit.config.heads * tokens * tokens * x.element_size() * (vit.config.depth if layers else 1)
+    return max(1, min(x.shape[0], (KEPT_BYTES if layers else CACHE_BYTES) // per_image))
 
 
 def _tower(model: ViT | ImageTextModel) -> ViT:
@@ -1392,11 +1404,14 @@ def evaluate(
     shard = shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
     start = time.perf_counter()
     scored_now = failed_now = 0
+    waited = 0.0
     bar = tqdm(total=sum(len(b) for p in plans for b in p.batches), unit="img", disable=not (progress and rank == 0), file=sys.stderr)
     with bar, open(shard, "x") as f:  # the bar closed (its line ended) also when stopped
         batches = iter(loader)
         for _ in range(rounds):  # the ranks in step, a rank out of batches too, so that the bar counts every rank's images
+            asked = time.perf_counter()
             batch = next(batches, None)
+            waited += time.perf_counter() - asked  # the model idle, waiting for decoded images
             n = 0
             if batch is not None:
                 for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps, classes=classes,
@@ -1413,8 +1428,8 @@ def evaluate(
                 n = len(batch["index"])
             bar.update(int(_all_sum(torch.tensor([float(n)], dtype=torch.float64), device)[0]))
     seconds = time.perf_counter() - start
-    counts = _all_sum(torch.tensor([float(scored_now), float(failed_now)], dtype=torch.float64), device)
-    scored_now, failed_now = int(counts[0]), int(counts[1])
+    counts = _all_sum(torch.tensor([float(scored_now), float(failed_now), waited], dtype=torch.float64), device)
+    scored_now, failed_now, waited = int(counts[0]), int(counts[1]), float(counts[2]) / world  # waited: a rank's, on average
     plain = plain_backward = None
     if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
         x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
@@ -1431,7 +1446,7 @@ def evaluate(
         scored = sum(1 for row in rows if not row["error"])
         if scored_now + failed_now:  # a run that found everything scored keeps the timing of those that scored it
             sessions.append(dict(world_size=world, device=str(device), scored=scored_now, failed=failed_now, seconds=seconds,
-                                 images_per_second=(scored_now + failed_now) / max(1e-9, seconds),
+                                 images_per_second=(scored_now + failed_now) / max(1e-9, seconds), data_wait_seconds=waited,
                                  plain_forward_images_per_second=plain, plain_forward_backward_images_per_second=plain_backward))
         if "pointing" in metrics and any(item.mask for item in items):
             note = _pointing_note(rows, data)
