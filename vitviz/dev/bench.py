@@ -4,6 +4,7 @@
     python -m vitviz.dev.bench --rounds 30 --arch vit_b_32
     python -m vitviz.dev.bench --app             # end to end through the running app (gradio_client)
     python -m vitviz.dev.bench --browser         # in Chromium: view changes and a new analysis, as a person sees them
+    python -m vitviz.dev.bench --handler         # a new analysis in the app's handler, explorer file included, no browser
     python -m vitviz.dev.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
     python -m vitviz.dev.bench --serving         # each kind of request priced and measured; one client's share of the queue
     python -m vitviz.dev.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
@@ -199,6 +200,46 @@ def _echo_app():
     echo.queue()
     echo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, ssr_mode=False)
     return echo
+
+
+def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str, float, float]]:
+    """A new analysis in the app's handler, without a browser: (what, median ms, ratio to the plain
+    forward) for the plain forward, the analysis with its explorer file written during the forward
+    (`runtime.run(..., explorer_key=...)`), the same without the file, and drawing every output of
+    the analysis (`page.analysis_outputs`). New 640x480 JPEGs; random weights through the real path."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    with _private_weights() as home:
+        if vitviz.get_spec(arch).source == "torchvision":
+            _random_torchvision_checkpoints([arch])
+        from vitviz.server import app, page, runtime  # noqa: F401  (app: the page the handlers fill)
+
+        rng = np.random.default_rng(3)
+        photos = []
+        for i in range(rounds):
+            path = Path(home) / f"photo{i}.jpg"
+            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
+            photos.append(str(path))
+        model, _ = runtime.CACHE.get(arch)
+        x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size)
+        times: dict[str, list[float]] = {k: [] for k in ("plain forward", "analysis, explorer file written during the forward",
+                                                         "analysis alone", "the analysis' outputs drawn")}
+        runtime.run(photos[0], arch)  # warm-up
+        for photo in photos:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model(x)
+            times["plain forward"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            exp = runtime.run(photo, arch, explorer_key=runtime.new_key())
+            times["analysis, explorer file written during the forward"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            page.analysis_outputs(exp, photo, None)
+            times["the analysis' outputs drawn"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            runtime.run(photo, arch)
+            times["analysis alone"].append(time.perf_counter() - start)
+    base = statistics.median(times["plain forward"])
+    return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
 
 def app_table(arch: str, second: str, *, rounds: int) -> list[tuple[str, float, str]]:
@@ -503,6 +544,9 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
         page.wait_for_function(f"document.querySelector('#vv-explorer-live .vvx').dataset.analysis && "
                                f"document.querySelector('#vv-explorer-live .vvx').dataset.analysis !== {previous!r}")
         explorer_ready.append(analyse[-1] + (time.perf_counter() - start) * 1e3)
+        # the other layers arrive after the first is drawn: the next forward is timed once they are in
+        page.wait_for_function("(() => { const r = document.querySelector('#vv-explorer-live .vvx').dataset; "
+                               "return !('complete' in r) || (r.complete && r.complete === r.analysis); })()")
     uploads = page.evaluate(
         "performance.getEntriesByType('resource').filter(e => e.name.includes('/gradio_api/upload')).map(e => e.duration)"
     )
@@ -521,10 +565,10 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
 
 
 def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2), metrics: str = "distance",
-                   methods: str = "rollout,gradient", batch_size: int = 32) -> list[tuple[int, float, float, float, str]]:
+                   methods: str = "rollout,gradient", batch_size: int = 32) -> list[tuple[int, float, float, float, str, float]]:
     """`python -m vitviz.evaluate` over a folder of 640x480 JPEGs, on 1 process and on N (torchrun,
     gloo on CPU, NCCL on GPUs): (processes, images/s, plain batched forwards' images/s on the same
-    ranks, ratio, what the plain pass is). When the run scores a gradient method's maps, the plain pass
+    ranks, ratio, what the plain pass is, the share of the run a rank waited for decoded images). When the run scores a gradient method's maps, the plain pass
     is a forward and a backward to the input. torchvision variants load random weights through the
     real weights path."""
     import subprocess
@@ -535,10 +579,14 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
         if vitviz.get_spec(arch).source == "torchvision":
             _random_torchvision_checkpoints([arch])
         folder = Path(home) / "photos"
-        folder.mkdir()
+        (folder / "masks").mkdir(parents=True)
         rng = np.random.default_rng(5)
+        mask = np.zeros((480, 640), dtype=np.uint8)
+        mask[120:360, 160:480] = 255  # an object in the middle, for the pointing game
         for i in range(images):
             Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(folder / f"{i:04d}.jpg", quality=90)
+            if "pointing" in metrics:
+                Image.fromarray(mask).save(folder / "masks" / f"{i:04d}.png")
         root = Path(__file__).resolve().parent.parent
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         for n in processes:
@@ -551,7 +599,8 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
             rate = run["images_per_second"]
             both = run.get("plain_forward_backward_images_per_second")  # a gradient method's maps: against forwards and backwards
             plain = both or run["plain_forward_images_per_second"]
-            rows.append((n, rate, plain, rate / plain, "forwards + backwards" if both else "forwards"))
+            waited = run["sessions"][-1]["data_wait_seconds"] / run["sessions"][-1]["seconds"]  # the share of the run spent waiting for images
+            rows.append((n, rate, plain, rate / plain, "forwards + backwards" if both else "forwards", waited))
     return rows
 
 
@@ -765,6 +814,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--second", default="vit_b_32", help="the other variant of the Compare timing (with --app)")
     ap.add_argument("--browser", action="store_true", help="in Chromium: view changes and new analyses as a person sees them")
     ap.add_argument("--models", nargs="+", default=["shapes_p16", "vit_b_16"], help="the models of --browser")
+    ap.add_argument("--handler", action="store_true", help="a new analysis in the app's handler (no browser) against the forward")
     ap.add_argument("--evaluate", action="store_true", help="python -m vitviz.evaluate on 1 and --processes processes")
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--images", type=int, default=128)
@@ -803,15 +853,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent 33 joins at once "
               f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
         return
+    if args.handler:
+        print(f"vitviz.dev.bench --handler {args.arch}, {min(args.rounds, 8)} new images; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        _print_table("CPU", handler_table(args.arch, rounds=min(args.rounds, 8)))
+        return
     if args.evaluate:
         print(f"vitviz.dev.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480; {time.strftime('%Y-%m-%d')}; {_machine()}")
         runs = [(args.metrics, "rollout,gradient")] if args.metrics else [("distance", "rollout,gradient"), ("pointing", "gradient")]
-        print(f"\n{'metrics':<10}{'methods':<18}{'processes':<11}{'images/s':>10}{'plain, images/s':>17}{'ratio':>8}  plain is")
+        print(f"\n{'metrics':<10}{'methods':<18}{'processes':<11}{'images/s':>10}{'plain, images/s':>17}{'ratio':>8}{'waited':>8}  plain is")
         for metrics, methods in runs:
-            for n, rate, plain, ratio, reference in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=metrics,
+            for n, rate, plain, ratio, reference, waited in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=metrics,
                                                         methods=methods):
-                print(f"{metrics:<10}{methods:<18}{n:<11}{rate:>10.2f}{plain:>17.2f}{ratio:>8.2f}  {reference}")
-        print("\ntargets: distance >= 0.95x plain batched forwards; a gradient method's maps >= 0.9x plain forwards + backwards")
+                print(f"{metrics:<10}{methods:<18}{n:<11}{rate:>10.2f}{plain:>17.2f}{ratio:>8.2f}{waited:>8.1%}  {reference}")
+        print("\nwaited: the share of the run the model waited for decoded images (the decoding workers behind)")
+        print("targets: distance >= 0.95x plain batched forwards; a gradient method's maps >= 0.9x plain forwards + backwards")
         return
     if args.browser:
         print(f"vitviz.dev.bench --browser {' '.join(args.models)}, {args.rounds} moves each; {time.strftime('%Y-%m-%d')}; {_machine()}")

@@ -95,6 +95,8 @@
       for (let l = 0; l < last; l++) layers[l] = rest.then((parsed) => parsed[l]);
     }
     layers.forEach((p) => p.catch(() => {}));  // a failure is reported when its layer is drawn
+    const id = meta.id;  // data-complete: every layer is in (what a benchmark waits for before timing anything else)
+    Promise.all(layers).then(() => { if (ticket === loading) root.dataset.complete = id; }, () => {});
   }
 
   async function ensureLayer(layer) {
@@ -129,6 +131,7 @@
     layers = [];
     sharedMax = null;
     root.dataset.analysis = "";
+    root.dataset.complete = "";
     if (!meta || meta.mode === "server") {
       root.classList.toggle("vvx-off", true);
       statusText.textContent = meta ? meta.note : "Analyse an image first.";
