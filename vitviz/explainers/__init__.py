@@ -12,7 +12,9 @@ over the patch grid per sample, with what it needs declared beside it.
 gradients of each sample's target logit with respect to it (for methods that need them), the
 token layout (grid, prefix tokens, the classifier's query and `rec.query_maps(matrix)` to read its
 row of an N x N matrix), the target classes and probabilities. `options` carries the caller's
-`head_fusion` and `discard_ratio` (a method may ignore them).
+`head_fusion` and `discard_ratio` (a method may ignore them). A gradient method whose maps need each
+layer's attention and gradient only through a per-layer term declares it (`layerwise=`): the pass
+then takes the term inside the backward and keeps no gradient stack (`Recorded.layerwise`).
 
 Every consumer — `vitviz.explain`, `relevance_maps`, faithfulness curves, `python -m
 vitviz.evaluate --methods`, the app's Explain tab — loops over `methods()`. Plugins register
