@@ -366,6 +366,7 @@ def record(
     param = next(model.parameters())
     texts = similarities = probs = chosen = grads = layer_grads = pool_grads = None
     reduced: dict[str, tuple[dict, list[torch.Tensor]]] = {}
+    after: dict[str, Callable[..., torch.Tensor]] = {}  # reductions taken from the kept gradients once the pass is done
     with contextlib.ExitStack() as modes:
         if differentiate:  # autograd on, also when the caller is in inference mode
             modes.enter_context(torch.inference_mode(False))
@@ -416,13 +417,11 @@ def record(
                     per_layer, pool_grad = _reduce_in_backward(final, live, probe, reducers, options, retain=layer_gradients)
                     reduced = {name: (options, [r.float() for r in results]) for name, results in per_layer.items()}
                     pool_grads = None if pool_grad is None else pool_grad[:, :, 0].float()
-                else:
+                else:  # the gradients kept (and reduced below, from the stack, paired with the attention)
                     per_input = [_pairs(g) for g in _per_target_grads(final, live + probe)]
                     grads = torch.stack(per_input[: len(live)]).float()
                     pool_grads = per_input[-1][:, :, 0].float() if probe else None
-                    pairs = [a.detach().float().repeat_interleave(final.shape[1], dim=0) for a in live]
-                    reduced = {name: (options, [fn(a, g, **options).float() for a, g in zip(pairs, grads)]) for name, fn in reducers.items()}
-                    grads = grads if keep_gradients else None
+                    after = reducers
             if layer_gradients:
                 # each layer on its own: d(s_l)/d(A_k) is not 0 for k < l, so one backward of the sum would mix layers
                 layer_grads = torch.stack([_pairs(_per_target_grads(score(vit.norm(h)), [a])[0]) for h, a in zip(layers, live)]).float()
@@ -431,6 +430,9 @@ def record(
     if texts is not None and len(texts) > 1:
         attn = tuple(a.repeat_interleave(len(texts), dim=0) for a in attn)  # [B*T, H, N, N]: each image's attention per phrase
         pool_attn = None if pool_attn is None else pool_attn.repeat_interleave(len(texts), dim=0)
+    if after:
+        reduced = {name: (options, [fn(a, g, **options).float() for a, g in zip(attn, grads)]) for name, fn in after.items()}
+    grads = grads if keep_gradients else None
     grid = vit.grid_for(x.shape[-2], x.shape[-1])
     return Recorded(
         attention_layers=attn, gradients=grads, reduced=reduced, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
