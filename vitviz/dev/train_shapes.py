@@ -42,6 +42,7 @@ __all__ = [
     "sincos_2d",
     "token_labels",
     "muon",
+    "run_steps",
     "train_variant",
     "evaluate",
 ]
@@ -169,6 +170,79 @@ def evaluate(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, *, 
     return correct / len(images)
 
 
+def run_steps(
+    model: torch.nn.Module,
+    aux: torch.nn.Module,
+    opts: list[torch.optim.Optimizer],
+    pool: tuple[np.ndarray, np.ndarray, np.ndarray],
+    val: tuple[np.ndarray, np.ndarray, np.ndarray],
+    forward,
+    *,
+    name: str,
+    gen: torch.Generator,
+    steps: int,
+    batch_size: int,
+    warmup: float,
+    token_weight: float,
+    token_size: int,
+    device: torch.device = torch.device("cpu"),
+    log_every: int = 100,
+    eval_every: int = 500,
+) -> None:
+    """The shapes recipe's steps, for any of the shapes models: batches drawn from `pool` without
+    replacement (a new order of `gen` at each pass), random 90-degree rotations and flips, the
+    classifier's loss (label smoothing 0.1) plus `token_weight` times token labelling's (`aux` on
+    the tokens, labels of `token_size` px squares), gradient clipping at 1.0, every optimiser of
+    `opts` under one warm-up and cosine schedule; the running loss and accuracy every `log_every`
+    steps and the accuracy on `val` every `eval_every`. `forward(x)` -> (logits [B, C], the tokens
+    that are labelled [B, T, D], in the labels' raster order)."""
+    images = torch.from_numpy(pool[0])
+    labels = torch.from_numpy(pool[1])
+    tokens = token_labels(pool[2], pool[1], token_size)
+    warm = max(1, int(warmup * steps))
+
+    def factor(s: int) -> float:
+        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
+    start = time.perf_counter()
+    order = torch.randperm(len(images), generator=gen)
+    cursor = seen = hits = 0
+    loss_sum = 0.0
+    for step in range(1, steps + 1):
+        if cursor + batch_size > len(order):  # a new pass over the pool
+            order, cursor = torch.randperm(len(images), generator=gen), 0
+        idx = order[cursor : cursor + batch_size]
+        cursor += batch_size
+        x, t = _dihedral(gen, to_batch(images[idx]), tokens[idx])
+        x = x.to(device, non_blocking=True)
+        y = labels[idx].to(device, non_blocking=True)
+        model.train()
+        logits, labelled = forward(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=0.1)
+        if token_weight:
+            per_token = aux(labelled)
+            loss = loss + token_weight * F.cross_entropy(per_token.reshape(-1, per_token.shape[-1]), t.to(device).reshape(-1).long())
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for o, sched in zip(opts, scheds):
+            o.step()
+            sched.step()
+        seen += len(y)
+        hits += (logits.argmax(-1) == y).sum().item()
+        loss_sum += loss.item() * len(y)
+        if step % log_every == 0 or step == steps:
+            elapsed = time.perf_counter() - start
+            print(f"[{name}] step {step}/{steps} loss {loss_sum / seen:.3f} train acc {hits / seen:.3f} "
+                  f"lr {scheds[0].get_last_lr()[0]:.2e} {step * batch_size / elapsed:.0f} img/s {elapsed / 60:.1f} min", flush=True)
+            seen = hits = 0
+            loss_sum = 0.0
+        if step % eval_every == 0 or step == steps:
+            print(f"[{name}] step {step}: held-out accuracy {evaluate(model, val[0], val[1]):.4f} ({len(val[0])} images)", flush=True)
+
+
 def train_variant(
     name: str,
     pool: tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -231,61 +305,14 @@ def train_variant(
     ]
     if matrices:
         opts.append(muon(matrices, lr=lr, weight_decay=weight_decay, scale=muon_scale))
-    images = torch.from_numpy(pool[0])
-    labels = torch.from_numpy(pool[1])
-    tokens = token_labels(pool[2], pool[1], model.patch_size)
-    warm = max(1, int(warmup * steps))
-
-    def factor(s: int) -> float:
-        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
-
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
     print(
         f"[{name}] {sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of {batch_size}, {optimizer}",
         flush=True,
     )
-    start = time.perf_counter()
-    order = torch.randperm(len(images), generator=gen)
-    cursor = seen = hits = 0
-    loss_sum = 0.0
-    for step in range(1, steps + 1):
-        if cursor + batch_size > len(order):  # a new pass over the pool
-            order, cursor = torch.randperm(len(images), generator=gen), 0
-        idx = order[cursor : cursor + batch_size]
-        cursor += batch_size
-        x, t = _dihedral(gen, to_batch(images[idx]), tokens[idx])
-        x = x.to(device, non_blocking=True)
-        y = labels[idx].to(device, non_blocking=True)
-        model.train()
-        h = model.encode(x)
-        logits = model.head(h[:, 0])
-        loss = F.cross_entropy(logits, y, label_smoothing=0.1)
-        if token_weight:
-            per_patch = aux(h[:, model.num_prefix_tokens :])
-            loss = loss + token_weight * F.cross_entropy(
-                per_patch.reshape(-1, per_patch.shape[-1]), t.to(device).reshape(-1).long()
-            )
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for o, sched in zip(opts, scheds):
-            o.step()
-            sched.step()
-        seen += len(y)
-        hits += (logits.argmax(-1) == y).sum().item()
-        loss_sum += loss.item() * len(y)
-        if step % log_every == 0 or step == steps:
-            elapsed = time.perf_counter() - start
-            print(
-                f"[{name}] step {step}/{steps} loss {loss_sum / seen:.3f} train acc {hits / seen:.3f} "
-                f"lr {scheds[0].get_last_lr()[0]:.2e} {step * batch_size / elapsed:.0f} img/s {elapsed / 60:.1f} min",
-                flush=True,
-            )
-            seen = hits = 0
-            loss_sum = 0.0
-        if step % eval_every == 0 or step == steps:
-            print(f"[{name}] step {step}: held-out accuracy {evaluate(model, val[0], val[1]):.4f} ({len(val[0])} images)", flush=True)
+    prefix = model.num_prefix_tokens  # the cls token is classified, the patch tokens labelled
+    run_steps(model, aux, opts, pool, val, lambda x: (model.head((h := model.encode(x))[:, 0]), h[:, prefix:]), name=name, gen=gen,
+              steps=steps, batch_size=batch_size, warmup=warmup, token_weight=token_weight, token_size=model.patch_size,
+              device=device, log_every=log_every, eval_every=eval_every)
     return model.eval().cpu()
 
 

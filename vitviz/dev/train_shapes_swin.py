@@ -27,17 +27,15 @@ uniformly random map and the rollout of an untrained model of the same shape (se
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vitviz import shapes
 from vitviz.analysis import pointing_game
-from vitviz.dev.train_shapes import _dihedral, evaluate, generate_pool, to_batch, token_labels
+from vitviz.dev.train_shapes import evaluate, generate_pool, run_steps, to_batch
 from vitviz.dev.train_shapes_clip import muon32
 from vitviz.sources import get_spec, source_of
 from vitviz.swin import Swin, swin_relevance_maps
@@ -105,52 +103,13 @@ def train(
                            {"params": no_decay + list(aux.parameters()), "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999)),
         muon32(matrices, lr=lr, weight_decay=weight_decay, scale=muon_scale),
     ]
-    images, labels = torch.from_numpy(pool[0]), torch.from_numpy(pool[1])
-    tokens = token_labels(pool[2], pool[1], final_patch)  # [n, 3, 3]
-    warm = max(1, int(warmup * steps))
-
-    def factor(s: int) -> float:
-        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
-
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
+    grid = model.config.image_size // final_patch
     print(f"[{NAME}] {sum(p.numel() for p in model.parameters()):,} parameters ({len(matrices)} matrices on Muon), "
-          f"{steps} steps of {batch_size}, token labels on a {tokens.shape[1]} x {tokens.shape[2]} grid", flush=True)
-    start = time.perf_counter()
-    order, cursor = torch.randperm(len(images), generator=gen), 0
-    seen = hits = 0
-    loss_sum = 0.0
-    for step in range(1, steps + 1):
-        if cursor + batch_size > len(order):  # a new pass over the pool
-            order, cursor = torch.randperm(len(images), generator=gen), 0
-        idx = order[cursor : cursor + batch_size]
-        cursor += batch_size
-        x, t = _dihedral(gen, to_batch(images[idx]), tokens[idx])
-        y = labels[idx]
-        model.train()
-        h = model.encode(x)  # [B, 9, 192], raster order of the final grid
-        logits = model.head_logits(h)
-        loss = F.cross_entropy(logits, y, label_smoothing=0.1)
-        if token_weight:
-            per_token = aux(h)
-            loss = loss + token_weight * F.cross_entropy(per_token.reshape(-1, per_token.shape[-1]), t.reshape(-1).long())
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for o, sched in zip(opts, scheds):
-            o.step()
-            sched.step()
-        seen += len(y)
-        hits += (logits.argmax(-1) == y).sum().item()
-        loss_sum += loss.item() * len(y)
-        if step % log_every == 0 or step == steps:
-            elapsed = time.perf_counter() - start
-            print(f"[{NAME}] step {step}/{steps} loss {loss_sum / seen:.3f} train acc {hits / seen:.3f} "
-                  f"lr {scheds[0].get_last_lr()[0]:.2e} {step * batch_size / elapsed:.0f} img/s {elapsed / 60:.1f} min", flush=True)
-            seen = hits = 0
-            loss_sum = 0.0
-        if step % eval_every == 0 or step == steps:
-            print(f"[{NAME}] step {step}: held-out accuracy {evaluate(model, val[0], val[1]):.4f} ({len(val[0])} images)", flush=True)
+          f"{steps} steps of {batch_size}, token labels on a {grid} x {grid} grid", flush=True)
+    # the final tokens [B, 9, 192] in raster order of the final grid, each labelled
+    run_steps(model, aux, opts, pool, val, lambda x: (model.head_logits(h := model.encode(x)), h), name=NAME, gen=gen, steps=steps,
+              batch_size=batch_size, warmup=warmup, token_weight=token_weight, token_size=final_patch, log_every=log_every,
+              eval_every=eval_every)
     return model.eval()
 
 
