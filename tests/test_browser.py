@@ -387,6 +387,23 @@ def test_the_browser_draws_the_servers_pixels(url, page):
     page.locator("#vv-explorer-live .vvx-token", has_text="cls").click()
     same_as_server(4, "head 2", 0, "shared")
 
+    # a new image with the explorer on the page: its explorer comes as soon as the forward has
+    # written it, before the analysis' outputs (`vitviz.server.early`), and draws the same pixels
+    page.locator("#vv-explorer-live .vvx-scale").select_option(value="layer")
+    page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
+    root = "document.querySelector('#vv-explorer-live .vvx').dataset"
+    page.wait_for_function(f"{root}.analysis && {root}.analysis !== {key!r}")
+    assert page.locator("#vv-explorer-live .vvx").get_attribute("data-source") == "early"
+    new_key = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
+    page.wait_for_function(f"{root}.complete === {new_key!r}")  # every layer in, from the range request after the first
+    _analysed(page, "shapes_p16")
+    exp = runtime.STORE.get(new_key)
+    assert exp is not None and runtime.STORE.get(key) is None  # the page's analysis now: the one before is let go
+    same_as_server(6, "mean", 0, "layer")
+    page.locator("#vv-explorer-live .vvx-layer").focus()
+    page.keyboard.press("ArrowLeft")
+    same_as_server(5, "mean", 0, "layer")
+
 
 def _no_label_covers_a_picture(page):
     """Every figure's label sits outside its picture (boxes as laid out on screen)."""

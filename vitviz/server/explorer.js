@@ -19,7 +19,9 @@
   const ticks = root.querySelector(".vvx-ticks");
   const mosaicNote = root.querySelector(".vvx-mosaic-note");
 
-  let meta = null;          // the analysis' layout (props.value)
+  // what is shown: the analysis' layout (its value), its layers, pictures and pixel-to-patch maps;
+  // a new analysis is prepared beside them (`load`) and takes their place when its first view can be drawn
+  let meta = null;          // the analysis' layout (props.value, or the early value: `early`)
   let layers = [];          // per layer: {top: Float32Array [V*N], q: Uint8Array [V*N*M]} or a Promise
   let sharedMax = null;     // Float32Array [N]
   let base = null;          // ImageData of the display image
@@ -27,7 +29,9 @@
   let pixelPatch = null;    // Int32Array: the patch of each display pixel
   let tilePatch = null;     // Int32Array: the patch of each tile pixel
   const view = { layer: 1, head: 0, query: 0, pinned: false, scale: scaleSelect.value };
-  let loading = 0;
+  let loading = 0;          // the newest load
+  let loadingId = null;     // the analysis it loads
+  let named = 0;            // the newest analysis this page named (`vitvizTicket`)
 
   const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
 
@@ -57,11 +61,11 @@
     return out;
   }
 
-  function parseLayer(buffer, offset) {
-    const v = meta.views, n = meta.tokens, m = meta.patches;
+  function parseLayer(m, buffer, offset) {
+    const v = m.views, n = m.tokens, p = m.patches;
     const top = new Float32Array(buffer.slice(offset, offset + 4 * v * n));
-    const q = new Uint8Array(buffer, offset + 4 * v * n, v * n * m);
-    return [{ top, q }, offset + 4 * v * n + v * n * m];
+    const q = new Uint8Array(buffer, offset + 4 * v * n, v * n * p);
+    return [{ top, q }, offset + 4 * v * n + v * n * p];
   }
 
   async function fetchBuffer(url) {
@@ -79,80 +83,144 @@
     return response.status === 206 ? buffer : buffer.slice(start, end);
   }
 
-  // the "stack" file: the shared maxima and the layer shown first (the last) fetched first, then the
-  // other layers in one request; a layer asked for meanwhile waits for them
-  function fetchStack(url, ticket) {
-    const head = 4 * meta.tokens, block = meta.views * meta.tokens * (4 + meta.patches), last = meta.depth - 1;
-    const top = fetchRange(url, 0, head).then((buffer) => { if (ticket === loading) sharedMax = new Float32Array(buffer); });
-    layers[last] = Promise.all([top, fetchRange(url, head + last * block, head + meta.depth * block)])
-      .then(([, buffer]) => parseLayer(buffer, 0)[0]);
+  // the "stack" file of `next` (an analysis being loaded): the shared maxima and the layer shown first
+  // (the last) fetched first, unless they came inline (`first`, base64: `early`), then the other
+  // layers in one request; a layer asked for meanwhile waits for them
+  function fetchStack(next, first) {
+    const m = next.meta, url = fileUrl(m.data);
+    const head = 4 * m.tokens, block = m.views * m.tokens * (4 + m.patches), last = m.depth - 1;
+    const whole = first
+      ? fetch("data:application/octet-stream;base64," + first).then((response) => response.arrayBuffer())
+      : Promise.all([fetchRange(url, 0, head), fetchRange(url, head + last * block, head + m.depth * block)])
+        .then(([top, buffer]) => { const both = new Uint8Array(head + block); both.set(new Uint8Array(top)); both.set(new Uint8Array(buffer), head); return both.buffer; });
+    next.layers[last] = whole.then((buffer) => {
+      next.sharedMax = new Float32Array(buffer.slice(0, head));
+      if (meta === m) sharedMax = next.sharedMax;
+      return parseLayer(m, buffer, head)[0];
+    });
     if (last > 0) {
-      const rest = layers[last].then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
+      const rest = next.layers[last].then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
         const parsed = [];
-        for (let l = 0, offset = 0; l < last; l++) [parsed[l], offset] = parseLayer(buffer, offset);
+        for (let l = 0, offset = 0; l < last; l++) [parsed[l], offset] = parseLayer(m, buffer, offset);
         return parsed;
       });
-      for (let l = 0; l < last; l++) layers[l] = rest.then((parsed) => parsed[l]);
+      for (let l = 0; l < last; l++) next.layers[l] = rest.then((parsed) => parsed[l]);
     }
-    layers.forEach((p) => p.catch(() => {}));  // a failure is reported when its layer is drawn
-    const id = meta.id;  // data-complete: every layer is in (what a benchmark waits for before timing anything else)
-    Promise.all(layers).then(() => { if (ticket === loading) root.dataset.complete = id; }, () => {});
+    next.layers.forEach((p) => p.catch(() => {}));  // a failure is reported when its layer is drawn
+    // data-complete: every layer is in (what a benchmark waits for before timing anything else)
+    Promise.all(next.layers).then(() => { next.complete = true; if (meta === m) root.dataset.complete = m.id; }, () => {});
+  }
+
+  // one layer of `m`'s analysis by itself: its block of the "stack" file, or its own file ("layers")
+  async function fetchLayer(m, layer) {
+    const head = 4 * m.tokens;
+    if (m.mode === "stack") {
+      const block = m.views * m.tokens * (4 + m.patches);
+      const [top, buffer] = await Promise.all([fetchRange(fileUrl(m.data), 0, head),
+        fetchRange(fileUrl(m.data), head + (layer - 1) * block, head + layer * block)]);
+      return { layer: parseLayer(m, buffer, 0)[0], sharedMax: new Float32Array(top) };
+    }
+    const buffer = await fetchBuffer(fileUrl(await server.explorer_layer(m.id, layer)));
+    return { layer: parseLayer(m, buffer, head)[0], sharedMax: new Float32Array(buffer.slice(0, head)) };
   }
 
   async function ensureLayer(layer) {
     if (layers[layer - 1] && !(layers[layer - 1] instanceof Promise)) return layers[layer - 1];
+    const m = meta;
     if (!layers[layer - 1]) {
-      layers[layer - 1] = (async () => {
-        if (meta.mode === "stack") {  // fetched again by itself: its block of the file
-          const head = 4 * meta.tokens, block = meta.views * meta.tokens * (4 + meta.patches);
-          if (!sharedMax) sharedMax = new Float32Array(await fetchRange(fileUrl(meta.data), 0, head));
-          return parseLayer(await fetchRange(fileUrl(meta.data), head + (layer - 1) * block, head + layer * block), 0)[0];
-        }
-        const path = await server.explorer_layer(meta.id, layer);
-        const buffer = await fetchBuffer(fileUrl(path));
-        sharedMax = new Float32Array(buffer.slice(0, 4 * meta.tokens));
-        return parseLayer(buffer, 4 * meta.tokens)[0];
-      })();
+      layers[layer - 1] = fetchLayer(m, layer).then((got) => {
+        if (meta === m && !sharedMax) sharedMax = got.sharedMax;
+        return got.layer;
+      });
     }
     const pending = layers[layer - 1];
     try {
       const got = await pending;
-      if (layers[layer - 1] === pending) layers[layer - 1] = got;
+      if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = got;
       return got;
     } catch (error) {
-      if (layers[layer - 1] === pending) layers[layer - 1] = null;  // not kept: asked for again when it is next shown
+      if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = null;  // not kept: asked for again when it is next shown
       throw error;
     }
   }
 
-  async function load(value) {
+  // an analysis' explorer: its pictures and the layer shown first (the last) fetched while the
+  // explorer still shows the one before, then all of it shown at once; `early` gives the pictures
+  // (being fetched already) and the first view's data
+  async function load(value, given = {}) {
     const ticket = ++loading;
-    meta = value;
-    layers = [];
-    sharedMax = null;
+    loadingId = value ? value.id : null;
     root.dataset.analysis = "";
     root.dataset.complete = "";
-    if (!meta || meta.mode === "server") {
+    if (!value || value.mode === "server") {
+      meta = value;
+      layers = [];
+      sharedMax = null;
       root.classList.toggle("vvx-off", true);
-      statusText.textContent = meta ? meta.note : "Analyse an image first.";
+      statusText.textContent = value ? value.note : "Analyse an image first.";
       return;
     }
-    root.classList.toggle("vvx-off", false);
-    statusText.textContent = "";
-    if (meta.mode === "stack") fetchStack(fileUrl(meta.data), ticket);  // beside the pictures
-    const [b, t] = await Promise.all([imageData(fileUrl(meta.base)), imageData(fileUrl(meta.tile_base))]);
+    const next = { meta: value, layers: [], sharedMax: null, complete: false };
+    if (value.mode === "stack") fetchStack(next, given.first);
+    const first = value.mode === "stack" ? next.layers[value.depth - 1]
+      : fetchLayer(value, value.depth).then((got) => { next.sharedMax = got.sharedMax; return got.layer; });
+    const pictures = given.pictures || Promise.all([imageData(fileUrl(value.base)), imageData(fileUrl(value.tile_base))]);
+    let b, t, shownFirst;
+    try {
+      [[b, t], shownFirst] = await Promise.all([pictures, first]);
+    } catch (error) {
+      if (ticket === loading) {
+        loadingId = null;  // the same analysis' value, when it comes again, is loaded again
+        statusText.textContent = "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
+      }
+      return;
+    }
     if (ticket !== loading) return;
-    base = b;
-    tileBase = t;
+    next.layers[value.depth - 1] = shownFirst;
+    [meta, layers, sharedMax, base, tileBase] = [value, next.layers, next.sharedMax, b, t];
     pixelPatch = patchIndex(base.width, meta.grid);
     tilePatch = patchIndex(tileBase.width, meta.grid);
+    root.classList.toggle("vvx-off", false);
+    statusText.textContent = "";
     setupControls();
     Object.assign(view, { layer: meta.depth, head: meta.heads, query: 0, pinned: false });
     layerInput.value = view.layer;
     headSelect.value = String(view.head);
     await draw();
-    if (ticket === loading) { root.dataset.analysis = meta.id; root.dataset.grid = meta.grid.join("x"); root.dataset.prefix = String(meta.prefix.length); }
+    if (ticket === loading) {
+      // data-source: "early" when it came before the analysis' outputs (`early`), else "outputs"
+      Object.assign(root.dataset, { analysis: meta.id, grid: meta.grid.join("x"), prefix: String(meta.prefix.length),
+        source: given.first ? "early" : "outputs" });
+      if (next.complete) root.dataset.complete = meta.id;
+    }
   }
+
+  // the page names each analysis it asks for (page.NAME_ANALYSIS) and asks for its explorer at once:
+  // it comes as soon as the forward has written it, before the analysis' other outputs; None: it
+  // comes with them (`vitviz.server.early`)
+  function newTicket() {
+    const bytes = crypto.getRandomValues(new Uint8Array(16));
+    return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  }
+
+  async function early(ticket, mine) {
+    try {  // nothing early (None, or an error): the analysis' outputs bring the explorer
+      const paths = await server.explorer_early(ticket, "pictures");  // written before the forward
+      if (!paths || mine !== named) return;
+      const pictures = Promise.all([imageData(fileUrl(paths.base)), imageData(fileUrl(paths.tile_base))]);
+      pictures.catch(() => {});
+      const value = await server.explorer_early(ticket, "explorer");  // once the forward has written the file
+      if (!value || mine !== named || value.id === loadingId || (meta && value.id === meta.id)) return;
+      const { first, ...rest } = value;
+      load(rest, { pictures, first });
+    } catch (error) {}
+  }
+
+  window.vitvizTicket = () => {
+    const ticket = newTicket(), mine = ++named;
+    early(ticket, mine);
+    return ticket;
+  };
 
   function setupControls() {
     layerInput.max = meta.depth;
@@ -259,13 +327,14 @@
 
   async function draw() {
     if (!meta || meta.mode === "server" || !base) return;
-    const want = { ...view };
+    const want = { ...view }, m = meta;
     try {
       await ensureLayer(want.layer);
     } catch (error) {
-      statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+      if (meta === m) statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
       return;
     }
+    if (meta !== m) return;  // another analysis came meanwhile: drawn by its own load
     statusText.textContent = "";
     if (meta.mode === "layers" && !sharedMax) return;
     const v = values(want.layer, want.head, want.query);
@@ -361,7 +430,11 @@
   headSelect.addEventListener("change", () => { view.head = Number(headSelect.value); draw(); });
   scaleSelect.addEventListener("change", () => { view.scale = scaleSelect.value; draw(); });
 
-  // the same analysis again (its explorer came with the analysis, then from the step after it): kept as it is
-  watch("value", () => { const v = props.value; if (!(v && meta && v.id === meta.id && v.mode === meta.mode)) load(v); });
+  // the same analysis again (its explorer came early, then with the analysis' outputs, then from the step after it): kept as it is
+  watch("value", () => {
+    const v = props.value;
+    if (v && (v.id === loadingId || (meta && v.id === meta.id && v.mode === meta.mode))) return;
+    load(v);
+  });
   load(props.value);
 })();

@@ -24,6 +24,7 @@ views are the server's (ViT-H/14 at 518 px: 34 MB a layer).
 
 from __future__ import annotations
 
+import base64
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "write_layer", "mosaic_tile_px", "widget_files"]
+           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -250,18 +251,42 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
             "the views below are drawn by the server."
         )
         return value
-    tile = mosaic_tile_px(a.grid)
-    for name, draw in (("base", lambda: exp.display_image), ("tile_base", lambda: a.image.resize((tile, tile), _BILINEAR))):
-        path = folder / f"{key}-{name}.png"
-        if not path.exists():
-            draw().save(path, format="PNG", compress_level=1)
-        value[name] = str(path)
+    value.update(write_pictures(lambda: exp.display_image, a.image, grid=a.grid, key=key, folder=folder))
     if layout.mode == "stack":
         path = folder / f"{key}-stack.bin"
         if not path.exists():  # one analysis, one key: written once
             path.write_bytes(stack_file(a, range(depth)))
         value["data"] = str(path)
     return value
+
+
+def write_pictures(display, crop: Image.Image, *, grid: tuple[int, int], key: str, folder) -> dict[str, str]:
+    """The explorer's two pictures, from the crop the model sees: "base", the image as displayed
+    (`display()`, called only when it is not written yet), and "tile_base", a mosaic tile's
+    (`mosaic_tile_px`); written once per key. Returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tile = mosaic_tile_px(grid)
+    paths = {}
+    for name, draw in (("base", display), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
+        path = folder / f"{key}-{name}.png"
+        if not path.exists():
+            draw().save(path, format="PNG", compress_level=1)
+        paths[name] = str(path)
+    return paths
+
+
+def first_shown(value: dict) -> str:
+    """The "stack" file of an explorer's value (`write_payload`), as much as the first view needs —
+    the shared maxima, then the last layer's block (the layer shown first) — in base64."""
+    layout = ExplorerLayout("stack", value["depth"], value["views"], value["tokens"], value["patches"])
+    with open(value["data"], "rb") as f:
+        head = f.read(4 * layout.tokens)
+        f.seek(4 * layout.tokens + (layout.layers - 1) * layout.layer_bytes)
+        block = f.read(layout.layer_bytes)
+    if len(head) != 4 * layout.tokens or len(block) != layout.layer_bytes:
+        raise ValueError(f"{value['data']} is shorter than its layout")
+    return base64.b64encode(head + block).decode("ascii")
 
 
 def write_layer(exp, *, key: str, layer: int, folder) -> str:

@@ -27,6 +27,9 @@ from vitviz.sources import checkpoint_dir, get_spec
 HERE = Path(__file__).resolve().parent
 # after an analysis on a narrow screen the page goes to its results (they sit under the inputs there)
 SCROLL_TO_RESULTS = (HERE / "app.js").read_text()
+# before an analysis goes to the queue: the page names it with a ticket and asks for its explorer at
+# once (`vitviz.server.early`; the explorer's widget defines `vitvizTicket`), the other inputs as they are
+NAME_ANALYSIS = "(...values) => [...values.slice(0, 5), window.vitvizTicket ? window.vitvizTicket() : '']"
 
 
 class Page:
@@ -139,6 +142,8 @@ def _api() -> None:
         PAGE.api_head = gr.Textbox(label="head", value="mean")
         PAGE.api_query = gr.Number(label="query token", precision=0)
         PAGE.api_map = PngImage(interactive=False)
+        PAGE.api_session_button = gr.Button("session analyse")  # the page's analysis for a client, in its session
+        PAGE.ticket = gr.Textbox("", max_length=64)  # the page's name for its analysis (NAME_ANALYSIS)
 
 
 def _wire() -> None:
@@ -151,12 +156,15 @@ def _wire() -> None:
     "always_last" draws the value the control ends on.
     """
     model, predict = PAGE.model, PAGE.tab("predict")
-    analysis_inputs = [PAGE.image, PAGE.variant, predict.head_fusion, predict.discard, PAGE.state]
+    analysis_inputs = [PAGE.image, PAGE.variant, predict.head_fusion, predict.discard, PAGE.state, PAGE.ticket]
     # Progress shows on the rollout and the status line only: a spinner on every output costs the
     # browser time the analysis needs on a small machine.
-    analyse = dict(show_progress_on=[predict.rollout_img, PAGE.status], **model)
+    analyse = dict(show_progress_on=[predict.rollout_img, PAGE.status], js=NAME_ANALYSIS, **model)
     outputs = PAGE.analysis_outputs
-    _analysis(PAGE.run.click(on_analyze, analysis_inputs, outputs, api_visibility="undocumented", api_name="session_analyze", **analyse))
+    _analysis(PAGE.run.click(on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse))
+    # the same for a client (no ticket: its explorer comes with the outputs)
+    PAGE.api_session_button.click(on_analyze, analysis_inputs[:-1], outputs, api_visibility="undocumented", api_name="session_analyze",
+                                  **model)
     _analysis(PAGE.image.upload(on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse))
     _analysis(PAGE.variant.change(on_variant_info, PAGE.variant, PAGE.variant_info, api_visibility="private", show_progress="hidden").then(
         on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse
@@ -193,25 +201,30 @@ def _analysis(event) -> None:
 # The analysis
 
 def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio: float, ref: SessionRef | None = None,
-               progress=gr.Progress(track_tqdm=True)) -> Outputs:
+               ticket: str | None = None, progress=gr.Progress(track_tqdm=True)) -> Outputs:
     """A new image or variant: the one handler that runs the model for an analysis.
 
     When nothing can be analysed (no image, an image vitviz refuses, weights that cannot be had),
     only the notice changes, saying why: the results on the page stay those of the last analysis.
-    The tabs drawn on demand are drawn when shown (`on_tab`).
+    The tabs drawn on demand are drawn when shown (`on_tab`). `ticket` is the page's name for this
+    analysis: its explorer goes to the page as soon as the forward has written it (`vitviz.server.early`).
     """
-    if isinstance(ref, SessionRef) and image == ref.source and isinstance(variant, str) and variant.strip() == ref.variant:
-        return {PAGE.results_box: gr.update(elem_classes=["vv-results"])}  # what is shown is this very analysis
-    progress(0, desc=f"Loading {variant} (a first use may download its weights)")
+    ticket = runtime.EARLY.open(ticket)
     try:
-        head_fusion = runtime.checked(inputs.fusion, head_fusion)
-        discard_ratio = runtime.checked(inputs.ratio, discard_ratio)
-        # the job lasts until every picture of the analysis is drawn; the explorer's file is written during the forward
-        with runtime.analysis_job(image, variant, explorer=True):
-            exp = runtime.run(image, variant, explorer_key=runtime.new_key())
-            return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
-    except gr.Error as exc:
-        return _refused(exc, ref)
+        if isinstance(ref, SessionRef) and image == ref.source and isinstance(variant, str) and variant.strip() == ref.variant:
+            return {PAGE.results_box: gr.update(elem_classes=["vv-results"])}  # what is shown is this very analysis
+        progress(0, desc=f"Loading {variant} (a first use may download its weights)")
+        try:
+            head_fusion = runtime.checked(inputs.fusion, head_fusion)
+            discard_ratio = runtime.checked(inputs.ratio, discard_ratio)
+            # the job lasts until every picture of the analysis is drawn; the explorer's file is written during the forward
+            with runtime.analysis_job(image, variant, explorer=True):
+                exp = runtime.run(image, variant, explorer_key=runtime.new_key(), ticket=ticket)
+                return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
+        except gr.Error as exc:
+            return _refused(exc, ref)
+    finally:
+        runtime.EARLY.close(ticket)
 
 
 def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None, head_fusion: str = "mean",

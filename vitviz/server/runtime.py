@@ -28,6 +28,7 @@ from vitviz.cost import BASE_BYTES, Cost, price  # noqa: E402
 from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
+from vitviz.server.early import Tickets  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
 from vitviz.server.gradio_io import as_text, upload_folder  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
@@ -63,6 +64,7 @@ EXPLORER_DIR = upload_folder() / "vitviz-explorer"
 EXPLORER_WIDGET = explorer_data.widget_files()
 EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
 EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (they run on Gradio's thread pool)
+EARLY = Tickets()  # the explorer of an analysis on its way, for the page that named it (`vitviz.server.early`)
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
 # a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
 STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle)
@@ -159,11 +161,12 @@ def _requested(image: str | None, variant: object) -> str:
         raise
 
 
-def run(image: str | None, variant: str, *, explorer_key: str | None = None) -> views.Exploration:
+def run(image: str | None, variant: str, *, explorer_key: str | None = None, ticket: str | None = None) -> views.Exploration:
     """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
     the two was the problem ("image" or "variant"). With `explorer_key` (a new session key: see
     `new_key`), the explorer's file for the browser is written under it while the forward runs
-    (`views.explore`), within the analysis' own job and price."""
+    (`views.explore`), within the analysis' own job and price; with `ticket` too (one `EARLY`
+    opened), the explorer's value is published for the page as soon as the file is complete."""
     variant = _requested(image, variant)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
@@ -173,8 +176,18 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None) -> 
                 return _analyze_on_device(image, variant)
             with EXPLORER_LOCKS.hold(explorer_key):
                 explorer_sweep(room=price(get_spec(variant), "explorer").kept_bytes)
-                exp = _analyze_on_device(image, variant, stream_to=str(EXPLORER_DIR / f"{explorer_key}-stack.bin"))
-            return replace(exp, key=explorer_key)
+                stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
+                try:
+                    exp = replace(_analyze_on_device(image, variant, stream_to=str(stack),
+                                                     on_crop=_pictures_early(ticket, variant, explorer_key)), key=explorer_key)
+                except BaseException:  # the pictures written for the page before the forward go with it
+                    for name in ("base", "tile_base"):
+                        (EXPLORER_DIR / f"{explorer_key}-{name}.png").unlink(missing_ok=True)
+                    raise
+                if ticket is not None and stack.exists():  # one file for the browser, complete: the page may draw it now
+                    value = explorer_data.write_payload(exp, key=explorer_key, folder=EXPLORER_DIR)
+                    EARLY.publish(ticket, "explorer", {**value, "first": explorer_data.first_shown(value)})
+            return exp
     except ImageError as exc:
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
         refused.cause = "image"
@@ -202,6 +215,20 @@ def analysis_price(variant: str, *, explorer: bool = False) -> Cost:
     return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
 
 
+def _pictures_early(ticket: str | None, variant: str, key: str):
+    """With a page's ticket: what writes the explorer's pictures from the crop before the forward
+    runs (`views.explore`'s `on_crop`), and publishes them for the page (`vitviz.server.early`)."""
+    if ticket is None:
+        return None
+    spec = get_spec(variant)
+
+    def write(cropped) -> None:
+        EARLY.publish(ticket, "pictures", explorer_data.write_pictures(lambda: views.display_of(cropped), cropped, grid=spec.grid,
+                                                                       key=key, folder=EXPLORER_DIR))
+
+    return write
+
+
 def new_key() -> str:
     """A new session key (random, unguessable): the analysis is kept under it, and its explorer's files are named by it."""
     return secrets.token_urlsafe(16)
@@ -226,8 +253,8 @@ def file_name(path: str | None) -> str:
 
 
 @gpu
-def _analyze_on_device(image: str, variant: str, stream_to: str | None = None) -> views.Exploration:
-    return views.explore(CACHE, image, variant, stream_to=stream_to)
+def _analyze_on_device(image: str, variant: str, stream_to: str | None = None, on_crop=None) -> views.Exploration:
+    return views.explore(CACHE, image, variant, stream_to=stream_to, on_crop=on_crop)
 
 
 @gpu

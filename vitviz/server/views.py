@@ -21,8 +21,9 @@ from vitviz import plots
 from vitviz.explainers import method as registered_method
 from vitviz.analysis import POOL, Query, attention_received
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
-from vitviz.images import ImageSource
-from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower
+from vitviz.images import ImageSource, load_image
+from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_of
+from vitviz.preprocess import crop
 from vitviz.server import explorer_data
 from vitviz.server.models import ModelCache, ModelFacts
 from vitviz.swin import Swin
@@ -30,6 +31,8 @@ from vitviz.swin import Swin
 __all__ = [
     "DISPLAY_PX",
     "Exploration",
+    "display_scale",
+    "display_of",
     "explore",
     "explore_crop",
     "patch_at",
@@ -66,27 +69,42 @@ class Exploration:
 
     @property
     def scale(self) -> int:
-        return max(1, math.ceil(DISPLAY_PX / self.analysis.image.size[0]))
+        return display_scale(self.analysis.image)
 
     @property
     def display_image(self) -> Image.Image:
-        img = self.analysis.image
-        return img.resize((img.size[0] * self.scale, img.size[1] * self.scale), Image.NEAREST)
+        return display_of(self.analysis.image)
 
 
-def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: str | Path | None = None) -> Exploration:
+def display_scale(crop: Image.Image) -> int:
+    """How many display pixels a pixel of the crop the model sees takes (at least `DISPLAY_PX` wide)."""
+    return max(1, math.ceil(DISPLAY_PX / crop.size[0]))
+
+
+def display_of(crop: Image.Image) -> Image.Image:
+    """The crop as the views show it: each pixel `display_scale` times, nearest-neighbour (patch edges stay sharp)."""
+    k = display_scale(crop)
+    return crop.resize((crop.size[0] * k, crop.size[1] * k), Image.NEAREST)
+
+
+def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: str | Path | None = None,
+            on_crop=None) -> Exploration:
     """The analysis: `variant` run once on `image`, its attention recorded. With `stream_to`, the
     explorer's "stack" file (`explorer_data`) is written there while the forward runs, each layer's
     block as soon as the layer is computed (`explorer_data.StackStream`; nothing for a Swin or a
-    stack over the browser's budget); when the forward fails, no file is left."""
+    stack over the browser's budget); when the forward fails, no file is left. `on_crop`, with
+    `stream_to`, is called with the crop the model sees (`Analysis.image`) before the forward runs."""
     model, facts = cache.get(variant)
     if stream_to is None or isinstance(model, Swin):
         return Exploration(analyze(model, image), facts)
     tower = image_tower(model)
     stream = explorer_data.StackStream(stream_to, depth=tower.config.depth, num_prefix_tokens=tower.config.num_prefix_tokens,
                                        pooled_query=tower.config.pooled_query, pool_weighted=tower.attn_pool is not None)
+    cropped = crop(load_image(image), spec_of(model).preprocessing)  # as `analyze` crops it
+    if on_crop is not None:
+        on_crop(cropped)
     try:
-        a = analyze(model, image, on_layer=stream.on_layer)
+        a = analyze_crop(model, cropped, on_layer=stream.on_layer)
         stream.finish(a)
     except BaseException:
         stream.abort()

@@ -44,6 +44,18 @@ def explorer_layer(request: list) -> str:
         calls.release()
 
 
+async def explorer_early(request: list) -> dict | None:
+    """The browser's call for the explorer of an analysis on its way (`vitviz.server.early`):
+    [ticket, "pictures"] -> the explorer's pictures, written before the forward; [ticket, "explorer"]
+    -> the explorer's value once the forward has written its file, with the first view's data inline.
+    None: no such analysis, or its explorer comes with its outputs. Waits without a thread, at most a minute."""
+    try:
+        ticket, step = request
+    except (TypeError, ValueError):
+        return None
+    return await runtime.EARLY.wait(ticket, step)
+
+
 class ExplorerTab(Tab):
     id = "explorer"
     label = "Explorer"
@@ -56,7 +68,7 @@ class ExplorerTab(Tab):
         with gr.Column() as self.global_box:
             self.explorer_live = gr.HTML(
                 value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
-                js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer], elem_id="vv-explorer-live",
+                js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer, explorer_early], elem_id="vv-explorer-live",
             )
         with gr.Column(visible=False) as self.swin_box:
             self.swin_live = gr.HTML(value=None, html_template=SWIN_WIDGET["html"], css_template=SWIN_WIDGET["css"],

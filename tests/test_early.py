@@ -1,0 +1,180 @@
+"""The explorer of an analysis on its way (`vitviz.server.early`): the tickets' rules by themselves,
+then through the running app by raw HTTP — the page's analysis named by a ticket, its pictures
+published before the forward and its explorer's value right after it (the first view's bytes inline,
+equal to the file's), the same value the outputs bring; junk tickets, steps and bodies answered
+None, and the server serving on."""
+
+import asyncio
+import base64
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_bounds import results
+from vitviz.server.early import Tickets
+
+T1, T2 = "A" * 22, "b-_" + "c" * 19
+
+
+def _wait(tickets, ticket, step):
+    return asyncio.run(tickets.wait(ticket, step))
+
+
+def test_a_published_step_is_answered_at_once_and_an_ended_analysis_answers_none():
+    t = Tickets()
+    assert t.open(T1) == T1
+    t.publish(T1, "pictures", {"base": "b"})
+    assert _wait(t, T1, "pictures") == {"base": "b"}
+    t.close(T1)  # ended before its explorer was published
+    assert _wait(t, T1, "explorer") is None
+    assert _wait(t, T1, "pictures") == {"base": "b"}  # what was published stays
+    t.publish(T1, "explorer", {"id": "late"})  # settled already: not changed
+    assert _wait(t, T1, "explorer") is None
+
+
+def test_a_wait_before_the_analysis_is_answered_when_another_thread_publishes():
+    t = Tickets()
+
+    def analysis():
+        time.sleep(0.1)
+        assert t.open(T2) == T2
+        time.sleep(0.1)
+        t.publish(T2, "explorer", {"id": "k"})
+
+    async def both():
+        worker = threading.Thread(target=analysis)
+        worker.start()
+        start = time.perf_counter()
+        got = await asyncio.gather(t.wait(T2, "explorer"), t.wait(T2, "explorer"))
+        worker.join()
+        return got, time.perf_counter() - start
+
+    got, seconds = asyncio.run(both())
+    assert got == [{"id": "k"}, {"id": "k"}] and 0.15 < seconds < 5
+
+
+@pytest.mark.parametrize("ticket", [None, "", "A" * 21, "A" * 23, "A" * 21 + "/", "A" * 21 + "é", 17, ["A" * 22], "A" * 10_000])
+def test_what_is_no_ticket_gets_nothing(ticket):
+    t = Tickets()
+    assert t.open(ticket) is None
+    assert _wait(t, ticket, "explorer") is None
+
+
+def test_a_ticket_named_twice_gets_nothing_early_the_second_time_and_steps_are_checked():
+    t = Tickets()
+    assert t.open(T1) == T1 and t.open(T1) is None
+    t.publish(T1, "explorer", {"id": "k"})
+    assert _wait(t, T1, "explorer") == {"id": "k"}
+    for step in ("data", None, 3, "explorer "):
+        assert _wait(t, T1, step) is None
+
+
+def test_waits_are_bounded_in_number_and_time():
+    t = Tickets(waiters=2, wait_seconds=0.3)
+
+    async def many():
+        start = time.perf_counter()
+        got = await asyncio.gather(*[t.wait(T1, "explorer") for _ in range(5)])
+        return got, time.perf_counter() - start
+
+    got, seconds = asyncio.run(many())
+    assert got == [None] * 5 and seconds < 2  # three answered at once (too many), two at their time limit
+    assert t._count == 0 and t._waiting == {}
+
+
+def test_old_tickets_are_dropped_and_their_waits_answered():
+    t = Tickets(size=2)
+
+    async def scenario():
+        t.open(T1)
+        waiting = asyncio.ensure_future(t.wait(T1, "explorer"))
+        await asyncio.sleep(0.05)
+        t.open(T2)
+        t.open("C" * 22)  # the third: T1, the oldest, goes
+        return await asyncio.wait_for(waiting, 5)
+
+    assert asyncio.run(scenario()) is None
+    assert T1 not in t._entries and len(t._entries) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the running app, by raw HTTP
+
+@pytest.fixture(scope="module")
+def server():
+    global page, runtime, tabs
+    from vitviz.server import app, page, runtime, tabs
+
+    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+    try:
+        yield app.demo.local_url.rstrip("/")
+    finally:
+        app.demo.close()
+
+
+def _early(base: str, session: str, data) -> httpx.Response:
+    body = {"session_hash": session, "component_id": tabs.explorer.TAB.explorer_live._id, "fn_name": "explorer_early", "data": data}
+    return httpx.post(f"{base}/gradio_api/component_server", json=body, timeout=90)
+
+
+def _analyse(base: str, session: str, image: str, ticket) -> list:
+    """The page's own analysis (its upload event, the ticket its last input) by raw HTTP: its outputs."""
+    config = httpx.get(f"{base}/config", timeout=30).json()
+    (fn,) = [d["id"] for d in config["dependencies"] if [page.PAGE.image._id, "upload"] in d["targets"]]
+    with open(image, "rb") as f:
+        path = httpx.post(f"{base}/gradio_api/upload", files=[("files", ("photo.png", f.read()))], timeout=60).json()[0]
+    data = [{"path": path, "meta": {"_type": "gradio.FileData"}}, "shapes_p16", "mean", 0.0, None, ticket]
+    body = {"data": data, "fn_index": fn, "session_hash": session, "event_data": None, "trigger_id": None}
+    assert httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30).status_code == 200
+    (msg,) = results(base, session, 1)
+    assert msg["success"], msg
+    return msg["output"]["data"]
+
+
+def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
+    session, ticket = uuid.uuid4().hex, "Tk" + uuid.uuid4().hex[:20]
+    got = {}
+
+    def ask(step):
+        got[step] = (_early(server, session, [ticket, step]), time.perf_counter())
+
+    waits = [threading.Thread(target=ask, args=(step,)) for step in ("pictures", "explorer")]
+    for w in waits:
+        w.start()
+    time.sleep(0.2)  # both waits open before the analysis starts
+    outputs = _analyse(server, session, runtime.EXAMPLES[0], ticket)
+    done = time.perf_counter()
+    for w in waits:
+        w.join()
+    pictures, value = got["pictures"][0].json(), got["explorer"][0].json()
+    assert got["explorer"][1] < done  # answered before the analysis' outputs arrived
+    assert set(pictures) == {"base", "tile_base"} and all(Path(p).exists() for p in pictures.values())
+    first = value.pop("first")
+    # the value the outputs bring, with the pictures published before the forward
+    index = page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)
+    assert value == outputs[index] and value["base"] == pictures["base"] and value["tile_base"] == pictures["tile_base"]
+    # inline: the shared maxima, then the last layer's block, as in the file
+    data = Path(value["data"]).read_bytes()
+    head = 4 * value["tokens"]
+    block = value["views"] * value["tokens"] * (4 + value["patches"])
+    assert base64.b64decode(first) == data[:head] + data[head + (value["depth"] - 1) * block:]
+    # a second analysis under the same ticket gets nothing early; its outputs still bring its explorer
+    other = _analyse(server, session, runtime.EXAMPLES[1], ticket)
+    assert other[index]["id"] != value["id"] and Path(other[index]["data"]).exists()
+    assert _early(server, session, [ticket, "explorer"]).json()["id"] == value["id"]
+
+
+@pytest.mark.parametrize("data", [None, "x", ["A" * 22], ["A" * 22, "explorer", 3], [["A" * 22], "explorer"], ["A" * 22, "pictures"],
+                                  ["A" * 9000, "explorer"], {"ticket": "A" * 22}, 12])
+def test_junk_early_calls_are_answered_none_and_the_server_serves_on(server, data, monkeypatch):
+    monkeypatch.setattr(runtime.EARLY, "wait_seconds", 1.0)  # a ticket never opened: answered None at the limit
+    start = time.perf_counter()
+    r = _early(server, uuid.uuid4().hex, data)
+    assert r.status_code == 200 and r.json() is None
+    assert time.perf_counter() - start < 10
+    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
+    assert out[page.PAGE.notice] == "" and runtime.EARLY._count == 0

@@ -1,0 +1,140 @@
+"""The explorer of an analysis still on its way, for the page that asked for it.
+
+The page names each analysis it asks for with a ticket of its own (22 random URL-safe characters,
+sent with the analysis' inputs) and, at the same moment, asks outside the queue for what that
+ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
+
+- "pictures": the explorer's two pictures (the image as displayed, and a mosaic tile's), written
+  from the crop before the forward starts; the page fetches them while the forward runs;
+- "explorer": the explorer's value, as soon as the forward has written the explorer's file, with
+  the file's header and the layer shown first inline; the page draws the explorer from it while the
+  rest of the analysis is drawn and sent. The value is the one the outputs bring
+  (`explorer_data.write_payload`), so the page loads it once.
+
+A ticket that is malformed or named a second time gets nothing early; neither does an analysis
+whose explorer is not one file for the browser (a Swin's, the "layers" and "server" layouts), nor
+one that fails: the wait answers None, and the page takes the explorer from the outputs as before.
+Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
+
+    tickets = Tickets()
+    name = tickets.open(ticket_from_page)       # None: nothing early for this analysis
+    try:
+        ...; tickets.publish(name, "pictures", paths); ...; tickets.publish(name, "explorer", value)
+    finally:
+        tickets.close(name)                     # what was not published: its wait answers None
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections import OrderedDict
+
+__all__ = ["Tickets", "TICKET", "STEPS"]
+
+TICKET = re.compile(r"[A-Za-z0-9_-]{22}")
+STEPS = ("pictures", "explorer")
+_NONE = object()  # settled without a value
+
+
+class Tickets:
+    """Tickets of analyses, the newest `size` kept for `seconds`; at most `waiters` waits at once,
+    each at most `wait_seconds` (an analysis waiting longer in the queue gets its explorer with its outputs)."""
+
+    def __init__(self, *, size: int = 1024, seconds: float = 600.0, waiters: int = 64, wait_seconds: float = 60.0) -> None:
+        self.size, self.seconds, self.max_waiters, self.wait_seconds = size, seconds, waiters, wait_seconds
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # ticket -> (time opened, {step: value or _NONE})
+        self._waiting: dict[tuple[str, str], list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self._count = 0
+
+    def open(self, ticket: object) -> str | None:
+        """`ticket` registered for an analysis starting now; None when it is no ticket or was named before."""
+        if not _valid(ticket):
+            return None
+        with self._lock:
+            self._expire()
+            if ticket in self._entries:
+                return None
+            self._entries[ticket] = (time.monotonic(), {})
+            while len(self._entries) > self.size:
+                old, _ = self._entries.popitem(last=False)
+                self._answer_all(old)
+        return ticket
+
+    def publish(self, ticket: str | None, step: str, value: dict) -> None:
+        """What `step` of `ticket`'s analysis (one opened here) has: every wait for it answered."""
+        if ticket is not None:
+            with self._lock:
+                self._settle(ticket, step, value)
+
+    def close(self, ticket: str | None) -> None:
+        """`ticket`'s analysis ended: a wait for a step it never published answers None."""
+        if ticket is not None:
+            with self._lock:
+                for step in STEPS:
+                    self._settle(ticket, step, _NONE)
+
+    async def wait(self, ticket: object, step: object) -> dict | None:
+        """What `step` of `ticket`'s analysis publishes, once it does; None when there is nothing (no
+        such analysis, it ended without it, too many waits are open, or `wait_seconds` passed)."""
+        if not _valid(ticket) or step not in STEPS:
+            return None
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        key = (ticket, step)
+        with self._lock:
+            entry = self._entries.get(ticket)
+            if entry is not None and step in entry[1]:
+                value = entry[1][step]
+                return None if value is _NONE else value
+            if self._count >= self.max_waiters:
+                return None
+            self._waiting.setdefault(key, []).append((loop, future))
+            self._count += 1
+        try:
+            return await asyncio.wait_for(future, timeout=self.wait_seconds)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                mine = self._waiting.get(key, [])
+                if (loop, future) in mine:
+                    mine.remove((loop, future))
+                    if not mine:
+                        del self._waiting[key]
+                self._count -= 1
+
+    def _settle(self, ticket: str, step: str, value) -> None:
+        entry = self._entries.get(ticket)
+        if entry is None or step in entry[1]:  # dropped, or settled already (published, then closed)
+            return
+        entry[1][step] = value
+        for loop, future in self._waiting.pop((ticket, step), []):
+            loop.call_soon_threadsafe(_resolve, future, None if value is _NONE else value)
+
+    def _answer_all(self, ticket: str) -> None:
+        """Every wait for a dropped ticket answered None (the lock held)."""
+        for step in STEPS:
+            for loop, future in self._waiting.pop((ticket, step), []):
+                loop.call_soon_threadsafe(_resolve, future, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._entries:
+            ticket, (opened, _) = next(iter(self._entries.items()))
+            if now - opened < self.seconds:
+                break
+            self._entries.popitem(last=False)
+            self._answer_all(ticket)
+
+
+def _valid(ticket: object) -> bool:
+    return isinstance(ticket, str) and TICKET.fullmatch(ticket) is not None
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
