@@ -636,3 +636,35 @@ def views_heat(runtime, ref, heat):
 
     exp = runtime.STORE.get(ref.key)
     return plots.overlay(exp.display_image, heat)
+
+
+def test_a_second_image_on_the_same_model_sends_what_changes_and_gradio_would_send_the_same(app, example, monkeypatch):
+    """A new image on the model already shown leaves what the model decides (which tabs show, the
+    menus' choices, the sliders' bounds) as it is; the page's outputs pass through `GuardedBlocks`,
+    which does not rebuild a component left as it is, and gives Gradio's own answer for every output."""
+    import asyncio
+    import copy
+
+    from gradio.state_holder import SessionState
+
+    demo = app.demo
+    fn = next(f for f in demo.fns.values() if f.name == "on_analyze")
+    first = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    second = page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, first[page.PAGE.state], progress=_quiet)
+    other = page.on_analyze(runtime.EXAMPLES[1], "shapes_p8", "mean", 0.0, second[page.PAGE.state], progress=_quiet)
+    skip = gr.skip()
+    for g in page.PAGE.gates:
+        assert second[g.note] == skip and second[g.content] == skip and other[g.content] != skip
+    ex = tabs.explorer.TAB
+    assert second[ex.layer] == 6 and second[ex.head] == "mean" and other[ex.layer]["__type__"] == "update"
+    rebuilt = []
+    original = SessionState._update_config
+    monkeypatch.setattr(SessionState, "_update_config", lambda self, i: (rebuilt.append(i), original(self, i))[1])
+    for out in (first, second, other):
+        theirs = {k: copy.deepcopy(v) if isinstance(v, dict) else v for k, v in out.items()}
+        updates = sum(1 for v in out.values() if isinstance(v, dict) and v.get("__type__") == "update" and v != skip)
+        rebuilt.clear()
+        mine = asyncio.run(demo.postprocess_data(fn, dict(out), SessionState(demo)))
+        assert len(rebuilt) == updates  # only the components whose properties change are built again
+        assert mine == asyncio.run(gr.Blocks.postprocess_data(demo, fn, theirs, SessionState(demo)))
+    assert len([v for v in second.values() if v == skip]) > 20

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import hmac
 import html
@@ -122,6 +123,13 @@ class UploadedImage(gr.Image):
         return uploaded_path(payload.path)
 
 
+_SKIP = {"__type__": "update"}  # gr.skip(): an output left as it is
+
+
+def _is_skip(value) -> bool:
+    return isinstance(value, dict) and value == _SKIP
+
+
 FAILED = "{what} could not be done: {why}. The page's own controls send valid values; analyse the image again if this persists."
 
 
@@ -136,6 +144,8 @@ class GuardedBlocks(gr.Blocks):
       waiting in the queue (besides those running), one network address `address_jobs` waiting or
       running; more are answered "one at a time, please" while the queue keeps serving everyone
       else, and sessions take turns in each waiting line.
+    - An output a handler leaves as it is (`gr.skip()`, or left out of its dict) costs nothing:
+      Gradio would build its component again and regenerate its config (about 2 ms each).
     """
 
     client_jobs: int | None = None
@@ -176,6 +186,19 @@ class GuardedBlocks(gr.Blocks):
             raise gr.Error(as_text(FAILED.format(what=what, why=public_text(why)[:300].rstrip(".")))) from exc
         finally:
             self.after_any()
+
+    async def postprocess_data(self, block_fn, predictions, state):
+        outputs = list(block_fn.outputs)
+        if not isinstance(predictions, dict) or len(outputs) < 3 or not all(isinstance(k, gr.blocks.Block) for k in predictions):
+            return await super().postprocess_data(block_fn, predictions, state)
+        kept = [b for b in outputs if b.stateful or not _is_skip(predictions.get(b, _SKIP))]
+        if len(kept) < 2 or len(kept) == len(outputs):
+            return await super().postprocess_data(block_fn, predictions, state)
+        alone = copy.copy(block_fn)  # the same event with only the outputs that change
+        alone.outputs = kept
+        done = iter(await super().postprocess_data(alone, {b: predictions.get(b, _SKIP) for b in kept}, state))
+        mine = set(map(id, kept))
+        return [next(done) if id(b) in mine else dict(_SKIP) for b in outputs]
 
     def queue(self, *args, client_jobs: int | None = None, address_jobs: int | None = None, **kwargs):
         out = super().queue(*args, **kwargs)

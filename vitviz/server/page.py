@@ -245,8 +245,8 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
             f"{a.model_seconds * 1e3:.0f} ms; {a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
         ),
     }
-    for g in PAGE.gates:
-        out.update(g.outputs(exp))
+    for g in PAGE.gates:  # what the model lacks: as it was for the same model
+        out.update({g.note: gr.skip(), g.content: gr.skip()} if same_model else g.outputs(exp))
     for tab in TABS:
         if tab.lacks(exp) is None:
             out.update(tab.analysed(done))

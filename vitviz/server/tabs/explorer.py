@@ -113,13 +113,14 @@ class ExplorerTab(Tab):
         exp, a = done.exp, done.exp.analysis
         swin = swin_views.is_swin(exp)
         depth, heads = (a.num_layers, max(a.heads(l) for l in range(a.num_layers))) if swin else a.attentions.shape[:2]
+        same = done.same_model  # the same choices and bounds as for the last analysis: the values alone
         return {
-            self.prefix_query: gr.update(choices=list(a.query_names), value=None),
-            self.layer: gr.update(maximum=depth, value=depth),
-            self.head: gr.update(choices=head_choices(heads), value="mean"),
+            self.prefix_query: None if same else gr.update(choices=list(a.query_names), value=None),
+            self.layer: depth if same else gr.update(maximum=depth, value=depth),
+            self.head: "mean" if same else gr.update(choices=head_choices(heads), value="mean"),
             self.query: 0,
             self.query_text: swin_views.describe_query(exp, 0) if swin else views.describe_query(exp, 0),
-            **self._live_now(exp),
+            **self._live_now(exp, same_model=same),
         }
 
     def _sent_with_analysis(self, exp: views.Exploration) -> bool:
@@ -128,14 +129,15 @@ class ExplorerTab(Tab):
         server's explorer of a model too large for the browser, follow the analysis (`follow_up`)."""
         return exp.key is not None and not swin_views.is_swin(exp) and explorer_data.layout_of(exp.analysis).mode != "server"
 
-    def _live_now(self, exp: views.Exploration) -> Outputs:
+    def _live_now(self, exp: views.Exploration, *, same_model: bool = False) -> Outputs:
         if not self._sent_with_analysis(exp):
             return {c: gr.skip() for c in self._live_outputs()}
         with runtime.EXPLORER_LOCKS.hold(exp.key):  # the file is there (`runtime.run`): the pictures beside it
             live = explorer_data.write_payload(exp, key=exp.key, folder=runtime.EXPLORER_DIR)
-        return {self.explorer_live: live, self.swin_live: None, self.global_box: gr.update(visible=True),
-                self.swin_box: gr.update(visible=False), self.server_explorer: gr.update(visible=False),
-                self.explorer_img: None, self.mosaic: None}
+        boxes = {self.global_box: gr.update(visible=True), self.swin_box: gr.update(visible=False),
+                 self.server_explorer: gr.update(visible=False)}
+        return {self.explorer_live: live, self.swin_live: None, self.explorer_img: None, self.mosaic: None,
+                **({c: gr.skip() for c in boxes} if same_model else boxes)}
 
     def follow_up(self, page):
         return self.on_explorer, page.state, self._live_outputs()

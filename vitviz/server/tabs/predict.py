@@ -74,13 +74,20 @@ class PredictTab(Tab):
                 "The maps show what its tokens attend to."
             ]
         notes += [SWIN_ROLLOUT.format(variant=a.variant)] if swin else []
+        predictions = views.render_predictions(exp) if has_head else None
+        rollout = self._rollout(exp, **options) if lacking is None else None
+        dist = views.render_rollout(exp, **options, token=1) if distilled else None
+        note = "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else []))
+        if done.same_model:  # what is shown, and how the options are, as for the last analysis: the values alone
+            return {self.predictions: predictions, self.predict_note: note, self.rollout_img: rollout, self.rollout_options: gr.skip(),
+                    self.discard: 0.0 if swin else gr.skip(), self.dist_rollout_img: dist, self.npz: None}
         return {
-            self.predictions: gr.update(value=views.render_predictions(exp) if has_head else None, visible=has_head),
-            self.predict_note: "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else [])),
-            self.rollout_img: gr.update(value=self._rollout(exp, **options) if lacking is None else None, visible=lacking is None),
+            self.predictions: gr.update(value=predictions, visible=has_head),
+            self.predict_note: note,
+            self.rollout_img: gr.update(value=rollout, visible=lacking is None),
             self.rollout_options: gr.update(visible=lacking is None),
             self.discard: gr.update(value=0.0, interactive=False) if swin else gr.update(interactive=True),
-            self.dist_rollout_img: gr.update(value=views.render_rollout(exp, **options, token=1) if distilled else None, visible=distilled),
+            self.dist_rollout_img: gr.update(value=dist, visible=distilled),
             self.npz: None,
         }
 
