@@ -204,14 +204,19 @@ def _echo_app():
 
 def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str, float, float]]:
     """A new analysis in the app's handler, without a browser: (what, median ms, ratio to the plain
-    forward) for the plain forward, the analysis with its explorer file written during the forward
-    (`runtime.run(..., explorer_key=...)`), the same without the file, and drawing every output of
-    the analysis (`page.analysis_outputs`). New 640x480 JPEGs; random weights through the real path."""
+    forward) for the plain forward, the analysis as the page asks for it (`runtime.run` with a ticket:
+    the explorer's pictures before the forward, its file during it), the same without the file,
+    drawing every output of the analysis for a new image on the model shown (`page.analysis_outputs`)
+    and Gradio's postprocessing of those outputs. New 640x480 JPEGs; random weights through the real path."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     with _private_weights() as home:
         if vitviz.get_spec(arch).source == "torchvision":
             _random_torchvision_checkpoints([arch])
-        from vitviz.server import app, page, runtime  # noqa: F401  (app: the page the handlers fill)
+        import asyncio
+
+        from gradio.state_holder import SessionState
+
+        from vitviz.server import app, page, runtime
 
         rng = np.random.default_rng(3)
         photos = []
@@ -222,19 +227,27 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
         model, _ = runtime.CACHE.get(arch)
         x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size)
         times: dict[str, list[float]] = {k: [] for k in ("plain forward", "analysis, explorer file written during the forward",
-                                                         "analysis alone", "the analysis' outputs drawn")}
-        runtime.run(photos[0], arch)  # warm-up
+                                                         "analysis alone", "the analysis' outputs drawn",
+                                                         "Gradio's postprocessing of them")}
+        event = next(f for f in app.demo.fns.values() if f.name == "on_analyze")
+        ref = page.analysis_outputs(runtime.run(photos[0], arch), photos[0], None)[page.PAGE.state]  # warm-up
         for photo in photos:
             start = time.perf_counter()
             with torch.inference_mode():
                 model(x)
             times["plain forward"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            exp = runtime.run(photo, arch, explorer_key=runtime.new_key())
+            ticket = runtime.EARLY.open(runtime.new_key())  # as the page names its analyses: pictures before the forward
+            exp = runtime.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
+            runtime.EARLY.close(ticket)
             times["analysis, explorer file written during the forward"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            page.analysis_outputs(exp, photo, None)
+            out = page.analysis_outputs(exp, photo, ref)  # a new image on the model shown
+            ref = out[page.PAGE.state]
             times["the analysis' outputs drawn"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            asyncio.run(app.demo.postprocess_data(event, out, SessionState(app.demo)))
+            times["Gradio's postprocessing of them"].append(time.perf_counter() - start)
             start = time.perf_counter()
             runtime.run(photo, arch)
             times["analysis alone"].append(time.perf_counter() - start)
@@ -449,7 +462,8 @@ def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[
 
     For each model: hover onto a new patch, click to pin one, a layer step from the keyboard, a head
     change, a rollout option (drawn by the server) and a new analysis (a new 640x480 JPEG uploaded,
-    until its rollout is on screen, and until the explorer holds it); medians over `moves` of each.
+    until its rollout is on screen, and, timed on its own from the same upload, until the explorer
+    holds it); medians over `moves` of each.
     torchvision variants load through the real weights path, with random weights. Returns
     (model, what, median ms, note) rows.
     """
