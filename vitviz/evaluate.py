@@ -405,6 +405,11 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
     dist_lbh = probs = explained = None
     streams = ExitStack()  # "inside": the stream recorded around the batch's one forward (`_inside_of`)
     inside = streams.enter_context(record_stream(_tower(model))) if "inside" in metrics else None
+
+    def distances(attn: torch.Tensor, grid) -> torch.Tensor:  # [L, B, H, N, N] -> each image's [B, L, H], float64 on the CPU
+        return mean_attention_distance(attn, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
+                                       grid=grid).permute(1, 0, 2).cpu().double()
+
     if phrases is not None:
         texts = [phrases[items[i].file] for i in index]
         maps, similarities, attn, grid = _phrase_maps(model, x, texts, methods, distance="distance" in metrics)
@@ -412,8 +417,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
         for b, row in enumerate(scored):
             row.update(text=texts[b], similarity=float(similarities[b]))
         if attn is not None:
-            dist_lbh = mean_attention_distance(attn, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
-                                               grid=grid).permute(1, 0, 2).cpu().double()
+            dist_lbh = distances(attn, grid)
     elif need_maps:
         targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
         step = _images_in_cache(_tower(model), x, layers=True) if inside is None else len(x)  # "inside": one forward's stream
@@ -422,10 +426,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
             for first in range(0, len(x), step):
                 part = slice(first, first + step)
                 rec = record_for(model, x[part], methods, targets=None if targets is None else targets[part])
-                dist = None
-                if "distance" in metrics:
-                    dist = mean_attention_distance(rec.attentions, patch_size=spec.patch_size, num_prefix_tokens=spec.num_prefix_tokens,
-                                                   grid=rec.grid).permute(1, 0, 2).cpu().double()
+                dist = distances(rec.attentions, rec.grid) if "distance" in metrics else None
                 parts.append((maps_of(rec, methods), rec.targets, rec.probabilities, dist))
         maps = {method: torch.cat([part[0][method] for part in parts]) for method in parts[0][0]}
         maps["random"] = torch.stack([random_maps(rec.grid, seed=_seed(items[i].file)) for i in index])

@@ -218,12 +218,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
 
         from vitviz.server import app, page, runtime
 
-        rng = np.random.default_rng(3)
-        photos = []
-        for i in range(rounds):
-            path = Path(home) / f"photo{i}.jpg"
-            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
-            photos.append(str(path))
+        photos = _photos(Path(home), rounds, seed=3)
         model, _ = runtime.CACHE.get(arch)
         x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size)
         times: dict[str, list[float]] = {k: [] for k in ("plain forward", "analysis, explorer file written during the forward",
@@ -237,9 +232,8 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
                 model(x)
             times["plain forward"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            ticket = runtime.EARLY.open(runtime.new_key())  # as the page names its analyses: pictures before the forward
-            exp = runtime.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
-            runtime.EARLY.close(ticket)
+            with runtime.EARLY.opened(runtime.new_key()) as ticket:  # as the page names its analyses: pictures before the forward
+                exp = runtime.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
             times["analysis, explorer file written during the forward"].append(time.perf_counter() - start)
             start = time.perf_counter()
             out = page.analysis_outputs(exp, photo, ref)  # a new image on the model shown
@@ -292,6 +286,17 @@ def _private_weights():
         shutil.rmtree(torch_home, ignore_errors=True)
 
 
+def _photos(folder: Path, count: int, *, seed: int, name: str = "photo{i}.jpg") -> list[str]:
+    """`count` new 640x480 JPEGs of random pixels in `folder` (as photos arrive): their paths."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        path = folder / name.format(i=i)
+        Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
 def _random_torchvision_checkpoints(names) -> dict:
     """Random torchvision weights for `names` saved where their real weights would be: {name: the model}."""
     import torchvision
@@ -315,12 +320,7 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
     try:
         client = Client(app.demo.local_url, verbose=False)
-        rng = np.random.default_rng(1)
-        paths = []
-        for i in range(rounds + 2):
-            path = Path(torch_home) / f"img{i}.jpg"  # a 640x480 JPEG, as photos arrive
-            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
-            paths.append(path)
+        paths = _photos(Path(torch_home), rounds + 2, seed=1, name="img{i}.jpg")
         x = torch.randn(1, 3, tv.image_size, tv.image_size)
         counter = {"i": 0}
 
@@ -482,12 +482,7 @@ def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[
         from vitviz.server import app
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
-        rng = np.random.default_rng(3)
-        photos = []
-        for i in range(moves + 2):
-            path = Path(torch_home) / f"photo{i}.jpg"
-            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
-            photos.append(str(path))
+        photos = _photos(Path(torch_home), moves + 2, seed=3)
         try:
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=chromium, headless=True, args=flags)
@@ -612,13 +607,11 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
             _random_torchvision_checkpoints([arch])
         folder = Path(home) / "photos"
         (folder / "masks").mkdir(parents=True)
-        rng = np.random.default_rng(5)
+        _photos(folder, images, seed=5, name="{i:04d}.jpg")
         mask = np.zeros((480, 640), dtype=np.uint8)
         mask[120:360, 160:480] = 255  # an object in the middle, for the pointing game
-        for i in range(images):
-            Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(folder / f"{i:04d}.jpg", quality=90)
-            if "pointing" in metrics:
-                Image.fromarray(mask).save(folder / "masks" / f"{i:04d}.png")
+        for i in range(images if "pointing" in metrics else 0):
+            Image.fromarray(mask).save(folder / "masks" / f"{i:04d}.png")
         root = Path(__file__).resolve().parent.parent
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         for n in processes:

@@ -17,11 +17,9 @@ one that fails: the wait answers None, and the page takes the explorer from the 
 Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
 
     tickets = Tickets()
-    name = tickets.open(ticket_from_page)       # None: nothing early for this analysis
-    try:
+    with tickets.opened(ticket_from_page) as name:   # None: nothing early for this analysis
         ...; tickets.publish(name, "pictures", paths); ...; tickets.publish(name, "explorer", value)
-    finally:
-        tickets.close(name)                     # what was not published: its wait answers None
+    # on leaving, what was not published: its wait answers None
 """
 
 from __future__ import annotations
@@ -31,6 +29,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["Tickets", "TICKET", "STEPS"]
 
@@ -63,6 +63,15 @@ class Tickets:
                 old, _ = self._entries.popitem(last=False)
                 self._answer_all(old)
         return ticket
+
+    @contextmanager
+    def opened(self, ticket: object) -> Iterator[str | None]:
+        """`open`, and `close` when the analysis ends, however it ends."""
+        name = self.open(ticket)
+        try:
+            yield name
+        finally:
+            self.close(name)
 
     def publish(self, ticket: str | None, step: str, value: dict) -> None:
         """What `step` of `ticket`'s analysis (one opened here) has: every wait for it answered."""

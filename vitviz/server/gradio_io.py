@@ -192,7 +192,7 @@ class GuardedBlocks(gr.Blocks):
         if not isinstance(predictions, dict) or len(outputs) < 3 or not all(isinstance(k, gr.blocks.Block) for k in predictions):
             return await super().postprocess_data(block_fn, predictions, state)
         kept = [b for b in outputs if b.stateful or not _is_skip(predictions.get(b, _SKIP))]
-        if len(kept) < 2 or len(kept) == len(outputs):
+        if len(kept) < 2 or len(kept) == len(outputs):  # nothing skipped, or one output left (Gradio reads a single value then)
             return await super().postprocess_data(block_fn, predictions, state)
         alone = copy.copy(block_fn)  # the same event with only the outputs that change
         alone.outputs = kept

@@ -209,8 +209,7 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     The tabs drawn on demand are drawn when shown (`on_tab`). `ticket` is the page's name for this
     analysis: its explorer goes to the page as soon as the forward has written it (`vitviz.server.early`).
     """
-    ticket = runtime.EARLY.open(ticket)
-    try:
+    with runtime.EARLY.opened(ticket) as ticket:  # closed however the handler ends: the page's wait never outlasts it
         if isinstance(ref, SessionRef) and image == ref.source and isinstance(variant, str) and variant.strip() == ref.variant:
             return {PAGE.results_box: gr.update(elem_classes=["vv-results"])}  # what is shown is this very analysis
         progress(0, desc=f"Loading {variant} (a first use may download its weights)")
@@ -223,8 +222,6 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
                 return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
         except gr.Error as exc:
             return _refused(exc, ref)
-    finally:
-        runtime.EARLY.close(ticket)
 
 
 def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None, head_fusion: str = "mean",
