@@ -83,12 +83,16 @@
     return response.status === 206 ? buffer : buffer.slice(start, end);
   }
 
+  // the "stack" file's parts for layout `m`: the shared maxima (float32 [N]) at its start, then one
+  // block a layer: float32 row maxima [V, N] and uint8 rows [V, N, M]
+  const stackSizes = (m) => ({ head: 4 * m.tokens, block: m.views * m.tokens * (4 + m.patches) });
+
   // the "stack" file of `next` (an analysis being loaded): the shared maxima and the layer shown first
   // (the last) fetched first, unless they came inline (`first`, base64: `early`), then the other
   // layers in one request; a layer asked for meanwhile waits for them
   function fetchStack(next, first) {
     const m = next.meta, url = fileUrl(m.data);
-    const head = 4 * m.tokens, block = m.views * m.tokens * (4 + m.patches), last = m.depth - 1;
+    const { head, block } = stackSizes(m), last = m.depth - 1;
     const whole = first
       ? fetch("data:application/octet-stream;base64," + first).then((response) => response.arrayBuffer())
       : Promise.all([fetchRange(url, 0, head), fetchRange(url, head + last * block, head + m.depth * block)])
@@ -113,9 +117,8 @@
 
   // one layer of `m`'s analysis by itself: its block of the "stack" file, or its own file ("layers")
   async function fetchLayer(m, layer) {
-    const head = 4 * m.tokens;
+    const { head, block } = stackSizes(m);
     if (m.mode === "stack") {
-      const block = m.views * m.tokens * (4 + m.patches);
       const [top, buffer] = await Promise.all([fetchRange(fileUrl(m.data), 0, head),
         fetchRange(fileUrl(m.data), head + (layer - 1) * block, head + layer * block)]);
       return { layer: parseLayer(m, buffer, 0)[0], sharedMax: new Float32Array(top) };

@@ -105,6 +105,19 @@ class InsideTab(Tab):
     def draw(self, ref: SessionRef, target: str | None = None, off: list | None = None, mode: str = "zero") -> Outputs:
         return self.on_inside(ref, target, off, mode)
 
+    def _why_not(self, exp: views.Exploration) -> str | None:
+        """None when the lens, the attribution and the ablations can follow a class of `exp`, else why not."""
+        why = self.lacks(exp)
+        if why is None and exp.analysis.inside is None:
+            return f"{exp.analysis.variant}: nothing was recorded for the logit lens (no classes or labels)."
+        return why
+
+    @staticmethod
+    def _checked_mode(mode: object) -> str:
+        if mode not in MODES:
+            raise runtime.error("The switched-off heads output zeros or their mean over the patches.")
+        return mode
+
     def _target(self, a, target: object) -> int:
         """The class followed: the one named (checked), else the top-1."""
         if isinstance(target, str) and target in a.categories:
@@ -117,9 +130,9 @@ class InsideTab(Tab):
         """The lens and the attribution from the analysis, and the ablation of the heads listed."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        why = self.lacks(exp)
-        if why or a.inside is None:
-            raise runtime.error(why or f"{a.variant}: nothing was recorded for the logit lens (no classes or labels).")
+        why = self._why_not(exp)
+        if why:
+            raise runtime.error(why)
         t = self._target(a, target)
         depth, heads = a.attentions.shape[:2]
         pairs = parse_heads(off, layers=depth, heads=heads)
@@ -148,8 +161,7 @@ class InsideTab(Tab):
         return out
 
     def _ablation(self, exp: views.Exploration, pairs: list[tuple[int, int]], mode: object, t: int, request) -> Outputs:
-        if mode not in MODES:
-            raise runtime.error("The switched-off heads output zeros or their mean over the patches.")
+        mode = self._checked_mode(mode)
         if not pairs:
             return {self.ablated: None, self.ablation_note: "No head is switched off: click one in the map."}
         with runtime.job("ablate", exp.analysis.variant, request):
@@ -165,7 +177,7 @@ class InsideTab(Tab):
         """A click on the heads x layers map: that head off (or on again), and everything redrawn."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        if self.lacks(exp) or a.inside is None:
+        if self._why_not(exp):
             return gr.skip()
         depth, heads = a.attentions.shape[:2]
         pairs = parse_heads(off, layers=depth, heads=heads)
@@ -185,11 +197,10 @@ class InsideTab(Tab):
         """Every head switched off alone (a batch of H copies per layer): the drop of the class's probability."""
         exp = runtime.recall(ref)
         a = exp.analysis
-        why = self.lacks(exp)
-        if why or a.inside is None:
-            raise runtime.error(why or f"{a.variant}: there is no class to follow.")
-        if mode not in MODES:
-            raise runtime.error("The switched-off heads output zeros or their mean over the patches.")
+        why = self._why_not(exp)
+        if why:
+            raise runtime.error(why)
+        mode = self._checked_mode(mode)
         t = self._target(a, target)
         with runtime.job("importance", a.variant, request):
             drop = importance_on_device(exp, mode, t)
