@@ -446,6 +446,10 @@ _WATCH_EXPLORER_JS = """
 """
 
 
+# what Chromium's renderer did on its main thread (DevTools' Performance.getMetrics, cumulative seconds)
+_RENDERER_METRICS = {"tasks": ("TaskDuration",), "script": ("ScriptDuration",), "style and layout": ("RecalcStyleDuration", "LayoutDuration")}
+
+
 def _timed(page, action, kind: str, selector: str, attribute: str | None = None, expected: str | None = None) -> float:
     """Milliseconds from `action`'s input event to the frame that shows the view it asks for."""
     previous = page.locator(selector).first.get_attribute("src") if kind == "src" else None
@@ -463,7 +467,9 @@ def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[
     For each model: hover onto a new patch, click to pin one, a layer step from the keyboard, a head
     change, a rollout option (drawn by the server) and a new analysis (a new 640x480 JPEG uploaded,
     until its rollout is on screen, and, timed on its own from the same upload, until the explorer
-    holds it); medians over `moves` of each.
+    holds it); medians over `moves` of each. With each new analysis, the work of Chromium's renderer
+    on its main thread from the upload to the rollout on screen (it shares the machine's cores with
+    the forward here: on a server, the page runs elsewhere).
     torchvision variants load through the real weights path, with random weights. Returns
     (model, what, median ms, note) rows.
     """
@@ -560,6 +566,14 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
 
     forward()
     analyse, explorer_ready, plain = [], [], []
+    renderer = {k: [] for k in _RENDERER_METRICS}
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Performance.enable")
+
+    def renderer_seconds() -> dict[str, float]:
+        got = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+        return {k: sum(got.get(name, 0.0) for name in names) for k, names in _RENDERER_METRICS.items()}
+
     for k in range(moves):  # a plain forward, then an analysis, in turn: the same machine state for both
         start = time.perf_counter()
         forward()
@@ -567,7 +581,11 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
         photo = photos[1 + (k % (len(photos) - 1))]
         previous = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
         page.evaluate(_WATCH_EXPLORER_JS, previous)  # timed from the same upload, on its own: it may come before the rollout
+        before = renderer_seconds()
         analyse.append(_timed(page, lambda: page.locator("#vv-image input[type=file]").set_input_files(photo), "src", "#vv-rollout img"))
+        after = renderer_seconds()
+        for key in renderer:
+            renderer[key].append((after[key] - before[key]) * 1e3)
         explorer_ready.append(float(page.evaluate("() => window.__vvExplorer")))
         if explorer_ready[-1] < 0:
             raise RuntimeError("the explorer never held the new analysis")
@@ -588,6 +606,8 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
     rows.append((name, "new analysis: upload to rollout on screen", a, f"{a / (plain + upload):.2f}x (forward + upload)"))
     e = statistics.median(explorer_ready)
     rows.append((name, "new analysis: until the explorer holds it", e, f"{e / (plain + upload):.2f}x (forward + upload)"))
+    for key, values in renderer.items():
+        rows.append((name, f"new analysis: renderer's {key}", statistics.median(values), "main thread, upload to rollout on screen"))
     return rows
 
 
@@ -626,6 +646,50 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
             plain = both or run["plain_forward_images_per_second"]
             waited = run["sessions"][-1]["data_wait_seconds"] / run["sessions"][-1]["seconds"]  # the share of the run spent waiting for images
             rows.append((n, rate, plain, rate / plain, "forwards + backwards" if both else "forwards", waited))
+    return rows
+
+
+def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 3) -> list[tuple[str, float, float, str]]:
+    """The evaluator's own scoring of one batch in memory (`vitviz.evaluate._score`, no decoding, no
+    files), timed in turn with the plain passes it is held to, in this process: (what, median s,
+    ratio of the plain pass's time to its time, what the plain pass is). Across a whole run the
+    machine's speed drifts between the run and its plain passes; here both see the same moments.
+    Random weights: the ratios do not depend on them."""
+    import torchvision
+
+    from vitviz import evaluate
+
+    torch.manual_seed(0)
+    model = vitviz.ViT.from_torchvision(getattr(torchvision.models, arch)().eval()).eval()
+    model.spec = vitviz.get_spec(arch)
+    size = model.image_size
+    x = torch.randn(batch, 3, size, size)
+    mask = torch.zeros(batch, size, size, dtype=torch.bool)
+    mask[:, size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = True
+    items = [evaluate.Item(i, f"{i}.jpg", None, None, f"{i}.jpg", "") for i in range(batch)]
+    data = dict(x=x, index=torch.arange(batch), ok=[True] * batch, mask=mask, has_mask=torch.ones(batch, dtype=torch.bool),
+                sha256=[""] * batch, mask_sha256=[None] * batch, error=[None] * batch, mask_error=[None] * batch)
+
+    def plain():
+        with torch.inference_mode():
+            model(x)
+
+    def plain_backward():
+        inp = x.clone().requires_grad_(True)
+        torch.autograd.grad(model(inp).amax(dim=-1).sum(), inp)
+
+    def scored(metrics, methods):
+        return lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16)
+
+    rows = []
+    for name, candidate, reference, what in (
+        ("distance", scored(["distance"], []), plain, "forwards"),
+        ("pointing, gradient", scored(["pointing"], ["gradient"]), plain_backward, "forwards + backwards"),
+    ):
+        with torch.set_grad_enabled(reference is plain_backward):
+            times = measure({"pass": candidate, "plain": reference}, rounds=rounds, warmup=1)
+        base, mine = statistics.median(times["plain"]), statistics.median(times["pass"])
+        rows.append((name, mine, base / mine, what))
     return rows
 
 
@@ -848,7 +912,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
-    ap.add_argument("--batch", type=int, default=8, help="the batch of --relevance")
+    ap.add_argument("--batch", type=int, default=8, help="the batch of --relevance and of --evaluate's passes in memory")
     args = ap.parse_args(argv)
     if args.relevance:
         print(f"vitviz.dev.bench --relevance {args.arch}, batch {args.batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
@@ -890,6 +954,10 @@ def main(argv: list[str] | None = None) -> None:
             for n, rate, plain, ratio, reference, waited in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=metrics,
                                                         methods=methods):
                 print(f"{metrics:<10}{methods:<18}{n:<11}{rate:>10.2f}{plain:>17.2f}{ratio:>8.2f}{waited:>8.1%}  {reference}")
+        print(f"\nthe evaluator's scoring of one batch of {args.batch} in memory, in turn with its plain passes (this process, medians of 3):")
+        print(f"{'metrics, methods':<22}{'seconds':>9}{'ratio':>8}  plain is")
+        for name, seconds, ratio, reference in evaluator_pass_table(args.arch, batch=args.batch):
+            print(f"{name:<22}{seconds:>9.2f}{ratio:>8.2f}  {reference}")
         print("\nwaited: the share of the run the model waited for decoded images (the decoding workers behind)")
         print("targets: distance >= 0.95x plain batched forwards; a gradient method's maps >= 0.9x plain forwards + backwards")
         return
