@@ -1015,29 +1015,28 @@ def _differentiates(methods, metrics, protocol) -> bool:
     return wants_maps and any(registered_method(m).needs_gradients or registered_method(m).needs_layer_gradients for m in methods)
 
 
-def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device, *, backward: bool = False) -> float:
-    """Images per second of plain batched forwards on every rank at once (summed over the ranks); with
-    `backward`, each forward followed by the backward of the top logits' sum to the input (what any
-    gradient of the batch costs: nothing recorded, no weight's gradient)."""
-    x = x.to(device)
-
-    def once() -> None:
+def _plain_pass(model: ViT, x: torch.Tensor, *, backward: bool = False) -> None:
+    """One plain batched forward of `x`, nothing recorded; with `backward`, followed by the backward of
+    the top logits' sum to the input (what any gradient of the batch costs: no weight's gradient)."""
+    with torch.inference_mode(not backward), torch.set_grad_enabled(backward):
         if not backward:
             model(x)
             return
         inp = x.clone().requires_grad_(True)
-        logits = model(inp)
-        torch.autograd.grad(logits.amax(dim=-1).sum(), inp)
+        torch.autograd.grad(model(inp).amax(dim=-1).sum(), inp)
 
-    with torch.inference_mode(not backward), torch.set_grad_enabled(backward):
-        once()  # warm-up
-        _barrier()
-        start = time.perf_counter()
-        for _ in range(batches):
-            once()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+
+def _plain_rate(model: ViT, x: torch.Tensor, batches: int, device: torch.device, *, backward: bool = False) -> float:
+    """Images per second of `_plain_pass` on every rank at once (summed over the ranks)."""
+    x = x.to(device)
+    _plain_pass(model, x, backward=backward)  # warm-up
+    _barrier()
+    start = time.perf_counter()
+    for _ in range(batches):
+        _plain_pass(model, x, backward=backward)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     rate = torch.tensor([batches * x.shape[0] / seconds], dtype=torch.float64)
     return float(_all_sum(rate, device))
 

@@ -654,14 +654,14 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     files), timed in turn with the plain passes it is held to, in this process: (what, median s,
     ratio of the plain pass's time to its time, what the plain pass is). Across a whole run the
     machine's speed drifts between the run and its plain passes; here both see the same moments.
-    Random weights: the ratios do not depend on them."""
-    import torchvision
-
+    torchvision variants load random weights through the real weights path (the ratios do not
+    depend on the weights)."""
     from vitviz import evaluate
 
-    torch.manual_seed(0)
-    model = vitviz.ViT.from_torchvision(getattr(torchvision.models, arch)().eval()).eval()
-    model.spec = vitviz.get_spec(arch)
+    with _private_weights():
+        if vitviz.get_spec(arch).source == "torchvision":
+            _random_torchvision_checkpoints([arch])
+        model = vitviz.load_model(arch, device="cpu")
     size = model.image_size
     x = torch.randn(batch, 3, size, size)
     mask = torch.zeros(batch, size, size, dtype=torch.bool)
@@ -670,24 +670,11 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     data = dict(x=x, index=torch.arange(batch), ok=[True] * batch, mask=mask, has_mask=torch.ones(batch, dtype=torch.bool),
                 sha256=[""] * batch, mask_sha256=[None] * batch, error=[None] * batch, mask_error=[None] * batch)
 
-    def plain():
-        with torch.inference_mode():
-            model(x)
-
-    def plain_backward():
-        inp = x.clone().requires_grad_(True)
-        torch.autograd.grad(model(inp).amax(dim=-1).sum(), inp)
-
-    def scored(metrics, methods):
-        return lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16)
-
     rows = []
-    for name, candidate, reference, what in (
-        ("distance", scored(["distance"], []), plain, "forwards"),
-        ("pointing, gradient", scored(["pointing"], ["gradient"]), plain_backward, "forwards + backwards"),
-    ):
-        with torch.set_grad_enabled(reference is plain_backward):
-            times = measure({"pass": candidate, "plain": reference}, rounds=rounds, warmup=1)
+    for name, metrics, methods, backward in (("distance", ["distance"], [], False), ("pointing, gradient", ["pointing"], ["gradient"], True)):
+        times = measure({"pass": lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16),
+                         "plain": lambda: evaluate._plain_pass(model, x, backward=backward)}, rounds=rounds, warmup=1)
+        what = "forwards + backwards" if backward else "forwards"
         base, mine = statistics.median(times["plain"]), statistics.median(times["pass"])
         rows.append((name, mine, base / mine, what))
     return rows

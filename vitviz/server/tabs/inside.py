@@ -112,6 +112,14 @@ class InsideTab(Tab):
             return f"{exp.analysis.variant}: nothing was recorded for the logit lens (no classes or labels)."
         return why
 
+    def _followed(self, ref: SessionRef | None) -> views.Exploration:
+        """The session's analysis, when the tab can follow a class of it; else a `gr.Error` saying why not."""
+        exp = runtime.recall(ref)
+        why = self._why_not(exp)
+        if why:
+            raise runtime.error(why)
+        return exp
+
     @staticmethod
     def _checked_mode(mode: object) -> str:
         if mode not in MODES:
@@ -128,11 +136,8 @@ class InsideTab(Tab):
 
     def on_inside(self, ref: SessionRef | None, target: str | None, off: list | None, mode: str, request: gr.Request = None) -> Outputs:
         """The lens and the attribution from the analysis, and the ablation of the heads listed."""
-        exp = runtime.recall(ref)
+        exp = self._followed(ref)
         a = exp.analysis
-        why = self._why_not(exp)
-        if why:
-            raise runtime.error(why)
         t = self._target(a, target)
         depth, heads = a.attentions.shape[:2]
         pairs = parse_heads(off, layers=depth, heads=heads)
@@ -195,11 +200,8 @@ class InsideTab(Tab):
 
     def on_rank(self, ref: SessionRef | None, target: str | None, mode: str, request: gr.Request = None) -> Outputs:
         """Every head switched off alone (a batch of H copies per layer): the drop of the class's probability."""
-        exp = runtime.recall(ref)
+        exp = self._followed(ref)
         a = exp.analysis
-        why = self._why_not(exp)
-        if why:
-            raise runtime.error(why)
         mode = self._checked_mode(mode)
         t = self._target(a, target)
         with runtime.job("importance", a.variant, request):
