@@ -527,20 +527,23 @@ def test_a_gradient_run_is_timed_against_forwards_and_backwards_and_a_distance_r
 
 @pytest.mark.parametrize("maps", [False, True], ids=["distance", "maps"])
 def test_passes_recorded_a_few_images_at_a_time_equal_the_whole_batchs(tiny, tmp_path, monkeypatch, maps):
-    """On CPU a distance pass records as many images at a time as keep a layer's attention in cache,
-    and a pass for maps as many as keep every layer's within `KEPT_BYTES`; the rows are those of one
-    pass over the whole batch."""
+    """On CPU a distance pass reduces each layer's attention as many images at a time as keep it in
+    cache (one forward of the batch), and a pass for maps records as many images as keep every
+    layer's within `KEPT_BYTES`; the rows are those of one pass over the whole batch."""
     import vitviz.evaluate as ev
 
     model = vitviz.load_model("shapes_p16")
     x = torch.zeros(5, 3, 96, 96)
-    assert ev._images_in_cache(model, x) == 5 and ev._images_in_cache(model, x, layers=True) == 5  # 6 x 3 x 37 x 37: all fit
-    monkeypatch.setattr(ev, "CACHE_BYTES", 2 * 3 * 37 * 37 * 4)
+    assert ev._attention_part(model, x) == 5 and ev._images_in_cache(model, x) == 5  # 6 x 3 x 37 x 37: all fit
+    monkeypatch.setattr(ev, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
     monkeypatch.setattr(ev, "KEPT_BYTES", 2 * 6 * 3 * 37 * 37 * 4)
-    assert ev._images_in_cache(model, x) == 2 and ev._images_in_cache(model, x, layers=True) == 2
+    assert ev._attention_part(model, x) == 2 and ev._images_in_cache(model, x) == 2
+    monkeypatch.setattr(ev, "PART_BYTES", 1)
+    assert ev._attention_part(model, x) == 1
+    monkeypatch.setattr(ev, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
     settings = dict(FAST, metrics=("distance", "pointing") if maps else ("distance",), methods=("rollout", "gradient"), batch_size=3)
     evaluate(tiny, out=tmp_path / "two", **settings)
-    monkeypatch.setattr(ev, "CACHE_BYTES", 10**9)
+    monkeypatch.setattr(ev, "PART_BYTES", 10**9)
     monkeypatch.setattr(ev, "KEPT_BYTES", 10**9)
     evaluate(tiny, out=tmp_path / "whole", **settings)
     for table in ("per_image.csv", "distance.csv"):  # each image's results; each layer's and head's distance over the images

@@ -128,3 +128,64 @@ def test_reduce_stores_what_it_returns_per_layer(model):
     assert rec.attentions.shape == (6, 2, 3)
     torch.testing.assert_close(rec.attentions, full.attentions[..., 0, :].amax(-1))
     assert _hook_count(model) == 0
+
+
+def _per_image(a):
+    return (a * torch.arange(a.shape[-1], dtype=a.dtype)).sum(-1).mean(-1)  # [b, H]: each head's mean key index
+
+
+@pytest.mark.parametrize("images", [1, 2, 5, 9])
+def test_reduced_a_few_images_at_a_time_equals_the_whole_layers(model, images):
+    """With images_at_a_time, each layer's attention is computed and reduced in parts of the batch:
+    the stored results and the model's outputs are those of the whole layer, bit for bit, and the
+    parts were of the size asked for."""
+    x = torch.randn(5, 3, 96, 96)
+    with torch.inference_mode(), vitviz.record_attention(model, reduce=_per_image) as whole:
+        expected = model(x)
+    sizes = []
+
+    def counted(a):
+        sizes.append(a.shape[0])
+        return _per_image(a)
+
+    with torch.inference_mode(), vitviz.record_attention(model, reduce=counted, images_at_a_time=images) as rec:
+        got = model(x)
+        assert _hook_count(model) == 0  # no hook: the parts go to the recorder directly
+    assert torch.equal(got, expected) and torch.equal(rec.attentions, whole.attentions)
+    assert rec.attentions.shape == (6, 5, 3)
+    part = min(images, 5)
+    assert sizes == ([part] * (5 // part) + ([5 % part] if 5 % part else [])) * 6
+    with torch.inference_mode():  # nothing left behind: the next plain forward is the fused one
+        assert torch.allclose(model(x), expected, atol=1e-5)
+    from vitviz.model import _part_reducer
+
+    assert all(_part_reducer(m) is None for m in model.modules())
+
+
+def test_reducing_by_parts_meets_other_recorders_and_gradients(model):
+    """A second recorder in the same block (or a hook of anyone's) makes each layer whole again, for
+    both; a forward with autograd on still differentiates; bad settings are refused."""
+    x = torch.randn(3, 3, 96, 96)
+    with torch.inference_mode(), vitviz.record_attention(model) as full:
+        model(x)
+    with torch.inference_mode(), vitviz.record_attention(model, reduce=_per_image, images_at_a_time=1) as parts:
+        with vitviz.record_attention(model) as inner:
+            model(x)
+    torch.testing.assert_close(inner.attentions, full.attentions, rtol=0, atol=0)
+    torch.testing.assert_close(parts.attentions, _per_image(full.attentions.flatten(0, 1)).unflatten(0, (6, 3)))
+    inp = x.clone().requires_grad_(True)
+    with vitviz.record_attention(model, reduce=_per_image, images_at_a_time=2) as rec:
+        model(inp).sum().backward()
+    ref = x.clone().requires_grad_(True)
+    model(ref).sum().backward()
+    torch.testing.assert_close(inp.grad, ref.grad, rtol=1e-4, atol=1e-6)
+    assert rec.attentions.shape == (6, 3, 3)
+    for bad in (dict(images_at_a_time=0), dict(images_at_a_time=True), dict(images_at_a_time=1.5)):
+        with pytest.raises(ValueError, match="images_at_a_time must be a whole number"):
+            with vitviz.record_attention(model, reduce=_per_image, **bad):
+                pass
+    for bad in (dict(), dict(reduce=_per_image, gradients=True), dict(reduce=_per_image, graph=True)):
+        with pytest.raises(ValueError, match="needs a reduce"):
+            with vitviz.record_attention(model, images_at_a_time=2, **bad):
+                pass
+    assert _hook_count(model) == 0

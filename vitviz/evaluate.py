@@ -420,7 +420,7 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
             dist_lbh = distances(attn, grid)
     elif need_maps:
         targets = [classes.get(items[i].label) for i in index] if spec.has_head else None
-        step = _images_in_cache(_tower(model), x, layers=True) if inside is None else len(x)  # "inside": one forward's stream
+        step = _images_in_cache(_tower(model), x) if inside is None else len(x)  # "inside": one forward's stream
         parts = []
         with streams:  # record's forwards through the blocks (its backward passes run no block)
             for first in range(0, len(x), step):
@@ -442,12 +442,12 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
         x = x.to(device=param.device, dtype=param.dtype)
         outputs, distances = [], []
         with streams, torch.inference_mode():
-            for part in x.split(_images_in_cache(vit, x)) if inside is None else (x,):  # "inside" records one forward's stream
-                with ExitStack() as attention:
-                    r = attention.enter_context(record_attention(vit, reduce=per_layer)) if "distance" in metrics else None
-                    outputs.append(vit(part))
-                if r is not None:
-                    distances.append(r.attentions)  # [L, b, H]
+            with ExitStack() as attention:  # the whole batch in one forward, each layer's attention reduced a part at a time
+                r = (attention.enter_context(record_attention(vit, reduce=per_layer, images_at_a_time=_attention_part(vit, x)))
+                     if "distance" in metrics else None)
+                outputs.append(vit(x))
+            if r is not None:
+                distances.append(r.attentions)  # [L, B, H]
         dist_lbh = torch.cat(distances, dim=1).permute(1, 0, 2).cpu().double() if distances else None  # [B, L, H]
         probs = torch.cat(outputs).float().softmax(-1).cpu() if spec.has_head else None
     for b, row in enumerate(scored):
@@ -479,24 +479,35 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
     return rows + scored
 
 
-CACHE_BYTES = 8 * 2**20  # a layer's attention a recorded CPU forward keeps within the processor's cache
 KEPT_BYTES = 192 * 2**20  # every layer's attention a recorded CPU pass keeps for its maps (and backward)
+PART_BYTES = 2 * 2**20  # a part of a layer's attention a recorded CPU forward reduces while it is in cache
 
 
-def _images_in_cache(vit: ViT, x: torch.Tensor, *, layers: bool = False) -> int:
-    """How many images of `x` one recorded pass takes: on CPU, as many as keep a layer's attention
-    [b, H, N, N] within `CACHE_BYTES` (the softmax, its product with V and the distances then read it
-    from cache, not memory: ViT-B/16 at 224 px, 4 images of 32 run at 0.95x the time of the fused
-    attention's batch of 32, the whole batch at 1.21x) or, with `layers` (a pass that keeps every
-    layer's attention, for maps and a backward), all L of them within `KEPT_BYTES` (ViT-B/16: 9 images
+def _attention_part(vit: ViT, x: torch.Tensor) -> int:
+    """How many images' attention a distance pass over `x` computes and reduces at a time, within
+    each layer (`record_attention(..., images_at_a_time=)`; the layer's other work runs on the whole
+    batch): on CPU as many as keep it within `PART_BYTES`, at least one (ViT-B/16 at 224 px: one
+    image's, 1.9 MB; for 32 images a layer's attention with its softmax, distances and product with V
+    took 58.6 ms one image at a time, 70.4 ms four at a time, 49.1 ms for the fused attention without
+    distances, 2 threads); on a GPU, the whole batch at once."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
+    tokens = gh * gw + vit.config.num_prefix_tokens
+    return max(1, min(x.shape[0], PART_BYTES // (vit.config.heads * tokens * tokens * x.element_size())))
+
+
+def _images_in_cache(vit: ViT, x: torch.Tensor) -> int:
+    """How many images of `x` one pass that keeps every layer's attention (for maps and a backward)
+    takes: on CPU, as many as keep all L layers' [b, H, N, N] within `KEPT_BYTES` (ViT-B/16: 9 images
     at a time; with 8, gradient relevance and rollout of 32 images took 0.85x the time of a plain
     forward and backward of the 32, the whole batch at once 1.26x); on a GPU, the whole batch."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
     gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
     tokens = gh * gw + vit.config.num_prefix_tokens
-    per_image = vit.config.heads * tokens * tokens * x.element_size() * (vit.config.depth if layers else 1)
-    return max(1, min(x.shape[0], (KEPT_BYTES if layers else CACHE_BYTES) // per_image))
+    per_image = vit.config.heads * tokens * tokens * x.element_size() * vit.config.depth
+    return max(1, min(x.shape[0], KEPT_BYTES // per_image))
 
 
 def _tower(model: ViT | ImageTextModel) -> ViT:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from vitviz.model import Attention, AttentionPool, _enter_recording, _leave_recording
+from vitviz.model import Attention, AttentionPool, _enter_recording, _leave_recording, _part_reducer, _set_part_reducer
 
 __all__ = ["AttentionRecord", "record_attention"]
 
@@ -150,7 +150,7 @@ class AttentionRecord:
 @contextmanager
 def record_attention(
     model: nn.Module, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gradients: bool = False,
-    graph: bool = False,
+    graph: bool = False, images_at_a_time: int | None = None,
 ) -> Iterator[AttentionRecord]:
     """Records every attention map of `model` (a vitviz ViT) during the block.
 
@@ -164,6 +164,11 @@ def record_attention(
         graph: also keep each layer's softmax output as the forward made it, on the autograd graph
             (`rec.graph_attentions`), for derivatives taken with `torch.autograd.grad` (several
             scores, each layer on its own) rather than by one `.backward()`.
+        images_at_a_time: with a `reduce` that treats each image on its own (its result [B, ...],
+            image b's from image b's attention alone): each layer's attention is computed and
+            reduced this many images at a time, while it is in the processor's cache, and the parts'
+            results are joined along the batch; the layer's other work still runs on the whole
+            batch. Stored and returned as without it. Not with `gradients` or `graph`.
 
     Yields:
         an `AttentionRecord`; read `rec.attentions` after the forward ([L, ...] of what was stored)
@@ -175,6 +180,11 @@ def record_attention(
             f"{type(model).__name__} has no vitviz Attention modules; convert it first with vitviz.ViT.from_torchvision, "
             "ViT.from_timm or ViT.from_transformers"
         )
+    if images_at_a_time is not None:
+        if isinstance(images_at_a_time, bool) or not isinstance(images_at_a_time, int) or images_at_a_time < 1:
+            raise ValueError(f"images_at_a_time must be a whole number >= 1, not {images_at_a_time!r}")
+        if reduce is None or gradients or graph:
+            raise ValueError("images_at_a_time needs a reduce, and takes neither gradients nor graph")
     pools = [m for m in model.modules() if isinstance(m, AttentionPool)]
     rec = AttentionRecord(len(modules), pooled=len(pools) == 1)
     owner = threading.get_ident()
@@ -192,14 +202,35 @@ def record_attention(
         hook._vitviz_recorder = True  # type: ignore[attr-defined]
         return hook
 
+    def make_parts(layer: int):
+        pending: list[torch.Tensor] = []
+
+        def parts(attn: torch.Tensor, first: int, batch: int) -> None:  # this thread's only (`Attention._by_parts`)
+            if first == 0:
+                pending.clear()
+            pending.append(reduce(attn))
+            if first + attn.shape[0] >= batch:
+                rec._capture(layer, pending[0] if len(pending) == 1 else torch.cat(pending))
+                pending.clear()
+
+        return parts
+
+    by_parts = []
+
     _enter_recording()
     try:
         for i, m in enumerate(modules):
-            handles.append(m.attend.register_forward_hook(make_hook(i)))
+            if images_at_a_time is not None and _part_reducer(m) is None:
+                _set_part_reducer(m, make_parts(i), images_at_a_time)
+                by_parts.append(m)
+            else:  # a recorder by parts already open on it in this thread: it gets the whole layer, as this hook does
+                handles.append(m.attend.register_forward_hook(make_hook(i)))
         if rec.pooled:  # recorded as it is: the reduction is for the [B, H, N, N] stack
             handles.append(pools[0].attend.register_forward_hook(make_hook(len(modules), keep_whole=True)))
         yield rec
     finally:
         for h in handles:
             h.remove()
+        for m in by_parts:
+            _set_part_reducer(m, None)
         _leave_recording()

@@ -67,6 +67,24 @@ def _leave_recording() -> None:
     _recording.depth -= 1
 
 
+def _set_part_reducer(module: Attention, reducer: Callable[[torch.Tensor, int, int], None] | None, images: int = 1) -> None:
+    """In the calling thread only: `module`'s explicit attention computed `images` images at a time,
+    each part's softmax output [b, H, N, N] handed to `reducer(part, first image, batch size)`
+    (`vitviz.record_attention(..., images_at_a_time=...)`); None: as before."""
+    parts = getattr(_recording, "parts", None)
+    if parts is None:
+        parts = _recording.parts = {}
+    if reducer is None:
+        parts.pop(id(module), None)
+    else:
+        parts[id(module)] = (reducer, images)
+
+
+def _part_reducer(module: Attention) -> tuple[Callable[[torch.Tensor, int, int], None], int] | None:
+    parts = getattr(_recording, "parts", None)
+    return parts.get(id(module)) if parts else None
+
+
 class PatchEmbedding(nn.Module):
     """Cuts the image into P x P patches and projects each to D dims with one strided Conv2d."""
 
@@ -110,12 +128,38 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, D] -> [B, N, D]."""
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        if self._observed():
+        parts = _part_reducer(self) if recording_in_this_thread() else None
+        if parts is not None:
+            out = self._by_parts(q, k, v, *parts)
+        elif self._observed():
             attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)  # [B, H, N, N], rows sum to 1
             out = attn @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+    def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int) -> torch.Tensor:
+        """The explicit attention a few images at a time, each part's softmax output reduced while it
+        is in the processor's cache (the layer's other work runs on the whole batch). The same
+        arithmetic as the explicit path; hooks on `attend` see the whole layer's attention as ever,
+        so with any hook the layer is computed whole and reduced as one part."""
+        batch = q.shape[0]
+        if self.attend._forward_hooks or self.attend._forward_pre_hooks or images >= batch:
+            attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)
+            reducer(attn, 0, batch)
+            return attn @ v
+        differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out = None if differentiable else q.new_empty(q.shape[:-1] + v.shape[-1:])
+        outs = []
+        for first in range(0, batch, images):
+            part = slice(first, first + images)
+            attn = self.attend((q[part] @ k[part].transpose(-2, -1)) * self.scale)
+            reducer(attn, first, batch)
+            if out is None:
+                outs.append(attn @ v[part])
+            else:  # written in place: no copy of the layer's output
+                torch.matmul(attn, v[part], out=out[part])
+        return torch.cat(outs) if out is None else out
 
 
 class AttentionPool(nn.Module):

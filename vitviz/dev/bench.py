@@ -649,11 +649,12 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
     return rows
 
 
-def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 3) -> list[tuple[str, float, float, str]]:
+def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 5) -> list[tuple[str, float, float, str]]:
     """The evaluator's own scoring of one batch in memory (`vitviz.evaluate._score`, no decoding, no
     files), timed in turn with the plain passes it is held to, in this process: (what, median s,
-    ratio of the plain pass's time to its time, what the plain pass is). Across a whole run the
-    machine's speed drifts between the run and its plain passes; here both see the same moments.
+    median over the rounds of the plain pass's time over its time in the same round, what the plain
+    pass is). Across a whole run the machine's speed drifts between the run and its plain passes;
+    here each ratio pairs two passes timed one after the other.
     torchvision variants load random weights through the real weights path (the ratios do not
     depend on the weights)."""
     from vitviz import evaluate
@@ -675,8 +676,8 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
         times = measure({"pass": lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16),
                          "plain": lambda: evaluate._plain_pass(model, x, backward=backward)}, rounds=rounds, warmup=1)
         what = "forwards + backwards" if backward else "forwards"
-        base, mine = statistics.median(times["plain"]), statistics.median(times["pass"])
-        rows.append((name, mine, base / mine, what))
+        paired = statistics.median(plain / mine for plain, mine in zip(times["plain"], times["pass"]))
+        rows.append((name, statistics.median(times["pass"]), paired, what))
     return rows
 
 
@@ -941,7 +942,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, rate, plain, ratio, reference, waited in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=metrics,
                                                         methods=methods):
                 print(f"{metrics:<10}{methods:<18}{n:<11}{rate:>10.2f}{plain:>17.2f}{ratio:>8.2f}{waited:>8.1%}  {reference}")
-        print(f"\nthe evaluator's scoring of one batch of {args.batch} in memory, in turn with its plain passes (this process, medians of 3):")
+        print(f"\nthe evaluator's scoring of one batch of {args.batch} in memory, in turn with its plain passes (this process, 5 rounds; ratio: the median of each round's):")
         print(f"{'metrics, methods':<22}{'seconds':>9}{'ratio':>8}  plain is")
         for name, seconds, ratio, reference in evaluator_pass_table(args.arch, batch=args.batch):
             print(f"{name:<22}{seconds:>9.2f}{ratio:>8.2f}  {reference}")
