@@ -487,9 +487,9 @@ def _attention_part(vit: ViT, x: torch.Tensor) -> int:
     """How many images' attention a distance pass over `x` computes and reduces at a time, within
     each layer (`record_attention(..., images_at_a_time=)`; the layer's other work runs on the whole
     batch): on CPU as many as keep it within `PART_BYTES`, at least one (ViT-B/16 at 224 px: one
-    image's, 1.9 MB; for 32 images a layer's attention with its softmax, distances and product with V
-    took 58.6 ms one image at a time, 70.4 ms four at a time, 49.1 ms for the fused attention without
-    distances, 2 threads); on a GPU, the whole batch at once."""
+    image's, 1.9 MB; a layer's attention of 32 images with its distances took 58.2 ms an image at a
+    time, 58.7 ms four at a time, 119.2 ms all at once, against 41.4 ms for the fused attention: the
+    table of `python -m vitviz.dev.bench --evaluate`, docs/evaluate.md); on a GPU, the whole batch."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
     gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])

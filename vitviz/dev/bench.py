@@ -681,6 +681,38 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     return rows
 
 
+def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int = 9) -> list[tuple[str, float, float]]:
+    """One layer's attention of a batch (random queries, keys and values of `arch`'s shape, 224 px or
+    its own size) as the evaluator's distance pass computes it (`Attention._by_parts` with the
+    per-head distances as the reduction), a few images at a time, against the fused attention that a
+    plain forward runs: (what, median ms, ratio to the fused attention's time)."""
+    import torch.nn.functional as F
+
+    from vitviz import evaluate
+    from vitviz.analysis import mean_attention_distance
+    from vitviz.model import Attention
+
+    spec = vitviz.get_spec(arch)
+    c = spec.config
+    layer = Attention(width=c.width, heads=c.heads).eval()
+    tokens = c.grid[0] * c.grid[1] + c.num_prefix_tokens
+    q, k, v = (torch.randn(batch, c.heads, tokens, c.width // c.heads) for _ in range(3))
+
+    def reduce(a: torch.Tensor, first: int, total: int) -> None:
+        mean_attention_distance(a.unsqueeze(0), patch_size=c.patch_size, num_prefix_tokens=c.num_prefix_tokens, grid=c.grid)
+
+    chosen = evaluate._attention_part(vitviz.ViT(c), torch.empty(batch, 3, c.image_size, c.image_size))
+    parts = sorted({chosen, 4, batch})
+    candidates = {"fused attention (a plain forward's)": lambda: F.scaled_dot_product_attention(q, k, v)}
+    for n in parts:
+        name = f"with distances, {n} image{'s' if n > 1 else ''} at a time" + (" (the pass's)" if n == chosen else "")
+        candidates[name] = lambda n=n: layer._by_parts(q, k, v, reduce, n)
+    with torch.inference_mode():
+        times = measure(candidates, rounds=rounds, warmup=2)
+    fused = statistics.median(times["fused attention (a plain forward's)"])
+    return [(name, 1e3 * statistics.median(t), statistics.median(t) / fused) for name, t in times.items()]
+
+
 _KIND_CODE = """
 import json, os, sys, time, torch
 torch.set_num_threads({threads})
@@ -946,6 +978,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'metrics, methods':<22}{'seconds':>9}{'ratio':>8}  plain is")
         for name, seconds, ratio, reference in evaluator_pass_table(args.arch, batch=args.batch):
             print(f"{name:<22}{seconds:>9.2f}{ratio:>8.2f}  {reference}")
+        _print_table(f"one layer's attention of 32 images (the runs' batch), {torch.get_num_threads()} threads; ratio: to the fused attention's time",
+                     attention_part_table(args.arch))
         print("\nwaited: the share of the run the model waited for decoded images (the decoding workers behind)")
         print("targets: distance >= 0.95x plain batched forwards; a gradient method's maps >= 0.9x plain forwards + backwards")
         return
