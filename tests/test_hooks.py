@@ -155,11 +155,9 @@ def test_reduced_a_few_images_at_a_time_equals_the_whole_layers(model, images):
     assert rec.attentions.shape == (6, 5, 3)
     part = min(images, 5)
     assert sizes == ([part] * (5 // part) + ([5 % part] if 5 % part else [])) * 6
-    with torch.inference_mode():  # nothing left behind: the next plain forward is the fused one
-        assert torch.allclose(model(x), expected, atol=1e-5)
     from vitviz.model import _part_reducer
 
-    assert all(_part_reducer(m) is None for m in model.modules())
+    assert all(_part_reducer(m) is None for m in model.modules())  # nothing left behind in this thread
 
 
 def test_reducing_by_parts_meets_other_recorders_and_gradients(model):

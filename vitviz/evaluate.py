@@ -71,7 +71,7 @@ import re
 import sys
 import time
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -440,16 +440,13 @@ def _score(model: ViT | ImageTextModel, batch: dict, items: list[Item], *, metho
         vit = _tower(model)
         param = next(vit.parameters())
         x = x.to(device=param.device, dtype=param.dtype)
-        outputs, distances = [], []
-        with streams, torch.inference_mode():
-            with ExitStack() as attention:  # the whole batch in one forward, each layer's attention reduced a part at a time
-                r = (attention.enter_context(record_attention(vit, reduce=per_layer, images_at_a_time=_attention_part(vit, x)))
-                     if "distance" in metrics else None)
-                outputs.append(vit(x))
-            if r is not None:
-                distances.append(r.attentions)  # [L, B, H]
-        dist_lbh = torch.cat(distances, dim=1).permute(1, 0, 2).cpu().double() if distances else None  # [B, L, H]
-        probs = torch.cat(outputs).float().softmax(-1).cpu() if spec.has_head else None
+        # the whole batch in one forward, each layer's attention reduced a part at a time
+        recorder = (record_attention(vit, reduce=per_layer, images_at_a_time=_attention_part(vit, x))
+                    if "distance" in metrics else nullcontext())
+        with streams, torch.inference_mode(), recorder as r:
+            logits = vit(x)
+        dist_lbh = r.attentions.permute(1, 0, 2).cpu().double() if r is not None else None  # [L, B, H] -> [B, L, H]
+        probs = logits.float().softmax(-1).cpu() if spec.has_head else None
     for b, row in enumerate(scored):
         if probs is not None:
             known = classes.get(items[index[b]].label)
@@ -490,11 +487,7 @@ def _attention_part(vit: ViT, x: torch.Tensor) -> int:
     image's, 1.9 MB; a layer's attention of 32 images with its distances took 58.2 ms an image at a
     time, 58.7 ms four at a time, 119.2 ms all at once, against 41.4 ms for the fused attention: the
     table of `python -m vitviz.dev.bench --evaluate`, docs/evaluate.md); on a GPU, the whole batch."""
-    if x.device.type != "cpu":
-        return max(1, x.shape[0])
-    gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
-    tokens = gh * gw + vit.config.num_prefix_tokens
-    return max(1, min(x.shape[0], PART_BYTES // (vit.config.heads * tokens * tokens * x.element_size())))
+    return _images_within(vit, x, PART_BYTES)
 
 
 def _images_in_cache(vit: ViT, x: torch.Tensor) -> int:
@@ -502,12 +495,18 @@ def _images_in_cache(vit: ViT, x: torch.Tensor) -> int:
     takes: on CPU, as many as keep all L layers' [b, H, N, N] within `KEPT_BYTES` (ViT-B/16: 9 images
     at a time; with 8, gradient relevance and rollout of 32 images took 0.85x the time of a plain
     forward and backward of the 32, the whole batch at once 1.26x); on a GPU, the whole batch."""
+    return _images_within(vit, x, KEPT_BYTES, layers=vit.config.depth)
+
+
+def _images_within(vit: ViT, x: torch.Tensor, budget: int, *, layers: int = 1) -> int:
+    """How many images of `x` keep `layers` layers' attention [b, H, N, N] within `budget` bytes on
+    CPU, at least one; on a GPU, the whole batch."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
     gh, gw = vit.grid_for(x.shape[-2], x.shape[-1])
     tokens = gh * gw + vit.config.num_prefix_tokens
-    per_image = vit.config.heads * tokens * tokens * x.element_size() * vit.config.depth
-    return max(1, min(x.shape[0], KEPT_BYTES // per_image))
+    per_image = vit.config.heads * tokens * tokens * x.element_size() * layers
+    return max(1, min(x.shape[0], budget // per_image))
 
 
 def _tower(model: ViT | ImageTextModel) -> ViT:

@@ -144,10 +144,8 @@ class Attention(nn.Module):
         arithmetic as the explicit path; hooks on `attend` see the whole layer's attention as ever,
         so with any hook the layer is computed whole and reduced as one part."""
         batch = q.shape[0]
-        if self.attend._forward_hooks or self.attend._forward_pre_hooks or images >= batch:
-            attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)
-            reducer(attn, 0, batch)
-            return attn @ v
+        if self.attend._forward_hooks or self.attend._forward_pre_hooks:
+            images = batch  # every hook sees the whole layer, as on the explicit path
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         out = None if differentiable else q.new_empty(q.shape[:-1] + v.shape[-1:])
         outs = []
