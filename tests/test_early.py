@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.test_bounds import results
+from vitviz.server import explorer_data
 from vitviz.server.early import Tickets
 
 T1, T2 = "A" * 22, "b-_" + "c" * 19
@@ -152,11 +153,11 @@ def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
         w.join()
     pictures, value = got["pictures"][0].json(), got["explorer"][0].json()
     assert got["explorer"][1] < done  # answered before the analysis' outputs arrived
-    assert set(pictures) == {"base", "tile_base"} and all(Path(p).exists() for p in pictures.values())
+    assert set(pictures) == {"base", "tile_base", "scale"} and all(Path(pictures[p]).exists() for p in explorer_data.PICTURES)
     first = value.pop("first")
     # the value the outputs bring, with the pictures published before the forward
     index = page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)
-    assert value == outputs[index] and value["base"] == pictures["base"] and value["tile_base"] == pictures["tile_base"]
+    assert value == outputs[index] and all(value[k] == pictures[k] for k in pictures)
     # inline: the shared maxima, then the last layer's block, as in the file
     data = Path(value["data"]).read_bytes()
     head = 4 * value["tokens"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import vitviz
 from vitviz.model import Attention
@@ -162,6 +163,17 @@ def test_a_stack_over_the_budget_is_not_streamed(tmp_path):
     assert stream.finish(a) is None and list(tmp_path.iterdir()) == []
 
 
+def test_a_picture_file_is_its_size_then_its_rgb_rows():
+    rgb = np.random.default_rng(1).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    data = explorer_data.rgb_file(Image.fromarray(rgb))
+    assert data[:8] == bytes([7, 0, 0, 0, 5, 0, 0, 0]) and data[8:] == rgb.tobytes()  # width, height, little-endian
+    assert np.array_equal(np.asarray(explorer_data.read_rgb_file(data)), rgb)
+    grey = Image.fromarray(rgb[..., 0])  # any mode is written as RGB
+    assert explorer_data.rgb_file(grey)[8:] == np.repeat(rgb[..., :1], 3, axis=2).tobytes()
+    with pytest.raises(ValueError, match="has 113 bytes, not 112"):
+        explorer_data.read_rgb_file(data[:-1])
+
+
 # ----------------------------------------------------------------------------- the app
 
 
@@ -187,6 +199,14 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
     exp = runtime.recall(ref)
     assert exp.key == ref.key and data.read_bytes() == explorer_data.stack_file(exp.analysis, range(exp.analysis.attentions.shape[0]))
     assert out[explorer.server_explorer]["visible"] is False and out[explorer.global_box]["visible"] is True
+    # its pictures: the crop the model sees, which the page shows `scale` times as wide, pixel for pixel
+    # the server's views' image (`views.display_of`), and the crop at a mosaic tile's size
+    base = np.asarray(explorer_data.read_rgb_file(Path(live["base"]).read_bytes()))
+    k, tile = live["scale"], explorer_data.mosaic_tile_px(exp.analysis.grid)
+    assert k > 1 and np.array_equal(base, np.asarray(exp.analysis.image.convert("RGB")))
+    assert np.array_equal(base.repeat(k, axis=0).repeat(k, axis=1), np.asarray(exp.display_image.convert("RGB")))
+    tile_base = explorer_data.read_rgb_file(Path(live["tile_base"]).read_bytes())
+    assert np.array_equal(np.asarray(tile_base), np.asarray(exp.analysis.image.convert("RGB").resize((tile, tile), Image.BILINEAR)))
     # the step after the analysis sends the same value (the page keeps what it loaded), the file not written again
     before = data.stat().st_mtime_ns
     assert explorer.on_explorer(ref)[explorer.explorer_live] == live and data.stat().st_mtime_ns == before

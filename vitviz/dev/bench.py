@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import platform
@@ -206,7 +207,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
     """A new analysis in the app's handler, without a browser: (what, median ms, ratio to the plain
     forward) for the plain forward, the analysis as the page asks for it (`runtime.run` with a ticket:
     the explorer's pictures before the forward, its file during it), the same without the file,
-    drawing every output of the analysis for a new image on the model shown (`page.analysis_outputs`)
+    the explorer's pictures on their own, drawing every output of the analysis for a new image on the model shown (`page.analysis_outputs`)
     and Gradio's postprocessing of those outputs. New 640x480 JPEGs; random weights through the real path."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     with _private_weights() as home:
@@ -216,14 +217,15 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
 
         from gradio.state_holder import SessionState
 
-        from vitviz.server import app, page, runtime
+        from vitviz.server import app, explorer_data, page, runtime, views
 
         photos = _photos(Path(home), rounds, seed=3)
         model, _ = runtime.CACHE.get(arch)
         x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size)
         times: dict[str, list[float]] = {k: [] for k in ("plain forward", "analysis, explorer file written during the forward",
-                                                         "analysis alone", "the analysis' outputs drawn",
-                                                         "Gradio's postprocessing of them")}
+                                                         "of which its two pictures, before the forward",
+                                                         "the same two pictures as PNG, the base at display size", "analysis alone",
+                                                         "the analysis' outputs drawn", "Gradio's postprocessing of them")}
         event = next(f for f in app.demo.fns.values() if f.name == "on_analyze")
         ref = page.analysis_outputs(runtime.run(photos[0], arch), photos[0], None)[page.PAGE.state]  # warm-up
         for photo in photos:
@@ -235,6 +237,14 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             with runtime.EARLY.opened(runtime.new_key()) as ticket:  # as the page names its analyses: pictures before the forward
                 exp = runtime.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
             times["analysis, explorer file written during the forward"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            explorer_data.write_pictures(exp.analysis.image, scale=exp.scale, grid=exp.analysis.grid, key=runtime.new_key(), folder=home)
+            times["of which its two pictures, before the forward"].append(time.perf_counter() - start)
+            start = time.perf_counter()  # as the views' pictures are written (`views.display_of`, PNG at compress level 1)
+            tile = explorer_data.mosaic_tile_px(exp.analysis.grid)
+            for picture in (views.display_of(exp.analysis.image), exp.analysis.image.resize((tile, tile), Image.BILINEAR)):
+                picture.save(io.BytesIO(), format="PNG", compress_level=1)
+            times["the same two pictures as PNG, the base at display size"].append(time.perf_counter() - start)
             start = time.perf_counter()
             out = page.analysis_outputs(exp, photo, ref)  # a new image on the model shown
             ref = out[page.PAGE.state]

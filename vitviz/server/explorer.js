@@ -35,21 +35,27 @@
 
   const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
 
-  function imageData(url) {
-    return new Promise((resolve, reject) => {
-      const img = new Image();
-      img.onload = () => {
-        const c = document.createElement("canvas");
-        c.width = img.naturalWidth;
-        c.height = img.naturalHeight;
-        const ctx = c.getContext("2d", { willReadFrequently: true });
-        ctx.drawImage(img, 0, 0);
-        resolve(ctx.getImageData(0, 0, c.width, c.height));
-      };
-      img.onerror = reject;
-      img.src = url;
-    });
+  // a picture of `explorer_data.rgb_file` (uint32 width, uint32 height, then RGB rows) as ImageData,
+  // each pixel drawn k x k times (nearest neighbour, as the server's `views.display_of`)
+  async function pictureData(url, k = 1) {
+    const response = await fetch(url);
+    if (!response.ok) throw new Error(`${response.status} for the explorer's pictures`);
+    const buffer = await response.arrayBuffer();
+    const head = new DataView(buffer, 0, Math.min(8, buffer.byteLength));
+    const [w, h] = buffer.byteLength >= 8 ? [head.getUint32(0, true), head.getUint32(4, true)] : [0, 0];
+    if (buffer.byteLength !== 8 + 3 * w * h) throw new Error("the explorer's picture is incomplete");
+    const src = new Uint8Array(buffer, 8), W = w * k, out = new ImageData(W, h * k), d = out.data;
+    for (let y = 0; y < h * k; y++) {
+      const row = 3 * w * Math.floor(y / k);
+      for (let x = 0, o = 4 * W * y; x < W; x++, o += 4) {
+        const i = row + 3 * Math.floor(x / k);
+        d[o] = src[i]; d[o + 1] = src[i + 1]; d[o + 2] = src[i + 2]; d[o + 3] = 255;
+      }
+    }
+    return out;
   }
+
+  const pictures = (paths) => Promise.all([pictureData(fileUrl(paths.base), paths.scale), pictureData(fileUrl(paths.tile_base))]);
 
   function patchIndex(side, grid) {
     const per = side / grid[1];
@@ -167,10 +173,10 @@
     if (value.mode === "stack") fetchStack(next, given.first);
     const first = value.mode === "stack" ? next.layers[value.depth - 1]
       : fetchLayer(value, value.depth).then((got) => { next.sharedMax = got.sharedMax; return got.layer; });
-    const pictures = given.pictures || Promise.all([imageData(fileUrl(value.base)), imageData(fileUrl(value.tile_base))]);
+    const drawn = given.pictures || pictures(value);
     let b, t, shownFirst;
     try {
-      [[b, t], shownFirst] = await Promise.all([pictures, first]);
+      [[b, t], shownFirst] = await Promise.all([drawn, first]);
     } catch (error) {
       if (ticket === loading) {
         loadingId = null;  // the same analysis' value, when it comes again, is loaded again
@@ -210,12 +216,12 @@
     try {  // nothing early (None, or an error): the analysis' outputs bring the explorer
       const paths = await server.explorer_early(ticket, "pictures");  // written before the forward
       if (!paths || mine !== named) return;
-      const pictures = Promise.all([imageData(fileUrl(paths.base)), imageData(fileUrl(paths.tile_base))]);
-      pictures.catch(() => {});
+      const drawn = pictures(paths);
+      drawn.catch(() => {});
       const value = await server.explorer_early(ticket, "explorer");  // once the forward has written the file
       if (!value || mine !== named || value.id === loadingId || (meta && value.id === meta.id)) return;
       const { first, ...rest } = value;
-      load(rest, { pictures, first });
+      load(rest, { pictures: drawn, first });
     } catch (error) {}
   }
 

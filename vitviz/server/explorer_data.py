@@ -17,6 +17,12 @@ What the browser gets, per analysis, in one binary file (little-endian):
 
 (Q = `Analysis.num_queries`: N, or N + 1 with the pooled query.)
 
+And two pictures, written from the crop before the forward (`write_pictures`), each as `rgb_file`:
+uint32 width, uint32 height, then uint8 RGB rows. "base" is the crop the model sees; the browser
+shows each of its pixels `scale` x `scale` times, as `vitviz.server.views.display_of` does.
+"tile_base" is the crop at a mosaic tile's size. Raw rows cost the server no encoding and the
+browser no decoding, on the way to the first view.
+
 All layers in one file when that fits in `budget` bytes (ViT-B/16: 6.5 MB); otherwise one file per
 layer, fetched when the layer is shown (when one layer fits; DINO S/8: 4.9 MB a layer); otherwise the
 views are the server's (ViT-H/14 at 518 px: 34 MB a layer).
@@ -40,7 +46,7 @@ from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
+           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "PICTURES", "picture_path", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -251,7 +257,7 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
             "the views below are drawn by the server."
         )
         return value
-    value.update(write_pictures(lambda: exp.display_image, a.image, grid=a.grid, key=key, folder=folder))
+    value.update(write_pictures(a.image, scale=exp.scale, grid=a.grid, key=key, folder=folder))
     if layout.mode == "stack":
         path = folder / f"{key}-stack.bin"
         if not path.exists():  # one analysis, one key: written once
@@ -260,20 +266,43 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
     return value
 
 
-def write_pictures(display, crop: Image.Image, *, grid: tuple[int, int], key: str, folder) -> dict[str, str]:
-    """The explorer's two pictures, from the crop the model sees: "base", the image as displayed
-    (`display()`, called only when it is not written yet), and "tile_base", a mosaic tile's
-    (`mosaic_tile_px`); written once per key. Returns their paths."""
+PICTURES = ("base", "tile_base")
+
+
+def picture_path(folder, key: str, name: str) -> Path:
+    """Where picture `name` (one of `PICTURES`) of the analysis named `key` is written."""
+    return Path(folder) / f"{key}-{name}.rgb"
+
+
+def rgb_file(image: Image.Image) -> bytes:
+    """A picture as the browser reads it: uint32 width, uint32 height (little-endian), then the
+    uint8 RGB rows, top row first."""
+    rgb = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return np.array([rgb.shape[1], rgb.shape[0]], dtype="<u4").tobytes() + rgb.tobytes()
+
+
+def read_rgb_file(data: bytes) -> Image.Image:
+    """`rgb_file`'s picture back."""
+    width, height = np.frombuffer(data[:8], dtype="<u4").tolist()
+    if len(data) != 8 + 3 * width * height:
+        raise ValueError(f"a {width}x{height} picture has {8 + 3 * width * height} bytes, not {len(data)}")
+    return Image.fromarray(np.frombuffer(data[8:], dtype=np.uint8).reshape(height, width, 3))
+
+
+def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key: str, folder) -> dict:
+    """The explorer's two pictures, from the crop the model sees, as `rgb_file`s: "base", the crop
+    itself, shown `scale` times as wide (`vitviz.server.views.display_of`), and "tile_base", a mosaic
+    tile's (`mosaic_tile_px`); written once per key. Returns their paths and `scale`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tile = mosaic_tile_px(grid)
-    paths = {}
-    for name, draw in (("base", display), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
-        path = folder / f"{key}-{name}.png"
+    value: dict = {"scale": int(scale)}
+    for name, draw in (("base", lambda: crop), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
+        path = picture_path(folder, key, name)
         if not path.exists():
-            draw().save(path, format="PNG", compress_level=1)
-        paths[name] = str(path)
-    return paths
+            path.write_bytes(rgb_file(draw()))
+        value[name] = str(path)
+    return value
 
 
 def first_shown(value: dict) -> str:

@@ -181,8 +181,8 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
                     exp = replace(_analyze_on_device(image, variant, stream_to=str(stack),
                                                      on_crop=_pictures_early(ticket, variant, explorer_key)), key=explorer_key)
                 except BaseException:  # the pictures written for the page before the forward go with it
-                    for name in ("base", "tile_base"):
-                        (EXPLORER_DIR / f"{explorer_key}-{name}.png").unlink(missing_ok=True)
+                    for name in explorer_data.PICTURES:
+                        explorer_data.picture_path(EXPLORER_DIR, explorer_key, name).unlink(missing_ok=True)
                     raise
                 if ticket is not None and stack.exists():  # one file for the browser, complete: the page may draw it now
                     value = explorer_data.write_payload(exp, key=explorer_key, folder=EXPLORER_DIR)
@@ -223,7 +223,7 @@ def _pictures_early(ticket: str | None, variant: str, key: str):
     spec = get_spec(variant)
 
     def write(cropped) -> None:
-        EARLY.publish(ticket, "pictures", explorer_data.write_pictures(lambda: views.display_of(cropped), cropped, grid=spec.grid,
+        EARLY.publish(ticket, "pictures", explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=spec.grid,
                                                                        key=key, folder=EXPLORER_DIR))
 
     return write
