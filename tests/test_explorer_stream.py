@@ -12,6 +12,7 @@ from PIL import Image
 
 import vitviz
 from vitviz.model import Attention
+from vitviz.pipeline import image_tower
 from vitviz.server import explorer_data, views
 from vitviz.server.models import ModelFacts
 
@@ -131,6 +132,54 @@ def test_each_layer_is_on_disk_before_the_next_layer_runs(tmp_path):
     assert path.read_bytes()[:head] == explorer_data.shared_max(a).astype("<f4").tobytes()  # the header, written last
 
 
+def test_the_file_is_complete_as_the_last_attention_is_while_the_forward_goes_on(model, tmp_path):
+    """The file under its name, every byte of it, before the last block's MLP and the head run; a
+    probe-weighted pooled query (its rows need the probe, after every block) completes it at `finish`."""
+    path = tmp_path / "key-stack.bin"
+    last_mlp = image_tower(model).blocks[-1].mlp
+    events = []
+    handle = last_mlp.register_forward_hook(lambda *args: events.append("last MLP ran"))
+
+    def complete(layout, where):
+        events.append(("complete", where, where.read_bytes(), layout))
+
+    try:
+        exp = views.explore(_Cache(model), IMAGE, model.spec.name, stream_to=path, on_file=complete)
+    finally:
+        handle.remove()
+    a = exp.analysis
+    (step, where, data, layout), = [e for e in events if e[0] == "complete"]
+    assert where == path and data == explorer_data.stack_file(a, range(a.attentions.shape[0])) and layout == explorer_data.layout_of(a)
+    deferred = image_tower(model).attn_pool is not None
+    assert events.index((step, where, data, layout)) == (1 if deferred else 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key-stack.bin"]
+
+
+def test_a_complete_file_goes_with_an_analysis_that_fails_after_it(tmp_path):
+    model = _torchvision_small()
+    path = tmp_path / "k-stack.bin"
+
+    def fail(*args):
+        raise RuntimeError("out of memory in the head")
+
+    handle = model.head.register_forward_hook(fail)
+    completed = []
+    try:
+        with pytest.raises(RuntimeError, match="the head"):
+            views.explore(_Cache(model), IMAGE, "tv", stream_to=path, on_file=lambda layout, where: completed.append(where.exists()))
+    finally:
+        handle.remove()
+    assert completed == [True] and list(tmp_path.iterdir()) == []
+    # a layer given twice is refused, and the stream leaves nothing
+    stream = explorer_data.StackStream(path, depth=3, num_prefix_tokens=1)
+    a = vitviz.analyze(model, IMAGE)
+    stream.on_layer(0, a.attentions[0])
+    with pytest.raises(RuntimeError, match="twice"):
+        stream.on_layer(0, a.attentions[0])
+    stream.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_forward_that_fails_leaves_no_file(tmp_path):
     model = _torchvision_small()
     path = tmp_path / "k-stack.bin"
@@ -217,7 +266,7 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
 
 def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):
     calls = []
-    original = explorer_data.block_of
+    original = explorer_data._block
 
     def failing(rows, p):
         calls.append(1)
@@ -225,12 +274,12 @@ def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, m
             raise RuntimeError("the disk is full")
         return original(rows, p)
 
-    monkeypatch.setattr(explorer_data, "block_of", failing)
+    monkeypatch.setattr(explorer_data, "_block", failing)
     before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
     with pytest.raises(RuntimeError, match="disk is full"):
         page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
     assert set(runtime.EXPLORER_DIR.glob("*")) == before  # nothing written, nothing half written
     assert runtime.WORK.running() == []  # its job is over
-    monkeypatch.setattr(explorer_data, "block_of", original)
+    monkeypatch.setattr(explorer_data, "_block", original)
     out = page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()

@@ -4,16 +4,19 @@ The page names each analysis it asks for with a ticket of its own (22 random URL
 sent with the analysis' inputs) and, at the same moment, asks outside the queue for what that
 ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
 
-- "pictures": the explorer's two pictures (the image as displayed, and a mosaic tile's), written
+- "pictures": the explorer's two pictures (the image the model sees, and a mosaic tile's), written
   from the crop before the forward starts; the page fetches them while the forward runs;
-- "explorer": the explorer's value, as soon as the forward has written the explorer's file, with
-  the file's header and the layer shown first inline; the page draws the explorer from it while the
-  rest of the analysis is drawn and sent. The value is the one the outputs bring
-  (`explorer_data.write_payload`), so the page loads it once.
+- "explorer": the explorer's value, as soon as the forward has written the explorer's file (as
+  its last attention is, while the rest of the forward runs), with the file's header and the layer
+  shown first inline; the page draws the explorer from it while the rest of the analysis runs and
+  is drawn and sent. The value is the one the outputs bring (`explorer_data.write_payload`), so the
+  page loads it once.
 
 A ticket that is malformed or named a second time gets nothing early; neither does an analysis
 whose explorer is not one file for the browser (a Swin's, the "layers" and "server" layouts), nor
-one that fails: the wait answers None, and the page takes the explorer from the outputs as before.
+one that fails before its file is complete: the wait answers None, and the page takes the explorer
+from the outputs as before. One that fails after it (in the last block's MLP or the head) has
+published its explorer; its files are removed, and the page shows the failure beside it.
 Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
 
     tickets = Tickets()

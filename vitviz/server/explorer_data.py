@@ -46,7 +46,7 @@ from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "block_of", "stack_file", "StackStream", "write_payload", "PICTURES", "picture_path", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
+           "layer_block", "block_of", "stack_file", "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -149,8 +149,13 @@ def layer_block(a: Analysis, layer: int) -> bytes:
 def block_of(rows: torch.Tensor, num_prefix_tokens: int) -> bytes:
     """One layer's block from every query's row of it, each head [H, Q, N]: float32 row maxima
     [H + 2, Q], then uint8 rows [H + 2, Q, M] (little-endian)."""
+    return _block(rows, num_prefix_tokens)[1]
+
+
+def _block(rows: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, bytes]:
+    """`block_of`, with its row maxima [H + 2, Q] as a tensor."""
     q, top = _quantised(fused_rows(rows, num_prefix_tokens))
-    return top.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+    return top, top.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
 
 
 def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
@@ -165,8 +170,11 @@ def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
 class StackStream:
     """The "stack" file written while the forward runs (`vitviz.pipeline.analyze`'s `on_layer`): each
     layer's block goes to its final offset as soon as the layer is computed, and the shared maxima,
-    which need every layer, are written last, at the start of the file. The file keeps a temporary
-    name until it is complete (`finish`), so no half file is ever under `path`; `abort` removes it.
+    the largest row maximum of each query over the layers so far, go to the start of the file when
+    the last layer is written. The file keeps a temporary name until it is complete, so no half file
+    is ever under `path`; it is complete as the forward's last attention is (`on_complete` is then
+    called with the layout and `path`, while the forward goes on), or at `finish` for the blocks
+    that need the finished analysis. `abort` removes it, complete or not.
 
     Nothing is streamed when the stack is over `budget` (the "layers" and "server" layouts write
     their files as they are asked for) or when the pooled query's row weighs the tokens by the
@@ -179,15 +187,19 @@ class StackStream:
         pooled_query: the model has the pooled query "pool" (its row sits at index p).
         pool_weighted: that query's row is weighted by the attention pooling's probe.
         budget: the most bytes the browser is sent at once.
+        on_complete: called with (`ExplorerLayout`, `path`) once the file is complete under its name.
     """
 
     def __init__(self, path, *, depth: int, num_prefix_tokens: int, pooled_query: bool = False, pool_weighted: bool = False,
-                 budget: int = BUDGET) -> None:
+                 budget: int = BUDGET, on_complete=None) -> None:
         self.path = Path(path)
         self.part = self.path.with_name(self.path.name + ".part")
         self.depth, self.prefix, self.pooled, self.deferred, self.budget = depth, num_prefix_tokens, pooled_query, pool_weighted, budget
+        self.on_complete = on_complete
         self.layout: ExplorerLayout | None = None
         self.written: set[int] = set()
+        self.complete = False
+        self._top: torch.Tensor | None = None  # the shared maxima of the layers written
         self._file = None
 
     def on_layer(self, layer: int, attn: torch.Tensor) -> None:
@@ -202,39 +214,72 @@ class StackStream:
         if self._file is None or self.deferred:
             return
         rows = with_pooled_query(attn, num_prefix_tokens=self.prefix) if self.pooled else attn
-        self._write(layer, block_of(rows, self.prefix))
+        self._write(layer, rows)
+        if len(self.written) == self.depth:
+            self._complete(self._top)
 
-    def _write(self, layer: int, block: bytes) -> None:
+    def _write(self, layer: int, rows: torch.Tensor) -> None:
+        if not 0 <= layer < self.depth or layer in self.written:
+            raise RuntimeError(f"the forward gave layer {layer + 1} of {self.depth} of the explorer's file twice or out of range")
+        top, block = _block(rows, self.prefix)
         self._file.seek(4 * self.layout.tokens + layer * self.layout.layer_bytes)
         self._file.write(block)
         self.written.add(layer)
+        # the heads' max view: each row's maximum is the largest of the heads' (max is exact)
+        self._top = top[-1] if self._top is None else torch.maximum(self._top, top[-1])
+
+    def _complete(self, top: torch.Tensor) -> None:
+        self._file.seek(0)
+        self._file.write(top.numpy().astype("<f4").tobytes())
+        self._file.close()
+        self._file = None
+        self.part.replace(self.path)
+        self.complete = True
+        if self.on_complete is not None:
+            self.on_complete(self.layout, self.path)
 
     def finish(self, a: Analysis) -> Path | None:
-        """The file complete under its name (the analysis `a` of the forward gives the shared maxima and,
-        for a probe-weighted pooled query, its blocks); None when nothing was streamed."""
-        if self._file is None:
-            return None
+        """The file complete under its name (for a probe-weighted pooled query, with the blocks of the
+        finished analysis `a`); None when nothing was streamed."""
         try:
-            for layer in range(self.depth):
-                if self.deferred:
-                    self._write(layer, layer_block(a, layer))
+            if self.complete:
+                if a.attentions.shape[0] != self.depth:
+                    raise RuntimeError(f"the explorer's file has {self.depth} layers, the analysis {a.attentions.shape[0]}")
+                return self.path
+            if self._file is None:
+                return None
+            if self.deferred:
+                for layer in range(self.depth):
+                    self._write(layer, query_rows(a, layer))
             if self.written != set(range(self.depth)) or a.attentions.shape[0] != self.depth:
                 raise RuntimeError(f"the forward wrote {len(self.written)} of {self.depth} layers of the explorer's file")
-            self._file.seek(0)
-            self._file.write(shared_max(a).astype("<f4").tobytes())
-            self._file.close()
-            self.part.replace(self.path)
+            self._complete(self._top)
         except BaseException:
             self.abort()
             raise
         return self.path
 
     def abort(self) -> None:
-        """Stops and removes the temporary file (the forward failed)."""
+        """Stops and removes the file, complete or not (the forward, or what came after it, failed)."""
         if self._file is not None:
             self._file.close()
             self._file = None
         self.part.unlink(missing_ok=True)
+        if self.complete:
+            self.path.unlink(missing_ok=True)
+            self.complete = False
+
+
+def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int) -> dict:
+    """The explorer's value for an analysis of `layout`, named `key`: what the page draws it by,
+    without its files' paths (`write_payload` adds them). `query_names`: `Analysis.query_names`;
+    `patch_px`: a patch's side in display pixels."""
+    heads = layout.views - 2
+    return dict(
+        id=key, mode=layout.mode, depth=layout.layers, heads=heads, views=layout.views, tokens=layout.tokens, patches=layout.patches,
+        grid=list(grid), prefix=list(query_names), patch_px=int(patch_px),
+        lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist(),
+    )
 
 
 def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
@@ -245,12 +290,7 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layout = layout_of(a, budget=budget)
-    depth, heads = a.attentions.shape[:2]
-    value = dict(
-        id=key, mode=layout.mode, depth=depth, heads=heads, views=heads + 2, tokens=layout.tokens, patches=layout.patches,
-        grid=list(a.grid), prefix=list(a.query_names), patch_px=a.patch_size * exp.scale,
-        lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist(),
-    )
+    value = value_of(layout, key=key, grid=a.grid, query_names=a.query_names, patch_px=a.patch_size * exp.scale)
     if layout.mode == "server":
         value["note"] = (
             f"{a.variant}'s attention is too large to hold in the browser ({layout.layer_bytes / 2**20:.0f} MB a layer); "
@@ -261,7 +301,7 @@ def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
     if layout.mode == "stack":
         path = folder / f"{key}-stack.bin"
         if not path.exists():  # one analysis, one key: written once
-            path.write_bytes(stack_file(a, range(depth)))
+            path.write_bytes(stack_file(a, range(layout.layers)))
         value["data"] = str(path)
     return value
 

@@ -27,6 +27,7 @@ from gradio.components import Component  # noqa: E402
 from vitviz.cost import BASE_BYTES, Cost, price  # noqa: E402
 from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
+from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
 from vitviz.server.early import Tickets  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
@@ -166,7 +167,8 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
     the two was the problem ("image" or "variant"). With `explorer_key` (a new session key: see
     `new_key`), the explorer's file for the browser is written under it while the forward runs
     (`views.explore`), within the analysis' own job and price; with `ticket` too (one `EARLY`
-    opened), the explorer's value is published for the page as soon as the file is complete."""
+    opened), the explorer's value is published for the page as soon as the file is complete, while
+    the forward goes on (`_Early`)."""
     variant = _requested(image, variant)
     release_memory()  # what the previous request's rendering and encoding freed
     try:
@@ -177,16 +179,14 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
             with EXPLORER_LOCKS.hold(explorer_key):
                 explorer_sweep(room=price(get_spec(variant), "explorer").kept_bytes)
                 stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
+                early = _Early(ticket, get_spec(variant), explorer_key)
                 try:
-                    exp = replace(_analyze_on_device(image, variant, stream_to=str(stack),
-                                                     on_crop=_pictures_early(ticket, variant, explorer_key)), key=explorer_key)
+                    exp = replace(_analyze_on_device(image, variant, stream_to=str(stack), on_crop=early.on_crop,
+                                                     on_file=early.on_file), key=explorer_key)
                 except BaseException:  # the pictures written for the page before the forward go with it
                     for name in explorer_data.PICTURES:
                         explorer_data.picture_path(EXPLORER_DIR, explorer_key, name).unlink(missing_ok=True)
                     raise
-                if ticket is not None and stack.exists():  # one file for the browser, complete: the page may draw it now
-                    value = explorer_data.write_payload(exp, key=explorer_key, folder=EXPLORER_DIR)
-                    EARLY.publish(ticket, "explorer", {**value, "first": explorer_data.first_shown(value)})
             return exp
     except ImageError as exc:
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
@@ -215,18 +215,30 @@ def analysis_price(variant: str, *, explorer: bool = False) -> Cost:
     return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
 
 
-def _pictures_early(ticket: str | None, variant: str, key: str):
-    """With a page's ticket: what writes the explorer's pictures from the crop before the forward
-    runs (`views.explore`'s `on_crop`), and publishes them for the page (`vitviz.server.early`)."""
-    if ticket is None:
-        return None
-    spec = get_spec(variant)
+class _Early:
+    """What the page that named an analysis with `ticket` gets before its outputs (`vitviz.server.early`):
+    the explorer's pictures, written from the crop before the forward runs (`on_crop`), and the
+    explorer's value once the forward has written the file (`on_file`): the value the outputs bring
+    (`explorer_data.write_payload`), with the first view's bytes inline. Without a ticket, only the
+    pictures are written."""
 
-    def write(cropped) -> None:
-        EARLY.publish(ticket, "pictures", explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=spec.grid,
-                                                                       key=key, folder=EXPLORER_DIR))
+    def __init__(self, ticket: str | None, spec, key: str) -> None:
+        self.ticket, self.spec, self.key = ticket, spec, key
+        self.pictures: dict | None = None
 
-    return write
+    def on_crop(self, cropped) -> None:
+        self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
+                                                     key=self.key, folder=EXPLORER_DIR)
+        EARLY.publish(self.ticket, "pictures", self.pictures)
+
+    def on_file(self, layout, path) -> None:
+        if self.ticket is None or self.pictures is None:
+            return
+        tokens = layout_of(self.spec, self.spec.grid)  # as the analysis will name its queries
+        value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
+                                       patch_px=self.spec.patch_size * self.pictures["scale"])
+        value.update(self.pictures, data=str(path))
+        EARLY.publish(self.ticket, "explorer", {**value, "first": explorer_data.first_shown(value)})
 
 
 def new_key() -> str:
@@ -253,8 +265,8 @@ def file_name(path: str | None) -> str:
 
 
 @gpu
-def _analyze_on_device(image: str, variant: str, stream_to: str | None = None, on_crop=None) -> views.Exploration:
-    return views.explore(CACHE, image, variant, stream_to=stream_to, on_crop=on_crop)
+def _analyze_on_device(image: str, variant: str, stream_to: str | None = None, on_crop=None, on_file=None) -> views.Exploration:
+    return views.explore(CACHE, image, variant, stream_to=stream_to, on_crop=on_crop, on_file=on_file)
 
 
 @gpu

@@ -88,18 +88,21 @@ def display_of(crop: Image.Image) -> Image.Image:
 
 
 def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: str | Path | None = None,
-            on_crop=None) -> Exploration:
+            on_crop=None, on_file=None) -> Exploration:
     """The analysis: `variant` run once on `image`, its attention recorded. With `stream_to`, the
     explorer's "stack" file (`explorer_data`) is written there while the forward runs, each layer's
     block as soon as the layer is computed (`explorer_data.StackStream`; nothing for a Swin or a
-    stack over the browser's budget); when the forward fails, no file is left. `on_crop`, with
-    `stream_to`, is called with the crop the model sees (`Analysis.image`) before the forward runs."""
+    stack over the browser's budget); when the analysis fails, no file is left. With `stream_to`,
+    `on_crop` is called with the crop the model sees (`Analysis.image`) before the forward runs, and
+    `on_file` with the file's `explorer_data.ExplorerLayout` and path as soon as it is complete
+    (as the forward's last attention is, for most models)."""
     model, facts = cache.get(variant)
     if stream_to is None or isinstance(model, Swin):
         return Exploration(analyze(model, image), facts)
     tower = image_tower(model)
     stream = explorer_data.StackStream(stream_to, depth=tower.config.depth, num_prefix_tokens=tower.config.num_prefix_tokens,
-                                       pooled_query=tower.config.pooled_query, pool_weighted=tower.attn_pool is not None)
+                                       pooled_query=tower.config.pooled_query, pool_weighted=tower.attn_pool is not None,
+                                       on_complete=on_file)
     cropped = crop(load_image(image), spec_of(model).preprocessing)  # as `analyze` crops it
     if on_crop is not None:
         on_crop(cropped)
