@@ -52,11 +52,19 @@ def _pooled(pool: str):
                                  class_token=False, pool=pool), 48, f"pooled-{pool}")
 
 
+def _prefixed():
+    """A cls token, DeiT's distillation token and two registers: four named queries."""
+    torch.manual_seed(7)
+    return _with_spec(vitviz.ViT(image_size=48, patch_size=16, width=16, depth=3, heads=2, mlp_dim=32, num_classes=3,
+                                 distill_token=True, register_tokens=2), 48, "prefixed")
+
+
 MODELS = {
     "shapes_p16": lambda: vitviz.load_model("shapes_p16", device="cpu"),
     "torchvision": _torchvision_small,
     "pooled-mean": lambda: _pooled("avg"),
     "pooled-probe": lambda: _pooled("map"),
+    "prefixed": _prefixed,
 }
 
 
@@ -236,6 +244,76 @@ def app():
 
 def _quiet(*args, **kwargs):
     pass
+
+
+def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, model, tmp_path, monkeypatch):
+    """`runtime._Early`: the pictures before the forward, then the explorer's value, made from the spec
+    and the crop while the forward runs, equal to `write_payload`'s from the finished analysis; for
+    every model but a probe-weighted pooled one, published before the head runs."""
+    import asyncio
+
+    monkeypatch.setattr(runtime, "EXPLORER_DIR", tmp_path)
+
+    def published(ticket, step):
+        try:
+            return asyncio.run(asyncio.wait_for(runtime.EARLY.wait(ticket, step), 0.05))
+        except asyncio.TimeoutError:
+            return None
+
+    seen = []
+    handle = image_tower(model).head.register_forward_hook(lambda *args: seen.append(published(ticket, "explorer")))
+    key = runtime.new_key()
+    try:
+        with runtime.EARLY.opened(runtime.new_key()) as ticket:
+            early = runtime._Early(ticket, model.spec, key)
+            path = tmp_path / f"{key}-stack.bin"
+            exp = views.explore(_Cache(model), IMAGE, model.spec.name, stream_to=path, on_crop=early.on_crop, on_file=early.on_file)
+            early.after(exp, path)
+            pictures, value = published(ticket, "pictures"), published(ticket, "explorer")
+    finally:
+        handle.remove()
+    first = value.pop("first")
+    assert value == explorer_data.write_payload(views.Exploration(exp.analysis, exp.facts), key=key, folder=tmp_path)
+    assert all(value[k] == pictures[k] for k in pictures) and first == explorer_data.first_shown(value)
+    probe = image_tower(model).attn_pool is not None and model.config.pooled_query
+    assert (seen == [None]) if probe else (seen[0] is not None and seen[0]["id"] == key)
+
+
+def test_callbacks_that_never_reach_the_server_still_give_the_page_its_explorer(app, monkeypatch):
+    """As on ZeroGPU, where the analysis runs in a worker process and its calls to `on_crop` and
+    `on_file` publish nothing here: the explorer is published from the finished analysis."""
+    import asyncio
+
+    original = runtime._analyze_on_device
+    monkeypatch.setattr(runtime, "_analyze_on_device", lambda image, variant, stream_to=None, on_crop=None, on_file=None:
+                        original(image, variant, stream_to=stream_to))
+    key = runtime.new_key()
+    with runtime.EARLY.opened(runtime.new_key()) as ticket:
+        exp = runtime.run(runtime.EXAMPLES[3], "shapes_p16", explorer_key=key, ticket=ticket)
+        pictures, value = (asyncio.run(asyncio.wait_for(runtime.EARLY.wait(ticket, step), 1.0)) for step in ("pictures", "explorer"))
+    first = value.pop("first")
+    assert value == explorer_data.write_payload(exp, key=key, folder=runtime.EXPLORER_DIR) and first == explorer_data.first_shown(value)
+    assert pictures == {k: value[k] for k in pictures} and set(pictures) == {*explorer_data.PICTURES, "scale"}
+
+
+def test_an_analysis_that_fails_after_its_file_removes_the_files_it_published(app, monkeypatch):
+    """A failure in the head, after the explorer's value went to the page: the stack file and the
+    pictures go with the analysis, whose job ends; the server goes on."""
+    model, _ = runtime.CACHE.get("shapes_p16")
+
+    def fail(*args):
+        raise RuntimeError("out of memory in the head")
+
+    before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
+    handle = model.head.register_forward_hook(fail)
+    try:
+        with runtime.EARLY.opened(runtime.new_key()) as ticket, pytest.raises(RuntimeError, match="the head"):
+            runtime.run(runtime.EXAMPLES[2], "shapes_p16", explorer_key=runtime.new_key(), ticket=ticket)
+    finally:
+        handle.remove()
+    assert set(runtime.EXPLORER_DIR.glob("*")) == before and runtime.WORK.running() == []
+    out = page.on_analyze(runtime.EXAMPLES[2], "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()
 
 
 def test_the_analysis_sends_the_explorer_with_its_outputs(app):

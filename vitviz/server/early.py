@@ -7,7 +7,8 @@ ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
 - "pictures": the explorer's two pictures (the image the model sees, and a mosaic tile's), written
   from the crop before the forward starts; the page fetches them while the forward runs;
 - "explorer": the explorer's value, as soon as the forward has written the explorer's file (as
-  its last attention is, while the rest of the forward runs), with the file's header and the layer
+  its last attention is, while the rest of the forward runs; after the forward for a pooled query
+  weighted by an attention probe), with the file's header and the layer
   shown first inline; the page draws the explorer from it while the rest of the analysis runs and
   is drawn and sent. The value is the one the outputs bring (`explorer_data.write_payload`), so the
   page loads it once.
@@ -16,7 +17,8 @@ A ticket that is malformed or named a second time gets nothing early; neither do
 whose explorer is not one file for the browser (a Swin's, the "layers" and "server" layouts), nor
 one that fails before its file is complete: the wait answers None, and the page takes the explorer
 from the outputs as before. One that fails after it (in the last block's MLP or the head) has
-published its explorer; its files are removed, and the page shows the failure beside it.
+published its explorer; its files are removed, so the page's explorer keeps only the last layer
+it was sent, while the other results stay those of the previous analysis beside the error.
 Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
 
     tickets = Tickets()

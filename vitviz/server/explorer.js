@@ -55,7 +55,9 @@
     return out;
   }
 
-  const pictures = (paths) => Promise.all([pictureData(fileUrl(paths.base), paths.scale), pictureData(fileUrl(paths.tile_base))]);
+  const pictures = (paths) => Number.isInteger(paths.scale) && paths.scale > 0
+    ? Promise.all([pictureData(fileUrl(paths.base), paths.scale), pictureData(fileUrl(paths.tile_base))])
+    : Promise.reject(new Error("the explorer's pictures came without their scale"));
 
   function patchIndex(side, grid) {
     const per = side / grid[1];

@@ -339,8 +339,14 @@ def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key:
     value: dict = {"scale": int(scale)}
     for name, draw in (("base", lambda: crop), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
         path = picture_path(folder, key, name)
-        if not path.exists():
-            path.write_bytes(rgb_file(draw()))
+        if not path.exists():  # under a temporary name until complete: a failed write leaves no half picture
+            part = path.with_name(path.name + ".part")
+            try:
+                part.write_bytes(rgb_file(draw()))
+                part.replace(path)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
         value[name] = str(path)
     return value
 

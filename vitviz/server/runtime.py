@@ -187,6 +187,7 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
                     for name in explorer_data.PICTURES:
                         explorer_data.picture_path(EXPLORER_DIR, explorer_key, name).unlink(missing_ok=True)
                     raise
+                early.after(exp, stack)
             return exp
     except ImageError as exc:
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
@@ -220,11 +221,15 @@ class _Early:
     the explorer's pictures, written from the crop before the forward runs (`on_crop`), and the
     explorer's value once the forward has written the file (`on_file`): the value the outputs bring
     (`explorer_data.write_payload`), with the first view's bytes inline. Without a ticket, only the
-    pictures are written."""
+    pictures are written.
+
+    Where the two calls did not reach this process (the analysis ran in ZeroGPU's worker) or the
+    value could not be made during the forward, `after` publishes both from the finished analysis."""
 
     def __init__(self, ticket: str | None, spec, key: str) -> None:
         self.ticket, self.spec, self.key = ticket, spec, key
         self.pictures: dict | None = None
+        self.published = False
 
     def on_crop(self, cropped) -> None:
         self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
@@ -234,11 +239,25 @@ class _Early:
     def on_file(self, layout, path) -> None:
         if self.ticket is None or self.pictures is None:
             return
-        tokens = layout_of(self.spec, self.spec.grid)  # as the analysis will name its queries
-        value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
-                                       patch_px=self.spec.patch_size * self.pictures["scale"])
-        value.update(self.pictures, data=str(path))
+        try:  # the forward goes on whatever happens here: `after` tries again from the finished analysis
+            tokens = layout_of(self.spec, self.spec.grid)  # as the analysis will name its queries
+            value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
+                                           patch_px=self.spec.patch_size * self.pictures["scale"])
+            value.update(self.pictures, data=str(path))
+            value["first"] = explorer_data.first_shown(value)
+        except Exception:
+            return
+        EARLY.publish(self.ticket, "explorer", value)
+        self.published = True
+
+    def after(self, exp: views.Exploration, stack: Path) -> None:
+        """The analysis `exp` is done: its explorer published now if it was not during the forward."""
+        if self.ticket is None or self.published or not stack.exists():
+            return
+        value = explorer_data.write_payload(exp, key=self.key, folder=EXPLORER_DIR)
+        EARLY.publish(self.ticket, "pictures", {k: value[k] for k in (*explorer_data.PICTURES, "scale")})
         EARLY.publish(self.ticket, "explorer", {**value, "first": explorer_data.first_shown(value)})
+        self.published = True
 
 
 def new_key() -> str:

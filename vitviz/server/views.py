@@ -101,7 +101,8 @@ def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: s
         return Exploration(analyze(model, image), facts)
     tower = image_tower(model)
     stream = explorer_data.StackStream(stream_to, depth=tower.config.depth, num_prefix_tokens=tower.config.num_prefix_tokens,
-                                       pooled_query=tower.config.pooled_query, pool_weighted=tower.attn_pool is not None,
+                                       pooled_query=tower.config.pooled_query,
+                                       pool_weighted=tower.config.pooled_query and tower.attn_pool is not None,
                                        on_complete=on_file)
     cropped = crop(load_image(image), spec_of(model).preprocessing)  # as `analyze` crops it
     if on_crop is not None:
