@@ -208,9 +208,10 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
     """A new analysis in the app's handler, without a browser: (what, median ms, ratio to the plain
     forward) for the plain forward, the analysis as the page asks for it (`runtime.run` with a ticket:
     the explorer's pictures before the forward, its file during it), until its explorer's value is
-    published for the page and until it returns, the same without the file,
-    the explorer's pictures on their own, drawing every output of the analysis for a new image on the model shown (`page.analysis_outputs`)
-    and Gradio's postprocessing of those outputs. New 640x480 JPEGs; random weights through the real path."""
+    published for the page and until it returns; the explorer's two pictures on their own, and as PNG
+    files for comparison; the analysis without the file; drawing every output of the analysis for a
+    new image on the model shown (`page.analysis_outputs`) and Gradio's postprocessing of those
+    outputs. New 640x480 JPEGs; random weights through the real path."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     with _private_weights() as home:
         if vitviz.get_spec(arch).source == "torchvision":
