@@ -332,11 +332,16 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
     k, tile = live["scale"], explorer_data.mosaic_tile_px(exp.analysis.grid)
     assert k > 1 and np.array_equal(base, np.asarray(exp.analysis.image.convert("RGB")))
     assert np.array_equal(base.repeat(k, axis=0).repeat(k, axis=1), np.asarray(exp.display_image.convert("RGB")))
+    assert sum(Path(live[k]).stat().st_size for k in explorer_data.PICTURES) == explorer_data.pictures_bytes(base.shape[0], exp.analysis.grid)
     tile_base = explorer_data.read_rgb_file(Path(live["tile_base"]).read_bytes())
     assert np.array_equal(np.asarray(tile_base), np.asarray(exp.analysis.image.convert("RGB").resize((tile, tile), Image.BILINEAR)))
-    # the step after the analysis sends the same value (the page keeps what it loaded), the file not written again
-    before = data.stat().st_mtime_ns
-    assert explorer.on_explorer(ref)[explorer.explorer_live] == live and data.stat().st_mtime_ns == before
+    # the step after the analysis sends nothing again and takes no job
+    before, jobs = data.stat().st_mtime_ns, []
+    original = runtime.job
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runtime, "job", lambda *args, **kwargs: jobs.append(args) or original(*args, **kwargs))
+        assert all(v == {"__type__": "update"} for v in explorer.on_explorer(ref).values())
+    assert jobs == [] and data.stat().st_mtime_ns == before
     # priced with the file: the analysis' job holds one layer's rows beside the forward
     plain, streamed = runtime.analysis_price("shapes_p16"), runtime.analysis_price("shapes_p16", explorer=True)
     assert streamed.bytes > plain.bytes and streamed.kept_bytes == plain.kept_bytes and streamed.flops == plain.flops

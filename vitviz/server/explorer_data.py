@@ -46,7 +46,7 @@ from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
 __all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "block_of", "stack_file", "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
+           "layer_block", "block_of", "stack_file", "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -327,6 +327,12 @@ def read_rgb_file(data: bytes) -> Image.Image:
     if len(data) != 8 + 3 * width * height:
         raise ValueError(f"a {width}x{height} picture has {8 + 3 * width * height} bytes, not {len(data)}")
     return Image.fromarray(np.frombuffer(data[8:], dtype=np.uint8).reshape(height, width, 3))
+
+
+def pictures_bytes(image_size: int, grid: tuple[int, int]) -> int:
+    """The two pictures' bytes on disk for a crop of `image_size` px and its patch `grid`."""
+    tile = mosaic_tile_px(grid)
+    return 16 + 3 * (image_size * image_size + tile * tile)
 
 
 def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key: str, folder) -> dict:

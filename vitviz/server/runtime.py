@@ -177,7 +177,8 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
             if explorer_key is None:
                 return _analyze_on_device(image, variant)
             with EXPLORER_LOCKS.hold(explorer_key):
-                explorer_sweep(room=price(get_spec(variant), "explorer").kept_bytes)
+                spec = get_spec(variant)  # room for the file and its two pictures
+                explorer_sweep(room=price(spec, "explorer").kept_bytes + explorer_data.pictures_bytes(spec.image_size, spec.grid))
                 stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
                 early = _Early(ticket, get_spec(variant), explorer_key)
                 try:

@@ -143,15 +143,16 @@ class ExplorerTab(Tab):
         return self.on_explorer, page.state, self._live_outputs()
 
     def on_explorer(self, ref: SessionRef | None) -> Outputs:
-        """After an analysis is on the page: the explorer's data for the browser (written once per
-        analysis; a Swin's for the windowed explorer), or, for a model too large for it, the server's explorer.
-        The browser's explorer came with the analysis already (`_live_now`): the same value again, which
-        the page does not load twice."""
+        """After an analysis is on the page: a Swin's data for the windowed explorer (written once per
+        analysis), or, for a model too large for the browser, the server's explorer. The browser's
+        explorer came with the analysis (`_live_now`): nothing is sent again, and no job is taken."""
         if not isinstance(ref, SessionRef):
             return {self.explorer_live: gr.skip()}
         exp = runtime.recall(ref)
         if self.lacks(exp) is not None:  # the tab says why there is no explorer
             return {self.explorer_live: None, self.swin_live: None, self.server_explorer: gr.update(visible=False)}
+        if self._sent_with_analysis(exp):
+            return {c: gr.skip() for c in self._live_outputs()}
         swin = swin_views.is_swin(exp)
         with runtime.EXPLORER_LOCKS.hold(ref.key), runtime.job("explorer", ref.variant) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
