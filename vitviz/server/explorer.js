@@ -95,6 +95,20 @@
   // block a layer: float32 row maxima [V, N] and uint8 rows [V, N, M]
   const stackSizes = (m) => ({ head: 4 * m.tokens, block: m.views * m.tokens * (4 + m.patches) });
 
+  // the other layers of an analysis that came early wait until the analysis' outputs have come, a
+  // layer is asked for, or LATER ms have passed: fetched at once, they share the machine with the
+  // rest of the analysis and delay its outputs (`vitviz.dev.bench --browser`)
+  const LATER = 1500;
+  let waiting = null;       // {id, go}: the analysis whose other layers wait, and what starts them
+  function later(id) {
+    return new Promise((resolve) => {
+      const go = () => { if (waiting && waiting.id === id) waiting = null; resolve(); };
+      waiting = { id, go };
+      setTimeout(go, LATER);
+    });
+  }
+  const startWaiting = (id) => { if (waiting && waiting.id === id) waiting.go(); };
+
   // the "stack" file of `next` (an analysis being loaded): the shared maxima and the layer shown first
   // (the last) fetched first, unless they came inline (`first`, base64: `early`), then the other
   // layers in one request; a layer asked for meanwhile waits for them
@@ -111,7 +125,8 @@
       return parseLayer(m, buffer, head)[0];
     });
     if (last > 0) {
-      const rest = next.layers[last].then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
+      const go = first ? later(m.id) : null;
+      const rest = Promise.all([next.layers[last], go]).then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
         const parsed = [];
         for (let l = 0, offset = 0; l < last; l++) [parsed[l], offset] = parseLayer(m, buffer, offset);
         return parsed;
@@ -137,6 +152,7 @@
 
   async function ensureLayer(layer) {
     if (layers[layer - 1] && !(layers[layer - 1] instanceof Promise)) return layers[layer - 1];
+    if (meta) startWaiting(meta.id);
     const m = meta;
     if (!layers[layer - 1]) {
       layers[layer - 1] = fetchLayer(m, layer).then((got) => {
@@ -444,6 +460,7 @@
   // the same analysis again (its explorer came early, then with the analysis' outputs, then from the step after it): kept as it is
   watch("value", () => {
     const v = props.value;
+    if (v) startWaiting(v.id);  // the analysis' outputs are here: its other layers may come now
     if (v && (v.id === loadingId || (meta && v.id === meta.id && v.mode === meta.mode))) return;
     load(v);
   });
