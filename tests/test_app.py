@@ -45,9 +45,9 @@ def test_analyze_fills_every_section(app, analysed):
     ref, out = analysed
     assert set(out) == set(page.PAGE.analysis_outputs) - {page.PAGE.image, page.PAGE.variant}  # what the user chose stays
     preds, rollout = out[tabs.predict.TAB.predictions]["value"], out[tabs.predict.TAB.rollout_img]["value"]
-    shown = out  # the browser's explorer comes with the analysis; the step after it sends nothing again
+    # the browser's explorer comes with the analysis; the step after it sends nothing again
     assert all(v == gr.skip() for v in tabs.explorer.TAB.on_explorer(ref).values())
-    explorer, mosaic = shown[tabs.explorer.TAB.explorer_img], shown[tabs.explorer.TAB.mosaic]
+    explorer, mosaic = out[tabs.explorer.TAB.explorer_img], out[tabs.explorer.TAB.mosaic]
     layer_upd, head_upd, query, query_text = out[tabs.explorer.TAB.layer], out[tabs.explorer.TAB.head], out[tabs.explorer.TAB.query], out[tabs.explorer.TAB.query_text]
     distance, similarity, filters, grid = out[tabs.distance.TAB.distance_img], out[tabs.positions.TAB.similarity_img], out[tabs.positions.TAB.filters_img], out[tabs.architecture.TAB.grid_img]
     table, npz, status = out[tabs.architecture.TAB.table], out[tabs.predict.TAB.npz], out[page.PAGE.status]
@@ -56,8 +56,8 @@ def test_analyze_fills_every_section(app, analysed):
     # 384 px maps (the 96 px crop at 4x) with a colour bar beside them
     assert rollout.size[1] == 384 and 384 < rollout.size[0] < 480
     # the explorer is the browser's: its data written once, the server's own explorer hidden and not drawn
-    live = shown[tabs.explorer.TAB.explorer_live]
-    assert live["mode"] == "stack" and live["id"] == ref.key and shown[tabs.explorer.TAB.server_explorer]["visible"] is False
+    live = out[tabs.explorer.TAB.explorer_live]
+    assert live["mode"] == "stack" and live["id"] == ref.key and out[tabs.explorer.TAB.server_explorer]["visible"] is False
     assert explorer is None and mosaic is None
     from pathlib import Path
 

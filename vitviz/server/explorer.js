@@ -107,7 +107,7 @@
       setTimeout(go, LATER);
     });
   }
-  const startWaiting = (id) => { if (waiting && waiting.id === id) waiting.go(); };
+  const release = (id) => { if (waiting && waiting.id === id) waiting.go(); };
 
   // the "stack" file of `next` (an analysis being loaded): the shared maxima and the layer shown first
   // (the last) fetched first, unless they came inline (`first`, base64: `early`), then the other
@@ -152,7 +152,7 @@
 
   async function ensureLayer(layer) {
     if (layers[layer - 1] && !(layers[layer - 1] instanceof Promise)) return layers[layer - 1];
-    if (meta) startWaiting(meta.id);
+    if (meta) release(meta.id);
     const m = meta;
     if (!layers[layer - 1]) {
       layers[layer - 1] = fetchLayer(m, layer).then((got) => {
@@ -460,7 +460,7 @@
   // the same analysis again (its explorer came early, then with the analysis' outputs, then from the step after it): kept as it is
   watch("value", () => {
     const v = props.value;
-    if (v) startWaiting(v.id);  // the analysis' outputs are here: its other layers may come now
+    if (v) release(v.id);  // the analysis' outputs are here: its other layers may come now
     if (v && (v.id === loadingId || (meta && v.id === meta.id && v.mode === meta.mode))) return;
     load(v);
   });

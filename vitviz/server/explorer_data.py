@@ -216,7 +216,7 @@ class StackStream:
         rows = with_pooled_query(attn, num_prefix_tokens=self.prefix) if self.pooled else attn
         self._write(layer, rows)
         if len(self.written) == self.depth:
-            self._complete(self._top)
+            self._complete()
 
     def _write(self, layer: int, rows: torch.Tensor) -> None:
         if not 0 <= layer < self.depth or layer in self.written:
@@ -228,9 +228,9 @@ class StackStream:
         # the heads' max view: each row's maximum is the largest of the heads' (max is exact)
         self._top = top[-1] if self._top is None else torch.maximum(self._top, top[-1])
 
-    def _complete(self, top: torch.Tensor) -> None:
+    def _complete(self) -> None:
         self._file.seek(0)
-        self._file.write(top.numpy().astype("<f4").tobytes())
+        self._file.write(self._top.numpy().astype("<f4").tobytes())
         self._file.close()
         self._file = None
         self.part.replace(self.path)
@@ -253,7 +253,7 @@ class StackStream:
                     self._write(layer, query_rows(a, layer))
             if self.written != set(range(self.depth)) or a.attentions.shape[0] != self.depth:
                 raise RuntimeError(f"the forward wrote {len(self.written)} of {self.depth} layers of the explorer's file")
-            self._complete(self._top)
+            self._complete()
         except BaseException:
             self.abort()
             raise

@@ -180,7 +180,7 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
                 spec = get_spec(variant)  # room for the file and its two pictures
                 explorer_sweep(room=price(spec, "explorer").kept_bytes + explorer_data.pictures_bytes(spec.image_size, spec.grid))
                 stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
-                early = _Early(ticket, get_spec(variant), explorer_key)
+                early = _Early(ticket, spec, explorer_key)
                 try:
                     exp = replace(_analyze_on_device(image, variant, stream_to=str(stack), on_crop=early.on_crop,
                                                      on_file=early.on_file), key=explorer_key)
