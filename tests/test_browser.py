@@ -353,12 +353,15 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     side = exp.display_image.size[0]
     tile = views.mosaic_tile_px(exp.analysis.grid)
 
-    def same_as_server(layer, head, query, scale):
+    def grab(layer, head, query, scale):
+        """The page's map and mosaic once they show this view."""
         _shows(page, layer=layer, head=head, query=query, scale=scale)
-        got = _canvas(page, "#vv-explorer-live canvas.vvx-map")
+        return (layer, head, query, scale), _canvas(page, "#vv-explorer-live canvas.vvx-map"), _canvas(page, "#vv-explorer-live canvas.vvx-mosaic")
+
+    def same_as_server(*view, grabbed=None):
+        (layer, head, query, scale), got, mosaic = grabbed or grab(*view)
         want = np.asarray(views.render_query(exp, layer=layer, head=head, query=query, scale=scale))[:, :side]
         assert got.shape == want.shape and np.array_equal(got, want), (layer, head, query, scale, np.abs(got.astype(int) - want).max())
-        mosaic = _canvas(page, "#vv-explorer-live canvas.vvx-mosaic")
         server = np.asarray(views.render_head_mosaic(exp, layer=layer, query=query, scale=scale))
         heads = exp.analysis.attentions.shape[1]
         cols = int(np.ceil(np.sqrt(heads)))
@@ -399,18 +402,27 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
             time.sleep(3)
 
     monkeypatch.setattr(runtime.EARLY, "publish", publish_then_hold)
+    page.mouse.move(0, 0)  # off the map: the first view is token 0's
     page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
     root = "document.querySelector('#vv-explorer-live .vvx').dataset"
     page.wait_for_function(f"{root}.analysis && {root}.analysis !== {key!r}")
     assert page.locator("#vv-explorer-live .vvx").get_attribute("data-source") == "early"
     new_key = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
-    page.wait_for_function(f"{root}.complete === {new_key!r}")  # every layer in, from the range request after the first
+    # drawn from the inline first view alone (token 0's rows of the last layer), the rest of the file not yet fetched
+    first_view = grab(6, "mean", 0, "layer")
+    assert page.locator("#vv-explorer-live .vvx").get_attribute("data-complete") != new_key
+    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + box["height"] * 0.3)  # another query: the whole layer now
+    hovered = grab(6, "mean", 1 + 1 * 6 + 4, "layer")
+    page.wait_for_function(f"{root}.complete === {new_key!r}")  # every layer in, from the range requests after the first view
     deadline = time.monotonic() + 60
     while runtime.STORE.get(new_key) is None and time.monotonic() < deadline:  # the outputs, after the hold
         time.sleep(0.1)
     _analysed(page, "shapes_p16")
     exp = runtime.STORE.get(new_key)
     assert exp is not None and runtime.STORE.get(key) is None  # the page's analysis now: the one before is let go
+    same_as_server(grabbed=first_view)
+    same_as_server(grabbed=hovered)
+    page.locator("#vv-explorer-live .vvx-token", has_text="cls").click()
     same_as_server(6, "mean", 0, "layer")
     page.locator("#vv-explorer-live .vvx-layer").focus()
     page.keyboard.press("ArrowLeft")

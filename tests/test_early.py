@@ -158,11 +158,19 @@ def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
     # the value the outputs bring, with the pictures published before the forward
     index = page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)
     assert value == outputs[index] and all(value[k] == pictures[k] for k in pictures)
-    # inline: the shared maxima, then the last layer's block, as in the file
+    # inline, as in the file: the shared maxima, the last layer's row maxima, and its rows of token 0
     data = Path(value["data"]).read_bytes()
-    head = 4 * value["tokens"]
-    block = value["views"] * value["tokens"] * (4 + value["patches"])
-    assert base64.b64decode(first) == data[:head] + data[head + (value["depth"] - 1) * block:]
+    v, n, m = value["views"], value["tokens"], value["patches"]
+    head, block = 4 * n, v * n * (4 + m)
+    last = data[head + (value["depth"] - 1) * block:]
+    assert len(last) == block
+    def rows(q):
+        return b"".join(last[4 * v * n + (h * n + q) * m : 4 * v * n + (h * n + q + 1) * m] for h in range(v))
+
+    assert base64.b64decode(first) == data[:head] + last[: 4 * v * n] + rows(0)
+    assert base64.b64decode(explorer_data.first_shown(value, n - 1)) == data[:head] + last[: 4 * v * n] + rows(n - 1)
+    with pytest.raises(ValueError, match="not a token"):
+        explorer_data.first_shown(value, n)
     # a second analysis under the same ticket gets nothing early; its outputs still bring its explorer
     other = _analyse(server, session, runtime.EXAMPLES[1], ticket)
     assert other[index]["id"] != value["id"] and Path(other[index]["data"]).exists()

@@ -109,23 +109,52 @@
   }
   const release = (id) => { if (waiting && waiting.id === id) waiting.go(); };
 
+  // the first view of an analysis that came early (`first`, base64: `explorer_data.first_shown`):
+  // the shared maxima, the last layer's row maxima, and that layer's row of token `only` in every
+  // view; the layer, with that one row filled in, stands for the whole until `full` brings it
+  function partialLayer(m, first, only = 0) {
+    const v = m.views, n = m.tokens, p = m.patches;
+    const bytes = Uint8Array.from(atob(first), (c) => c.charCodeAt(0));
+    if (bytes.length !== 4 * n + 4 * v * n + v * p) throw new Error("the explorer's first view is incomplete");
+    const top = new Float32Array(bytes.buffer.slice(4 * n, 4 * n + 4 * v * n));
+    const q = new Uint8Array(v * n * p);
+    for (let h = 0; h < v; h++) q.set(bytes.subarray(4 * n + 4 * v * n + h * p, 4 * n + 4 * v * n + (h + 1) * p), (h * n + only) * p);
+    return { sharedMax: new Float32Array(bytes.buffer.slice(0, 4 * n)), layer: { top, q, only, full: null } };
+  }
+
   // the "stack" file of `next` (an analysis being loaded): the shared maxima and the layer shown first
-  // (the last) fetched first, unless they came inline (`first`, base64: `early`), then the other
-  // layers in one request; a layer asked for meanwhile waits for them
+  // (the last) fetched first, then the other layers in one request; a layer asked for meanwhile waits
+  // for them. Early (`first`), the first view came inline: the whole last layer and the others are
+  // fetched later (`later`), in two requests, the last layer's first
   function fetchStack(next, first) {
     const m = next.meta, url = fileUrl(m.data);
     const { head, block } = stackSizes(m), last = m.depth - 1;
-    const whole = first
-      ? fetch("data:application/octet-stream;base64," + first).then((response) => response.arrayBuffer())
-      : Promise.all([fetchRange(url, 0, head), fetchRange(url, head + last * block, head + m.depth * block)])
-        .then(([top, buffer]) => { const both = new Uint8Array(head + block); both.set(new Uint8Array(top)); both.set(new Uint8Array(buffer), head); return both.buffer; });
-    next.layers[last] = whole.then((buffer) => {
-      next.sharedMax = new Float32Array(buffer.slice(0, head));
-      if (meta === m) sharedMax = next.sharedMax;
-      return parseLayer(m, buffer, head)[0];
-    });
+    let go = null;
+    if (first) {
+      go = later(m.id);
+      let given;
+      try {
+        given = partialLayer(m, first);
+      } catch (error) {
+        next.layers[last] = Promise.reject(error);
+        next.layers[last].catch(() => {});
+        return;
+      }
+      next.sharedMax = given.sharedMax;
+      const full = go.then(() => fetchRange(url, head + last * block, head + m.depth * block)).then((buffer) => parseLayer(m, buffer, 0)[0]);
+      given.layer.full = full;
+      next.layers[last] = Promise.resolve(given.layer);
+      full.then((layer) => { next.layers[last] = layer; }, () => { given.layer.full = null; });  // failed: asked for again when needed
+      next.whole = full;
+    } else {
+      next.layers[last] = Promise.all([fetchRange(url, 0, head), fetchRange(url, head + last * block, head + m.depth * block)])
+        .then(([top, buffer]) => {
+          next.sharedMax = new Float32Array(top);
+          if (meta === m) sharedMax = next.sharedMax;
+          return parseLayer(m, buffer, 0)[0];
+        });
+    }
     if (last > 0) {
-      const go = first ? later(m.id) : null;
       const rest = Promise.all([next.layers[last], go]).then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
         const parsed = [];
         for (let l = 0, offset = 0; l < last; l++) [parsed[l], offset] = parseLayer(m, buffer, offset);
@@ -134,8 +163,8 @@
       for (let l = 0; l < last; l++) next.layers[l] = rest.then((parsed) => parsed[l]);
     }
     next.layers.forEach((p) => p.catch(() => {}));  // a failure is reported when its layer is drawn
-    // data-complete: every layer is in (what a benchmark waits for before timing anything else)
-    Promise.all(next.layers).then(() => { next.complete = true; if (meta === m) root.dataset.complete = m.id; }, () => {});
+    // data-complete: every layer is in, the last one whole (what a benchmark waits for before timing anything else)
+    Promise.all([...next.layers, next.whole]).then(() => { next.complete = true; if (meta === m) root.dataset.complete = m.id; }, () => {});
   }
 
   // one layer of `m`'s analysis by itself: its block of the "stack" file, or its own file ("layers")
@@ -150,23 +179,38 @@
     return { layer: parseLayer(m, buffer, head)[0], sharedMax: new Float32Array(buffer.slice(0, head)) };
   }
 
-  async function ensureLayer(layer) {
-    if (layers[layer - 1] && !(layers[layer - 1] instanceof Promise)) return layers[layer - 1];
-    if (meta) release(meta.id);
+  // layer `layer` of the analysis shown, whole or (the first view of one that came early) with the
+  // row of `query` in it
+  async function ensureLayer(layer, query) {
     const m = meta;
-    if (!layers[layer - 1]) {
-      layers[layer - 1] = fetchLayer(m, layer).then((got) => {
-        if (meta === m && !sharedMax) sharedMax = got.sharedMax;
-        return got.layer;
-      });
+    let got = layers[layer - 1];
+    if (!got || got instanceof Promise) {
+      if (meta) release(meta.id);
+      if (!got) {
+        got = layers[layer - 1] = fetchLayer(m, layer).then((fetched) => {
+          if (meta === m && !sharedMax) sharedMax = fetched.sharedMax;
+          return fetched.layer;
+        });
+      }
+      const pending = got;
+      try {
+        got = await pending;
+        if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = got;
+      } catch (error) {
+        if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = null;  // not kept: asked for again when it is next shown
+        throw error;
+      }
     }
-    const pending = layers[layer - 1];
+    if (got.only === undefined || got.only === query) return got;
+    release(m.id);  // another query of a first view: the whole layer now
+    if (!got.full) got.full = fetchLayer(m, layer).then((fetched) => fetched.layer);
+    const full = got.full;
     try {
-      const got = await pending;
-      if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = got;
-      return got;
+      const whole = await full;
+      if (meta === m && layers[layer - 1] === got) layers[layer - 1] = whole;
+      return whole;
     } catch (error) {
-      if (meta === m && layers[layer - 1] === pending) layers[layer - 1] = null;  // not kept: asked for again when it is next shown
+      if (got.full === full) got.full = null;  // asked for again when it is next shown
       throw error;
     }
   }
@@ -203,7 +247,7 @@
       return;
     }
     if (ticket !== loading) return;
-    next.layers[value.depth - 1] = shownFirst;
+    if (next.layers[value.depth - 1] === first) next.layers[value.depth - 1] = shownFirst;
     [meta, layers, sharedMax, base, tileBase] = [value, next.layers, next.sharedMax, b, t];
     pixelPatch = patchIndex(base.width, meta.grid);
     tilePatch = patchIndex(tileBase.width, meta.grid);
@@ -356,7 +400,7 @@
     if (!meta || meta.mode === "server" || !base) return;
     const want = { ...view }, m = meta;
     try {
-      await ensureLayer(want.layer);
+      await ensureLayer(want.layer, want.query);
     } catch (error) {
       if (meta === m) statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
       return;
