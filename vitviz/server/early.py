@@ -8,9 +8,10 @@ ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
   from the crop before the forward starts; the page fetches them while the forward runs;
 - "explorer": the explorer's value, as soon as the forward has written the explorer's file (as
   its last attention is, while the rest of the forward runs; after the forward for a pooled query
-  weighted by an attention probe), with the file's header and the layer
-  shown first inline; the page draws the explorer from it while the rest of the analysis runs and
-  is drawn and sent. The value is the one the outputs bring (`explorer_data.write_payload`), so the
+  weighted by an attention probe), with what the first view needs inline (the shared maxima, the
+  last layer's row maxima and its rows of token 0: `explorer_data.first_shown`); the page draws the
+  explorer from it while the rest of the analysis runs and is drawn and sent, and fetches the rest
+  of the file after. The value is the one the outputs bring (`explorer_data.write_payload`), so the
   page loads it once.
 
 A ticket that is malformed or named a second time gets nothing early; neither does an analysis
