@@ -403,17 +403,35 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
 
     monkeypatch.setattr(runtime.EARLY, "publish", publish_then_hold)
     page.mouse.move(0, 0)  # off the map: the first view is token 0's
+    held = []  # the new explorer file's range requests, held until the first views are checked
+
+    def hold(route):
+        held.append(route)
+        page.evaluate("n => { window.__vvHeld = n; }", len(held))
+
+    page.route("**/*-stack.bin*", hold)
     page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
     root = "document.querySelector('#vv-explorer-live .vvx').dataset"
     page.wait_for_function(f"{root}.analysis && {root}.analysis !== {key!r}")
     assert page.locator("#vv-explorer-live .vvx").get_attribute("data-source") == "early"
     new_key = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
-    # drawn from the inline first view alone (token 0's rows of the last layer), the rest of the file not yet fetched
+    # drawn from the inline first view alone (token 0's rows of the last layer): the file's requests are held
     first_view = grab(6, "mean", 0, "layer")
-    assert page.locator("#vv-explorer-live .vvx").get_attribute("data-complete") != new_key
-    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + box["height"] * 0.3)  # another query: the whole layer now
-    hovered = grab(6, "mean", 1 + 1 * 6 + 4, "layer")
+    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + box["height"] * 0.3)  # another query: waits for the whole layer
+    page.wait_for_function("n => window.__vvHeld >= n", arg=1)
+    page.locator("#vv-explorer-live .vvx-token", has_text="cls").click()  # meanwhile token 0 again, pinned: drawn at once
+    pinned = grab(6, "mean", 0, "layer")
+    assert "pinned" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+    for request in held:
+        request.continue_()
+    page.unroute("**/*-stack.bin*")
     page.wait_for_function(f"{root}.complete === {new_key!r}")  # every layer in, from the range requests after the first view
+    page.wait_for_timeout(300)  # the hover's draw, its layer in, is not drawn over the newer view
+    assert page.locator("#vv-explorer-live canvas.vvx-map").get_attribute("data-query") == "0"
+    page.locator("#vv-explorer-live canvas.vvx-map").focus()
+    page.keyboard.press("Escape")  # let go of the pin; a hover now draws from the whole layer
+    page.mouse.move(box["x"] + box["width"] * 0.7 + 2, box["y"] + box["height"] * 0.3)
+    hovered = grab(6, "mean", 1 + 1 * 6 + 4, "layer")
     deadline = time.monotonic() + 60
     while runtime.STORE.get(new_key) is None and time.monotonic() < deadline:  # the outputs, after the hold
         time.sleep(0.1)
@@ -421,6 +439,7 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     exp = runtime.STORE.get(new_key)
     assert exp is not None and runtime.STORE.get(key) is None  # the page's analysis now: the one before is let go
     same_as_server(grabbed=first_view)
+    same_as_server(grabbed=pinned)
     same_as_server(grabbed=hovered)
     page.locator("#vv-explorer-live .vvx-token", has_text="cls").click()
     same_as_server(6, "mean", 0, "layer")

@@ -247,7 +247,8 @@
       return;
     }
     if (ticket !== loading) return;
-    if (next.layers[value.depth - 1] === first) next.layers[value.depth - 1] = shownFirst;
+    // (a whole last layer that came before this first view is kept)
+    if (value.mode !== "stack" || next.layers[value.depth - 1] === first) next.layers[value.depth - 1] = shownFirst;
     [meta, layers, sharedMax, base, tileBase] = [value, next.layers, next.sharedMax, b, t];
     pixelPatch = patchIndex(base.width, meta.grid);
     tilePatch = patchIndex(tileBase.width, meta.grid);
@@ -396,16 +397,17 @@
     ticks.innerHTML = [4, 3, 2, 1, 0].map((i) => `<span>${fmt(lo + (hi - lo) * i / 4)}</span>`).join("");
   }
 
+  let drawing = 0;          // the newest draw: one that waited for its layer is not drawn over a newer one
   async function draw() {
     if (!meta || meta.mode === "server" || !base) return;
-    const want = { ...view }, m = meta;
+    const want = { ...view }, m = meta, mine = ++drawing;
     try {
       await ensureLayer(want.layer, want.query);
     } catch (error) {
-      if (meta === m) statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+      if (meta === m && mine === drawing) statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
       return;
     }
-    if (meta !== m) return;  // another analysis came meanwhile: drawn by its own load
+    if (meta !== m || mine !== drawing) return;  // another analysis or another view asked for meanwhile: drawn by its own draw
     statusText.textContent = "";
     if (meta.mode === "layers" && !sharedMax) return;
     const v = values(want.layer, want.head, want.query);
