@@ -595,7 +595,7 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
         got = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
         return {k: sum(got.get(name, 0.0) for name in names) for k, names in _RENDERER_METRICS.items()}
 
-    def settled() -> None:  # the page's work on the analysis before done: its renderer idle for 100 ms (at most 5 s)
+    def settled() -> None:  # until the page has done its work on the last analysis: its renderer idle for 100 ms (5 s at most)
         last = renderer_seconds()["tasks"]
         for _ in range(50):
             time.sleep(0.1)

@@ -141,18 +141,17 @@
         return;
       }
       next.sharedMax = given.sharedMax;
-      const full = go.then(() => fetchRange(url, head + last * block, head + m.depth * block)).then((buffer) => parseLayer(m, buffer, 0)[0]);
+      const full = go.then(() => stackBlock(m, m.depth));
       given.layer.full = full;
       next.layers[last] = Promise.resolve(given.layer);
       full.then((layer) => { next.layers[last] = layer; }, () => { given.layer.full = null; });  // failed: asked for again when needed
       next.whole = full;
     } else {
-      next.layers[last] = Promise.all([fetchRange(url, 0, head), fetchRange(url, head + last * block, head + m.depth * block)])
-        .then(([top, buffer]) => {
-          next.sharedMax = new Float32Array(top);
-          if (meta === m) sharedMax = next.sharedMax;
-          return parseLayer(m, buffer, 0)[0];
-        });
+      next.layers[last] = fetchLayer(m, m.depth).then((got) => {
+        next.sharedMax = got.sharedMax;
+        if (meta === m) sharedMax = next.sharedMax;
+        return got.layer;
+      });
     }
     if (last > 0) {
       const rest = Promise.all([next.layers[last], go]).then(() => fetchRange(url, head, head + last * block)).then((buffer) => {
@@ -167,13 +166,18 @@
     Promise.all([...next.layers, next.whole]).then(() => { next.complete = true; if (meta === m) root.dataset.complete = m.id; }, () => {});
   }
 
+  // layer `layer`'s block of `m`'s "stack" file
+  function stackBlock(m, layer) {
+    const { head, block } = stackSizes(m);
+    return fetchRange(fileUrl(m.data), head + (layer - 1) * block, head + layer * block).then((buffer) => parseLayer(m, buffer, 0)[0]);
+  }
+
   // one layer of `m`'s analysis by itself: its block of the "stack" file, or its own file ("layers")
   async function fetchLayer(m, layer) {
-    const { head, block } = stackSizes(m);
+    const { head } = stackSizes(m);
     if (m.mode === "stack") {
-      const [top, buffer] = await Promise.all([fetchRange(fileUrl(m.data), 0, head),
-        fetchRange(fileUrl(m.data), head + (layer - 1) * block, head + layer * block)]);
-      return { layer: parseLayer(m, buffer, 0)[0], sharedMax: new Float32Array(top) };
+      const [top, parsed] = await Promise.all([fetchRange(fileUrl(m.data), 0, head), stackBlock(m, layer)]);
+      return { layer: parsed, sharedMax: new Float32Array(top) };
     }
     const buffer = await fetchBuffer(fileUrl(await server.explorer_layer(m.id, layer)));
     return { layer: parseLayer(m, buffer, head)[0], sharedMax: new Float32Array(buffer.slice(0, head)) };
@@ -203,7 +207,7 @@
     }
     if (got.only === undefined || got.only === query) return got;
     release(m.id);  // another query of a first view: the whole layer now
-    if (!got.full) got.full = fetchLayer(m, layer).then((fetched) => fetched.layer);
+    if (!got.full) got.full = stackBlock(m, layer);
     const full = got.full;
     try {
       const whole = await full;
