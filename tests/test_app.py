@@ -107,6 +107,50 @@ def test_clicking_a_patch_changes_the_explorer_map(app, analysed):
     assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean() > 1
 
 
+def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_the_server(app, analysed, example, monkeypatch):
+    """shapes_p16 (37 tokens, 3 heads: 7,400 bytes a layer) under smaller budgets. With one layer
+    within it, the explorer's value names no file; a layer's file, written when the page asks for it,
+    is the stack file's shared maxima and that layer's block. With not even one, the server draws the
+    explorer. `explorer_layer` refuses the two layouts that have no layer files, and writes nothing."""
+    from pathlib import Path
+
+    from vitviz.server import explorer_data, views
+
+    explorer = tabs.explorer.TAB
+    ref, _ = analysed  # within the budget: one file, written with the analysis
+    with pytest.raises(gr.Error, match="no layer files"):
+        tabs.explorer.explorer_layer([ref.key, 1])
+    layer, head = 5 * 37 * (4 + 36), 4 * 37
+    monkeypatch.setattr(explorer_data, "BUDGET", head + layer)
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    near, live = out[page.PAGE.state], out[explorer.explorer_live]
+    assert live["mode"] == "layers" and "data" not in live and out[explorer.server_explorer]["visible"] is False
+    assert all(v == gr.skip() for v in explorer.on_explorer(near).values())
+    assert not list(runtime.EXPLORER_DIR.glob(f"{near.key}-*.bin"))
+    whole = explorer_data.stack_file(runtime.STORE.get(near.key).analysis, range(6))
+    for n in (6, 2):
+        got = Path(tabs.explorer.explorer_layer([near.key, n])).read_bytes()
+        assert got == whole[:head] + whole[head + (n - 1) * layer : head + n * layer]
+    for bad in (0, 7, 2.5, float("nan"), None, [2]):
+        with pytest.raises(gr.Error, match="layer"):
+            tabs.explorer.explorer_layer([near.key, bad])
+
+    monkeypatch.setattr(explorer_data, "BUDGET", head + layer - 1)
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    far = out[page.PAGE.state]
+    assert out[explorer.explorer_live] == gr.skip()  # the step after the analysis says what the explorer is
+    shown = explorer.on_explorer(far)
+    live = shown[explorer.explorer_live]
+    assert live["mode"] == "server" and "too large" in live["note"] and "data" not in live and "base" not in live
+    assert shown[explorer.server_explorer]["visible"] is True and shown[explorer.global_box]["visible"] is True
+    exp = runtime.STORE.get(far.key)
+    assert np.array_equal(np.asarray(shown[explorer.explorer_img]), np.asarray(views.render_query(exp, layer=6, head="mean", query=0, scale="layer")))
+    assert np.array_equal(np.asarray(shown[explorer.mosaic]), np.asarray(views.render_head_mosaic(exp, layer=6, query=0, scale="layer")))
+    with pytest.raises(gr.Error, match="no layer files"):
+        tabs.explorer.explorer_layer([far.key, 1])
+    assert not list(runtime.EXPLORER_DIR.glob(f"{far.key}-*.bin"))
+
+
 def test_compare_two_variants(app, example):
     out = tabs.compare.TAB.on_compare(example, ["shapes_p16", "shapes_p8"])
     (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = tabs.compare.TAB.slots

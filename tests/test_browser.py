@@ -337,12 +337,34 @@ def _shows(page, **want):
     page.wait_for_function(f"(() => {{ const c = document.querySelector('#vv-explorer-live canvas.vvx-map'); return {checks}; }})()")
 
 
+def _grab(page, layer, head, query, scale):
+    """The page's map and mosaic once they show this view: (the view, map pixels, mosaic pixels)."""
+    _shows(page, layer=layer, head=head, query=query, scale=scale)
+    return (layer, head, query, scale), _canvas(page, "#vv-explorer-live canvas.vvx-map"), _canvas(page, "#vv-explorer-live canvas.vvx-mosaic")
+
+
+def _same_as_server(exp, grabbed):
+    """The page's map and every head's tile (`_grab`) are the server's pictures of that view of `exp`."""
+    import numpy as np
+
+    from vitviz.server import views
+
+    (layer, head, query, scale), got, mosaic = grabbed
+    side, tile = exp.display_image.size[0], views.mosaic_tile_px(exp.analysis.grid)
+    want = np.asarray(views.render_query(exp, layer=layer, head=head, query=query, scale=scale))[:, :side]
+    assert got.shape == want.shape and np.array_equal(got, want), (layer, head, query, scale, np.abs(got.astype(int) - want).max())
+    server = np.asarray(views.render_head_mosaic(exp, layer=layer, query=query, scale=scale))
+    heads = exp.analysis.attentions.shape[1]
+    cols = int(np.ceil(np.sqrt(heads)))
+    for h in range(heads):  # the tiles (the labels beneath are text, drawn by each side's own fonts)
+        x, y = (h % cols) * (tile + 6), (h // cols) * (tile + 16 + 6)
+        assert np.array_equal(mosaic[y : y + tile, x : x + tile], server[y : y + tile, x : x + tile]), (layer, query, h)
+
+
 def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     """Hover, click-to-pin, keyboard layer steps, a head and the colour scale, each drawn in the
     browser, are the pictures the server draws for the same view (map and every head's tile)."""
-    import numpy as np
-
-    from vitviz.server import runtime, views
+    from vitviz.server import runtime
 
     base, example = url
     page.set_viewport_size({"width": 1280, "height": 1000})
@@ -350,24 +372,12 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     page.locator("#vv-image input[type=file]").set_input_files(example)
     key = _explorer(page, "shapes_p16")
     exp = runtime.STORE.get(key)
-    side = exp.display_image.size[0]
-    tile = views.mosaic_tile_px(exp.analysis.grid)
 
-    def grab(layer, head, query, scale):
-        """The page's map and mosaic once they show this view."""
-        _shows(page, layer=layer, head=head, query=query, scale=scale)
-        return (layer, head, query, scale), _canvas(page, "#vv-explorer-live canvas.vvx-map"), _canvas(page, "#vv-explorer-live canvas.vvx-mosaic")
+    def grab(*view):
+        return _grab(page, *view)
 
     def same_as_server(*view, grabbed=None):
-        (layer, head, query, scale), got, mosaic = grabbed or grab(*view)
-        want = np.asarray(views.render_query(exp, layer=layer, head=head, query=query, scale=scale))[:, :side]
-        assert got.shape == want.shape and np.array_equal(got, want), (layer, head, query, scale, np.abs(got.astype(int) - want).max())
-        server = np.asarray(views.render_head_mosaic(exp, layer=layer, query=query, scale=scale))
-        heads = exp.analysis.attentions.shape[1]
-        cols = int(np.ceil(np.sqrt(heads)))
-        for h in range(heads):  # the tiles (the labels beneath are text, drawn by each side's own fonts)
-            x, y = (h % cols) * (tile + 6), (h // cols) * (tile + 16 + 6)
-            assert np.array_equal(mosaic[y : y + tile, x : x + tile], server[y : y + tile, x : x + tile]), (layer, query, h)
+        _same_as_server(exp, grabbed or grab(*view))
 
     same_as_server(6, "mean", 0, "layer")  # the default: map and mosaic on one colour bar for the layer
     canvas = page.locator("#vv-explorer-live canvas.vvx-map")
@@ -446,6 +456,99 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     page.locator("#vv-explorer-live .vvx-layer").focus()
     page.keyboard.press("ArrowLeft")
     same_as_server(5, "mean", 0, "layer")
+
+
+def _img(page, selector):
+    """An image's pixels as the page decoded them: uint8 [H, W, 3]."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    page.wait_for_function(f"(() => {{ const i = document.querySelector({selector!r}); return i && i.complete && i.naturalWidth > 0; }})()")
+    data = page.locator(selector).evaluate(
+        """i => { const c = document.createElement('canvas'); [c.width, c.height] = [i.naturalWidth, i.naturalHeight];
+                  c.getContext('2d').drawImage(i, 0, 0); return c.toDataURL('image/png'); }"""
+    )
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data.split(",", 1)[1]))).convert("RGB"))
+
+
+def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
+    """Attention over what the browser is sent at once. shapes_p8 at 288 px (1297 tokens: 8.4 MB a
+    layer, 51 MB in all, over the 24 MB) goes a layer at a time: a layer's own file is written when
+    the page first shows it, and the page draws the server's pixels from it. With not even one layer
+    within the budget (set smaller here), the explorer says so and the server draws its views, which
+    follow a click on them."""
+    import numpy as np
+
+    from vitviz.server import explorer_data, runtime, views
+
+    asked = []  # the page's calls for a layer's file
+    write_layer = explorer_data.write_layer
+    monkeypatch.setattr(explorer_data, "write_layer", lambda exp, **kw: (asked.append(kw["layer"]), write_layer(exp, **kw))[1])
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.locator("#vv-other textarea, #vv-other input").first.fill("shapes_p8@288")
+    page.locator("#vv-other-use").click()
+    key = _explorer(page, "shapes_p8@288")
+    exp = runtime.STORE.get(key)
+    assert explorer_data.layout_of(exp.analysis).mode == "layers"
+
+    def files():
+        return sorted(p.name.removeprefix(key + "-") for p in runtime.EXPLORER_DIR.glob(f"{key}-*.bin"))
+
+    _same_as_server(exp, _grab(page, 6, "mean", 0, "layer"))
+    assert files() == ["layer6.bin"]  # the layer shown first, and no file of the whole stack
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    box = canvas.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.6)  # hover: patch row 22, column 15
+    query = 1 + 21 * 36 + 14
+    _same_as_server(exp, _grab(page, 6, "mean", query, "layer"))
+    page.mouse.click(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.6)  # pinned, while the layer changes
+    page.locator("#vv-explorer-live .vvx-layer").focus()
+    page.keyboard.press("ArrowLeft")
+    _same_as_server(exp, _grab(page, 5, "mean", query, "layer"))
+    page.locator("#vv-explorer-live .vvx-scale").select_option(value="shared")  # over all layers: the maxima in each file
+    page.locator("#vv-explorer-live .vvx-head").select_option(label="head 2")
+    _same_as_server(exp, _grab(page, 5, "head 2", query, "shared"))
+    assert files() == ["layer5.bin", "layer6.bin"] and asked == [6, 5]  # each asked for once
+
+    # not even one layer within the budget: the server's explorer
+    layout = explorer_data.layout_of(exp.analysis)
+    small = explorer_data.ExplorerLayout("layers", 6, 5, 37, 36)  # shapes_p16's: 6 layers, 3 heads, 37 tokens
+    monkeypatch.setattr(explorer_data, "BUDGET", 4 * small.tokens + small.layer_bytes - 1)
+    assert layout.layer_bytes > explorer_data.BUDGET
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
+    _analysed(page, "shapes_p16")
+    page.get_by_role("tab", name="Explorer").click()
+    _says(page, "#vv-explorer-live", "too large to hold in the browser")
+    assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
+    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p16"][-1:]
+    exp = runtime.STORE.get(key)
+    assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(runtime.EXPLORER_DIR.glob(f"{key}-*.bin"))
+
+    def near(got, query):
+        """Mean difference from the server's picture of `query` (the page's is a JPEG of it)."""
+        want = np.asarray(views.render_query(exp, layer=6, head="mean", query=query, scale="layer"))
+        assert got.shape == want.shape, (got.shape, want.shape)
+        return np.abs(got.astype(int) - want).mean()
+
+    first = _img(page, "#vv-explorer img")
+    assert near(first, 0) < 2.0 < near(first, 6)
+    side = exp.display_image.size[0]
+    shown = page.locator("#vv-explorer img").bounding_box()
+    at = shown["width"] * side / first.shape[1]  # the map's width on screen (a colour bar beside it)
+    before = page.locator("#vv-explorer img").get_attribute("src")
+    page.mouse.click(shown["x"] + at * 0.9, shown["y"] + shown["height"] * 0.1)  # patch row 1, column 6
+    _says(page, "#vv-query", "row 1, column 6")
+    page.wait_for_function(f"document.querySelector('#vv-explorer img').getAttribute('src') !== {before!r}")
+    clicked = _img(page, "#vv-explorer img")
+    assert near(clicked, 6) < 2.0 < near(clicked, 0)
 
 
 def _no_label_covers_a_picture(page):

@@ -131,7 +131,9 @@ class ExplorerLayout:
         return 4 * self.tokens + self.layers * self.layer_bytes
 
 
-def layout_of(a: Analysis, *, budget: int = BUDGET) -> ExplorerLayout:
+def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
+    """`a`'s layout for a browser sent at most `budget` bytes at once (None: `BUDGET`, as it is now)."""
+    budget = BUDGET if budget is None else budget
     depth, heads, n, _ = a.attentions.shape
     base = ExplorerLayout("stack", depth, heads + 2, a.num_queries, n - a.num_prefix_tokens)
     if base.stack_bytes <= budget:
@@ -186,15 +188,16 @@ class StackStream:
         num_prefix_tokens: p.
         pooled_query: the model has the pooled query "pool" (its row sits at index p).
         pool_weighted: that query's row is weighted by the attention pooling's probe.
-        budget: the most bytes the browser is sent at once.
+        budget: the most bytes the browser is sent at once (None: `BUDGET`).
         on_complete: called with (`ExplorerLayout`, `path`) once the file is complete under its name.
     """
 
     def __init__(self, path, *, depth: int, num_prefix_tokens: int, pooled_query: bool = False, pool_weighted: bool = False,
-                 budget: int = BUDGET, on_complete=None) -> None:
+                 budget: int | None = None, on_complete=None) -> None:
         self.path = Path(path)
         self.part = self.path.with_name(self.path.name + ".part")
-        self.depth, self.prefix, self.pooled, self.deferred, self.budget = depth, num_prefix_tokens, pooled_query, pool_weighted, budget
+        self.depth, self.prefix, self.pooled, self.deferred = depth, num_prefix_tokens, pooled_query, pool_weighted
+        self.budget = BUDGET if budget is None else budget
         self.on_complete = on_complete
         self.layout: ExplorerLayout | None = None
         self.written: set[int] = set()
@@ -282,7 +285,7 @@ def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_n
     )
 
 
-def write_payload(exp, *, key: str, folder, budget: int = BUDGET) -> dict:
+def write_payload(exp, *, key: str, folder, budget: int | None = None) -> dict:
     """Writes what the browser needs for `exp` (an `Exploration`) into `folder`, under names made
     from `key` (the session's secret), and returns the explorer's value: its layout, the files' paths
     and the colour map."""

@@ -31,6 +31,9 @@ def explorer_layer(request: list) -> str:
         raise runtime.error("This analysis is no longer kept: analyse the image again.")
     if swin_views.is_swin(exp):  # its explorer's data is one file, written with the analysis
         raise runtime.error("This analysis is a Swin's: its windowed explorer has no layer files.")
+    mode = explorer_data.layout_of(exp.analysis).mode
+    if mode != "layers":  # one file for the browser, written with the analysis, or no file: drawn by the server
+        raise runtime.error(f"This analysis' explorer has no layer files (its layout is {mode!r}).")
     layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
     calls = runtime.EXPLORER_CALLS
