@@ -153,6 +153,31 @@ def test_per_image_results_match_the_library(data, tmp_path):
     assert float(row["gradient_pointing"]) == float(hit[0])
 
 
+def test_a_batch_in_memory_is_scored_as_the_same_images_read_from_their_files(data):
+    """`_batch_in_memory` (what the benchmark scores) is the loader's batch of the same preprocessed
+    images and masks, but for the files' digests, and `_score` gives the same rows for both."""
+    from dataclasses import replace
+
+    model = vitviz.load_model("shapes_p16", device="cpu")
+    items = [replace(item, index=k) for k, item in enumerate(i for i in scan(data) if i.mask)][:4]
+    read = ev.EvalDataset(items, model.spec.preprocessing)
+    loaded = ev._collate([read[k] for k in range(len(items))])
+    mine = ev._batch_in_memory(loaded["x"], loaded["mask"])
+    assert loaded.keys() == mine.keys() and all(loaded["has_mask"]) and all(loaded["ok"])
+    for key, value in loaded.items():
+        if key in ("sha256", "mask_sha256"):
+            assert all(value) and mine[key] == [None] * len(items)
+        elif isinstance(value, torch.Tensor):
+            assert value.dtype == mine[key].dtype and torch.equal(value, mine[key]), key
+        else:
+            assert value == mine[key], key
+    options = dict(methods=("gradient",), metrics=("distance", "pointing"), steps=4)
+    want, got = ev._score(model, loaded, items, **options), ev._score(model, mine, items, **options)
+    assert len(got) == len(items) and all(not row["error"] for row in got)
+    for a, b in zip(want, got):
+        assert {k: v for k, v in a.items() if "sha256" not in k} == {k: v for k, v in b.items() if "sha256" not in k}
+
+
 def test_an_empty_folder_and_unknown_names_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no images"):
         evaluate(tmp_path, model="shapes_p16", out=tmp_path / "out", progress=False)

@@ -276,9 +276,7 @@ class EvalDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         item = self.items[i]
-        s = self.pre.image_size
-        out = {"index": item.index, "x": torch.zeros(3, s, s), "mask": torch.zeros(s, s, dtype=torch.bool),
-               "has_mask": False, "ok": True, "error": "", "mask_error": "", "sha256": None, "mask_sha256": None}
+        out = _sample(item.index, self.pre.image_size)
         try:
             data = _read(item.path)
             out["sha256"] = _digest(data)
@@ -1473,6 +1471,21 @@ def evaluate(
     if verdict[1] and not verdict[0]:
         raise EvaluateError(message, status=1)
     return summary
+
+
+def _sample(index: int, size: int) -> dict:
+    """One image's entry of a batch (`EvalDataset`) before its files are read: a blank input, no mask."""
+    return {"index": index, "x": torch.zeros(3, size, size), "mask": torch.zeros(size, size, dtype=torch.bool),
+            "has_mask": False, "ok": True, "error": "", "mask_error": "", "sha256": None, "mask_sha256": None}
+
+
+def _batch_in_memory(x: torch.Tensor, masks: torch.Tensor | None = None) -> dict:
+    """The batch `_score` takes, for images already preprocessed: inputs `x` [B, 3, S, S] and object
+    masks bool [B, S, S] (or none), as items 0 to B - 1 whose files were read without a digest."""
+    samples = [_sample(i, x.shape[-1]) | {"x": x[i]} for i in range(len(x))]
+    for sample, mask in zip(samples, masks if masks is not None else ()):
+        sample.update(mask=mask, has_mask=True)
+    return _collate(samples)
 
 
 def _collate(samples: list[dict]) -> dict:

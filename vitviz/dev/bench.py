@@ -699,8 +699,7 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     mask = torch.zeros(batch, size, size, dtype=torch.bool)
     mask[:, size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = True
     items = [evaluate.Item(i, f"{i}.jpg", None, None, f"{i}.jpg", "") for i in range(batch)]
-    data = dict(x=x, index=torch.arange(batch), ok=[True] * batch, mask=mask, has_mask=torch.ones(batch, dtype=torch.bool),
-                sha256=[""] * batch, mask_sha256=[None] * batch, error=[None] * batch, mask_error=[None] * batch)
+    data = evaluate._batch_in_memory(x, mask)
 
     rows = []
     for name, metrics, methods, backward in (("distance", ["distance"], [], False), ("pointing, gradient", ["pointing"], ["gradient"], True)):
