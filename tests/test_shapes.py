@@ -27,6 +27,20 @@ def test_generation_is_deterministic_and_chunkable():
     np.testing.assert_array_equal(np.concatenate([head[1], tail[1]]), a[1])
 
 
+def test_the_training_pools_made_in_parts_by_two_processes_are_the_generators_own():
+    from vitviz.dev.train_shapes_clip import generate_scene_pool
+
+    for pool, whole in ((generate_pool(23, seed=3, workers=2, chunk=5), shapes.generate(23, seed=3)),
+                        (generate_scene_pool(11, seed=4, workers=2, chunk=4), shapes.generate_scenes(11, seed=4))):
+        np.testing.assert_array_equal(pool[0], whole[0])
+        if isinstance(whole[1], np.ndarray):
+            np.testing.assert_array_equal(pool[1], whole[1])
+            np.testing.assert_array_equal(pool[2], whole[2])
+        else:  # scenes: each one's objects and masks
+            assert pool[1] == whole[1] and len(pool[2]) == len(whole[2]) == 11
+            assert all(np.array_equal(a, b) for a, b in zip(pool[2], whole[2]))
+
+
 def test_samples_have_balanced_labels_and_real_masks():
     images, labels, masks = shapes.generate(400, seed=11)
     assert images.shape == (400, 96, 96, 3) and images.dtype == np.uint8

@@ -37,6 +37,7 @@ CHECKOUT_ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the weights 
 
 __all__ = [
     "generate_pool",
+    "in_chunks",
     "to_batch",
     "patch_whitening",
     "sincos_2d",
@@ -48,19 +49,25 @@ __all__ = [
 ]
 
 
-def _chunk(args: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n, seed, start = args
-    return shapes.generate(n, seed=seed, image_size=SHAPES_IMAGE_SIZE, start=start)
+def _part(args: tuple) -> tuple:
+    generate, n, seed, start = args
+    return generate(n, seed=seed, image_size=SHAPES_IMAGE_SIZE, start=start)
+
+
+def in_chunks(generate, n: int, *, seed: int, workers: int = 2, chunk: int = 1000) -> list[tuple]:
+    """`generate(n, seed=seed, image_size=SHAPES_IMAGE_SIZE)` (`shapes.generate` or `shapes.generate_scenes`:
+    example i depends on `seed` and i alone) made in parts of `chunk` examples by `workers` processes:
+    the parts' results, in order."""
+    jobs = [(generate, min(chunk, n - s), seed, s) for s in range(0, n, chunk)]
+    if workers <= 1:
+        return [_part(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_part, jobs))
 
 
 def generate_pool(n: int, *, seed: int, workers: int = 2, chunk: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`shapes.generate(n, seed=seed)` computed in parallel chunks (identical result)."""
-    jobs = [(min(chunk, n - s), seed, s) for s in range(0, n, chunk)]
-    if workers <= 1:
-        parts = [_chunk(j) for j in jobs]
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            parts = list(pool.map(_chunk, jobs))
+    parts = in_chunks(shapes.generate, n, seed=seed, workers=workers, chunk=chunk)
     return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from vitviz import shapes
-from vitviz.dev.train_shapes import _dihedral, generate_pool, sincos_2d, to_batch, token_labels
+from vitviz.dev.train_shapes import _dihedral, generate_pool, in_chunks, sincos_2d, to_batch, token_labels
 from vitviz.imagetext import ImageTextModel
 from vitviz.sources.embedded import SHAPES_IMAGE_SIZE, shapes_clip_configs
 from vitviz.words import WordTokenizer
@@ -60,19 +59,9 @@ COLOR_TEMPLATES = ("a {} {}", "a photo of a {} {}")
 SHAPE_TEMPLATES = ("a {}", "a photo of a {}")
 
 
-def _scene_chunk(args: tuple[int, int, int]) -> tuple[np.ndarray, list, list]:
-    n, seed, start = args
-    return shapes.generate_scenes(n, seed=seed, image_size=SHAPES_IMAGE_SIZE, start=start)
-
-
 def generate_scene_pool(n: int, *, seed: int, workers: int = 2, chunk: int = 1000) -> tuple[np.ndarray, list, list]:
     """`shapes.generate_scenes(n, seed=seed)` computed in parallel chunks (identical result)."""
-    jobs = [(min(chunk, n - s), seed, s) for s in range(0, n, chunk)]
-    if workers <= 1:
-        parts = [_scene_chunk(j) for j in jobs]
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            parts = list(pool.map(_scene_chunk, jobs))
+    parts = in_chunks(shapes.generate_scenes, n, seed=seed, workers=workers, chunk=chunk)
     return np.concatenate([p[0] for p in parts]), [o for p in parts for o in p[1]], [m for p in parts for m in p[2]]
 
 
