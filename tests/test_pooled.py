@@ -227,6 +227,35 @@ def test_models_with_a_cls_token_keep_the_cls_query():
         assert torch.equal(query_row(r, query=0, num_prefix_tokens=1), r[:, 0])
 
 
+def test_a_pooled_models_explorer_over_the_browsers_budget_keeps_the_pooled_row(converted, tmp_path, monkeypatch):
+    """A layer at a time ("layers") and drawn by the server ("server"), the layout counts the "pool"
+    query's row as the stack does: a layer's file is the size its layout says, with every query's
+    row, and its price counts it byte for byte."""
+    from vitviz.cost import price
+
+    _, m = converted
+    a = vitviz.analyze(m, IMAGE)
+    exp = views.Exploration(a, ModelFacts.of(m))
+    whole = explorer_data.layout_of(a)
+    assert whole.mode == "stack" and whole.tokens == a.num_queries == m.num_tokens + 1
+    monkeypatch.setattr(explorer_data, "BUDGET", 4 * whole.tokens + whole.layer_bytes)
+    layout = explorer_data.layout_of(a)
+    assert layout == explorer_data.ExplorerLayout("layers", whole.layers, whole.views, whole.tokens, whole.patches)
+    value = explorer_data.write_payload(exp, key="k", folder=tmp_path)
+    assert value["mode"] == "layers" and value["tokens"] == a.num_queries and "data" not in value
+    data = open(explorer_data.write_layer(exp, key="k", layer=2, folder=tmp_path), "rb").read()
+    assert len(data) == 4 * layout.tokens + layout.layer_bytes == price(m.spec, "explorer_layer").kept_bytes
+    v, q = layout.views, layout.tokens
+    top = np.frombuffer(data[4 * q : 4 * q + 4 * v * q], "<f4").reshape(v, q)
+    q8 = np.frombuffer(data[4 * q + 4 * v * q :], np.uint8).reshape(v, q, layout.patches)
+    for query in range(q):
+        for h in range(v):
+            np.testing.assert_array_equal(explorer_data.dequantise(q8[h, query], top[h, query]),
+                                          explorer_data.row_values(a, layer=1, head=h, query=query))
+    monkeypatch.setattr(explorer_data, "BUDGET", 4 * whole.tokens + whole.layer_bytes - 1)
+    assert explorer_data.layout_of(a) == explorer_data.ExplorerLayout("server", whole.layers, whole.views, whole.tokens, whole.patches)
+
+
 def test_the_price_of_a_pooled_models_explorer_is_the_file_it_writes(converted, tmp_path):
     """The explorer's file holds a row for "pool" too; its price counts it, byte for byte."""
     from vitviz.cost import price

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -138,9 +138,8 @@ def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
     base = ExplorerLayout("stack", depth, heads + 2, a.num_queries, n - a.num_prefix_tokens)
     if base.stack_bytes <= budget:
         return base
-    if 4 * base.tokens + base.layer_bytes <= budget:
-        return ExplorerLayout("layers", depth, heads + 2, n, base.patches)
-    return ExplorerLayout("server", depth, heads + 2, n, base.patches)
+    mode = "layers" if 4 * base.tokens + base.layer_bytes <= budget else "server"
+    return replace(base, mode=mode)  # a row per query, a mean-pooled model's "pool" too, as in `stack_file`
 
 
 def layer_block(a: Analysis, layer: int) -> bytes:
