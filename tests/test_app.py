@@ -148,7 +148,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     assert np.array_equal(np.asarray(shown[explorer.mosaic]), np.asarray(views.render_head_mosaic(exp, layer=6, query=0, scale="layer")))
     with pytest.raises(gr.Error, match="no layer files"):
         tabs.explorer.explorer_layer([far.key, 1])
-    assert not list(runtime.EXPLORER_DIR.glob(f"{far.key}-*.bin"))
+    assert not list(runtime.EXPLORER_DIR.glob(f"{far.key}-*"))  # not even the pictures
 
 
 def test_compare_two_variants(app, example):

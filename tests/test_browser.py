@@ -530,7 +530,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
     (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p16"][-1:]
     exp = runtime.STORE.get(key)
-    assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(runtime.EXPLORER_DIR.glob(f"{key}-*.bin"))
+    assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(runtime.EXPLORER_DIR.glob(f"{key}-*"))
 
     def near(got, query):
         """Mean difference from the server's picture of `query` (the page's is a JPEG of it)."""

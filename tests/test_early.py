@@ -177,6 +177,45 @@ def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
     assert _early(server, session, [ticket, "explorer"]).json()["id"] == value["id"]
 
 
+@pytest.mark.parametrize("mode", ["layers", "server"])
+def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_told_before_the_forward(server, mode, monkeypatch):
+    """shapes_p16 over a smaller budget: its explorer comes a layer at a time with the outputs
+    ("layers": its pictures written before the forward, for them), or the server draws it ("server":
+    no file at all). Either way both of the page's waits are answered None as the crop is made."""
+    layer, head = 5 * 37 * (4 + 36), 4 * 37
+    monkeypatch.setattr(explorer_data, "BUDGET", head + layer - (mode == "server"))
+    crops = []
+    on_crop = runtime._Early.on_crop
+    monkeypatch.setattr(runtime._Early, "on_crop", lambda self, cropped: (on_crop(self, cropped), crops.append(time.perf_counter())))
+    forward = runtime.views.analyze_crop  # the forward made to last a second: the answers come before it ends
+    monkeypatch.setattr(runtime.views, "analyze_crop", lambda *a, **k: (time.sleep(1.0), forward(*a, **k))[1])
+    before = set(runtime.EXPLORER_DIR.glob("*"))
+    session, ticket = uuid.uuid4().hex, "Tm" + uuid.uuid4().hex[:20]
+    got = {}
+
+    def ask(step):
+        got[step] = (_early(server, session, [ticket, step]).json(), time.perf_counter())
+
+    waits = [threading.Thread(target=ask, args=(step,)) for step in ("pictures", "explorer")]
+    for w in waits:
+        w.start()
+    time.sleep(0.2)  # both waits open before the analysis starts
+    outputs = _analyse(server, session, runtime.EXAMPLES[0], ticket)
+    done = time.perf_counter()
+    for w in waits:
+        w.join()
+    assert got["pictures"][0] is None and got["explorer"][0] is None
+    assert len(crops) == 1 and max(got["pictures"][1], got["explorer"][1]) < crops[0] + 0.5 < crops[0] + 1.0 < done
+    live = outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)]
+    new = {p.name for p in set(runtime.EXPLORER_DIR.glob("*")) - before}
+    if mode == "layers":
+        assert live["mode"] == "layers" and "data" not in live
+        assert new == {Path(live[p]).name for p in explorer_data.PICTURES}  # the pictures, written once; no layer yet
+    else:
+        assert live is None or not isinstance(live, dict) or "mode" not in live  # the step after the analysis sends it
+        assert new == set()
+
+
 @pytest.mark.parametrize("data", [None, "x", ["A" * 22], ["A" * 22, "explorer", 3], [["A" * 22], "explorer"], ["A" * 22, "pictures"],
                                   ["A" * 9000, "explorer"], {"ticket": "A" * 22}, 12])
 def test_junk_early_calls_are_answered_none_and_the_server_serves_on(server, data, monkeypatch):

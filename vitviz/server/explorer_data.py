@@ -45,8 +45,10 @@ from vitviz.cost import BROWSER_BYTES
 from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
-__all__ = ["BUDGET", "ExplorerLayout", "layout_of", "fused_rows", "query_rows", "quantise_rows", "dequantise", "row_values", "shared_max",
-           "layer_block", "block_of", "stack_file", "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file", "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
+__all__ = ["BUDGET", "ExplorerLayout", "layout_for", "layout_of", "layout_of_spec", "fused_rows", "query_rows",
+           "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
+           "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file",
+           "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
 BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
@@ -131,15 +133,29 @@ class ExplorerLayout:
         return 4 * self.tokens + self.layers * self.layer_bytes
 
 
-def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
-    """`a`'s layout for a browser sent at most `budget` bytes at once (None: `BUDGET`, as it is now)."""
+def layout_for(layers: int, heads: int, queries: int, patches: int, *, budget: int | None = None) -> ExplorerLayout:
+    """The layout of an analysis of `layers` layers of `heads` heads, with a row for each of `queries`
+    queries over `patches` patches, for a browser sent at most `budget` bytes at once (None:
+    `BUDGET`, as it is now): one file when the stack fits, a file per layer when a layer does, else
+    none ("server")."""
     budget = BUDGET if budget is None else budget
+    stack = ExplorerLayout("stack", layers, heads + 2, queries, patches)
+    if stack.stack_bytes <= budget:
+        return stack
+    return replace(stack, mode="layers" if 4 * stack.tokens + stack.layer_bytes <= budget else "server")
+
+
+def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
+    """`a`'s layout (`layout_for`): a row per query, a mean-pooled model's "pool" too, as in `stack_file`."""
     depth, heads, n, _ = a.attentions.shape
-    base = ExplorerLayout("stack", depth, heads + 2, a.num_queries, n - a.num_prefix_tokens)
-    if base.stack_bytes <= budget:
-        return base
-    mode = "layers" if 4 * base.tokens + base.layer_bytes <= budget else "server"
-    return replace(base, mode=mode)  # a row per query, a mean-pooled model's "pool" too, as in `stack_file`
+    return layout_for(depth, heads, a.num_queries, n - a.num_prefix_tokens, budget=budget)
+
+
+def layout_of_spec(spec) -> ExplorerLayout:
+    """The layout of an analysis by the ViT or image–text model of `spec` (a `VariantSpec`), before
+    it runs (`layout_for`)."""
+    config = spec.config
+    return layout_for(config.depth, config.heads, spec.num_tokens + int(config.pooled_query), spec.grid[0] * spec.grid[1])
 
 
 def layer_block(a: Analysis, layer: int) -> bytes:
@@ -209,8 +225,8 @@ class StackStream:
         if self.layout is None:
             heads, n = attn.shape[0], attn.shape[-1]
             q = n + int(self.pooled)
-            self.layout = ExplorerLayout("stack", self.depth, heads + 2, q, n - self.prefix)
-            if self.layout.stack_bytes <= self.budget:
+            self.layout = layout_for(self.depth, heads, q, n - self.prefix, budget=self.budget)
+            if self.layout.mode == "stack":
                 self.part.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.part, "wb", buffering=0)  # each block reaches the file as it is written
         if self._file is None or self.deferred:

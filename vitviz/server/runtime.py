@@ -225,16 +225,27 @@ class _Early:
     pictures are written.
 
     Where the two calls did not reach this process (the analysis ran in ZeroGPU's worker) or the
-    value could not be made during the forward, `after` publishes both from the finished analysis."""
+    value could not be made during the forward, `after` publishes both from the finished analysis.
+
+    Only an explorer of one file ("stack") comes early: for one a layer at a time ("layers") the
+    pictures are written (its outputs' explorer uses them) and the page's waits answered None at
+    once; for one the server draws ("server") no picture is written."""
 
     def __init__(self, ticket: str | None, spec, key: str) -> None:
         self.ticket, self.spec, self.key = ticket, spec, key
         self.pictures: dict | None = None
         self.published = False
 
-    def on_crop(self, cropped) -> None:
+    def on_crop(self, cropped) -> None:  # (a plain ViT's or an image–text model's: a Swin's explorer is written after)
+        mode = explorer_data.layout_of_spec(self.spec).mode
+        if mode == "server":
+            EARLY.close(self.ticket)
+            return
         self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
                                                      key=self.key, folder=EXPLORER_DIR)
+        if mode != "stack":
+            EARLY.close(self.ticket)
+            return
         EARLY.publish(self.ticket, "pictures", self.pictures)
 
     def on_file(self, layout, path) -> None:
