@@ -256,6 +256,33 @@ def test_a_pooled_models_explorer_over_the_browsers_budget_keeps_the_pooled_row(
     assert explorer_data.layout_of(a) == explorer_data.ExplorerLayout("server", whole.layers, whole.views, whole.tokens, whole.patches)
 
 
+def _layout_known_before_the_forward(model, monkeypatch) -> None:
+    """`layout_of_spec` (what the server decides before the forward) is `layout_of` the analysis, at
+    the browser's budget and at smaller ones; at the budget, the price of the explorer's files says
+    the same (what is written: the stack, one layer's file, or nothing)."""
+    from vitviz.cost import price
+
+    a = vitviz.analyze(model, IMAGE)
+    layout = explorer_data.layout_of(a)
+    assert explorer_data.layout_of_spec(model.spec) == layout
+    written = {"stack": layout.stack_bytes, "layers": 4 * layout.tokens + layout.layer_bytes, "server": 0}[layout.mode]
+    assert price(model.spec, "explorer").kept_bytes == written
+    one = 4 * layout.tokens + layout.layer_bytes
+    for budget, mode in ((layout.stack_bytes - 1, "layers"), (one, "layers"), (one - 1, "server")):
+        monkeypatch.setattr(explorer_data, "BUDGET", budget)
+        assert explorer_data.layout_of_spec(model.spec) == explorer_data.layout_of(a), budget
+        assert explorer_data.layout_of(a).mode == mode, budget
+
+
+@pytest.mark.parametrize("name", ["shapes_p16", "shapes_p8@288"])
+def test_the_layout_known_before_the_forward_is_the_analysis_and_its_price(name, monkeypatch):
+    _layout_known_before_the_forward(vitviz.load_model(name, device="cpu"), monkeypatch)
+
+
+def test_a_pooled_models_layout_known_before_the_forward_is_the_analysis_and_its_price(converted, monkeypatch):
+    _layout_known_before_the_forward(converted[1], monkeypatch)
+
+
 def test_the_price_of_a_pooled_models_explorer_is_the_file_it_writes(converted, tmp_path):
     """The explorer's file holds a row for "pool" too; its price counts it, byte for byte."""
     from vitviz.cost import price
