@@ -288,17 +288,22 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     assert "Error" not in lines, "an output shows Gradio's error badge"
 
 
-def test_a_timm_model_named_in_the_page(url, page, offline_hub):
-    """A timm model typed into the page (random weights from a Hugging Face cache, offline): it is
-    analysed, the page says it has no classifier, and the Tokens tab shows where attention goes."""
+def _other_model(page, url, name):
+    """A fresh page: the example analysed by the default model, then by `name` typed in as another model."""
     base, example = url
     page.set_viewport_size({"width": 1280, "height": 1000})
     page.goto(base)
     page.locator("#vv-image input[type=file]").set_input_files(example)
     _analysed(page, "shapes_p16")
-    page.locator("#vv-other textarea, #vv-other input").first.fill("timm:vit_small_patch16_224.dino")
+    page.locator("#vv-other textarea, #vv-other input").first.fill(name)
     page.locator("#vv-other-use").click()
-    _analysed(page, "timm:vit_small_patch16_224.dino")
+    _analysed(page, name)
+
+
+def test_a_timm_model_named_in_the_page(url, page, offline_hub):
+    """A timm model typed into the page (random weights from a Hugging Face cache, offline): it is
+    analysed, the page says it has no classifier, and the Tokens tab shows where attention goes."""
+    _other_model(page, url, "timm:vit_small_patch16_224.dino")
     assert "no classifier" in page.locator("#vv-predict-note").inner_text()
     assert page.locator("#vv-notice").inner_text().strip() == ""
     page.get_by_role("tab", name="Tokens").click()
@@ -482,18 +487,13 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     follow a click on them."""
     import numpy as np
 
+    from vitviz import get_spec
     from vitviz.server import explorer_data, runtime, views
 
     asked = []  # the page's calls for a layer's file
     write_layer = explorer_data.write_layer
     monkeypatch.setattr(explorer_data, "write_layer", lambda exp, **kw: (asked.append(kw["layer"]), write_layer(exp, **kw))[1])
-    base, example = url
-    page.set_viewport_size({"width": 1280, "height": 1000})
-    page.goto(base)
-    page.locator("#vv-image input[type=file]").set_input_files(example)
-    _analysed(page, "shapes_p16")
-    page.locator("#vv-other textarea, #vv-other input").first.fill("shapes_p8@288")
-    page.locator("#vv-other-use").click()
+    _other_model(page, url, "shapes_p8@288")
     key = _explorer(page, "shapes_p8@288")
     exp = runtime.STORE.get(key)
     assert explorer_data.layout_of(exp.analysis).mode == "layers"
@@ -519,10 +519,10 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
 
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)
-    small = explorer_data.ExplorerLayout("layers", 6, 5, 37, 36)  # shapes_p16's: 6 layers, 3 heads, 37 tokens
+    small = explorer_data.layout_of_spec(get_spec("shapes_p16"))
     monkeypatch.setattr(explorer_data, "BUDGET", 4 * small.tokens + small.layer_bytes - 1)
     assert layout.layer_bytes > explorer_data.BUDGET
-    page.goto(base)
+    page.goto(url[0])
     page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
     _analysed(page, "shapes_p16")
     page.get_by_role("tab", name="Explorer").click()

@@ -136,21 +136,28 @@ def _analyse(base: str, session: str, image: str, ticket) -> list:
     return msg["output"]["data"]
 
 
-def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
-    session, ticket = uuid.uuid4().hex, "Tk" + uuid.uuid4().hex[:20]
+def _analyse_while_waiting(base: str, session: str, ticket: str) -> tuple[list, float, dict]:
+    """The page's analysis of the first example under `ticket`, with both of its early calls open
+    before it starts: (its outputs, when they came, {step: (the call's answer, when it came)})."""
     got = {}
 
     def ask(step):
-        got[step] = (_early(server, session, [ticket, step]), time.perf_counter())
+        got[step] = (_early(base, session, [ticket, step]), time.perf_counter())
 
     waits = [threading.Thread(target=ask, args=(step,)) for step in ("pictures", "explorer")]
     for w in waits:
         w.start()
     time.sleep(0.2)  # both waits open before the analysis starts
-    outputs = _analyse(server, session, runtime.EXAMPLES[0], ticket)
+    outputs = _analyse(base, session, runtime.EXAMPLES[0], ticket)
     done = time.perf_counter()
     for w in waits:
         w.join()
+    return outputs, done, got
+
+
+def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
+    session, ticket = uuid.uuid4().hex, "Tk" + uuid.uuid4().hex[:20]
+    outputs, done, got = _analyse_while_waiting(server, session, ticket)
     pictures, value = got["pictures"][0].json(), got["explorer"][0].json()
     assert got["explorer"][1] < done  # answered before the analysis' outputs arrived
     assert set(pictures) == {"base", "tile_base", "scale"} and all(Path(pictures[p]).exists() for p in explorer_data.PICTURES)
@@ -191,20 +198,8 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
     monkeypatch.setattr(runtime.views, "analyze_crop", lambda *a, **k: (time.sleep(1.0), forward(*a, **k))[1])
     before = set(runtime.EXPLORER_DIR.glob("*"))
     session, ticket = uuid.uuid4().hex, "Tm" + uuid.uuid4().hex[:20]
-    got = {}
-
-    def ask(step):
-        got[step] = (_early(server, session, [ticket, step]).json(), time.perf_counter())
-
-    waits = [threading.Thread(target=ask, args=(step,)) for step in ("pictures", "explorer")]
-    for w in waits:
-        w.start()
-    time.sleep(0.2)  # both waits open before the analysis starts
-    outputs = _analyse(server, session, runtime.EXAMPLES[0], ticket)
-    done = time.perf_counter()
-    for w in waits:
-        w.join()
-    assert got["pictures"][0] is None and got["explorer"][0] is None
+    outputs, done, got = _analyse_while_waiting(server, session, ticket)
+    assert got["pictures"][0].json() is None and got["explorer"][0].json() is None
     assert len(crops) == 1 and max(got["pictures"][1], got["explorer"][1]) < crops[0] + 0.5 < crops[0] + 1.0 < done
     live = outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)]
     new = {p.name for p in set(runtime.EXPLORER_DIR.glob("*")) - before}
