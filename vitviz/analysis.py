@@ -162,6 +162,13 @@ def pooled_row(matrix: torch.Tensor, *, num_prefix_tokens: int, weights: torch.T
     if weights is not None:
         if weights.shape[-1] != matrix.shape[-1]:
             raise ValueError(f"pooling weights over {weights.shape[-1]} tokens for a matrix of {matrix.shape[-1]}")
+        if weights.ndim == 1:  # one weight per row, for one matrix or a stack: a row-by-matrix product a matrix
+            n = matrix.shape[-1]  # at a time, never a temporary the size of the matrices (for a stack, the stack)
+            flat, row = matrix.reshape(-1, n, n), weights.to(matrix.dtype).unsqueeze(0)
+            out = torch.empty(flat.shape[0], n, dtype=matrix.dtype, device=matrix.device)
+            for i, m in enumerate(flat):  # (into a buffer of its own: the product's bits do not depend on where `out` is)
+                out[i] = torch.mm(row, m)[0]
+            return out.reshape(matrix.shape[:-1])
         return (weights.to(matrix.dtype).unsqueeze(-1) * matrix).sum(dim=-2)
     return matrix[..., num_prefix_tokens:, :].mean(dim=-2)
 
