@@ -516,6 +516,39 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     page.locator("#vv-explorer-live .vvx-head").select_option(label="head 2")
     _same_as_server(exp, _grab(page, 5, "head 2", query, "shared"))
     assert files() == ["layer5.bin", "layer6.bin"] and asked == [6, 5]  # each asked for once
+    # a dragged slider passes layers 4 to 2 on its way to 1: only the layer it stays on is asked for
+    page.evaluate("""() => { const s = document.querySelector('#vv-explorer-live .vvx-layer');
+                             for (const v of [4, 3, 2, 1]) { s.value = String(v); s.dispatchEvent(new Event('input')); } }""")
+    _same_as_server(exp, _grab(page, 1, "head 2", query, "shared"))
+    assert asked == [6, 5, 1]
+
+    # a new analysis whose first layer is refused (the server busy): the explorer of the one before is
+    # not shown beside its results, and the layer is asked for again until it comes
+    busy = [True]
+
+    def refused(exp, **kw):
+        asked.append(kw["layer"])
+        if busy[0]:
+            raise runtime.error("The server is busy: the layer will be fetched again when you show it.")
+        return write_layer(exp, **kw)
+
+    monkeypatch.setattr(explorer_data, "write_layer", refused)
+    page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
+    _says(page, "#vv-explorer-live .vvx-status", "trying again")
+    assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
+    page.evaluate("""() => { const s = document.querySelector('#vv-explorer-live .vvx-layer');
+                             s.value = '3'; s.dispatchEvent(new Event('input')); }""")  # a view asked for meanwhile
+    page.wait_for_timeout(2 * 150 + 100)
+    assert "trying again" in page.locator("#vv-explorer-live .vvx-status").inner_text()  # nothing drawn from the one before
+    assert page.locator("#vv-explorer-live canvas.vvx-map").get_attribute("data-layer") == "1"
+    _analysed(page, "shapes_p8@288")
+    busy[0] = False
+    root = "document.querySelector('#vv-explorer-live .vvx').dataset"
+    page.wait_for_function(f"{root}.analysis && {root}.analysis !== {key!r}")
+    assert "vvx-off" not in page.locator("#vv-explorer-live .vvx").get_attribute("class")
+    again = runtime.STORE.get(page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis"))
+    _same_as_server(again, _grab(page, 6, "mean", 0, "shared"))  # (the colour scale chosen stays)
+    assert asked[3:-1] and set(asked[3:]) == {6}  # refused, then asked again
 
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)

@@ -30,6 +30,8 @@
   let tilePatch = null;     // Int32Array: the patch of each tile pixel
   const view = { layer: 1, head: 0, query: 0, pinned: false, scale: scaleSelect.value };
   let loading = 0;          // the newest load
+  const RETRIES = 3;        // a new analysis' explorer refused (the server busy): tried again after 1, 2 and 4 s
+  const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
   let loadingId = null;     // the analysis it loads
   let named = 0;            // the newest analysis this page named (`vitvizTicket`)
 
@@ -179,7 +181,9 @@
       const [top, parsed] = await Promise.all([fetchRange(fileUrl(m.data), 0, head), stackBlock(m, layer)]);
       return { layer: parsed, sharedMax: new Float32Array(top) };
     }
-    const buffer = await fetchBuffer(fileUrl(await server.explorer_layer(m.id, layer)));
+    const path = await server.explorer_layer(m.id, layer);
+    if (typeof path !== "string" || !path) throw new Error(`layer ${layer} was refused`);  // (Gradio's client answers a refusal with nothing)
+    const buffer = await fetchBuffer(fileUrl(path));
     return { layer: parseLayer(m, buffer, head)[0], sharedMax: new Float32Array(buffer.slice(0, head)) };
   }
 
@@ -244,10 +248,18 @@
     try {
       [[b, t], shownFirst] = await Promise.all([drawn, first]);
     } catch (error) {
-      if (ticket === loading) {
-        loadingId = null;  // the same analysis' value, when it comes again, is loaded again
+      if (ticket !== loading) return;
+      loadingId = null;  // the same analysis' value, when it comes again, is loaded again
+      const tries = given.tries || 0;
+      if (given.first || tries >= RETRIES) {  // (an early value: the page's other results are still the analysis' before)
         statusText.textContent = "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
+        return;
       }
+      // the page's results are this analysis': the one before is not shown beside them; tried again shortly
+      [meta, layers, sharedMax, base, tileBase] = [null, [], null, null, null];
+      root.classList.toggle("vvx-off", true);
+      statusText.textContent = "The explorer's data could not be fetched yet (the server is busy): trying again…";
+      setTimeout(() => { if (ticket === loading) load(value, { tries: tries + 1 }); }, 1000 * 2 ** tries);
       return;
     }
     if (ticket !== loading) return;
@@ -405,6 +417,10 @@
   async function draw() {
     if (!meta || meta.mode === "server" || !base) return;
     const want = { ...view }, m = meta, mine = ++drawing;
+    if (m.mode === "layers" && !layers[want.layer - 1]) {  // a layer's own file: only for a layer the view stays on
+      await new Promise((resolve) => setTimeout(resolve, SETTLE_MS));  // (a dragged slider passes several)
+      if (meta !== m || mine !== drawing) return;
+    }
     try {
       await ensureLayer(want.layer, want.query);
     } catch (error) {
