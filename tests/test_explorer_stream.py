@@ -345,6 +345,8 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
     # priced with the file: the analysis' job holds one layer's rows beside the forward
     plain, streamed = runtime.analysis_price("shapes_p16"), runtime.analysis_price("shapes_p16", explorer=True)
     assert streamed.bytes > plain.bytes and streamed.kept_bytes == plain.kept_bytes and streamed.flops == plain.flops
+    # an explorer a layer at a time writes nothing while the forward runs: priced as the analysis alone
+    assert runtime.analysis_price("shapes_p8@288", explorer=True) == runtime.analysis_price("shapes_p8@288")
 
 
 def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):

@@ -318,8 +318,7 @@ def write_payload(exp, *, key: str, folder, budget: int | None = None) -> dict:
     value.update(write_pictures(a.image, scale=exp.scale, grid=a.grid, key=key, folder=folder))
     if layout.mode == "stack":
         path = folder / f"{key}-stack.bin"
-        if not path.exists():  # one analysis, one key: written once
-            path.write_bytes(stack_file(a, range(layout.layers)))
+        _write_once(path, lambda: stack_file(a, range(layout.layers)))  # one analysis, one key: written once
         value["data"] = str(path)
     return value
 
@@ -363,16 +362,23 @@ def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key:
     value: dict = {"scale": int(scale)}
     for name, draw in (("base", lambda: crop), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
         path = picture_path(folder, key, name)
-        if not path.exists():  # under a temporary name until complete: a failed write leaves no half picture
-            part = path.with_name(path.name + ".part")
-            try:
-                part.write_bytes(rgb_file(draw()))
-                part.replace(path)
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
+        _write_once(path, lambda: rgb_file(draw()))
         value[name] = str(path)
     return value
+
+
+def _write_once(path: Path, data) -> None:
+    """`data()`'s bytes written to `path` unless it exists, under a temporary name until complete: a
+    failed write leaves no half file."""
+    if path.exists():
+        return
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_bytes(data())
+        part.replace(path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def first_shown(value: dict, query: int = 0) -> str:
@@ -398,8 +404,7 @@ def write_layer(exp, *, key: str, layer: int, folder) -> str:
     """The file of one layer (1-based) for the "layers" layout; returns its path."""
     path = Path(folder) / f"{key}-layer{layer}.bin"
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        path.write_bytes(stack_file(exp.analysis, [layer - 1]))
+    _write_once(path, lambda: stack_file(exp.analysis, [layer - 1]))
     return str(path)
 
 
