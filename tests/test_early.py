@@ -207,7 +207,7 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
         assert live["mode"] == "layers" and "data" not in live
         assert new == {Path(live[p]).name for p in explorer_data.PICTURES}  # the pictures, written once; no layer yet
     else:
-        assert live is None or not isinstance(live, dict) or "mode" not in live  # the step after the analysis sends it
+        assert live == {"__type__": "update"}  # unchanged: the step after the analysis sends the server's explorer
         assert new == set()
 
 

@@ -17,9 +17,10 @@ ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
 A ticket that is malformed or named a second time gets nothing early; neither does an analysis
 whose explorer is not one file for the browser (a Swin's; the "layers" and "server" layouts, whose
 waits are answered as the crop is made), nor one that fails before its file is complete: the wait
-answers None, and the page takes the explorer from the outputs as before. One that fails after it (in the last block's MLP or the head) has
-published its explorer; its files are removed, so the page's explorer keeps only the last layer
-it was sent, while the other results stay those of the previous analysis beside the error.
+answers None, and the page takes the explorer from the outputs as before. One that fails after it
+(in the last block's MLP or the head) has published its explorer; its files are removed, so the
+page's explorer keeps only the last layer it was sent, while the other results stay those of the
+previous analysis beside the error.
 Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
 
     tickets = Tickets()

@@ -30,10 +30,10 @@
   let tilePatch = null;     // Int32Array: the patch of each tile pixel
   const view = { layer: 1, head: 0, query: 0, pinned: false, scale: scaleSelect.value };
   let loading = 0;          // the newest load
-  const RETRIES = 3;        // a new analysis' explorer refused (the server busy): tried again after 1, 2 and 4 s
-  const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
   let loadingId = null;     // the analysis it loads
   let named = 0;            // the newest analysis this page named (`vitvizTicket`)
+  const RETRIES = 3;        // a new analysis' explorer refused (the server busy): tried again after 1, 2 and 4 s
+  const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
 
   const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
 

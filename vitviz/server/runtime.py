@@ -238,15 +238,13 @@ class _Early:
 
     def on_crop(self, cropped) -> None:  # (a plain ViT's or an image–text model's: a Swin's explorer is written after)
         mode = explorer_data.layout_of_spec(self.spec).mode
-        if mode == "server":
+        if mode != "server":
+            self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
+                                                         key=self.key, folder=EXPLORER_DIR)
+        if mode == "stack":
+            EARLY.publish(self.ticket, "pictures", self.pictures)
+        else:
             EARLY.close(self.ticket)
-            return
-        self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
-                                                     key=self.key, folder=EXPLORER_DIR)
-        if mode != "stack":
-            EARLY.close(self.ticket)
-            return
-        EARLY.publish(self.ticket, "pictures", self.pictures)
 
     def on_file(self, layout, path) -> None:
         if self.ticket is None or self.pictures is None:
