@@ -1,5 +1,6 @@
 """The app's handlers called directly, and the /analyze endpoint through gradio_client."""
 
+import dataclasses
 
 import gradio as gr
 import numpy as np
@@ -114,6 +115,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     explorer. `explorer_layer` refuses the two layouts that have no layer files, and writes nothing."""
     from pathlib import Path
 
+    from vitviz import cost
     from vitviz.server import explorer_data, views
 
     explorer = tabs.explorer.TAB
@@ -121,7 +123,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     with pytest.raises(gr.Error, match="no layer files"):
         tabs.explorer.explorer_layer([ref.key, 1])
     layer, head = 5 * 37 * (4 + 36), 4 * 37
-    monkeypatch.setattr(explorer_data, "BUDGET", head + layer)
+    monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer)
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     near, live = out[page.PAGE.state], out[explorer.explorer_live]
     assert live["mode"] == "layers" and "data" not in live and out[explorer.server_explorer]["visible"] is False
@@ -135,8 +137,11 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
         with pytest.raises(gr.Error, match="layer"):
             tabs.explorer.explorer_layer([near.key, bad])
 
-    monkeypatch.setattr(explorer_data, "BUDGET", head + layer - 1)
+    monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer - 1)
+    kept = sorted(runtime.EXPLORER_DIR.glob("*"))  # the disk's cap reached: an explorer that writes nothing sweeps nothing
+    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, explorer_bytes=sum(f.stat().st_size for f in kept)))
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert sorted(runtime.EXPLORER_DIR.glob("*")) == kept
     far = out[page.PAGE.state]
     assert out[explorer.explorer_live] == gr.skip()  # the step after the analysis says what the explorer is
     shown = explorer.on_explorer(far)

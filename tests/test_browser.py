@@ -487,7 +487,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     follow a click on them."""
     import numpy as np
 
-    from vitviz import get_spec
+    from vitviz import cost, get_spec
     from vitviz.server import explorer_data, runtime, views
 
     asked = []  # the page's calls for a layer's file
@@ -553,8 +553,8 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)
     small = explorer_data.layout_of_spec(get_spec("shapes_p16"))
-    monkeypatch.setattr(explorer_data, "BUDGET", 4 * small.tokens + small.layer_bytes - 1)
-    assert layout.layer_bytes > explorer_data.BUDGET
+    monkeypatch.setattr(cost, "BROWSER_BYTES", 4 * small.tokens + small.layer_bytes - 1)
+    assert layout.layer_bytes > cost.BROWSER_BYTES
     page.goto(url[0])
     page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-1])
     _analysed(page, "shapes_p16")

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.test_bounds import results
+from vitviz import cost
 from vitviz.server import explorer_data
 from vitviz.server.early import Tickets
 
@@ -190,7 +191,7 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
     ("layers": its pictures written before the forward, for them), or the server draws it ("server":
     no file at all). Either way both of the page's waits are answered None as the crop is made."""
     layer, head = 5 * 37 * (4 + 36), 4 * 37
-    monkeypatch.setattr(explorer_data, "BUDGET", head + layer - (mode == "server"))
+    monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer - (mode == "server"))
     crops = []
     on_crop = runtime._Early.on_crop
     monkeypatch.setattr(runtime._Early, "on_crop", lambda self, cropped: (on_crop(self, cropped), crops.append(time.perf_counter())))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vitviz
+from vitviz import cost
 from vitviz.analysis import attention_rollout, cls_map, pooled_row, query_row, with_pooled_query
 from vitviz.explanations import METHODS, explain, maps_of, record, relevance_maps
 from vitviz.faithfulness import perturbation_curves
@@ -266,9 +267,9 @@ def test_a_pooled_models_explorer_over_the_browsers_budget_keeps_the_pooled_row(
     exp = views.Exploration(a, ModelFacts.of(m))
     whole = explorer_data.layout_of(a)
     assert whole.mode == "stack" and whole.tokens == a.num_queries == m.num_tokens + 1
-    monkeypatch.setattr(explorer_data, "BUDGET", 4 * whole.tokens + whole.layer_bytes)
+    monkeypatch.setattr(cost, "BROWSER_BYTES", 4 * whole.tokens + whole.layer_bytes)
     layout = explorer_data.layout_of(a)
-    assert layout == explorer_data.ExplorerLayout("layers", whole.layers, whole.views, whole.tokens, whole.patches)
+    assert layout == cost.ExplorerLayout("layers", whole.layers, whole.views, whole.tokens, whole.patches)
     value = explorer_data.write_payload(exp, key="k", folder=tmp_path)
     assert value["mode"] == "layers" and value["tokens"] == a.num_queries and "data" not in value
     data = open(explorer_data.write_layer(exp, key="k", layer=2, folder=tmp_path), "rb").read()
@@ -280,26 +281,26 @@ def test_a_pooled_models_explorer_over_the_browsers_budget_keeps_the_pooled_row(
         for h in range(v):
             np.testing.assert_array_equal(explorer_data.dequantise(q8[h, query], top[h, query]),
                                           explorer_data.row_values(a, layer=1, head=h, query=query))
-    monkeypatch.setattr(explorer_data, "BUDGET", 4 * whole.tokens + whole.layer_bytes - 1)
-    assert explorer_data.layout_of(a) == explorer_data.ExplorerLayout("server", whole.layers, whole.views, whole.tokens, whole.patches)
+    monkeypatch.setattr(cost, "BROWSER_BYTES", 4 * whole.tokens + whole.layer_bytes - 1)
+    assert explorer_data.layout_of(a) == cost.ExplorerLayout("server", whole.layers, whole.views, whole.tokens, whole.patches)
 
 
 def _layout_known_before_the_forward(model, monkeypatch) -> None:
     """`layout_of_spec` (what the server decides before the forward) is `layout_of` the analysis, at
-    the browser's budget and at smaller ones; at the budget, the price of the explorer's files says
-    the same (what is written: the stack, one layer's file, or nothing)."""
+    the browser's budget and at smaller ones, and the price of the explorer's files says the same
+    (what is written: the stack, one layer's file, or nothing)."""
     from vitviz.cost import price
 
     a = vitviz.analyze(model, IMAGE)
     layout = explorer_data.layout_of(a)
-    assert explorer_data.layout_of_spec(model.spec) == layout
-    written = {"stack": layout.stack_bytes, "layers": 4 * layout.tokens + layout.layer_bytes, "server": 0}[layout.mode]
-    assert price(model.spec, "explorer").kept_bytes == written
     one = 4 * layout.tokens + layout.layer_bytes
-    for budget, mode in ((layout.stack_bytes - 1, "layers"), (one, "layers"), (one - 1, "server")):
-        monkeypatch.setattr(explorer_data, "BUDGET", budget)
+    for budget, mode in ((cost.BROWSER_BYTES, layout.mode), (layout.stack_bytes - 1, "layers"), (one, "layers"), (one - 1, "server")):
+        monkeypatch.setattr(cost, "BROWSER_BYTES", budget)
         assert explorer_data.layout_of_spec(model.spec) == explorer_data.layout_of(a), budget
         assert explorer_data.layout_of(a).mode == mode, budget
+        written = {"stack": layout.stack_bytes, "layers": one, "server": 0}[mode]
+        assert price(model.spec, "explorer").kept_bytes == written, budget
+        assert price(model.spec, "explorer_layer").kept_bytes == one
 
 
 @pytest.mark.parametrize("name", ["shapes_p16", "shapes_p8@288"])

@@ -20,7 +20,8 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
 - "importance": a forward, then for each layer a batch of H copies of the image run from that
   layer on, one head switched off in each (`vitviz.inside.head_importance`).
 - "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`,
-  else of one layer ("explorer_layer"), else nothing (the server draws the views).
+  else of one layer ("explorer_layer"), else nothing (the server draws the views): the layout of
+  `explorer_layout`, by which the analysis writes it.
 - "compare": `analyse` for each variant, all held at once.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (thread pools, images,
@@ -34,7 +35,7 @@ windowed explorer file (`vitviz.server.swin_explorer`), all layers or nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "FULL_ROLLOUT_TOKENS",
     "FAITHFULNESS_BATCH",
     "BROWSER_BYTES",
+    "ExplorerLayout",
+    "explorer_layout",
     "explorer_bytes",
 ]
 
@@ -98,6 +101,54 @@ def together(costs: list[Cost], *, kind: str = "compare") -> Cost:
         peak = max(peak, held + c.bytes)
         held += c.kept_bytes
     return Cost(kind, " and ".join(c.variant for c in costs), max(c.tokens for c in costs), peak, held, sum(c.flops for c in costs))
+
+
+@dataclass(frozen=True)
+class ExplorerLayout:
+    """How an analysis goes to the browser: "stack" (one file), "layers" (a file per layer) or "server"
+    (no file: the server draws the views).
+
+    Attributes:
+        mode: "stack", "layers" or "server".
+        layers: L.
+        views: H + 2 (the heads, their mean and their max).
+        tokens: the queries, a row each (N, or N + 1 with a pooled query).
+        patches: the keys a row holds (the patch tokens).
+    """
+
+    mode: str
+    layers: int
+    views: int
+    tokens: int
+    patches: int
+
+    @property
+    def layer_bytes(self) -> int:
+        """One layer's block: float32 row maxima and 8-bit rows, per view and query."""
+        return self.views * self.tokens * (4 + self.patches)
+
+    @property
+    def stack_bytes(self) -> int:
+        """The whole stack's file: the shared maxima, then every layer's block."""
+        return 4 * self.tokens + self.layers * self.layer_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """The largest file written for it: the stack, a layer's file (the shared maxima and one
+        block), or nothing."""
+        return {"stack": self.stack_bytes, "layers": 4 * self.tokens + self.layer_bytes, "server": 0}[self.mode]
+
+
+def explorer_layout(layers: int, heads: int, queries: int, patches: int, *, budget: int | None = None) -> ExplorerLayout:
+    """The explorer's layout for `layers` layers of `heads` heads, a row for each of `queries` queries
+    over `patches` patches, for a browser sent at most `budget` bytes at once (None: `BROWSER_BYTES`,
+    as it is when called): one file when the stack fits, a file per layer when a layer does, else
+    none ("server"). The one rule the analysis (`vitviz.server.explorer_data`) and `price` go by."""
+    budget = BROWSER_BYTES if budget is None else budget
+    stack = ExplorerLayout("stack", layers, heads + 2, queries, patches)
+    if stack.stack_bytes <= budget:
+        return stack
+    return replace(stack, mode="layers" if 4 * stack.tokens + stack.layer_bytes <= budget else "server")
 
 
 def _shape(spec) -> tuple[int, int, int, int, int]:
@@ -232,16 +283,12 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES, 0, (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
         return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
-    if kind in ("explorer", "explorer_layer"):
-        views = heads + 2
-        queries = n + int(spec.config.pooled_query)  # a mean-pooled model's "pool" query is a row of its own
-        one = views * queries * (4 + (n - spec.num_prefix_tokens))
-        whole = depth * one + 4 * queries
-        if kind == "explorer":  # the whole stack when the browser can hold it, else a layer at a time, else nothing
-            written = whole if whole <= BROWSER_BYTES else (0 if one + 4 * queries > BROWSER_BYTES else one + 4 * queries)
-        else:
-            written = one + 4 * queries
-        transient = views * queries * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
+    if kind in ("explorer", "explorer_layer"):  # a mean-pooled model's "pool" query is a row of its own
+        layout = explorer_layout(depth, heads, n + int(spec.config.pooled_query), n - spec.num_prefix_tokens)
+        if kind == "explorer_layer":
+            layout = replace(layout, mode="layers")
+        written = layout.file_bytes
+        transient = layout.views * layout.tokens * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
         return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")
 

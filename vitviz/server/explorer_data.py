@@ -23,16 +23,16 @@ shows each of its pixels `scale` x `scale` times, as `vitviz.server.views.displa
 "tile_base" is the crop at a mosaic tile's size. Raw rows cost the server no encoding and the
 browser no decoding, on the way to the first view.
 
-All layers in one file when that fits in `budget` bytes (ViT-B/16: 6.5 MB); otherwise one file per
-layer, fetched when the layer is shown (when one layer fits; DINO S/8: 4.9 MB a layer); otherwise the
-views are the server's (ViT-H/14 at 518 px: 34 MB a layer).
+All layers in one file when that fits in the browser's budget (`vitviz.cost.BROWSER_BYTES`; ViT-B/16:
+6.5 MB); otherwise one file per layer, fetched when the layer is shown (when one layer fits; DINO S/8:
+4.9 MB a layer); otherwise the views are the server's (ViT-H/14 at 518 px: 34 MB a layer). The rule is
+`vitviz.cost.explorer_layout`, the one `vitviz.cost.price` goes by.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -41,16 +41,15 @@ import torch
 from PIL import Image
 
 from vitviz.analysis import pooled_row, query_row, with_pooled_query
-from vitviz.cost import BROWSER_BYTES
+from vitviz.cost import ExplorerLayout, explorer_layout
 from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
-__all__ = ["BUDGET", "ExplorerLayout", "layout_for", "layout_of", "layout_of_spec", "fused_rows", "query_rows",
+__all__ = ["layout_of", "layout_of_spec", "fused_rows", "query_rows",
            "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
            "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file",
            "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
 
-BUDGET = BROWSER_BYTES  # bytes the browser is sent at once
 _BILINEAR = Image.BILINEAR
 
 
@@ -114,48 +113,18 @@ def shared_max(a: Analysis) -> np.ndarray:
     return top.float().numpy().astype(np.float32)
 
 
-@dataclass(frozen=True)
-class ExplorerLayout:
-    """How an analysis goes to the browser: "stack" (one file), "layers" (a file per layer) or "server"."""
-
-    mode: str
-    layers: int
-    views: int  # H + 2
-    tokens: int
-    patches: int
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.views * self.tokens * (4 + self.patches)
-
-    @property
-    def stack_bytes(self) -> int:
-        return 4 * self.tokens + self.layers * self.layer_bytes
-
-
-def layout_for(layers: int, heads: int, queries: int, patches: int, *, budget: int | None = None) -> ExplorerLayout:
-    """The layout of an analysis of `layers` layers of `heads` heads, with a row for each of `queries`
-    queries over `patches` patches, for a browser sent at most `budget` bytes at once (None:
-    `BUDGET`, as it is now): one file when the stack fits, a file per layer when a layer does, else
-    none ("server")."""
-    budget = BUDGET if budget is None else budget
-    stack = ExplorerLayout("stack", layers, heads + 2, queries, patches)
-    if stack.stack_bytes <= budget:
-        return stack
-    return replace(stack, mode="layers" if 4 * stack.tokens + stack.layer_bytes <= budget else "server")
-
-
 def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
-    """`a`'s layout (`layout_for`): a row per query, a mean-pooled model's "pool" too, as in `stack_file`."""
+    """`a`'s layout (`vitviz.cost.explorer_layout`; `budget` None: `vitviz.cost.BROWSER_BYTES`): a row
+    per query, a mean-pooled model's "pool" too, as in `stack_file`."""
     depth, heads, n, _ = a.attentions.shape
-    return layout_for(depth, heads, a.num_queries, n - a.num_prefix_tokens, budget=budget)
+    return explorer_layout(depth, heads, a.num_queries, n - a.num_prefix_tokens, budget=budget)
 
 
 def layout_of_spec(spec) -> ExplorerLayout:
     """The layout of an analysis by the ViT or image–text model of `spec` (a `VariantSpec`), before
-    it runs (`layout_for`)."""
+    it runs (`vitviz.cost.explorer_layout`, the rule `vitviz.cost.price` goes by)."""
     config = spec.config
-    return layout_for(config.depth, config.heads, spec.num_tokens + int(config.pooled_query), spec.grid[0] * spec.grid[1])
+    return explorer_layout(config.depth, config.heads, spec.num_tokens + int(config.pooled_query), spec.grid[0] * spec.grid[1])
 
 
 def layer_block(a: Analysis, layer: int) -> bytes:
@@ -203,8 +172,8 @@ class StackStream:
         num_prefix_tokens: p.
         pooled_query: the model has the pooled query "pool" (its row sits at index p).
         pool_weighted: that query's row is weighted by the attention pooling's probe.
-        budget: the most bytes the browser is sent at once (None: `BUDGET`).
-        on_complete: called with (`ExplorerLayout`, `path`) once the file is complete under its name.
+        budget: the most bytes the browser is sent at once (None: `vitviz.cost.BROWSER_BYTES`).
+        on_complete: called with (`vitviz.cost.ExplorerLayout`, `path`) once the file is complete under its name.
     """
 
     def __init__(self, path, *, depth: int, num_prefix_tokens: int, pooled_query: bool = False, pool_weighted: bool = False,
@@ -212,7 +181,7 @@ class StackStream:
         self.path = Path(path)
         self.part = self.path.with_name(self.path.name + ".part")
         self.depth, self.prefix, self.pooled, self.deferred = depth, num_prefix_tokens, pooled_query, pool_weighted
-        self.budget = BUDGET if budget is None else budget
+        self.budget = budget
         self.on_complete = on_complete
         self.layout: ExplorerLayout | None = None
         self.written: set[int] = set()
@@ -225,7 +194,7 @@ class StackStream:
         if self.layout is None:
             heads, n = attn.shape[0], attn.shape[-1]
             q = n + int(self.pooled)
-            self.layout = layout_for(self.depth, heads, q, n - self.prefix, budget=self.budget)
+            self.layout = explorer_layout(self.depth, heads, q, n - self.prefix, budget=self.budget)
             if self.layout.mode == "stack":
                 self.part.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.part, "wb", buffering=0)  # each block reaches the file as it is written

@@ -177,8 +177,8 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
             if explorer_key is None:
                 return _analyze_on_device(image, variant)
             with EXPLORER_LOCKS.hold(explorer_key):
-                spec = get_spec(variant)  # room for the file and its two pictures
-                explorer_sweep(room=price(spec, "explorer").kept_bytes + explorer_data.pictures_bytes(spec.image_size, spec.grid))
+                spec = get_spec(variant)
+                explorer_sweep(room=_explorer_room(spec))
                 stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
                 early = _Early(ticket, spec, explorer_key)
                 try:
@@ -203,6 +203,13 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
         raise
     finally:
         release_memory()
+
+
+def _explorer_room(spec) -> int:
+    """The disk an analysis' explorer may write: its file (the stack, or a layer's) and its two
+    pictures; nothing when the server draws its views."""
+    written = price(spec, "explorer").kept_bytes
+    return written + explorer_data.pictures_bytes(spec.image_size, spec.grid) if written else 0
 
 
 def analysis_price(variant: str, *, explorer: bool = False) -> Cost:

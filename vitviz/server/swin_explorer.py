@@ -39,7 +39,8 @@ import matplotlib
 import numpy as np
 import torch
 
-from vitviz.cost import BROWSER_BYTES, explorer_bytes
+from vitviz import cost
+from vitviz.cost import explorer_bytes
 from vitviz.plots import CMAP
 from vitviz.server.explorer_data import dequantise, quantise_rows
 from vitviz.swin import SwinAnalysis
@@ -147,10 +148,12 @@ def _layers_meta(a: SwinAnalysis) -> list[dict]:
     return out
 
 
-def write_payload(exp, *, key: str, folder, spec, budget: int = BROWSER_BYTES) -> dict:
+def write_payload(exp, *, key: str, folder, spec, budget: int | None = None) -> dict:
     """Writes what the browser needs for `exp` (an `Exploration` of a Swin) into `folder`, under names
     made from `key` (the session's secret), and returns the widget's value: "stack" (the file, the
-    layers' layout, the picture under the maps, the colour map) or "server" (too large: a note)."""
+    layers' layout, the picture under the maps, the colour map) or "server" (too large for `budget`
+    bytes, None: `vitviz.cost.BROWSER_BYTES`: a note)."""
+    budget = cost.BROWSER_BYTES if budget is None else budget
     a = exp.analysis
     size = explorer_bytes(spec)
     finest_px = a.patch_size * exp.scale
