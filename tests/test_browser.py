@@ -529,7 +529,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     def refused(exp, **kw):
         asked.append(kw["layer"])
         if busy[0]:
-            raise runtime.error("The server is busy: the layer will be fetched again when you show it.")
+            raise runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
         return write_layer(exp, **kw)
 
     monkeypatch.setattr(explorer_data, "write_layer", refused)
@@ -549,6 +549,15 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     again = runtime.STORE.get(page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis"))
     _same_as_server(again, _grab(page, 6, "mean", 0, "shared"))  # (the colour scale chosen stays)
     assert asked[3:-1] and set(asked[3:]) == {6}  # refused, then asked again
+    # a layer refused while browsing is asked for again while the view stays on it
+    busy[0], before = True, len(asked)
+    page.evaluate("""() => { const s = document.querySelector('#vv-explorer-live .vvx-layer');
+                             s.value = '4'; s.dispatchEvent(new Event('input')); }""")
+    _says(page, "#vv-explorer-live .vvx-status", "Layer 4 could not be fetched yet")
+    busy[0] = False
+    _same_as_server(again, _grab(page, 4, "mean", 0, "shared"))
+    assert asked[before:-1] and set(asked[before:]) == {4}
+    assert page.locator("#vv-explorer-live .vvx-status").inner_text() == ""
 
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)

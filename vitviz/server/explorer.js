@@ -32,7 +32,7 @@
   let loading = 0;          // the newest load
   let loadingId = null;     // the analysis it loads
   let named = 0;            // the newest analysis this page named (`vitvizTicket`)
-  const RETRIES = 3;        // a new analysis' explorer refused (the server busy): tried again after 1, 2 and 4 s
+  const RETRIES = 3;        // an explorer's data refused (the server busy): tried again after 1, 2 and 4 s
   const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
 
   const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
@@ -414,7 +414,9 @@
   }
 
   let drawing = 0;          // the newest draw: one that waited for its layer is not drawn over a newer one
-  async function draw() {
+  // the view asked for; a layer refused (the server busy) is asked for again after 1, 2 and 4 s while
+  // the view stays on it
+  async function draw(tries = 0) {
     if (!meta || meta.mode === "server" || !base) return;
     const want = { ...view }, m = meta, mine = ++drawing;
     if (m.mode === "layers" && !layers[want.layer - 1]) {  // a layer's own file: only for a layer the view stays on
@@ -424,7 +426,13 @@
     try {
       await ensureLayer(want.layer, want.query);
     } catch (error) {
-      if (meta === m && mine === drawing) statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+      if (meta !== m || mine !== drawing) return;  // another view asked for meanwhile: its own draw fetches it
+      if (tries >= RETRIES) {
+        statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+        return;
+      }
+      statusText.textContent = `Layer ${want.layer} could not be fetched yet (the server is busy): trying again…`;
+      setTimeout(() => { if (meta === m && mine === drawing) draw(tries + 1); }, 1000 * 2 ** tries);
       return;
     }
     if (meta !== m || mine !== drawing) return;  // another analysis or another view asked for meanwhile: drawn by its own draw

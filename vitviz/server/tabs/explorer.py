@@ -38,7 +38,7 @@ def explorer_layer(request: list) -> str:
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
     calls = runtime.EXPLORER_CALLS
     if not calls.acquire(blocking=False):
-        raise runtime.error("The server is busy: the layer will be fetched again when you show it.")
+        raise runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
     try:
         with runtime.EXPLORER_LOCKS.hold((key, layer_value)), runtime.job("explorer_layer", exp.analysis.variant, wait=10.0) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
