@@ -93,6 +93,16 @@ def test_shapes_clip_loads_offline_as_an_image_text_model_with_its_tokenizer(mon
     assert logits.shape == (2, 3) and torch.isfinite(logits).all()
 
 
+def test_shapes_clip_at_another_size_is_the_same_image_text_model_fed_larger_images():
+    model, larger = vitviz.load_model("shapes_clip", device="cpu"), vitviz.load_model("shapes_clip@192", device="cpu")
+    assert isinstance(larger, ImageTextModel) and isinstance(larger.tokenizer, WordTokenizer) and larger.labels == model.labels
+    assert larger.spec.name == "shapes_clip@192" and larger.spec.image_size == 192
+    theirs = model.state_dict()
+    assert all(torch.equal(w, theirs[k]) for k, w in larger.state_dict().items()) and larger.state_dict().keys() == theirs.keys()
+    a = vitviz.analyze(larger, np.random.default_rng(0).integers(0, 256, (192, 192, 3), dtype=np.uint8))
+    assert a.grid == (12, 12) and a.attentions.shape == (6, 3, 145, 145)
+
+
 def test_shapes_clip_scores_a_true_caption_above_a_caption_of_an_absent_object():
     from vitviz.dev.train_shapes_clip import retrieval, zero_shot
 

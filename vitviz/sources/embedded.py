@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vitviz.config import Preprocessing, TextConfig, ViTConfig
+from vitviz.config import Preprocessing, TextConfig, ViTConfig, split_size
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source
@@ -118,7 +118,7 @@ class EmbeddedSource(WeightsSource):
         """The variant's ViT; for `shapes_clip` an `ImageTextModel` with its `WordTokenizer`; for
         `shapes_swin` a `vitviz.swin.Swin`."""
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
-        image_text = spec.name == "shapes_clip"
+        image_text = split_size(spec.name)[0] == "shapes_clip"  # (at its own size or at another: "shapes_clip@192")
         swin = isinstance(spec.config, SwinConfig)
         script = "train_shapes_clip" if image_text else "train_shapes_swin" if swin else "train_shapes"
         if not path.is_file():
