@@ -254,8 +254,7 @@ def test_hostile_values_get_clear_errors(analysed):
                                              (1, "mean", 0, 2, "grids of their own"), (float("nan"), "mean", 0, 0, "layer")]:
         with pytest.raises(gr.Error, match=words):
             explorer.on_view(ref, layer, head, query, tabs.explorer.SCALES[scale])
-    with pytest.raises(gr.Error, match="no layer files"):
-        tabs.explorer.explorer_layer([ref.key, 1])
+    assert "no layer files" in tabs.explorer.explorer_layer([ref.key, 1])["error"]
     with pytest.raises(gr.Error, match="no cls token"):
         tabs.tokens.TAB.on_tokens(ref, 0.6)
     with pytest.raises(gr.Error, match="no text tower"):
@@ -353,8 +352,9 @@ def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
         component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
         body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 1]}
         answer = httpx.post(f"{base}/gradio_api/component_server", json=body, timeout=60)
-        # refused (Gradio answers a component-server function's error with a bare 500) and nothing written
-        assert answer.status_code != 200 and not list(runtime.EXPLORER_DIR.glob(f"{key}-layer*")), answer.text
+        # refused, with its reason, and nothing written
+        assert answer.status_code == 200 and "no layer files" in answer.json()["error"], answer.text
+        assert answer.json()["busy"] is False and not list(runtime.EXPLORER_DIR.glob(f"{key}-layer*"))
     finally:
         app.demo.close()
 

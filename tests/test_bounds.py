@@ -222,6 +222,65 @@ def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(serve
     assert len({a.json() for a in answers}) == 1 and written == [[2]]
 
 
+def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, good, app, monkeypatch):
+    """A layer's file is small work that runs no model: while another session's long job holds the
+    lane it is still written (its memory free); one written already is answered at once even with
+    no memory free; one to write with no memory free is answered "busy" after its wait. Every
+    refusal is a 200 answer with its reason, by raw HTTP as the page calls it."""
+    from vitviz.cost import Cost
+    from vitviz.server import explorer_data, tabs
+
+    session = uuid.uuid4().hex
+    ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
+    assert ok
+    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
+    config = httpx.get(f"{server}/config").json()
+    component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
+
+    def layer(data):
+        body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": data}
+        start = time.perf_counter()
+        answer = httpx.post(f"{server}/gradio_api/component_server", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json(), time.perf_counter() - start
+
+    def holding(nbytes):  # another session's job, running until `release` is set
+        started, release = threading.Event(), threading.Event()
+
+        def hold():
+            with runtime.WORK.job(Cost("faithfulness", "other", 1, nbytes, 0, 0.0), session="other"):
+                started.set()
+                release.wait(60)
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        assert started.wait(10)
+        return thread, release
+
+    monkeypatch.setattr(tabs.explorer, "LAYER_WAIT", 1.0)
+    thread, release = holding(1)  # the lane taken, the memory free
+    try:
+        assert runtime.WORK.lanes == 1 and len(runtime.WORK.running()) == 1
+        path, seconds = layer([key, 3])
+        assert path == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 3)) and seconds < 1.0, (path, seconds)
+    finally:
+        release.set()
+        thread.join()
+    thread, release = holding(runtime.WORK.budget_bytes)  # the lane and every byte taken
+    try:
+        assert layer([key, 3])[0] == path  # written already: no job
+        busy, seconds = layer([key, 4])
+        assert busy["busy"] is True and "busy" in busy["error"] and seconds >= 1.0, busy
+        assert not explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4).exists()
+    finally:
+        release.set()
+        thread.join()
+    assert layer([key, 4])[0] == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4))
+    for bad, words in (([key, 99], "layer"), (["x" * 22, 1], "no longer kept"), ("junk", "takes [key, layer]"), (None, "takes")):
+        answer, _ = layer(bad)
+        assert answer["busy"] is False and words in answer["error"], (bad, answer)
+
+
 def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady):
     """33 joins from one session: two wait (and one may run), the rest are told to wait their turn; another client's
     analysis is served meanwhile, within twice its time alone. (Each analysis is made to last two
@@ -394,6 +453,15 @@ def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monk
     time.sleep(0.5)  # the last sweep runs beside the event that triggered it
     files = [p for p in runtime.upload_folder().rglob("*") if p.is_file() and runtime.EXPLORER_DIR not in p.parents and not runtime.is_example(p)]
     assert sum(p.stat().st_size for p in files) <= 256 * 1024, len(files)
+    # explorer files of analyses no longer written to (a process before this one's) go by age after any event
+    stale = runtime.EXPLORER_DIR / "AAAAAAAAAAAAAAAAAAAAAA-layer1.bin"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    run(server, "session_view", [None, 1, "mean", 0, "one per layer"], session=session)  # any event
+    deadline = time.monotonic() + 10
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stale.exists()
 
 
 def test_hub_models_named_by_clients_stay_within_their_budget(tmp_path):

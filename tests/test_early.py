@@ -88,6 +88,59 @@ def test_waits_are_bounded_in_number_and_time():
     assert t._count == 0 and t._waiting == {}
 
 
+def test_one_owner_holds_at_most_its_share_of_the_waits():
+    t = Tickets(waiters=8, waiters_per_owner=3, wait_seconds=0.3)
+
+    async def many():
+        hog = [asyncio.ensure_future(t.wait("H" * 22, "explorer", owner="10.0.0.1")) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        held = (t._count, dict(t._owners))
+        t.open(T1)
+        t.publish(T1, "explorer", {"id": "k"})
+        other = await t.wait(T1, "explorer", owner="10.0.0.2")  # another address: its wait is answered
+        return held, other, await asyncio.gather(*hog)
+
+    held, other, hog = asyncio.run(many())
+    assert held == (3, {"10.0.0.1": 3}) and other == {"id": "k"} and hog == [None] * 5
+    assert t._count == 0 and t._owners == {} and t._waiting == {}
+
+
+def test_a_ticket_past_its_time_answers_nothing_though_no_other_was_opened():
+    t = Tickets(seconds=0.2)
+    t.open(T1)
+    t.publish(T1, "explorer", {"id": "k"})
+    assert _wait(t, T1, "explorer") == {"id": "k"}
+    time.sleep(0.3)
+    assert _wait(t, T1, "explorer") is None and T1 not in t._entries
+
+
+def test_a_wait_whose_caller_has_gone_gives_back_its_place():
+    t = Tickets(wait_seconds=30, poll_seconds=0.05)
+    asked = []
+
+    async def gone():
+        asked.append(time.perf_counter())
+        return len(asked) >= 3
+
+    async def scenario():
+        start = time.perf_counter()
+        got = await t.wait(T1, "explorer", owner="a", gone=gone)
+        return got, time.perf_counter() - start
+
+    got, seconds = asyncio.run(scenario())
+    assert got is None and seconds < 2 and len(asked) == 3
+    assert t._count == 0 and t._owners == {} and t._waiting == {}
+
+    async def answered():  # a caller still there gets what is published, between two polls or not
+        t.open(T2)
+        waiting = asyncio.ensure_future(t.wait(T2, "explorer", owner="a", gone=lambda: asyncio.sleep(0, result=False)))
+        await asyncio.sleep(0.12)
+        t.publish(T2, "explorer", {"id": "k"})
+        return await asyncio.wait_for(waiting, 5)
+
+    assert asyncio.run(answered()) == {"id": "k"}
+
+
 def test_old_tickets_are_dropped_and_their_waits_answered():
     t = Tickets(size=2)
 
@@ -222,3 +275,28 @@ def test_junk_early_calls_are_answered_none_and_the_server_serves_on(server, dat
     assert time.perf_counter() - start < 10
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
     assert out[page.PAGE.notice] == "" and runtime.EARLY._count == 0
+
+
+def test_one_client_cannot_hold_every_pages_early_explorer(server, monkeypatch):
+    """80 waits from one address on tickets no analysis opens, each dropped by its client: at most its
+    share is held, and only while its callers are there; then a page's analysis gets its explorer early."""
+    monkeypatch.setattr(runtime.EARLY, "per_owner", 4)
+    monkeypatch.setattr(runtime.EARLY, "poll_seconds", 0.1)
+    session = uuid.uuid4().hex
+    body = lambda i: {"session_hash": session, "component_id": tabs.explorer.TAB.explorer_live._id, "fn_name": "explorer_early",
+                      "data": [f"Hg{i:020d}", "explorer"]}
+
+    async def hog():
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            calls = [client.post(f"{server}/gradio_api/component_server", json=body(i)) for i in range(80)]
+            got = await asyncio.gather(*calls, return_exceptions=True)
+        return sum(isinstance(g, httpx.TimeoutException) for g in got), [g.json() for g in got if isinstance(g, httpx.Response)]
+
+    held, answered = asyncio.run(hog())
+    assert held == 4 and answered == [None] * 76  # the rest answered at once
+    deadline = time.monotonic() + 5
+    while runtime.EARLY._count and time.monotonic() < deadline:  # its callers gone: their places given back
+        time.sleep(0.05)
+    assert runtime.EARLY._count == 0 and runtime.EARLY._owners == {}
+    outputs, done, got = _analyse_while_waiting(server, uuid.uuid4().hex, "Tn" + uuid.uuid4().hex[:20])
+    assert got["explorer"][0].json()["id"] and got["explorer"][1] < done

@@ -211,20 +211,23 @@ def _rss_mb() -> float:
 def test_the_store_keeps_the_newest_and_drops_the_oldest_and_the_idle():
     from vitviz.server.sessions import SessionStore
 
-    now = [0.0]
-    store = SessionStore(budget_bytes=100, idle_seconds=60, clock=lambda: now[0])
+    now, dropped = [0.0], []
+    store = SessionStore(budget_bytes=100, idle_seconds=60, clock=lambda: now[0], on_drop=dropped.append)
     a = store.put("a", 40)
     b = store.put("b", 40)
     assert store.get(a) == "a"  # a is now the most recently used
     c = store.put("c", 40)
+    assert dropped == [b]
     assert store.get(b) is None and store.get(a) == "a" and store.get(c) == "c" and store.nbytes == 80
+    assert store.put("c again", 40, key=c) == c and dropped == [b]  # stored again under its key: not dropped
     d = store.put("d", 500)  # alone over the budget: kept, everything else dropped
-    assert len(store) == 1 and store.get(d) == "d"
+    assert len(store) == 1 and store.get(d) == "d" and dropped == [b, a, c]
     now[0] = 61
     e = store.put("e", 10)
-    assert store.get(d) is None and store.get(e) == "e"
+    assert store.get(d) is None and store.get(e) == "e" and dropped == [b, a, c, d]
     store.drop(e)
-    assert len(store) == 0 and store.evictions == 4
+    store.drop(e)  # (gone already: not told twice)
+    assert len(store) == 0 and store.evictions == 4 and dropped == [b, a, c, d, e]
     assert len({store.put(i, 1) for i in range(100)}) == 100  # keys never repeat
 
 

@@ -21,7 +21,8 @@ answers None, and the page takes the explorer from the outputs as before. One th
 (in the last block's MLP or the head) has published its explorer; its files are removed, so the
 page's explorer keeps only the last layer it was sent, while the other results stay those of the
 previous analysis beside the error.
-Waits are bounded in number and time, and hold no thread (`wait` is a coroutine).
+Waits are bounded in number (in all, and per network address) and time, end when their caller
+leaves, and hold no thread (`wait` is a coroutine).
 
     tickets = Tickets()
     with tickets.opened(ticket_from_page) as name:   # None: nothing early for this analysis
@@ -47,15 +48,21 @@ _NONE = object()  # settled without a value
 
 
 class Tickets:
-    """Tickets of analyses, the newest `size` kept for `seconds`; at most `waiters` waits at once,
-    each at most `wait_seconds` (an analysis waiting longer in the queue gets its explorer with its outputs)."""
+    """Tickets of analyses, the newest `size` kept for `seconds`; at most `waiters` waits at once, and
+    `waiters_per_owner` of one owner (a network address: a page makes two waits per analysis, and an
+    address has at most `VITVIZ_ADDRESS_JOBS` analyses waiting or running); each at most
+    `wait_seconds` (an analysis waiting longer in the queue gets its explorer with its outputs), and
+    none past its caller's leaving (`wait`'s `gone`, asked every `poll_seconds`)."""
 
-    def __init__(self, *, size: int = 1024, seconds: float = 600.0, waiters: int = 64, wait_seconds: float = 60.0) -> None:
+    def __init__(self, *, size: int = 1024, seconds: float = 600.0, waiters: int = 64, waiters_per_owner: int = 16,
+                 wait_seconds: float = 60.0, poll_seconds: float = 1.0) -> None:
         self.size, self.seconds, self.max_waiters, self.wait_seconds = size, seconds, waiters, wait_seconds
+        self.per_owner, self.poll_seconds = waiters_per_owner, poll_seconds
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()  # ticket -> (time opened, {step: value or _NONE})
         self._waiting: dict[tuple[str, str], list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._count = 0
+        self._owners: dict[str, int] = {}  # owner -> its waits now
 
     def open(self, ticket: object) -> str | None:
         """`ticket` registered for an analysis starting now; None when it is no ticket or was named before."""
@@ -93,27 +100,38 @@ class Tickets:
                 for step in STEPS:
                     self._settle(ticket, step, _NONE)
 
-    async def wait(self, ticket: object, step: object) -> dict | None:
+    async def wait(self, ticket: object, step: object, *, owner: str | None = None, gone=None) -> dict | None:
         """What `step` of `ticket`'s analysis publishes, once it does; None when there is nothing (no
-        such analysis, it ended without it, too many waits are open, or `wait_seconds` passed)."""
+        such analysis or an expired one, it ended without it, too many waits are open, or too many of
+        `owner`'s, `wait_seconds` passed, or the caller left: `gone`, an async callable, said so)."""
         if not _valid(ticket) or step not in STEPS:
             return None
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         key = (ticket, step)
         with self._lock:
+            self._expire()
             entry = self._entries.get(ticket)
             if entry is not None and step in entry[1]:
                 value = entry[1][step]
                 return None if value is _NONE else value
-            if self._count >= self.max_waiters:
+            if self._count >= self.max_waiters or (owner is not None and self._owners.get(owner, 0) >= self.per_owner):
                 return None
             self._waiting.setdefault(key, []).append((loop, future))
             self._count += 1
+            if owner is not None:
+                self._owners[owner] = self._owners.get(owner, 0) + 1
         try:
-            return await asyncio.wait_for(future, timeout=self.wait_seconds)
-        except asyncio.TimeoutError:
-            return None
+            end = loop.time() + self.wait_seconds
+            while True:
+                left = end - loop.time()
+                if left <= 0:
+                    return None
+                try:  # (the future shielded: a poll's timeout leaves it waiting)
+                    return await asyncio.wait_for(asyncio.shield(future), timeout=min(left, self.poll_seconds) if gone else left)
+                except asyncio.TimeoutError:
+                    if gone is not None and await gone():
+                        return None
         finally:
             with self._lock:
                 mine = self._waiting.get(key, [])
@@ -122,6 +140,10 @@ class Tickets:
                     if not mine:
                         del self._waiting[key]
                 self._count -= 1
+                if owner is not None:
+                    self._owners[owner] -= 1
+                    if not self._owners[owner]:
+                        del self._owners[owner]
 
     def _settle(self, ticket: str, step: str, value) -> None:
         entry = self._entries.get(ticket)

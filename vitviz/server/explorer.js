@@ -182,7 +182,11 @@
       return { layer: parsed, sharedMax: new Float32Array(top) };
     }
     const path = await server.explorer_layer(m.id, layer);
-    if (typeof path !== "string" || !path) throw new Error(`layer ${layer} was refused`);  // (Gradio's client answers a refusal with nothing)
+    if (typeof path !== "string" || !path) {  // {error, busy}: refused (busy: asking again later may work)
+      const refused = new Error(path && path.error ? path.error : `Layer ${layer} was refused.`);
+      refused.busy = !path || path.busy !== false;
+      throw refused;
+    }
     const buffer = await fetchBuffer(fileUrl(path));
     return { layer: parseLayer(m, buffer, head)[0], sharedMax: new Float32Array(buffer.slice(0, head)) };
   }
@@ -251,8 +255,9 @@
       if (ticket !== loading) return;
       loadingId = null;  // the same analysis' value, when it comes again, is loaded again
       const tries = given.tries || 0;
-      if (given.first || tries >= RETRIES) {  // (an early value: the page's other results are still the analysis' before)
-        statusText.textContent = "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
+      if (given.first || tries >= RETRIES || error.busy === false) {  // (an early value: the page's other results are still the analysis' before)
+        statusText.textContent = error.busy === false ? error.message
+          : "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
         return;
       }
       // the page's results are this analysis': the one before is not shown beside them; tried again shortly
@@ -427,6 +432,10 @@
       await ensureLayer(want.layer, want.query);
     } catch (error) {
       if (meta !== m || mine !== drawing) return;  // another view asked for meanwhile: its own draw fetches it
+      if (error.busy === false) {  // (the analysis no longer kept, ...): asking again would not help
+        statusText.textContent = error.message;
+        return;
+      }
       if (tries >= RETRIES) {
         statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
         return;

@@ -48,7 +48,7 @@ from vitviz.plots import CMAP
 __all__ = ["layout_of", "layout_of_spec", "fused_rows", "query_rows",
            "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
            "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file",
-           "read_rgb_file", "write_pictures", "first_shown", "write_layer", "mosaic_tile_px", "widget_files"]
+           "read_rgb_file", "write_pictures", "first_shown", "layer_path", "write_layer", "mosaic_tile_px", "widget_files"]
 
 _BILINEAR = Image.BILINEAR
 
@@ -369,9 +369,14 @@ def first_shown(value: dict, query: int = 0) -> str:
     return base64.b64encode(head + block[: 4 * v * n] + rows.tobytes()).decode("ascii")
 
 
+def layer_path(folder, key: str, layer: int) -> Path:
+    """Where the file of layer `layer` (1-based) of the analysis named `key` is written ("layers")."""
+    return Path(folder) / f"{key}-layer{layer}.bin"
+
+
 def write_layer(exp, *, key: str, layer: int, folder) -> str:
-    """The file of one layer (1-based) for the "layers" layout; returns its path."""
-    path = Path(folder) / f"{key}-layer{layer}.bin"
+    """The file of one layer (1-based) for the "layers" layout, written once; returns its path."""
+    path = layer_path(folder, key, layer)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_once(path, lambda: stack_file(exp.analysis, [layer - 1]))
     return str(path)

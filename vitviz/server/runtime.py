@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import threading
 import time
@@ -65,10 +66,27 @@ EXPLORER_DIR = upload_folder() / "vitviz-explorer"
 EXPLORER_WIDGET = explorer_data.widget_files()
 EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
 EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (they run on Gradio's thread pool)
-EARLY = Tickets()  # the explorer of an analysis on its way, for the page that named it (`vitviz.server.early`)
+# the explorer of an analysis on its way, for the page that named it (`vitviz.server.early`): two
+# waits per analysis, as many analyses per address as the queue lets it have
+EARLY = Tickets(waiters_per_owner=2 * SETTINGS.address_jobs)
+_KEY = re.compile(r"[A-Za-z0-9_-]{22}")  # a session key (`new_key`)
+
+
+def _explorer_files_gone(key: str) -> None:
+    """An analysis dropped (replaced on its page, its session gone, idle, or over the store's budget):
+    its explorer's files go with it (a file being written is left to the sweep)."""
+    if _KEY.fullmatch(key) is None:  # (keys are `new_key`'s: never a pattern)
+        return
+    for path in EXPLORER_DIR.glob(f"{key}-*"):
+        if not path.name.endswith(".part"):
+            path.unlink(missing_ok=True)
+
+
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
-# a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped.
-STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle)
+# a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped,
+# and its explorer's files with it.
+STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle,
+                                                      on_drop=_explorer_files_gone)
 # the colour scales' names on the page, and what `views` calls them
 _SCALE_NAMES = {"one per layer": "layer", "each map its own": "map", "each map": "map"}
 
@@ -99,27 +117,31 @@ def variant_name(name: object) -> str:
                    open_models=SETTINGS.open_models)
 
 
-def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: float | None = None, **options):
-    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget.
+def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: float | None = None, lane: bool = True, **options):
+    """Model work of `kind` on `variant`, priced before it starts and run within the server's budget
+    (`lane` False: its memory only, for small work that runs no model; see `ModelWork.job`).
     An explanation computes every registered method at once: priced with each layer's own gradients
     when one of them needs those (LeGrad)."""
     if kind in ("explain", "faithfulness") and "layer_gradients" not in options:
         options["layer_gradients"] = any(registered_method(m).needs_layer_gradients for m in registered_methods())
-    return priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait)
+    return priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait, lane=lane)
 
 
 @contextmanager
-def priced(cost, request: gr.Request | None = None, *, wait: float | None = None):
+def priced(cost, request: gr.Request | None = None, *, wait: float | None = None, lane: bool = True):
     try:
-        with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait) as work:
+        with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait, lane=lane) as work:
             yield work
     except (RequestRefused, Cancelled) as exc:
         raise error(str(exc)) from None
 
 
 def files_sweep() -> None:
-    """Uploads and Gradio's copies of pictures within VITVIZ_FILES_MB, oldest first (examples stay)."""
+    """Uploads and Gradio's copies of pictures within VITVIZ_FILES_MB, oldest first (examples stay);
+    the explorer's files within their own bounds. Run after events (`GuardedBlocks.after_event`), so
+    that files of a process before this one, or of analyses no longer written to, go by age too."""
     sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=is_example)
+    explorer_sweep(room=0)
 
 
 def explorer_sweep(*, room: int) -> None:

@@ -54,12 +54,16 @@ class SessionStore(Generic[T]):
         budget_bytes: the most bytes kept for all entries together.
         idle_seconds: how long an unused entry is kept.
         clock: seconds, monotonic (tests pass their own).
+        on_drop: called with the key of each entry dropped (by `drop`, idle or over the budget; not
+            when a key is stored again), outside the store's lock.
     """
 
-    def __init__(self, *, budget_bytes: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, budget_bytes: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.idle_seconds = idle_seconds
         self._clock = clock
+        self._on_drop = on_drop
         self._entries: OrderedDict[str, tuple[T, int, float]] = OrderedDict()  # key -> (value, bytes, last use)
         self._lock = threading.Lock()
         self.evictions = 0
@@ -83,34 +87,42 @@ class SessionStore(Generic[T]):
         with self._lock:
             self._entries[key] = (value, nbytes, self._clock())
             self._entries.move_to_end(key)
-            self._evict(keep=key)
+            dropped = self._evict(keep=key)
+        self._dropped(dropped)
         return key
 
     def get(self, key: str) -> T | None:
         """The value, or None when it was never stored or has been dropped; counts as a use."""
         with self._lock:
-            self._evict(keep=key, budget=False)
+            dropped = self._evict(keep=key, budget=False)
             entry = self._entries.get(key)
-            if entry is None:
-                return None
-            value, size, _ = entry
-            self._entries[key] = (value, size, self._clock())
-            self._entries.move_to_end(key)
-            return value
+            if entry is not None:
+                value, size, _ = entry
+                self._entries[key] = (value, size, self._clock())
+                self._entries.move_to_end(key)
+        self._dropped(dropped)
+        return None if entry is None else entry[0]
 
     def drop(self, key: str | None) -> None:
         with self._lock:
-            self._entries.pop(key, None)  # type: ignore[arg-type]
+            found = self._entries.pop(key, None) is not None  # type: ignore[arg-type]
+        self._dropped([key] if found else [])
 
-    def _evict(self, *, keep: str | None, budget: bool = True) -> None:
+    def _dropped(self, keys: list[str]) -> None:
+        if self._on_drop is not None:
+            for key in keys:
+                self._on_drop(key)
+
+    def _evict(self, *, keep: str | None, budget: bool = True) -> list[str]:
         """Drops idle entries, then (with `budget`) the least recently used until within the budget;
-        `keep` stays."""
+        `keep` stays. Returns the keys dropped."""
         now = self._clock()
-        for k in [k for k, (_, _, used) in self._entries.items() if now - used > self.idle_seconds and k != keep]:
+        dropped = [k for k, (_, _, used) in self._entries.items() if now - used > self.idle_seconds and k != keep]
+        for k in dropped:
             del self._entries[k]
             self.evictions += 1
         if not budget:
-            return
+            return dropped
         total = sum(size for _, size, _ in self._entries.values())
         for k in list(self._entries):
             if total <= self.budget_bytes:
@@ -118,4 +130,6 @@ class SessionStore(Generic[T]):
             if k == keep:
                 continue
             total -= self._entries.pop(k)[1]
+            dropped.append(k)
             self.evictions += 1
+        return dropped

@@ -4,7 +4,7 @@
 |---|---|---|
 | VITVIZ_QUEUE_SIZE | 32 | jobs waiting in Gradio's queue, all clients together |
 | VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting in the queue (besides those running) |
-| VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running |
+| VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running (and twice as many waits for an early explorer) |
 | VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together |
 | VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |
 | VITVIZ_REQUEST_SECONDS | 300 | one model job's time (estimated before, enforced while it runs) |

@@ -1,5 +1,6 @@
 """One budget of model work for the whole server: every request is priced before it runs, refused
-when it could never fit, and otherwise waits until its memory and a lane are free.
+when it could never fit, and otherwise waits until its memory and a lane are free (a small job that
+runs no model, an explorer's layer file, waits for its memory only).
 
     WORK = ModelWork(budget_bytes=6 * 2**30, lanes=1, seconds=300)
     with WORK.job(price(spec, "analyse"), session=session_hash) as job:
@@ -43,6 +44,7 @@ class Job:
     deadline: float
     cancelled: threading.Event = field(default_factory=threading.Event)
     unpriced: bool = False  # set when the job did work its price leaves out (loading a model): not timed
+    lane: bool = True  # it holds one of the lanes (False: small work that runs no model)
 
     def check(self) -> None:
         """Raises `Cancelled` when the job was cancelled or its time is up; cheap, call it between steps."""
@@ -56,7 +58,8 @@ class Job:
 
 
 class ModelWork:
-    """At most `lanes` jobs at once, together within `budget_bytes`; a job that checks
+    """At most `lanes` jobs at once (besides small ones that run no model), together within
+    `budget_bytes`; a job that checks
     (`Job.check`, between its steps) stops `seconds` after it started running.
 
     `rate` is the server's measured model speed (flops per second), learned from the jobs that ran;
@@ -95,11 +98,13 @@ class ModelWork:
         return getattr(self._local, "job", None)
 
     @contextmanager
-    def job(self, cost: Cost, *, session: str | None = None, wait: float | None = None) -> Iterator[Job]:
+    def job(self, cost: Cost, *, session: str | None = None, wait: float | None = None, lane: bool = True) -> Iterator[Job]:
         """Runs the block as a job priced `cost`; nested jobs of one thread share the outer one.
 
         Args:
             wait: the longest to wait for a lane and memory (None: as long as it takes).
+            lane: False for small work that runs no model (an explorer's layer file): it waits for
+                its memory only, and takes no lane from the model jobs.
 
         Raises:
             RequestRefused: the job can never fit this server's bounds, or found no lane in `wait` s.
@@ -112,12 +117,13 @@ class ModelWork:
         why = self.refusal(cost)
         if why:
             raise RequestRefused(why)
-        job = Job(cost, session, deadline=math.inf)
+        job = Job(cost, session, deadline=math.inf, lane=lane)
         with self._cond:
             self._waiting.append(job)
             try:
                 ready = self._cond.wait_for(
-                    lambda: job.cancelled.is_set() or (len(self._running) < self.lanes and self._free >= cost.bytes), timeout=wait)
+                    lambda: job.cancelled.is_set() or ((not lane or self._lanes_taken() < self.lanes) and self._free >= cost.bytes),
+                    timeout=wait)
             finally:
                 self._waiting.remove(job)
             if not ready:
@@ -139,6 +145,9 @@ class ModelWork:
                 self._free += cost.bytes
                 self._running.remove(job)
                 self._cond.notify_all()
+
+    def _lanes_taken(self) -> int:
+        return sum(1 for j in self._running if j.lane)
 
     def cancel(self, session: str | None) -> int:
         """Cancels the jobs of `session`, running or waiting; returns how many."""

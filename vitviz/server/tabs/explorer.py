@@ -9,7 +9,7 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.server import explorer_data, inputs, runtime, swin_explorer, swin_views, views
-from vitviz.server.gradio_io import ViewImage
+from vitviz.server.gradio_io import ViewImage, client_address
 from vitviz.server.menus import head_choices
 from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
 from vitviz.server.sessions import SessionRef
@@ -17,11 +17,28 @@ from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"
 SWIN_WIDGET = swin_explorer.widget_files()
+LAYER_WAIT = 10.0  # seconds a layer's file waits for its memory before it is answered "busy"
 
 
-def explorer_layer(request: list) -> str:
-    """The browser's call for one layer's file (the "layers" layout): [analysis key, layer] -> its path.
-    The key is the session's own secret; an unknown or dropped one gets an error."""
+def explorer_layer(request: list) -> str | dict:
+    """The browser's call for one layer's file (the "layers" layout): [analysis key, layer] -> its path,
+    or {"error": why, "busy": whether asking again later may work} (busy: too many calls at once, or
+    no memory free in `LAYER_WAIT` s; not: an unknown or dropped key, a layer out of range). The key is the
+    session's own secret. A file already written is answered at once; one to write takes a job that
+    needs no lane (a layer's rows quantised, its memory within the shared budget), so that a long
+    job of another session does not hold the page's layers back."""
+    try:
+        return _explorer_layer(request)
+    except gr.Error as exc:  # answered, not raised: Gradio's component-server route has no error path (a bare 500 and a logged traceback)
+        return {"error": str(exc.message), "busy": getattr(exc, "busy", False)}
+
+
+def _busy(exc: gr.Error) -> gr.Error:
+    exc.busy = True
+    return exc
+
+
+def _explorer_layer(request: list) -> str:
     try:
         key, layer_value = request
     except (TypeError, ValueError):
@@ -35,28 +52,36 @@ def explorer_layer(request: list) -> str:
     if mode != "layers":  # one file for the browser, written with the analysis, or no file: drawn by the server
         raise runtime.error(f"This analysis' explorer has no layer files (its layout is {mode!r}).")
     layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
+    path = explorer_data.layer_path(runtime.EXPLORER_DIR, key, layer_value)
+    if path.exists():  # (written whole under a temporary name, then renamed)
+        return str(path)
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
     calls = runtime.EXPLORER_CALLS
     if not calls.acquire(blocking=False):
-        raise runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
+        raise _busy(runtime.error("The server is busy (too many layers asked for at once): ask again in a moment."))
     try:
-        with runtime.EXPLORER_LOCKS.hold((key, layer_value)), runtime.job("explorer_layer", exp.analysis.variant, wait=10.0) as work:
+        with runtime.EXPLORER_LOCKS.hold((key, layer_value)), \
+                runtime.job("explorer_layer", exp.analysis.variant, wait=LAYER_WAIT, lane=False) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
             return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=runtime.EXPLORER_DIR)
+    except gr.Error as exc:  # the job's memory not free within its wait
+        raise _busy(exc) from None
     finally:
         calls.release()
 
 
-async def explorer_early(request: list) -> dict | None:
+async def explorer_early(request: list, http: gr.Request) -> dict | None:
     """The browser's call for the explorer of an analysis on its way (`vitviz.server.early`):
     [ticket, "pictures"] -> the explorer's pictures, written before the forward; [ticket, "explorer"]
     -> the explorer's value once the forward has written its file, with the first view's data inline.
-    None: no such analysis, or its explorer comes with its outputs. Waits without a thread, at most a minute."""
+    None: no such analysis, or its explorer comes with its outputs. Waits without a thread, at most a
+    minute, a few per network address, none after its caller has gone."""
     try:
         ticket, step = request
     except (TypeError, ValueError):
         return None
-    return await runtime.EARLY.wait(ticket, step)
+    gone = getattr(http, "is_disconnected", None)
+    return await runtime.EARLY.wait(ticket, step, owner=client_address(http), gone=gone if callable(gone) else None)
 
 
 class ExplorerTab(Tab):
