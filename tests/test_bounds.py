@@ -276,6 +276,9 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
         release.set()
         thread.join()
     assert layer([key, 4])[0] == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4))
+    monkeypatch.setattr(runtime.WORK, "budget_bytes", 2**20)  # a layer's file that can never fit: asking again would not help
+    never, _ = layer([key, 5])
+    assert never["busy"] is False and "VITVIZ_WORK_MB" in never["error"], never
     for bad, words in (([key, 99], "layer"), (["x" * 22, 1], "no longer kept"), ("junk", "takes [key, layer]"), (None, "takes")):
         answer, _ = layer(bad)
         assert answer["busy"] is False and words in answer["error"], (bad, answer)

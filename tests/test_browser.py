@@ -524,12 +524,16 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
 
     # a new analysis whose first layer is refused (the server busy): the explorer of the one before is
     # not shown beside its results, and the layer is asked for again until it comes
+    from vitviz.server.work import Busy
+
     busy = [True]
 
     def refused(exp, **kw):
         asked.append(kw["layer"])
-        if busy[0]:
-            raise runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
+        if busy[0] == "gone":  # refused for good
+            raise runtime.error("This analysis is no longer kept: analyse the image again.")
+        if busy[0]:  # as the job's wait for memory ends
+            raise Busy("The server is busy with other requests: try again in a moment.")
         return write_layer(exp, **kw)
 
     monkeypatch.setattr(explorer_data, "write_layer", refused)
@@ -558,6 +562,20 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     _same_as_server(again, _grab(page, 4, "mean", 0, "shared"))
     assert asked[before:-1] and set(asked[before:]) == {4}
     assert page.locator("#vv-explorer-live .vvx-status").inner_text() == ""
+    # one refused for good is not asked for again: the page says why
+    busy[0], before = "gone", len(asked)
+    page.evaluate("""() => { const s = document.querySelector('#vv-explorer-live .vvx-layer');
+                             s.value = '2'; s.dispatchEvent(new Event('input')); }""")
+    _says(page, "#vv-explorer-live .vvx-status", "This analysis is no longer kept")
+    page.wait_for_timeout(1500)
+    assert asked[before:] == [2]
+    # a new analysis' first layer refused for good: the one before is not left beside its results
+    page.locator("#vv-explorer-live .vvx-status").evaluate("e => { e.textContent = ''; }")
+    page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[0])
+    _says(page, "#vv-explorer-live .vvx-status", "This analysis is no longer kept")
+    assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
+    _analysed(page, "shapes_p8@288")
+    busy[0] = False
 
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)

@@ -106,7 +106,7 @@ def test_one_owner_holds_at_most_its_share_of_the_waits():
 
 
 def test_a_ticket_past_its_time_answers_nothing_though_no_other_was_opened():
-    t = Tickets(seconds=0.2)
+    t = Tickets(seconds=0.2, wait_seconds=0.5)  # (a ticket no longer known: its wait ends at its limit)
     t.open(T1)
     t.publish(T1, "explorer", {"id": "k"})
     assert _wait(t, T1, "explorer") == {"id": "k"}
@@ -129,6 +129,11 @@ def test_a_wait_whose_caller_has_gone_gives_back_its_place():
 
     got, seconds = asyncio.run(scenario())
     assert got is None and seconds < 2 and len(asked) == 3
+
+    async def broken():  # a check that fails counts as the caller gone
+        raise OSError("connection reset")
+
+    assert asyncio.run(t.wait(T1, "explorer", owner="a", gone=broken)) is None
     assert t._count == 0 and t._owners == {} and t._waiting == {}
 
     async def answered():  # a caller still there gets what is published, between two polls or not

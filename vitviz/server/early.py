@@ -125,12 +125,12 @@ class Tickets:
             end = loop.time() + self.wait_seconds
             while True:
                 left = end - loop.time()
-                if left <= 0:
-                    return None
+                if future.done() or left <= 0:
+                    return future.result() if future.done() else None
                 try:  # (the future shielded: a poll's timeout leaves it waiting)
                     return await asyncio.wait_for(asyncio.shield(future), timeout=min(left, self.poll_seconds) if gone else left)
                 except asyncio.TimeoutError:
-                    if gone is not None and await gone():
+                    if gone is not None and await _gone(gone):
                         return None
         finally:
             with self._lock:
@@ -171,6 +171,14 @@ class Tickets:
 
 def _valid(ticket: object) -> bool:
     return isinstance(ticket, str) and TICKET.fullmatch(ticket) is not None
+
+
+async def _gone(gone) -> bool:
+    """Whether the caller has left; a check that fails counts as gone."""
+    try:
+        return bool(await gone())
+    except Exception:
+        return True
 
 
 def _resolve(future: asyncio.Future, value) -> None:

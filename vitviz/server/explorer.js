@@ -255,15 +255,20 @@
       if (ticket !== loading) return;
       loadingId = null;  // the same analysis' value, when it comes again, is loaded again
       const tries = given.tries || 0;
-      if (given.first || tries >= RETRIES || error.busy === false) {  // (an early value: the page's other results are still the analysis' before)
-        statusText.textContent = error.busy === false ? error.message
-          : "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
+      const why = error.busy === false ? error.message  // (refused for good: the analysis no longer kept, ...)
+        : "The explorer's data could not be fetched now (the server is busy or the analysis expired); analyse the image again.";
+      if (given.first) {  // an early value: the page's other results are still the analysis' before, and so is the explorer
+        statusText.textContent = why;
         return;
       }
       // the page's results are this analysis': the one before is not shown beside them; tried again shortly
       [meta, layers, sharedMax, base, tileBase] = [null, [], null, null, null];
       root.classList.toggle("vvx-off", true);
-      statusText.textContent = "The explorer's data could not be fetched yet (the server is busy): trying again…";
+      if (tries >= RETRIES || error.busy === false) {
+        statusText.textContent = why;
+        return;
+      }
+      statusText.textContent = "The explorer's data could not be fetched yet: trying again…";
       setTimeout(() => { if (ticket === loading) load(value, { tries: tries + 1 }); }, 1000 * 2 ** tries);
       return;
     }
@@ -440,7 +445,7 @@
         statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
         return;
       }
-      statusText.textContent = `Layer ${want.layer} could not be fetched yet (the server is busy): trying again…`;
+      statusText.textContent = `Layer ${want.layer} could not be fetched yet: trying again…`;
       setTimeout(() => { if (meta === m && mine === drawing) draw(tries + 1); }, 1000 * 2 ** tries);
       return;
     }

@@ -37,7 +37,7 @@ from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.models import ModelCache  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
 from vitviz.server.settings import Settings  # noqa: E402
-from vitviz.server.work import Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
+from vitviz.server.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
 from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
@@ -77,9 +77,12 @@ def _explorer_files_gone(key: str) -> None:
     its explorer's files go with it (a file being written is left to the sweep)."""
     if _KEY.fullmatch(key) is None:  # (keys are `new_key`'s: never a pattern)
         return
-    for path in EXPLORER_DIR.glob(f"{key}-*"):
-        if not path.name.endswith(".part"):
-            path.unlink(missing_ok=True)
+    try:
+        for path in EXPLORER_DIR.glob(f"{key}-*"):
+            if not path.name.endswith(".part"):
+                path.unlink(missing_ok=True)
+    except OSError:  # (what could not be removed goes with the sweep; the store's caller is not failed for it)
+        pass
 
 
 # Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
@@ -133,7 +136,9 @@ def priced(cost, request: gr.Request | None = None, *, wait: float | None = None
         with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait, lane=lane) as work:
             yield work
     except (RequestRefused, Cancelled) as exc:
-        raise error(str(exc)) from None
+        refused = error(str(exc))
+        refused.busy = isinstance(exc, Busy)  # (asking again later may work)
+        raise refused from None
 
 
 def files_sweep() -> None:

@@ -55,7 +55,7 @@ class SessionStore(Generic[T]):
         idle_seconds: how long an unused entry is kept.
         clock: seconds, monotonic (tests pass their own).
         on_drop: called with the key of each entry dropped (by `drop`, idle or over the budget; not
-            when a key is stored again), outside the store's lock.
+            when a key is stored again), outside the store's lock; it must not raise.
     """
 
     def __init__(self, *, budget_bytes: int, idle_seconds: float, clock: Callable[[], float] = time.monotonic,

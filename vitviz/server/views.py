@@ -94,7 +94,7 @@ def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: s
     block as soon as the layer is computed (`explorer_data.StackStream`; nothing for a Swin or a
     stack over the browser's budget); when the analysis fails, no file is left. With `stream_to`,
     `on_crop` is called with the crop the model sees (`Analysis.image`) before the forward runs, and
-    `on_file` with the file's `explorer_data.ExplorerLayout` and path as soon as it is complete
+    `on_file` with the file's `vitviz.cost.ExplorerLayout` and path as soon as it is complete
     (as the forward's last attention is, for most models)."""
     model, facts = cache.get(variant)
     if stream_to is None or isinstance(model, Swin):

@@ -24,11 +24,15 @@ from dataclasses import dataclass, field
 
 from vitviz.cost import Cost
 
-__all__ = ["RequestRefused", "Cancelled", "Job", "ModelWork", "KeyedLocks"]
+__all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "ModelWork", "KeyedLocks"]
 
 
 class RequestRefused(ValueError):
     """A request this server will not run; the message says why and what would be accepted."""
+
+
+class Busy(RequestRefused):
+    """A request that fits this server, refused because no lane or memory came free within its wait."""
 
 
 class Cancelled(RuntimeError):
@@ -107,7 +111,8 @@ class ModelWork:
                 its memory only, and takes no lane from the model jobs.
 
         Raises:
-            RequestRefused: the job can never fit this server's bounds, or found no lane in `wait` s.
+            RequestRefused: the job can never fit this server's bounds, or (`Busy`) found no lane or
+                memory free in `wait` s.
             Cancelled: its session stopped it while it waited.
         """
         outer = self.current()
@@ -127,7 +132,7 @@ class ModelWork:
             finally:
                 self._waiting.remove(job)
             if not ready:
-                raise RequestRefused(f"The server is busy with other requests: try the {cost.kind} of {cost.variant} again in a moment.")
+                raise Busy(f"The server is busy with other requests: try the {cost.kind} of {cost.variant} again in a moment.")
             job.check()
             self._free -= cost.bytes
             self._running.append(job)

@@ -6,6 +6,9 @@ stage grid, its window outlined."""
 
 from __future__ import annotations
 
+import html
+from pathlib import Path
+
 import gradio as gr
 
 from vitviz.server import explorer_data, inputs, runtime, swin_explorer, swin_views, views
@@ -30,12 +33,7 @@ def explorer_layer(request: list) -> str | dict:
     try:
         return _explorer_layer(request)
     except gr.Error as exc:  # answered, not raised: Gradio's component-server route has no error path (a bare 500 and a logged traceback)
-        return {"error": str(exc.message), "busy": getattr(exc, "busy", False)}
-
-
-def _busy(exc: gr.Error) -> gr.Error:
-    exc.busy = True
-    return exc
+        return {"error": html.unescape(str(exc.message)), "busy": getattr(exc, "busy", False)}  # (the page shows it as text)
 
 
 def _explorer_layer(request: list) -> str:
@@ -58,14 +56,18 @@ def _explorer_layer(request: list) -> str:
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
     calls = runtime.EXPLORER_CALLS
     if not calls.acquire(blocking=False):
-        raise _busy(runtime.error("The server is busy (too many layers asked for at once): ask again in a moment."))
-    try:
+        refused = runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
+        refused.busy = True
+        raise refused
+    try:  # (a refusal of the job says whether it was busy: no memory free in its wait)
         with runtime.EXPLORER_LOCKS.hold((key, layer_value)), \
                 runtime.job("explorer_layer", exp.analysis.variant, wait=LAYER_WAIT, lane=False) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
-            return explorer_data.write_layer(exp, key=key, layer=layer_value, folder=runtime.EXPLORER_DIR)
-    except gr.Error as exc:  # the job's memory not free within its wait
-        raise _busy(exc) from None
+            written = explorer_data.write_layer(exp, key=key, layer=layer_value, folder=runtime.EXPLORER_DIR)
+        if key not in runtime.STORE:  # dropped while it was written: its files went before this one was complete
+            Path(written).unlink(missing_ok=True)
+            raise runtime.error("This analysis is no longer kept: analyse the image again.")
+        return written
     finally:
         calls.release()
 
