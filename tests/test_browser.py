@@ -579,7 +579,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
 
     # not even one layer within the budget: the server's explorer
     layout = explorer_data.layout_of(exp.analysis)
-    small = explorer_data.layout_of_spec(get_spec("shapes_p16"))
+    small = cost.explorer_layout_of(get_spec("shapes_p16"))
     monkeypatch.setattr(cost, "BROWSER_BYTES", 4 * small.tokens + small.layer_bytes - 1)
     assert layout.layer_bytes > cost.BROWSER_BYTES
     page.goto(url[0])

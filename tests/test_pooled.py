@@ -286,7 +286,7 @@ def test_a_pooled_models_explorer_over_the_browsers_budget_keeps_the_pooled_row(
 
 
 def _layout_known_before_the_forward(model, monkeypatch) -> None:
-    """`layout_of_spec` (what the server decides before the forward) is `layout_of` the analysis, at
+    """`cost.explorer_layout_of` (what the server decides before the forward) is `layout_of` the analysis, at
     the browser's budget and at smaller ones, and the price of the explorer's files says the same
     (what is written: the stack, one layer's file, or nothing)."""
     from vitviz.cost import price
@@ -296,7 +296,7 @@ def _layout_known_before_the_forward(model, monkeypatch) -> None:
     one = 4 * layout.tokens + layout.layer_bytes
     for budget, mode in ((cost.BROWSER_BYTES, layout.mode), (layout.stack_bytes - 1, "layers"), (one, "layers"), (one - 1, "server")):
         monkeypatch.setattr(cost, "BROWSER_BYTES", budget)
-        assert explorer_data.layout_of_spec(model.spec) == explorer_data.layout_of(a), budget
+        assert cost.explorer_layout_of(model.spec) == explorer_data.layout_of(a), budget
         assert explorer_data.layout_of(a).mode == mode, budget
         written = {"stack": layout.stack_bytes, "layers": one, "server": 0}[mode]
         assert price(model.spec, "explorer").kept_bytes == written, budget

@@ -53,6 +53,7 @@ __all__ = [
     "BROWSER_BYTES",
     "ExplorerLayout",
     "explorer_layout",
+    "explorer_layout_of",
     "explorer_bytes",
 ]
 
@@ -149,6 +150,15 @@ def explorer_layout(layers: int, heads: int, queries: int, patches: int, *, budg
     if stack.stack_bytes <= budget:
         return stack
     return replace(stack, mode="layers" if 4 * stack.tokens + stack.layer_bytes <= budget else "server")
+
+
+def explorer_layout_of(spec, *, budget: int | None = None) -> ExplorerLayout:
+    """The explorer's layout of an analysis by the ViT or image–text model of `spec` (a `VariantSpec`,
+    at the size it will be fed), before it runs: a row per token, and one for a mean-pooled model's
+    "pool" query, over the patches (`explorer_layout`)."""
+    n = spec.num_tokens
+    return explorer_layout(spec.config.depth, spec.config.heads, n + int(spec.config.pooled_query), n - spec.num_prefix_tokens,
+                           budget=budget)
 
 
 def _shape(spec) -> tuple[int, int, int, int, int]:
@@ -283,8 +293,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES, 0, (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
         return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
-    if kind in ("explorer", "explorer_layer"):  # a mean-pooled model's "pool" query is a row of its own
-        layout = explorer_layout(depth, heads, n + int(spec.config.pooled_query), n - spec.num_prefix_tokens)
+    if kind in ("explorer", "explorer_layer"):
+        layout = explorer_layout_of(spec)
         if kind == "explorer_layer":
             layout = replace(layout, mode="layers")
         written = layout.file_bytes

@@ -437,12 +437,9 @@
       await ensureLayer(want.layer, want.query);
     } catch (error) {
       if (meta !== m || mine !== drawing) return;  // another view asked for meanwhile: its own draw fetches it
-      if (error.busy === false) {  // (the analysis no longer kept, ...): asking again would not help
-        statusText.textContent = error.message;
-        return;
-      }
-      if (tries >= RETRIES) {
-        statusText.textContent = `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
+      if (tries >= RETRIES || error.busy === false) {  // (refused for good: the analysis no longer kept, ...)
+        statusText.textContent = error.busy === false ? error.message
+          : `Layer ${want.layer} could not be fetched now (the server is busy or the analysis expired); show it again to retry.`;
         return;
       }
       statusText.textContent = `Layer ${want.layer} could not be fetched yet: trying again…`;

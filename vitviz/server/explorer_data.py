@@ -45,7 +45,7 @@ from vitviz.cost import ExplorerLayout, explorer_layout
 from vitviz.pipeline import Analysis
 from vitviz.plots import CMAP
 
-__all__ = ["layout_of", "layout_of_spec", "fused_rows", "query_rows",
+__all__ = ["layout_of", "fused_rows", "query_rows",
            "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
            "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file",
            "read_rgb_file", "write_pictures", "first_shown", "layer_path", "write_layer", "mosaic_tile_px", "widget_files"]
@@ -118,13 +118,6 @@ def layout_of(a: Analysis, *, budget: int | None = None) -> ExplorerLayout:
     per query, a mean-pooled model's "pool" too, as in `stack_file`."""
     depth, heads, n, _ = a.attentions.shape
     return explorer_layout(depth, heads, a.num_queries, n - a.num_prefix_tokens, budget=budget)
-
-
-def layout_of_spec(spec) -> ExplorerLayout:
-    """The layout of an analysis by the ViT or image–text model of `spec` (a `VariantSpec`), before
-    it runs (`vitviz.cost.explorer_layout`, the rule `vitviz.cost.price` goes by)."""
-    config = spec.config
-    return explorer_layout(config.depth, config.heads, spec.num_tokens + int(config.pooled_query), spec.grid[0] * spec.grid[1])
 
 
 def layer_block(a: Analysis, layer: int) -> bytes:

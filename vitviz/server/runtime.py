@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 import threading
 import time
@@ -25,12 +24,12 @@ import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 from gradio.components import Component  # noqa: E402
 
-from vitviz.cost import BASE_BYTES, Cost, price  # noqa: E402
+from vitviz.cost import BASE_BYTES, Cost, explorer_layout_of, price  # noqa: E402
 from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
-from vitviz.server.early import Tickets  # noqa: E402
+from vitviz.server.early import TICKET, Tickets  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
 from vitviz.server.gradio_io import as_text, upload_folder  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
@@ -69,13 +68,12 @@ EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (
 # the explorer of an analysis on its way, for the page that named it (`vitviz.server.early`): two
 # waits per analysis, as many analyses per address as the queue lets it have
 EARLY = Tickets(waiters_per_owner=2 * SETTINGS.address_jobs)
-_KEY = re.compile(r"[A-Za-z0-9_-]{22}")  # a session key (`new_key`)
 
 
 def _explorer_files_gone(key: str) -> None:
     """An analysis dropped (replaced on its page, its session gone, idle, or over the store's budget):
     its explorer's files go with it (a file being written is left to the sweep)."""
-    if _KEY.fullmatch(key) is None:  # (keys are `new_key`'s: never a pattern)
+    if TICKET.fullmatch(key) is None:  # (a key, `new_key`'s, has a ticket's form: 22 URL-safe characters, never a pattern)
         return
     try:
         for path in EXPLORER_DIR.glob(f"{key}-*"):
@@ -245,7 +243,7 @@ def analysis_price(variant: str, *, explorer: bool = False) -> Cost:
     goes to disk). A Swin's explorer is written after the analysis, priced on its own."""
     spec = get_spec(variant)
     cost = price(spec, "analyse", budget=WORK.budget_bytes)
-    if not explorer or hasattr(spec.config, "geometries") or explorer_data.layout_of_spec(spec).mode != "stack":
+    if not explorer or hasattr(spec.config, "geometries") or explorer_layout_of(spec).mode != "stack":
         return cost  # (only a file of the whole stack is written while the forward runs)
     file = price(spec, "explorer")
     return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
@@ -271,7 +269,7 @@ class _Early:
         self.published = False
 
     def on_crop(self, cropped) -> None:  # (a plain ViT's or an image–text model's: a Swin's explorer is written after)
-        mode = explorer_data.layout_of_spec(self.spec).mode
+        mode = explorer_layout_of(self.spec).mode
         if mode != "server":
             self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
                                                          key=self.key, folder=EXPLORER_DIR)

@@ -63,8 +63,8 @@ class Job:
 
 class ModelWork:
     """At most `lanes` jobs at once (besides small ones that run no model), together within
-    `budget_bytes`; a job that checks
-    (`Job.check`, between its steps) stops `seconds` after it started running.
+    `budget_bytes`; a job that checks (`Job.check`, between its steps) stops `seconds` after it
+    started running.
 
     `rate` is the server's measured model speed (flops per second), learned from the jobs that ran;
     a job whose estimate exceeds `seconds` at that speed is refused before it starts.
