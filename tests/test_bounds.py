@@ -106,12 +106,42 @@ def _alive(base: str, good) -> None:
 def steady(server, good):
     """After the test: a normal analysis works and resident memory is within 200 MB of the start."""
     _alive(server, good)
-    release_memory()
+    release_memory(keep=0)
     before = _rss()
     yield
     _alive(server, good)
-    release_memory()
+    release_memory(keep=0)
     assert _rss() - before < 200 * 2**20, f"resident memory grew by {(_rss() - before) / 2**20:.0f} MB"
+
+
+def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(monkeypatch):
+    """`release_memory` keeps up to `keep` bytes of growth since its last hand-back for the next
+    request (no trim per request), hands everything back past that, and at once with keep=0."""
+    from vitviz.server import memory
+
+    trims, resident = [], [1000 * 2**20]
+
+    def trim(pad):
+        trims.append(pad)
+        resident[0] -= 50 * 2**20  # what the hand-back returned
+        return 1
+
+    monkeypatch.setattr(memory, "_TRIM", trim)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(memory, "_after_last", None)
+    memory.release_memory(keep=100 * 2**20)  # nothing handed back yet: now
+    assert trims == [0] and memory._after_last == 950 * 2**20
+    resident[0] += 100 * 2**20  # a forward's working set, freed and kept
+    memory.release_memory(keep=100 * 2**20)
+    assert trims == [0]
+    resident[0] += 1  # past it: handed back, and the mark moves to what is left
+    memory.release_memory(keep=100 * 2**20)
+    assert trims == [0, 0] and memory._after_last == 1000 * 2**20 + 1
+    memory.release_memory(keep=0)
+    assert trims == [0, 0, 0]
+    monkeypatch.setattr(memory, "resident_bytes", lambda: None)  # unreadable: handed back each time
+    memory.release_memory(keep=100 * 2**20)
+    assert len(trims) == 4
 
 
 def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, app, steady):

@@ -189,9 +189,9 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
         else:
             client.close()  # the sessions live on in the server; the clients' own memory is not the server's
         if i == 5:
-            release_memory()
+            release_memory(keep=0)
             rss5 = _rss_mb()
-    release_memory()
+    release_memory(keep=0)
     growth = _rss_mb() - rss5
     print(f"\nstate held: peak {peak / 2**20:.0f} MB for 30 sessions (budget {budget / 2**20:.0f} MB, "
           f"{runtime.STORE.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")

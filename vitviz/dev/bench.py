@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -209,7 +210,8 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
     forward) for the plain forward, the analysis as the page asks for it (`runtime.run` with a ticket:
     the explorer's pictures before the forward, its file during it), until its explorer's value is
     published for the page and until it returns; the explorer's two pictures on their own, and as PNG
-    files for comparison; the analysis without the file; drawing every output of the analysis for a
+    files for comparison; the analysis without the file, and again with the freed heap handed back to
+    the system before and after it (`release_memory(keep=0)`); drawing every output of the analysis for a
     new image on the model shown (`page.analysis_outputs`) and Gradio's postprocessing of those
     outputs. New 640x480 JPEGs; random weights through the real path."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -221,6 +223,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
         from gradio.state_holder import SessionState
 
         from vitviz.server import app, explorer_data, page, runtime, views
+        from vitviz.server.memory import release_memory
 
         photos = _photos(Path(home), rounds, seed=3)
         model, _ = runtime.CACHE.get(arch)
@@ -229,6 +232,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
                                                          "analysis, explorer file written during the forward",
                                                          "of which its two pictures, before the forward",
                                                          "the same two pictures as PNG, the base at display size", "analysis alone",
+                                                         "analysis alone, the freed heap handed back before and after",
                                                          "the analysis' outputs drawn", "Gradio's postprocessing of them")}
         event = next(f for f in app.demo.fns.values() if f.name == "on_analyze")
         ref = page.analysis_outputs(runtime.run(photos[0], arch), photos[0], None)[page.PAGE.state]  # warm-up
@@ -266,6 +270,15 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             start = time.perf_counter()
             runtime.run(photo, arch)
             times["analysis alone"].append(time.perf_counter() - start)
+            runtime.release_memory = functools.partial(release_memory, keep=0)  # as every analysis did before KEEP_BYTES
+            try:
+                start = time.perf_counter()
+                runtime.run(photo, arch)
+                times["analysis alone, the freed heap handed back before and after"].append(time.perf_counter() - start)
+            finally:
+                runtime.release_memory = release_memory
+            with torch.inference_mode():  # (untimed: the pages it handed back faulted in again before the next round)
+                model(x)
     base = statistics.median(times["plain forward"])
     return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
@@ -761,7 +774,7 @@ image = "{image}"
 exp = views.explore(cache, image, variant)
 maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
 cost = price(model.spec, kind, budget={budget})
-release_memory()
+release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
 start = time.perf_counter()
