@@ -351,7 +351,7 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
 
 def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):
     calls = []
-    original = explorer_data._block
+    original = explorer_data._block_parts  # each layer's block as the forward writes it
 
     def failing(rows, p):
         calls.append(1)
@@ -359,12 +359,12 @@ def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, m
             raise RuntimeError("the disk is full")
         return original(rows, p)
 
-    monkeypatch.setattr(explorer_data, "_block", failing)
+    monkeypatch.setattr(explorer_data, "_block_parts", failing)
     before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
     with pytest.raises(RuntimeError, match="disk is full"):
         page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
     assert set(runtime.EXPLORER_DIR.glob("*")) == before  # nothing written, nothing half written
     assert runtime.WORK.running() == []  # its job is over
-    monkeypatch.setattr(explorer_data, "_block", original)
+    monkeypatch.setattr(explorer_data, "_block_parts", original)
     out = page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()

@@ -76,7 +76,8 @@ def _quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r = rows.detach().cpu().float()
     top = r.amax(dim=-1)
     safe = torch.where(top > 0, top, torch.ones_like(top)).double()
-    q = r.double().div_(safe.unsqueeze(-1)).mul_(255.0).add_(0.5).floor_().clamp_(0, 255)
+    # (float32 over float64 is computed in float64, each a widened exactly: no float64 copy of the rows first)
+    q = torch.div(r, safe.unsqueeze(-1)).mul_(255.0).add_(0.5).floor_().clamp_(0, 255)
     return q.to(torch.uint8), top
 
 
@@ -133,8 +134,14 @@ def block_of(rows: torch.Tensor, num_prefix_tokens: int) -> bytes:
 
 def _block(rows: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, bytes]:
     """`block_of`, with its row maxima [H + 2, Q] as a tensor."""
+    top, parts = _block_parts(rows, num_prefix_tokens)
+    return top, b"".join(parts)
+
+
+def _block_parts(rows: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray]]:
+    """`_block` as its two arrays, the row maxima (little-endian float32) and the rows, uncopied."""
     q, top = _quantised(fused_rows(rows, num_prefix_tokens))
-    return top, top.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+    return top, (top.numpy().astype("<f4"), q.numpy())
 
 
 def stack_file(a: Analysis, layers: range | list[int]) -> bytes:
@@ -201,9 +208,10 @@ class StackStream:
     def _write(self, layer: int, rows: torch.Tensor) -> None:
         if not 0 <= layer < self.depth or layer in self.written:
             raise RuntimeError(f"the forward gave layer {layer + 1} of {self.depth} of the explorer's file twice or out of range")
-        top, block = _block(rows, self.prefix)
+        top, parts = _block_parts(rows, self.prefix)
         self._file.seek(4 * self.layout.tokens + layer * self.layout.layer_bytes)
-        self._file.write(block)
+        for part in parts:
+            _write_all(self._file, memoryview(part).cast("B"))
         self.written.add(layer)
         # the heads' max view: each row's maximum is the largest of the heads' (max is exact)
         self._top = top[-1] if self._top is None else torch.maximum(self._top, top[-1])
@@ -248,6 +256,12 @@ class StackStream:
         if self.complete:
             self.path.unlink(missing_ok=True)
             self.complete = False
+
+
+def _write_all(file, data: memoryview) -> None:
+    """All of `data` to an unbuffered `file` (whose `write` may take less than it is given)."""
+    while data:
+        data = data[file.write(data):]
 
 
 def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int) -> dict:
