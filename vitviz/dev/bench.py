@@ -24,6 +24,7 @@ import io
 import json
 import os
 import platform
+import re
 import statistics
 import threading
 import time
@@ -267,18 +268,20 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             start = time.perf_counter()
             asyncio.run(app.demo.postprocess_data(event, out, SessionState(app.demo)))
             times["Gradio's postprocessing of them"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            runtime.run(photo, arch)
-            times["analysis alone"].append(time.perf_counter() - start)
-            runtime.release_memory = functools.partial(release_memory, keep=0)  # as every analysis did before KEEP_BYTES
-            try:
-                start = time.perf_counter()
-                runtime.run(photo, arch)
-                times["analysis alone, the freed heap handed back before and after"].append(time.perf_counter() - start)
-            finally:
-                runtime.release_memory = release_memory
-            with torch.inference_mode():  # (untimed: the pages it handed back faulted in again before the next round)
-                model(x)
+            # the analysis alone, and with the freed heap handed back before and after it, in turns
+            # (what that hands back is faulted in again, by an untimed analysis, before the next one)
+            for handed_back in ((False, True) if len(times["analysis alone"]) % 2 == 0 else (True, False)):
+                if handed_back:
+                    runtime.release_memory = functools.partial(release_memory, keep=0)  # as every analysis did before KEEP_BYTES
+                try:
+                    start = time.perf_counter()
+                    runtime.run(photo, arch)
+                    times["analysis alone, the freed heap handed back before and after" if handed_back else "analysis alone"].append(
+                        time.perf_counter() - start)
+                finally:
+                    runtime.release_memory = release_memory
+                if handed_back:
+                    runtime.run(photo, arch)
     base = statistics.median(times["plain forward"])
     return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
@@ -599,7 +602,8 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
             model(x)
 
     forward()
-    analyse, explorer_ready, plain = [], [], []
+    analyse, explorer_ready, plain, served, chromium = [], [], [], [], []
+    photo_name = lambda path: Path(path).name  # noqa: E731
     renderer = {k: [] for k in _RENDERER_METRICS}
     cdp = page.context.new_cdp_session(page)
     cdp.send("Performance.enable")
@@ -625,11 +629,14 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
         photo = photos[1 + (k % (len(photos) - 1))]
         previous = page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis")
         page.evaluate(_WATCH_EXPLORER_JS, previous)  # timed from the same upload, on its own: it may come before the rollout
-        before = renderer_seconds()
+        before, chromium_before = renderer_seconds(), _chromium_cpu_seconds()
         analyse.append(_timed(page, lambda: page.locator("#vv-image input[type=file]").set_input_files(photo), "src", "#vv-rollout img"))
-        after = renderer_seconds()
+        after, chromium_after = renderer_seconds(), _chromium_cpu_seconds()
         for key in renderer:
             renderer[key].append((after[key] - before[key]) * 1e3)
+        chromium.append((chromium_after - chromium_before) * 1e3)
+        page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({photo_name(photo) + ' on '!r})")
+        served.append(float(re.search(r"Model call (\d+) ms", page.locator("#vv-status").inner_text()).group(1)))
         explorer_ready.append(float(page.evaluate("() => window.__vvExplorer")))
         if explorer_ready[-1] < 0:
             raise RuntimeError("the explorer never held the new analysis")
@@ -652,7 +659,27 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
     rows.append((name, "new analysis: until the explorer holds it", e, f"{e / (plain + upload):.2f}x (forward + upload)"))
     for key, values in renderer.items():
         rows.append((name, f"new analysis: renderer's {key}", statistics.median(values), "main thread, upload to rollout on screen"))
+    rows.append((name, "new analysis: Chromium's CPU, all its processes", statistics.median(chromium),
+                 "upload to rollout on screen, on the cores the server shares"))
+    f = statistics.median(served)
+    rows.append((name, "new analysis: its forward in the server", f, f"{f / plain:.2f}x the plain forward (the status line's model call)"))
     return rows
+
+
+def _chromium_cpu_seconds() -> float:
+    """CPU seconds (user and system) of every Chromium process on this machine (Linux's /proc)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"chrom" not in (entry / "cmdline").read_bytes().split(b"\0", 1)[0]:
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2), metrics: str = "distance",
