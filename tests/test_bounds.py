@@ -144,6 +144,24 @@ def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(
     assert len(trims) == 4
 
 
+def test_the_server_hands_back_past_its_heap_keep_setting(monkeypatch):
+    from vitviz.server import runtime
+    from vitviz.server.settings import Settings, SettingsError
+
+    monkeypatch.setenv("VITVIZ_HEAP_KEEP_MB", "0")
+    assert Settings.from_env(gpu=False, menu_tokens=197).heap_keep_bytes == 0
+    monkeypatch.setenv("VITVIZ_HEAP_KEEP_MB", "-1")
+    with pytest.raises(SettingsError, match="VITVIZ_HEAP_KEEP_MB"):
+        Settings.from_env(gpu=False, menu_tokens=197)
+    monkeypatch.delenv("VITVIZ_HEAP_KEEP_MB")
+    assert Settings.from_env(gpu=False, menu_tokens=197).heap_keep_bytes == 256 * 2**20
+    calls = []
+    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, heap_keep_bytes=12345))
+    monkeypatch.setattr(runtime, "release_memory", lambda **kw: calls.append(kw))
+    runtime.run(runtime.EXAMPLES[0], "shapes_p16")
+    assert calls == [{"keep": 12345}] * 2  # before the analysis and after it
+
+
 def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, app, steady):
     calls = []
     original = runtime.CACHE.get

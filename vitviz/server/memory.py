@@ -11,7 +11,8 @@ __all__ = ["KEEP_BYTES", "resident_bytes", "release_memory"]
 
 # Resident memory let grow past what the last hand-back left before the freed heap is handed back
 # again: the working set of a few ViT-B/16 analyses, kept for the next request to reuse; a request
-# that frees more (ViT-L at 384 px frees GBs) goes past it and is handed back.
+# that frees more (ViT-L at 384 px frees GBs) goes past it and is handed back. (The server's is
+# VITVIZ_HEAP_KEEP_MB, `vitviz.server.settings`.)
 KEEP_BYTES = 256 * 2**20
 
 

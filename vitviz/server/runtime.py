@@ -195,7 +195,7 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
     opened), the explorer's value is published for the page as soon as the file is complete, while
     the forward goes on (`_Early`)."""
     variant = _requested(image, variant)
-    release_memory()  # what the previous request's rendering and encoding freed
+    release_memory(keep=SETTINGS.heap_keep_bytes)  # what the previous requests freed, past VITVIZ_HEAP_KEEP_MB
     try:
         with priced(analysis_price(variant, explorer=explorer_key is not None)) as work:
             work.unpriced = variant not in CACHE.loaded()  # loading (or downloading) is not model speed
@@ -227,7 +227,7 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
         exc.cause = "variant"
         raise
     finally:
-        release_memory()
+        release_memory(keep=SETTINGS.heap_keep_bytes)
 
 
 def _explorer_room(spec) -> int:

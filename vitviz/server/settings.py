@@ -19,6 +19,7 @@
 | VITVIZ_EXPLORER_MB | 2048 | the explorer's files for browsers on disk |
 | VITVIZ_DOWNLOADS_MB | 1024 | .npz exports on disk |
 | VITVIZ_HUB_MB | 4096 | hub models named in the page, in the Hugging Face cache |
+| VITVIZ_HEAP_KEEP_MB | 256 | resident memory let grow past the last hand-back of freed heap to the system, kept for the next forward to reuse |
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Settings:
     explorer_bytes: int
     downloads_bytes: int
     hub_bytes: int
+    heap_keep_bytes: int
 
     @classmethod
     def from_env(cls, *, gpu: bool, menu_tokens: int) -> "Settings":
@@ -90,4 +92,5 @@ class Settings:
             explorer_bytes=int(_number("VITVIZ_EXPLORER_MB", 2048, minimum=16) * mb),
             downloads_bytes=int(_number("VITVIZ_DOWNLOADS_MB", 1024, minimum=16) * mb),
             hub_bytes=int(_number("VITVIZ_HUB_MB", 4096, minimum=0) * mb),
+            heap_keep_bytes=int(_number("VITVIZ_HEAP_KEEP_MB", 256, minimum=0) * mb),
         )
