@@ -116,7 +116,8 @@ def steady(server, good):
 
 def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(monkeypatch):
     """`release_memory` keeps up to `keep` bytes of growth since its last hand-back for the next
-    request (no trim per request), hands everything back past that, and at once with keep=0."""
+    request (no trim per request), hands everything back past that, at once with keep=0, and
+    `IDLE_SECONDS` after a call that kept it when no other call came."""
     from vitviz.server import memory
 
     trims, resident = [], [1000 * 2**20]
@@ -129,19 +130,57 @@ def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(
     monkeypatch.setattr(memory, "_TRIM", trim)
     monkeypatch.setattr(memory, "resident_bytes", lambda: resident[0])
     monkeypatch.setattr(memory, "_after_last", None)
+    monkeypatch.setattr(memory, "IDLE_SECONDS", 3600.0)
     memory.release_memory(keep=100 * 2**20)  # nothing handed back yet: now
     assert trims == [0] and memory._after_last == 950 * 2**20
     resident[0] += 100 * 2**20  # a forward's working set, freed and kept
     memory.release_memory(keep=100 * 2**20)
-    assert trims == [0]
+    assert trims == [0] and memory._idle is not None
     resident[0] += 1  # past it: handed back, and the mark moves to what is left
     memory.release_memory(keep=100 * 2**20)
-    assert trims == [0, 0] and memory._after_last == 1000 * 2**20 + 1
+    assert trims == [0, 0] and memory._after_last == 1000 * 2**20 + 1 and memory._idle is None
     memory.release_memory(keep=0)
     assert trims == [0, 0, 0]
+    # kept, then idle: handed back once no call has come for IDLE_SECONDS; a call meanwhile re-arms it
+    monkeypatch.setattr(memory, "IDLE_SECONDS", 0.3)
+    memory.release_memory(keep=100 * 2**20)
+    time.sleep(0.15)
+    memory.release_memory(keep=100 * 2**20)
+    time.sleep(0.2)
+    assert trims == [0, 0, 0]  # 0.35 s after the first call, 0.2 s after the second
+    deadline = time.monotonic() + 5
+    while len(trims) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert trims == [0, 0, 0, 0]
+    time.sleep(0.4)
+    assert len(trims) == 4  # one hand-back for the two calls
     monkeypatch.setattr(memory, "resident_bytes", lambda: None)  # unreadable: handed back each time
     memory.release_memory(keep=100 * 2**20)
-    assert len(trims) == 4
+    assert len(trims) == 5
+
+
+def test_freed_heap_goes_back_to_the_system_when_the_requests_stop(monkeypatch):
+    """Real malloc (glibc): 200 MB of small blocks, half of them freed in a pattern that leaves no
+    free top to shrink, kept by a call within its `keep`, then handed back once idle."""
+    from vitviz.server import memory
+
+    if memory._TRIM is None or memory.resident_bytes() is None:
+        pytest.skip("glibc's malloc_trim and /proc are needed")
+    monkeypatch.setattr(memory, "IDLE_SECONDS", 0.2)
+    memory.release_memory(keep=0)
+    blocks = [bytearray(100_000) for _ in range(2000)]  # below malloc's mmap threshold: on the heap
+    for b in blocks:
+        b[::4096] = b"\1" * len(b[::4096])  # every page touched
+    memory.release_memory(keep=0)  # the mark: the blocks live
+    del blocks[::2]  # 100 MB free, between live blocks
+    before = memory.resident_bytes()
+    memory.release_memory(keep=1 << 40)  # within keep: kept for now
+    assert memory.resident_bytes() > before - 20 * 2**20
+    deadline = time.monotonic() + 5
+    while memory.resident_bytes() > before - 60 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert memory.resident_bytes() <= before - 60 * 2**20, "the freed half stayed resident after the requests stopped"
+    del blocks
 
 
 def test_the_server_hands_back_past_its_heap_keep_setting(monkeypatch):

@@ -504,8 +504,9 @@ def browser_table(names=("shapes_p16", "vit_b_16"), *, moves: int = 20) -> list[
     change, a rollout option (drawn by the server) and a new analysis (a new 640x480 JPEG uploaded,
     until its rollout is on screen, and, timed on its own from the same upload, until the explorer
     holds it); medians over `moves` of each. With each new analysis, the work of Chromium's renderer
-    on its main thread from the upload to the rollout on screen (it shares the machine's cores with
-    the forward here: on a server, the page runs elsewhere).
+    on its main thread and the CPU time of all of Chromium's processes from the upload to the rollout
+    on screen (it shares the machine's cores with the forward here: on a server, the page runs
+    elsewhere), and the analysis' model call as the server timed it (the status line's).
     torchvision variants load through the real weights path, with random weights. Returns
     (model, what, median ms, note) rows.
     """
@@ -602,7 +603,6 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
 
     forward()
     analyse, explorer_ready, plain, served, chromium = [], [], [], [], []
-    photo_name = lambda path: Path(path).name  # noqa: E731
     renderer = {k: [] for k in _RENDERER_METRICS}
     cdp = page.context.new_cdp_session(page)
     cdp.send("Performance.enable")
@@ -634,8 +634,12 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
         for key in renderer:
             renderer[key].append((after[key] - before[key]) * 1e3)
         chromium.append((chromium_after - chromium_before) * 1e3)
-        page.wait_for_function(f"document.querySelector('#vv-status').innerText.includes({photo_name(photo) + ' on '!r})")
-        served.append(float(re.search(r"Model call (\d+) ms", page.locator("#vv-status").inner_text()).group(1)))
+        page.wait_for_function(f"document.querySelector('#vv-status').innerText.startsWith({json.dumps(Path(photo).name + ' on ')})")
+        status = page.locator("#vv-status").inner_text()
+        call = re.search(r"Model call (\d+) ms", status)
+        if call is None:
+            raise RuntimeError(f"the status line gives no model call: {status!r}")
+        served.append(float(call.group(1)))
         explorer_ready.append(float(page.evaluate("() => window.__vvExplorer")))
         if explorer_ready[-1] < 0:
             raise RuntimeError("the explorer never held the new analysis")
@@ -666,7 +670,11 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
 
 
 def _chromium_cpu_seconds() -> float:
-    """CPU seconds (user and system) of every Chromium process on this machine (Linux's /proc)."""
+    """CPU seconds (user and system) of every Chromium process on this machine now running (Linux's
+    /proc; 0 without it): a process that ends within a window takes its time with it, so a window's
+    figure is at most Chromium's."""
+    if not Path("/proc/self/stat").exists():
+        return 0.0
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

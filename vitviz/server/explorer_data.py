@@ -211,14 +211,14 @@ class StackStream:
         top, parts = _block_parts(rows, self.prefix)
         self._file.seek(4 * self.layout.tokens + layer * self.layout.layer_bytes)
         for part in parts:
-            _write_all(self._file, memoryview(part).cast("B"))
+            _write_all(self._file, part)
         self.written.add(layer)
         # the heads' max view: each row's maximum is the largest of the heads' (max is exact)
         self._top = top[-1] if self._top is None else torch.maximum(self._top, top[-1])
 
     def _complete(self) -> None:
         self._file.seek(0)
-        self._file.write(self._top.numpy().astype("<f4").tobytes())
+        _write_all(self._file, self._top.numpy().astype("<f4"))
         self._file.close()
         self._file = None
         self.part.replace(self.path)
@@ -258,8 +258,10 @@ class StackStream:
             self.complete = False
 
 
-def _write_all(file, data: memoryview) -> None:
-    """All of `data` to an unbuffered `file` (whose `write` may take less than it is given)."""
+def _write_all(file: io.RawIOBase, array: np.ndarray) -> None:
+    """All of `array`'s bytes, in C order, to an unbuffered `file` (whose `write` may take less than
+    it is given)."""
+    data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     while data:
         data = data[file.write(data):]
 

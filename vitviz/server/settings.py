@@ -19,7 +19,7 @@
 | VITVIZ_EXPLORER_MB | 2048 | the explorer's files for browsers on disk |
 | VITVIZ_DOWNLOADS_MB | 1024 | .npz exports on disk |
 | VITVIZ_HUB_MB | 4096 | hub models named in the page, in the Hugging Face cache |
-| VITVIZ_HEAP_KEEP_MB | 256 | resident memory let grow past the last hand-back of freed heap to the system, kept for the next forward to reuse |
+| VITVIZ_HEAP_KEEP_MB | 256 | resident memory let grow past the last hand-back of freed heap to the system while requests come, for the next forward to reuse (0: hand back before and after each analysis) |
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+
+from vitviz.server.memory import KEEP_BYTES
 
 __all__ = ["Settings", "SettingsError"]
 
@@ -92,5 +94,5 @@ class Settings:
             explorer_bytes=int(_number("VITVIZ_EXPLORER_MB", 2048, minimum=16) * mb),
             downloads_bytes=int(_number("VITVIZ_DOWNLOADS_MB", 1024, minimum=16) * mb),
             hub_bytes=int(_number("VITVIZ_HUB_MB", 4096, minimum=0) * mb),
-            heap_keep_bytes=int(_number("VITVIZ_HEAP_KEEP_MB", 256, minimum=0) * mb),
+            heap_keep_bytes=int(_number("VITVIZ_HEAP_KEEP_MB", KEEP_BYTES / mb, minimum=0) * mb),
         )
