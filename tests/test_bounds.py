@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 import vitviz
-from vitviz.server.memory import release_memory
+from vitviz.server.memory import release_memory, resident_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def good(tmp_path_factory):
 
 
 def _rss() -> int:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resident_bytes()
 
 
 def upload(base: str, path) -> dict:
@@ -144,10 +144,11 @@ def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(
     # kept, then idle: handed back once no call has come for IDLE_SECONDS; a call meanwhile re-arms it
     monkeypatch.setattr(memory, "IDLE_SECONDS", 0.3)
     memory.release_memory(keep=100 * 2**20)
-    time.sleep(0.15)
+    first = memory._idle
     memory.release_memory(keep=100 * 2**20)
-    time.sleep(0.2)
-    assert trims == [0, 0, 0]  # 0.35 s after the first call, 0.2 s after the second
+    assert first.finished.is_set() and memory._idle is not first  # the first call's wait is cancelled
+    memory._hand_back_if_idle(memory._calls - 1)  # and, had it fired already, it would hand nothing back
+    assert trims == [0, 0, 0]
     deadline = time.monotonic() + 5
     while len(trims) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)

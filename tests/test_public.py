@@ -204,8 +204,9 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    from vitviz.server.memory import resident_bytes
+
+    return resident_bytes() / 1e6
 
 
 def test_the_store_keeps_the_newest_and_drops_the_oldest_and_the_idle():

@@ -119,8 +119,9 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, tmp_path, 
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    from vitviz.server.memory import resident_bytes
+
+    return resident_bytes() / 1e6
 
 
 def test_soak_memory_stays_flat_and_no_figure_stays_open(server, tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ def _quantised(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r = rows.detach().cpu().float()
     top = r.amax(dim=-1)
     safe = torch.where(top > 0, top, torch.ones_like(top)).double()
-    # (float32 over float64 is computed in float64, each a widened exactly: no float64 copy of the rows first)
+    # (float32 rows over float64 maxima divide in float64, each row value widened exactly: no float64 copy first)
     q = torch.div(r, safe.unsqueeze(-1)).mul_(255.0).add_(0.5).floor_().clamp_(0, 255)
     return q.to(torch.uint8), top
 
@@ -129,17 +129,12 @@ def layer_block(a: Analysis, layer: int) -> bytes:
 def block_of(rows: torch.Tensor, num_prefix_tokens: int) -> bytes:
     """One layer's block from every query's row of it, each head [H, Q, N]: float32 row maxima
     [H + 2, Q], then uint8 rows [H + 2, Q, M] (little-endian)."""
-    return _block(rows, num_prefix_tokens)[1]
-
-
-def _block(rows: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, bytes]:
-    """`block_of`, with its row maxima [H + 2, Q] as a tensor."""
-    top, parts = _block_parts(rows, num_prefix_tokens)
-    return top, b"".join(parts)
+    return b"".join(_block_parts(rows, num_prefix_tokens)[1])
 
 
 def _block_parts(rows: torch.Tensor, num_prefix_tokens: int) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray]]:
-    """`_block` as its two arrays, the row maxima (little-endian float32) and the rows, uncopied."""
+    """`block_of` as its two arrays, the row maxima (little-endian float32) and the rows, with the
+    row maxima [H + 2, Q] as a tensor too."""
     q, top = _quantised(fused_rows(rows, num_prefix_tokens))
     return top, (top.numpy().astype("<f4"), q.numpy())
 
