@@ -25,6 +25,7 @@ deletion (Evaluation.ipynb); `HW = 224 * 224` and `step = 224` there, S x S and 
 """
 
 import csv
+import math
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,16 @@ def test_what_a_protocol_fixes_is_refused_in_one_line(folder, tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
     with pytest.raises(EvaluateError):
         main([str(data), *map(str, options), *argv, "--debug"])
+
+
+@pytest.mark.parametrize("protocol", [None, "chefer2021", "rise"])
+@pytest.mark.parametrize("method", vitviz.methods())
+def test_every_registered_method_runs_through_the_evaluator(folder, tmp_path, capsys, method, protocol):
+    # Each method the registry offers, alone, with and without a protocol: a row of scores for every image.
+    how = ["--protocol", protocol] if protocol else ["--metrics", "pointing,deletion", "--steps", "3"]
+    out = tmp_path / "out"
+    assert _main(folder, "--model", "shapes_p16@48", "--methods", method, *how, "--workers", "0", "--no-compare", "--out", out) == 0, \
+        capsys.readouterr().err
+    metric = {None: "deletion", "chefer2021": "positive", "rise": "deletion"}[protocol]
+    per_image = _table(out / "per_image.csv")
+    assert len(per_image) == 6 and all(math.isfinite(float(r[f"{method}_{metric}"])) for r in per_image)

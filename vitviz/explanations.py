@@ -448,12 +448,14 @@ def record_for(
     *,
     targets: Sequence[int | str | None] | torch.Tensor | None = None,
     text: TextInput | None = None,
-    **options,
+    head_fusion: HeadFusion = "mean",
+    discard_ratio: float = 0.0,
 ) -> Recorded:
     """The pass `methods` need and nothing more (`record`): the gradients only when one needs them;
-    each gradient method with a per-layer reduction has it computed inside the backward (with
-    `options`: head_fusion, discard_ratio), and the gradient stack is kept only for a method without
-    one."""
+    each gradient method with a per-layer reduction has it computed inside the backward with the
+    options `maps_of` will read it with (`head_fusion`, `discard_ratio`, the same defaults), and the
+    gradient stack is kept only for a method without one."""
+    options = {"head_fusion": head_fusion, "discard_ratio": discard_ratio}
     chosen = [registered(m) for m in methods]
     gradient_methods = [m for m in chosen if m.needs_gradients]
     return record(
