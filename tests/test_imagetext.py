@@ -212,6 +212,43 @@ def test_a_saved_clip_folder_loads_with_its_tokenizer_or_without_one(no_network,
         assert _relative(ours(x, ids, mask), model(pixel_values=x, input_ids=ids, attention_mask=mask).logits_per_image) < 1e-4
 
 
+@pytest.mark.parametrize("where", ["folder", "hub cache"])
+def test_an_image_processor_saved_inside_processor_config_is_read_as_transformers_reads_it(no_network, tmp_path, where):
+    """transformers 5 saves a processor as processor_config.json with the image processor inside it
+    (no preprocessor_config.json): vitviz feeds the model the processor's own pixels, and its logits
+    are the library's on them."""
+    import numpy as np
+    from PIL import Image
+
+    model = _clip(seed=5)
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}, resample=3,
+                                                      image_mean=[0.3, 0.4, 0.5], image_std=[0.2, 0.25, 0.3])
+    processor = transformers.CLIPProcessor(image_processor=image_processor, tokenizer=_tiny_tokenizer())
+    folder = tmp_path / "clip" if where == "folder" else write_hub_cache(no_network, "vitviz-test/clip-5", {})
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    assert (folder / "processor_config.json").is_file() and not (folder / "preprocessor_config.json").exists()
+    ours = vitviz.load_model("hf:vitviz-test/clip-5", device="cpu", weights_path=folder if where == "folder" else None)
+    pre = ours.spec.preprocessing
+    assert (pre.mode, pre.image_size, pre.resize_size, pre.interpolation) == ("crop", 32, 40, "bicubic")
+    assert pre.mean == (0.3, 0.4, 0.5) and pre.std == (0.2, 0.25, 0.3) and "no image processor" not in ours.spec.description
+    img = Image.fromarray(np.random.default_rng(5).integers(0, 256, (50, 60, 3), dtype=np.uint8))  # 40 x 48: an even margin to crop
+    x = vitviz.preprocess(img, pre)[0][None]
+    theirs = processor(images=img, text=["a cat"], return_tensors="pt")["pixel_values"]
+    assert (x - theirs).abs().max() < 2e-2  # the same resize, crop, mean and std (their resize rounds to uint8)
+    ids, mask = ours.tokenize("a cat")
+    with torch.inference_mode():
+        assert _relative(ours(x, ids, mask), model(pixel_values=x, input_ids=ids, attention_mask=mask).logits_per_image) < 1e-4
+
+
+def test_a_model_saved_without_an_image_processor_says_what_it_is_fed(no_network, tmp_path):
+    _clip(seed=6).save_pretrained(tmp_path / "clip")
+    with pytest.warns(UserWarning, match="no image processor saved"):
+        ours = vitviz.load_model("hf:me/clip", device="cpu", weights_path=tmp_path / "clip")
+    assert "no image processor saved (processor_config.json or preprocessor_config.json)" in ours.spec.description
+    assert ours.spec.preprocessing.mean == vitviz.config.IMAGENET_MEAN
+
+
 def test_a_model_built_from_configs_scores_by_the_scaled_cosine_plus_its_bias():
     """The options of `ImageTextModel` without a Hugging Face model: no image projection (the pooled
     features are the embedding), a logit bias, a text read at its last position without a causal

@@ -17,22 +17,25 @@ resize to the square, with its mean and std), class names from the config's `id2
 "hf:" takes a hub repository id only ("org/name" or "name"), never a path: `from_pretrained` would
 read a folder of this machine, so the id is checked before anything is fetched or opened. A folder
 saved with `save_pretrained` loads with `load_model("hf:<a repo id>", weights_path=<folder>)`, from
-that folder alone: its config, its class names (`id2label`) and its `preprocessor_config.json`
-(without one, ImageNet's mean and std at the config's image size); the hub and its cache are never
-asked, so the repo id is only the model's name.
+that folder alone: its config, its class names (`id2label`) and its image processor, read as
+transformers reads it (the one nested in `processor_config.json`, else `preprocessor_config.json`;
+without either, ImageNet's mean and std at the config's image size, said in the spec's description
+and by a warning); the hub and its cache are never asked, so the repo id is only the model's name.
 
 The source registers itself, and `ViT.from_transformers`, when this module is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -413,6 +416,37 @@ def _read_json(path: Path) -> dict | None:
         return json.load(f)
 
 
+# Where a saved model keeps its image processor, in the order transformers reads them: the processor's
+# file (transformers 5's `save_pretrained` of a processor nests the image processor in it), then the
+# image processor's own file.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+NO_PROCESSOR = ("no image processor saved (processor_config.json or preprocessor_config.json): fed as ImageNet's models are "
+                "(ImageNet's mean and std, bicubic resize to S/0.875, centre crop)")
+
+
+def image_processor_config(read: Callable[[str], dict | None]) -> dict | None:
+    """The image processor's settings as transformers reads them from a saved model: the
+    "image_processor" inside processor_config.json when it is there, else preprocessor_config.json;
+    None where neither holds one.
+
+    Args:
+        read: a file name of `PROCESSOR_FILES` -> its JSON content, or None where there is no such file.
+    """
+    nested = read("processor_config.json")
+    if isinstance(nested, dict) and isinstance(nested.get("image_processor"), dict):
+        return nested["image_processor"]
+    return read("preprocessor_config.json")
+
+
+def _noted(spec: VariantSpec, processor: dict | None) -> VariantSpec:
+    """`spec` whose description says so when the model came without an image processor (and a
+    warning): its pixels are then an assumption, never a silent default."""
+    if processor is not None:
+        return spec
+    warnings.warn(f"{spec.name}: {NO_PROCESSOR}", stacklevel=3)
+    return dataclasses.replace(spec, description=f"{spec.description}; {NO_PROCESSOR}")
+
+
 def _saved_folder(weights_path: str, name: str) -> Path:
     """`weights_path` as a folder saved with `save_pretrained` (absolute), or a clear error."""
     folder = Path(weights_path).expanduser().absolute()
@@ -507,18 +541,19 @@ class HuggingFaceSource(WeightsSource):
         else:
             folder = _saved_folder(weights_path, name)
             cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
-            where = dict(weights=f"saved with save_pretrained in {folder}", processor=_read_json(folder / "preprocessor_config.json"),
+            where = dict(weights=f"saved with save_pretrained in {folder}", processor=image_processor_config(lambda f: _read_json(folder / f)),
                          locator=str(folder), saved_in=folder.name)
         if getattr(cfg, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
             from vitviz.sources.swin import swin_spec_from_transformers
             spec = swin_spec_from_transformers(cfg, name=name, weights=where["weights"], locator=where["locator"], saved_in=where.get("saved_in", ""),
                                                preprocessing=preprocessing_from_processor(where["processor"], cfg.image_size))
+            spec = _noted(spec, where["processor"])
             return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) not in _TYPES:
             raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, CLIP and SigLIP")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
-        spec = _spec(model, config_from_transformers(model), name=name, **where)
+        spec = _noted(_spec(model, config_from_transformers(model), name=name, **where), where["processor"])
         return spec.at(size) if size else spec
 
     @staticmethod
@@ -551,15 +586,23 @@ class HuggingFaceSource(WeightsSource):
 
     @staticmethod
     def _processor(repo: str) -> dict | None:
-        path = cached_file(repo, ("preprocessor_config.json",))
-        if path is None and not hub_offline() and hub_reachable():
-            from huggingface_hub import hf_hub_download
+        """The repository's image processor settings (`image_processor_config`), from the cache or,
+        online, the hub."""
+        online = not hub_offline() and hub_reachable()
 
-            try:
-                path = hf_hub_download(repo, "preprocessor_config.json")
-            except OSError:
-                path = None
-        return None if path is None else _read_json(Path(path))
+        def read(filename: str) -> dict | None:
+            path = cached_file(repo, (filename,))
+            if path is None and online:
+                from huggingface_hub import hf_hub_download
+                from huggingface_hub.errors import EntryNotFoundError
+
+                try:
+                    path = hf_hub_download(repo, filename)
+                except (OSError, EntryNotFoundError):  # not in the repository (or the hub is gone)
+                    path = None
+            return None if path is None else _read_json(Path(path))
+
+        return image_processor_config(read)
 
     def status(self, spec: VariantSpec) -> Status:
         if os.path.isabs(spec.locator):  # a folder of the user's own (a repo id is never absolute)
