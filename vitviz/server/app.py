@@ -18,7 +18,7 @@ from starlette.middleware import Middleware  # noqa: E402
 
 from vitviz.images import MAX_BYTES  # noqa: E402
 from vitviz.server import page, runtime  # noqa: E402
-from vitviz.server.gradio_io import BodyLimit, UploadLimit  # noqa: E402
+from vitviz.server.gradio_io import BodyLimit, KnownEvents, UploadLimit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CSS = (HERE / "app.css").read_text()
@@ -46,6 +46,7 @@ LAUNCH_KWARGS = dict(
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
         Middleware(BodyLimit, max_bytes=runtime.SETTINGS.body_bytes),
+        Middleware(KnownEvents, blocks=demo),  # an unknown API name, event or session: 404 and why, not a 500
         Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=runtime.SETTINGS.upload_bytes_per_minute, after=demo.after_any),
     ]},
 )

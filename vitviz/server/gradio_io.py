@@ -21,11 +21,13 @@ import hmac
 import html
 import io
 import os
+import re
 import secrets
 import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import anyio
 import gradio as gr
@@ -40,6 +42,7 @@ __all__ = [
     "UploadedImage",
     "UploadLimit",
     "BodyLimit",
+    "KnownEvents",
     "client_address",
     "looks_like_image",
     "PngImage",
@@ -241,14 +244,31 @@ def _take_turns(queue) -> None:
         line.queue[:] = [line.queue[i] for i in order]
 
 
+UNKNOWN_EVENT = "This app has no event {index!r}: the page's configuration (/config) lists its events and their ids."
+
+
+def _unknown_event(blocks: gr.Blocks, body) -> str | None:
+    """Why a join names no event of this app (Gradio would answer 500), or None. No session's state
+    is made for the check (Gradio's own lookup makes one)."""
+    if body.fn_index is None:
+        return None  # Gradio answers that itself (400)
+    session = body.session_hash
+    fns = blocks.state_holder[session].blocks_config.fns if session and session in blocks.state_holder else blocks.fns
+    return UNKNOWN_EVENT.format(index=body.fn_index) if body.fn_index not in fns else None
+
+
 def _fair(blocks: GuardedBlocks) -> None:
-    """Wraps the queue's `push` so that no client holds more than its share of jobs."""
+    """Wraps the queue's `push`: a join that names no event of this app is refused (400, with the
+    reason), and no client holds more than its share of jobs."""
     queue = blocks._queue
     if getattr(queue, "_vitviz_fair", False):
         return
     push = queue.push
 
     async def fair_push(body, request, username):
+        unknown = _unknown_event(blocks, body)
+        if unknown:
+            return False, unknown, "error"
         per_session, per_address = blocks.client_jobs, blocks.address_jobs
         if per_session or per_address:
             waiting = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
@@ -447,6 +467,50 @@ class BodyLimit:
                 raise
         if seen["refused"] and not seen["started"]:
             await _plain(send, 413, message)
+
+
+class KnownEvents:
+    """ASGI middleware: a call of an API name `blocks` lacks (`POST .../call/<name>`, `.../call/v2/<name>`),
+    and the stream of an event or session its queue does not hold (`GET .../call/<name>/<event id>`,
+    `GET .../queue/data?session_hash=`), are answered 404 with the reason before Gradio's route runs
+    (it answers the first with a bare 500, and the second by dropping the connection mid-stream).
+    What is known is looked up as Gradio's routes look it up, so no caller that Gradio would serve is
+    refused."""
+
+    _CALL = re.compile(r"/gradio_api/call/(?P<v2>v2/)?(?P<name>[^/]+)/?$")
+    _STREAM = re.compile(r"/gradio_api/call/(?:v2/)?[^/]+/(?P<event>[^/]+)$")
+    _DATA = re.compile(r"/gradio_api/queue/data/?$")
+
+    def __init__(self, app, *, blocks: gr.Blocks) -> None:
+        self.app = app
+        self.blocks = blocks
+
+    def _refusal(self, scope) -> str | None:
+        method, path = scope.get("method"), scope.get("path", "")
+        if "/gradio_api/" not in path:
+            return None
+        queue = self.blocks._queue
+        if method == "POST" and (m := self._CALL.search(path)):
+            name = m["name"]
+            # (the v2 route knows the public endpoints only, as /gradio_api/info lists them)
+            if not any(fn.api_name == name and (not m["v2"] or (fn.fn and fn.api_visibility == "public")) for fn in self.blocks.fns.values()):
+                return f"This app has no API endpoint named {name!r}: /gradio_api/info lists them."
+        elif method == "GET" and (m := self._STREAM.search(path)):
+            event = m["event"]
+            if event not in queue.event_ids_to_events and not any(event in ids for ids in list(queue.pending_event_ids_session.values())):
+                return f"No event {event!r} is waiting here: its results were read already, or it was never joined."
+        elif method == "GET" and self._DATA.search(path):
+            session = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [None])[0]
+            if session is not None and session not in queue.pending_messages_per_session:
+                return "This session has no events waiting here: join one first (POST /gradio_api/queue/join)."
+        return None
+
+    async def __call__(self, scope, receive, send):
+        why = self._refusal(scope) if scope["type"] == "http" else None
+        if why:
+            await _plain(send, 404, why)
+            return
+        await self.app(scope, receive, send)
 
 
 def _boundary(content_type: bytes) -> bytes | None:
