@@ -144,3 +144,76 @@ def test_a_named_model_loads_from_the_hub_cache_offline(no_network, monkeypatch,
         assert len(e) == 2 and e[0].map.shape == (4, 4)
     finally:
         factory._MODEL_CONFIGS.pop("vitviz-tiny", None)
+
+
+def _authors_legrad(model, x, text, *, layer_index: int = -2):
+    """LeGrad as its authors compute it on an open_clip CLIP (`LeWrapper.compute_legrad_clip` of pip
+    `legrad_torch` 1.1), written here on open_clip's own modules: each block's attention made
+    explicitly from its nn.MultiheadAttention weights; for each block from `layer_index` on, the
+    mean of all its output tokens through `ln_post` and `proj`, normalised, dotted with the
+    normalised text embedding; the gradient of that with respect to that block's attention, positive
+    part, mean over heads and query rows, patch columns, upsampled bilinearly to pixels; summed over
+    the blocks and min-maxed per image [B, S, S]."""
+    v = model.visual
+    blocks = list(v.transformer.resblocks)
+    start = layer_index % len(blocks)
+    b = x.shape[0]
+    with torch.enable_grad():
+        h = v.conv1(x).flatten(2).transpose(1, 2)
+        h = v.ln_pre(torch.cat([v.class_embedding.expand(b, 1, -1), h], dim=1) + v.positional_embedding)
+        attentions, outputs = [], []
+        for block in blocks:
+            mha, y = block.attn, block.ln_1(h)
+            heads = mha.num_heads
+            q, k, val = torch.nn.functional.linear(y, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+            q, k, val = (t.reshape(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, val))
+            a = (q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5)).softmax(-1)  # [B, H, N, N]
+            o = (a @ val).transpose(1, 2).reshape(b, -1, heads * q.shape[-1])
+            h = h + block.ls_1(mha.out_proj(o))
+            h = h + block.ls_2(block.mlp(block.ln_2(h)))
+            attentions.append(a)
+            outputs.append(h)
+        text = torch.nn.functional.normalize(text, dim=-1)
+        n = attentions[0].shape[-1] - 1
+        side = int(n**0.5)
+        total = 0
+        for l in range(start, len(blocks)):
+            image = torch.nn.functional.normalize(v.ln_post(outputs[l].mean(dim=1)) @ v.proj, dim=-1)
+            (g,) = torch.autograd.grad((image @ text).sum(), [attentions[l]], retain_graph=True)
+            relevance = g.clamp(min=0).mean(dim=1).mean(dim=1)[:, 1:].reshape(b, 1, side, side)
+            total = total + torch.nn.functional.interpolate(relevance, scale_factor=v.patch_size[0], mode="bilinear")
+    total = total[:, 0]
+    low, high = total.amin(dim=(1, 2), keepdim=True), total.amax(dim=(1, 2), keepdim=True)
+    return (total - low) / (high - low)
+
+
+def _pixels(maps, patch_size):
+    """vitviz's maps [B, gh, gw] as the authors' pixels: bilinear upsampling, min-maxed again."""
+    up = torch.nn.functional.interpolate(maps[:, None], scale_factor=patch_size, mode="bilinear")[:, 0]
+    low, high = up.amin(dim=(1, 2), keepdim=True), up.amax(dim=(1, 2), keepdim=True)
+    return (up - low) / (high - low)
+
+
+@pytest.mark.parametrize("layer_index", [-2, 0])
+def test_legrad_is_the_authors_legrad_on_open_clip(layer_index):
+    """By default (the mean of the tokens, the last two layers) vitviz's LeGrad is the authors' map;
+    start_layer=0 sums every layer as their layer_index=0 does."""
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    torch.manual_seed(7)
+    model = CLIP(embed_dim=16, vision_cfg=CLIPVisionCfg(**{**VISION, "layers": 4}), text_cfg=CLIPTextCfg(**TEXT), quick_gelu=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.2) if "ln" in name and name.endswith("weight") else p.normal_(0, 0.15)
+    model.eval()
+    ours = vitviz.from_open_clip(model)
+    x, ids = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)), _ids()
+    options = {} if layer_index == -2 else {"start_layer": 0}
+    maps, _, _ = vitviz.relevance_maps(ours, x, methods=["legrad"], text=ids, **options)  # [B, T, gh, gw]
+    with torch.no_grad():
+        texts = model.encode_text(ids)
+    for t in range(3):
+        want = _authors_legrad(model, x, texts[t], layer_index=layer_index)
+        torch.testing.assert_close(_pixels(maps["legrad"][:, t], 8), want, atol=1e-5, rtol=1e-4)
+    cls, _, _ = vitviz.relevance_maps(ours, x, methods=["legrad"], text=ids, readout="cls")
+    assert (cls["legrad"] - maps["legrad"]).abs().max() > 1e-2  # the cls read-out is another map

@@ -57,18 +57,21 @@ def _minmax(v):
     return (v - low) / (high - low)
 
 
-def _legrad_by_hand(per_layer_score, attentions):
-    """sum over l of mean_{heads, queries} ReLU(d s_l / d A_l), patch columns, min-max; one
+def _legrad_by_hand(per_layer_score, attentions, start=0):
+    """sum over l >= start of mean_{heads, queries} ReLU(d s_l / d A_l), patch columns, min-max; one
     `autograd.grad` per layer, each of that layer's own score."""
     total = 0
     for l, a in enumerate(attentions):
+        if l < start:
+            continue
         (g,) = torch.autograd.grad(per_layer_score(l), [a], retain_graph=True)
         total = total + torch.clamp(g, min=0).mean(dim=(1, 2))  # [B, N]
     return _minmax(total[:, 1:])
 
 
-def _clip_by_hand(model, x, ids, mask, t):
-    """The "gradient" and "legrad" maps of phrase t [B, gh*gw], from transformers' CLIP."""
+def _clip_by_hand(model, x, ids, mask, t, readout="mean"):
+    """The "gradient" and "legrad" maps of phrase t [B, gh*gw], from transformers' CLIP; LeGrad's
+    layer scores read from the mean of all tokens ("mean", the authors' read-out) or the cls token."""
     with torch.enable_grad():
         x = x.clone().requires_grad_(True)
         logits, attentions, hidden, text_embeds = _hf_clip_pass(model, x, ids, mask)
@@ -78,8 +81,9 @@ def _clip_by_hand(model, x, ids, mask, t):
         vision = model.vision_model
         text = torch.nn.functional.normalize(text_embeds[t], dim=-1)
 
-        def score(l):  # layer l's cls token through the post-layernorm and the projection, on the target's scale
-            image = model.visual_projection(vision.post_layernorm(hidden[l + 1][:, 0]))
+        def score(l):  # layer l's tokens through the post-layernorm and the projection, on the target's scale
+            read = hidden[l + 1].mean(dim=1) if readout == "mean" else hidden[l + 1][:, 0]
+            image = model.visual_projection(vision.post_layernorm(read))
             return (model.logit_scale.exp() * torch.nn.functional.normalize(image, dim=-1) @ text).sum()
 
         legrad = _legrad_by_hand(score, attentions)
@@ -95,10 +99,14 @@ def test_the_gradient_and_legrad_maps_of_a_phrase_are_those_computed_on_transfor
     assert targets is None and sims.shape == (2, 3) and all(m.shape == (2, 3, 4, 4) for m in maps.values())
     with torch.no_grad():
         torch.testing.assert_close(sims, model(pixel_values=x, input_ids=ids, attention_mask=mask).logits_per_image, atol=1e-4, rtol=1e-4)
+    cls, _, _ = relevance_maps(ours, x, methods=["legrad"], text=(ids, mask), readout="cls", start_layer=0)
     for t in range(3):
-        gradient, legrad = _clip_by_hand(model, x, ids, mask, t)
+        gradient, legrad = _clip_by_hand(model, x, ids, mask, t)  # two layers: the last two are all of them
         torch.testing.assert_close(maps["gradient"][:, t].flatten(1), gradient, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(maps["legrad"][:, t].flatten(1), legrad, atol=1e-4, rtol=1e-4)
+        _, legrad_cls = _clip_by_hand(model, x, ids, mask, t, readout="cls")
+        torch.testing.assert_close(cls["legrad"][:, t].flatten(1), legrad_cls, atol=1e-4, rtol=1e-4)
+        assert (legrad_cls - legrad).abs().max() > 1e-2
     # the phrases are told apart, and a target-free map is the same for every phrase
     assert (maps["gradient"][:, 0] - maps["gradient"][:, 1]).abs().max() > 1e-3
     torch.testing.assert_close(maps["rollout"][:, 0], maps["rollout"][:, 2])
@@ -110,7 +118,7 @@ def test_legrad_differentiates_each_layer_on_its_own():
     model = _clip(seed=2)
     x = _image()
     ids, mask = _texts()
-    _, legrad = _clip_by_hand(model, x, ids, mask, 0)
+    _, legrad = _clip_by_hand(model, x, ids, mask, 0, readout="cls")
     with torch.enable_grad():
         xg = x.clone().requires_grad_(True)
         _, attentions, hidden, text_embeds = _hf_clip_pass(model, xg, ids, mask)
@@ -123,8 +131,9 @@ def test_legrad_differentiates_each_layer_on_its_own():
 
 
 def test_legrad_of_a_class_is_that_computed_on_transformers_vit():
-    """For a classifier the score of layer l is the class logit read from layer l through the final
-    layernorm and the head."""
+    """For a classifier the score of layer l is the class logit read from the mean of layer l's
+    tokens through the final layernorm and the head (torchcam's LeGrad), over the last two layers by
+    default; with readout="cls" and start_layer=0, from the cls token of every layer."""
     t = transformers
     config = t.ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, image_size=32, patch_size=8,
                          intermediate_size=64, num_labels=5, attn_implementation="eager")
@@ -138,6 +147,7 @@ def test_legrad_of_a_class_is_that_computed_on_transformers_vit():
     x = _image()
     targets = torch.tensor([3, 1])
     maps, got, _ = relevance_maps(ours, x, methods=["gradient", "legrad"], targets=targets.tolist())
+    cls, _, _ = relevance_maps(ours, x, methods=["legrad"], targets=targets.tolist(), readout="cls", start_layer=0)
     assert got.tolist() == [3, 1]
     with torch.enable_grad():
         xg = x.clone().requires_grad_(True)
@@ -145,11 +155,20 @@ def test_legrad_of_a_class_is_that_computed_on_transformers_vit():
         rows = torch.arange(2)
 
         def score(l):
+            return model.classifier(model.vit.layernorm(out.hidden_states[l + 1].mean(dim=1)))[rows, targets].sum()
+
+        def cls_score(l):
             return model.classifier(model.vit.layernorm(out.hidden_states[l + 1][:, 0]))[rows, targets].sum()
 
-        want = _legrad_by_hand(score, out.attentions)
+        want = _legrad_by_hand(score, out.attentions, start=1)  # three layers, the last two
+        want_cls = _legrad_by_hand(cls_score, out.attentions)
         grads = torch.autograd.grad(out.logits[rows, targets].sum(), out.attentions)
     torch.testing.assert_close(maps["legrad"].flatten(1), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cls["legrad"].flatten(1), want_cls, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="start_layer must be an integer from -3 to 2"):
+        relevance_maps(ours, x, methods=["legrad"], targets=targets.tolist(), start_layer=3)
+    with pytest.raises(ValueError, match="readout must be one of mean, cls"):
+        relevance_maps(ours, x, methods=["legrad"], targets=targets.tolist(), readout="pool")
     torch.testing.assert_close(maps["gradient"].flatten(1), _chefer_by_hand([a.detach() for a in out.attentions], grads),
                                atol=1e-5, rtol=1e-4)
     assert maps["legrad"].amin(dim=(1, 2)).tolist() == [0, 0] and maps["legrad"].amax(dim=(1, 2)).tolist() == [1, 1]

@@ -129,9 +129,12 @@ class Recorded:
             None. With phrases the batch is the (image, phrase) pairs, image-major: B = images x T,
             row b·T + t; `attentions` repeats each image's attention T times.
         similarities: each image's score of each phrase, `logits_per_image` [images, T], or None.
-        layer_gradients: [L, B, H, N, N] or None: layer l's entry is d(s_l) / d(layer l's attention),
-            s_l the target score read from layer l's output through the final norm and the head (or
-            the projection and the phrase's embedding); for LeGrad.
+        layer_gradients: [L', B, H, N, N] or None: for each layer l of `layer_gradient_layers`,
+            d(s_l) / d(layer l's attention), s_l the target score read from layer l's output by
+            `readout` (`layer_readout`) through the final norm and the head (or the projection and
+            the phrase's embedding); for LeGrad.
+        layer_gradient_layers: the layers (from 0) of `layer_gradients`' entries, first layer first.
+        layer_readout: how `layer_gradients`' scores read a layer's tokens (`Readout`).
         pool_attention, pool_gradients: a model that pools with attention (SigLIP's probe): the
             probe's attention over the tokens [B, H, N] and, with gradients, d(target score) / d(it);
             None otherwise. They make the "pool" query's row (`query_maps`).
@@ -149,6 +152,8 @@ class Recorded:
     texts: tuple[str | None, ...] | None = None
     similarities: torch.Tensor | None = field(default=None, repr=False)
     layer_gradients: torch.Tensor | None = field(default=None, repr=False)
+    layer_gradient_layers: tuple[int, ...] = ()
+    layer_readout: "Readout | None" = None
     pool_attention: torch.Tensor | None = field(default=None, repr=False)
     pool_gradients: torch.Tensor | None = field(default=None, repr=False)
     reduced: dict[str, tuple[dict, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
@@ -257,6 +262,37 @@ def _token_ids(model: ImageTextModel, text: TextInput) -> tuple[torch.Tensor, to
     return ids, mask, (None,) * ids.shape[0]
 
 
+Readout = Literal["mean", "cls"]
+READOUTS: tuple[str, ...] = ("mean", "cls")
+LEGRAD_START_LAYER = -2  # the LeGrad authors' default (`LeWrapper(layer_index=-2)`): the last two layers
+
+
+def _readout_tokens(vit: ViT, hidden: torch.Tensor, readout: Readout) -> torch.Tensor:
+    """A layer's output [B, N, D] as the normed tokens [B, N, D] its score is read from (the head or
+    the projection then pools them as they pool the final layer's):
+
+    - "mean": LeGrad's read-out (Bousselham et al. 2024, their code's CLIP path and torchcam's):
+      the mean of all tokens, prefix included, through the final norm, in the pooling token's place
+      (every token is that vector). A model that pools its own tokens (the mean of the patches, an
+      attention probe) reads them through its pool, as its final layer is read.
+    - "cls": every token through the final norm, pooled as the final layer's (the cls token).
+    """
+    if readout == "cls" or vit.config.pool in ("avg", "map"):
+        return vit.norm(hidden)
+    return vit.norm(hidden.mean(dim=1, keepdim=True)).expand_as(hidden)
+
+
+def layers_from(start_layer: int, depth: int) -> tuple[int, ...]:
+    """The layers from `start_layer` to the last (Python's indexing: -2 is the last two, 0 all of them).
+
+    Raises:
+        ValueError: `start_layer` outside -depth..depth-1.
+    """
+    if not isinstance(start_layer, int) or isinstance(start_layer, bool) or not -depth <= start_layer < depth:
+        raise ValueError(f"start_layer must be an integer from {-depth} to {depth - 1} for a model of {depth} layers, got {start_layer!r}")
+    return tuple(range(start_layer % depth, depth))
+
+
 def _image_features(vit: ViT, tokens: torch.Tensor) -> torch.Tensor:
     """The pooled features of normed tokens [B, N, D] -> [B, D], as `ViT.forward_features` pools them."""
     pooled = vit.pool(tokens)
@@ -319,6 +355,8 @@ def record(
     layerwise: Sequence[str] = (),
     layerwise_options: Mapping[str, object] | None = None,
     keep_gradients: bool = True,
+    readout: Readout = "mean",
+    start_layer: int = LEGRAD_START_LAYER,
 ) -> Recorded:
     """A batch's attention and, for gradient methods, the gradients of each sample's target score.
 
@@ -329,9 +367,9 @@ def record(
         text: image–text models: the phrases (`TextInput`), each scored against every image.
         gradients: record d(target score) / d(each layer's attention), for every sample and phrase
             (one backward of the summed per-sample scores; phrases: one vectorised backward).
-        layer_gradients: record, for each layer l, d(s_l) / d(layer l's attention), s_l the score
-            read from layer l's output (LeGrad): L more backward calls, each through one block and
-            the read-out only.
+        layer_gradients: record, for each layer l from `start_layer` on, d(s_l) / d(layer l's
+            attention), s_l the score read from layer l's output by `readout` (LeGrad): one more
+            backward call a layer, each through one block and the read-out only.
         layerwise: with `gradients`, registered methods whose per-layer reduction
             (`Method.layerwise`, called with `layerwise_options`) is computed inside the backward,
             each layer's as its gradient arrives (`Recorded.reduced`).
@@ -339,6 +377,10 @@ def record(
             gradient outlives the backward, the backward stops at the first layer's attention and
             keeps no graph beyond what `layer_gradients` needs (one phrase or a class; several
             phrases keep their vectorised backward and reduce after it).
+        readout: with `layer_gradients`, how a layer's score reads its tokens (`_readout_tokens`):
+            "mean" (LeGrad's own) or "cls".
+        start_layer: with `layer_gradients`, the first layer differentiated (`layers_from`; the
+            default, -2, the last two as LeGrad's authors do; 0 every layer).
 
     Raises:
         ValueError: a class for an image–text model, phrases for a classifier, a gradient without
@@ -348,6 +390,9 @@ def record(
     image_text = isinstance(model, ImageTextModel)
     vit = model.image if image_text else model
     differentiate = gradients or layer_gradients
+    if readout not in READOUTS:
+        raise ValueError(f"readout must be one of {', '.join(READOUTS)}, got {readout!r}")
+    chosen_layers = layers_from(start_layer, vit.config.depth) if layer_gradients else ()
     wanted_classes = targets is not None and any(t is not None for t in targets)
     if image_text:
         if wanted_classes:
@@ -424,7 +469,8 @@ def record(
                     after = reducers
             if layer_gradients:
                 # each layer on its own: d(s_l)/d(A_k) is not 0 for k < l, so one backward of the sum would mix layers
-                layer_grads = torch.stack([_pairs(_per_target_grads(score(vit.norm(h)), [a])[0]) for h, a in zip(layers, live)]).float()
+                layer_grads = torch.stack([_pairs(_per_target_grads(score(_readout_tokens(vit, layers[l], readout)), [live[l]])[0])
+                                           for l in chosen_layers]).float()
         attn = tuple(a.float() for a in rec.layers)
         pool_attn = None if rec.pool_attention is None else rec.pool_attention.float()
     if texts is not None and len(texts) > 1:
@@ -437,7 +483,8 @@ def record(
     return Recorded(
         attention_layers=attn, gradients=grads, reduced=reduced, targets=chosen, probabilities=probs, grid=grid, num_prefix_tokens=spec.num_prefix_tokens,
         pooled_query=spec.config.pooled_query, layout=layout_of(spec, grid, text=image_text), texts=texts, similarities=similarities,
-        layer_gradients=layer_grads, pool_attention=pool_attn, pool_gradients=pool_grads,
+        layer_gradients=layer_grads, layer_gradient_layers=chosen_layers, layer_readout=readout if layer_gradients else None,
+        pool_attention=pool_attn, pool_gradients=pool_grads,
     )
 
 
@@ -450,18 +497,21 @@ def record_for(
     text: TextInput | None = None,
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
+    readout: Readout = "mean",
+    start_layer: int = LEGRAD_START_LAYER,
 ) -> Recorded:
     """The pass `methods` need and nothing more (`record`): the gradients only when one needs them;
     each gradient method with a per-layer reduction has it computed inside the backward with the
     options `maps_of` will read it with (`head_fusion`, `discard_ratio`, the same defaults), and the
-    gradient stack is kept only for a method without one."""
+    gradient stack is kept only for a method without one; `readout` and `start_layer` for the
+    per-layer gradients (LeGrad)."""
     options = {"head_fusion": head_fusion, "discard_ratio": discard_ratio}
     chosen = [registered(m) for m in methods]
     gradient_methods = [m for m in chosen if m.needs_gradients]
     return record(
         model, x, targets=targets, text=text, gradients=bool(gradient_methods), layer_gradients=any(m.needs_layer_gradients for m in chosen),
         layerwise=[m.name for m in gradient_methods if m.layerwise is not None], layerwise_options=options,
-        keep_gradients=any(m.layerwise is None for m in gradient_methods),
+        keep_gradients=any(m.layerwise is None for m in gradient_methods), readout=readout, start_layer=start_layer,
     )
 
 
@@ -517,6 +567,8 @@ def relevance_maps(
     text: TextInput | None = None,
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
+    readout: Readout = "mean",
+    start_layer: int = LEGRAD_START_LAYER,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
     """Maps of several methods for a batch, from one forward (and one backward for gradient methods).
 
@@ -527,6 +579,9 @@ def relevance_maps(
         targets: per sample a class index, a class name or None (top-1); None for all top-1.
         text: for an image–text model, T phrases (`TextInput`) scored against every image.
         head_fusion, discard_ratio: for "rollout" and "grad_rollout".
+        readout, start_layer: for "legrad": how each layer's score reads its tokens ("mean", the
+            authors' read-out, or "cls") and the first layer summed (-2: the last two, the authors'
+            default; 0: every layer).
 
     Returns:
         classes: ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None);
@@ -534,7 +589,8 @@ def relevance_maps(
     """
     if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin)
         return swin_relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
-    rec = record_for(model, x, methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    rec = record_for(model, x, methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio, readout=readout,
+                     start_layer=start_layer)
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)
     if rec.texts is not None:
         images, t = rec.similarities.shape
@@ -551,6 +607,8 @@ def explain(
     text: TextInput | None = None,
     head_fusion: HeadFusion = "mean",
     discard_ratio: float = 0.0,
+    readout: Readout = "mean",
+    start_layer: int = LEGRAD_START_LAYER,
 ) -> Explanation | list[Explanation]:
     """The map over the patch grid that `method` gives for `target` (default: the top-1 class) or,
     for an image–text model, for a phrase.
@@ -562,6 +620,8 @@ def explain(
         target: a class index or name; None for the top-1 (classifiers only).
         text: image–text models only: a phrase, or several (a list, token ids [T, C], or
             `model.tokenize(...)`'s ids and mask), all from one forward of the image tower.
+        head_fusion, discard_ratio: for "rollout" and "grad_rollout".
+        readout, start_layer: for "legrad" (`relevance_maps`).
 
     Returns:
         one Explanation; for `text` other than a single string, a list of them, one per phrase in
@@ -573,7 +633,7 @@ def explain(
     x, cropped = preprocess(load_image(image), spec.preprocessing)
     maps, targets, scores = relevance_maps(
         model, x.unsqueeze(0), methods=[method], targets=None if text is not None else [target], text=text,
-        head_fusion=head_fusion, discard_ratio=discard_ratio,
+        head_fusion=head_fusion, discard_ratio=discard_ratio, readout=readout, start_layer=start_layer,
     )
     if text is not None:
         given_ids = isinstance(text, torch.Tensor) or (isinstance(text, tuple) and isinstance(text[0], torch.Tensor))
