@@ -101,3 +101,62 @@ def test_unknown_or_malformed_events_are_answered_4xx_with_a_reason(server, good
         r = httpx.get(f"{server}/gradio_api/{path}", params=params, timeout=30)
         assert r.status_code == 404 and r.text.strip(), (path, r.status_code, r.text)
     _alive(server, good)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. error text: plain for API callers, escaped for the page
+
+
+def test_api_callers_read_error_text_as_it_was_written(server, good):
+    from gradio_client import Client, handle_file
+
+    client = Client(server, verbose=False)
+    with pytest.raises(Exception) as caught:
+        client.predict(handle_file(str(good)), "timm:<name>", api_name="/analyze")
+    assert "timm:<name>" in str(caught.value) and "&lt;" not in str(caught.value), caught.value
+    client.close()
+    image = upload(server, good)
+    ok, error = run(server, "analyze", [image, "timm:<name>"])
+    assert not ok and "timm:<name>" in error and "&lt;" not in error, error
+    # a warning (a toast) too: plain for a raw client
+    log = [m for m in messages(server, "on_other_model", ["open_clip:<b>bold</b>", []]) if m.get("msg") == "log"]
+    assert log and "<b>bold</b>" in log[0]["log"], log
+
+
+def test_the_page_gets_error_text_escaped(server, good):
+    """The page (its requests carry Gradio's `x-gradio-user: app`) reads error and warning text as
+    HTML: for it, and only for it, the text comes escaped."""
+    page = {"x-gradio-user": "app"}
+    seen = messages(server, "analyze", [upload(server, good), "timm:<name>"], headers=page)
+    error = seen[-1]["output"]["error"]
+    assert "timm:&lt;name&gt;" in error and "<name>" not in error, error
+    seen = messages(server, "on_other_model", ["open_clip:<b>bold</b>", []], headers=page)
+    log = [m["log"] for m in seen if m.get("msg") == "log"]
+    assert log and "&lt;b&gt;bold&lt;/b&gt;" in log[0] and "<b>" not in log[0], log
+    notice = seen[-1]["output"]["data"][1]  # the notice is HTML for everyone: escaped there
+    assert "&lt;b&gt;bold" in json.dumps(notice) and "<b>" not in json.dumps(notice)
+
+
+CHROMIUM = os.environ.get("VITVIZ_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed")
+def test_the_page_shows_error_text_as_typed(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(server)
+            page.locator("#vv-other textarea, #vv-other input").first.fill("open_clip:<b>bold</b>")
+            page.locator("#vv-other-use").click()
+            toast = page.locator("[data-testid='toast-body']").first
+            toast.wait_for()
+            page.wait_for_function("document.querySelector('#vv-notice').innerText.includes('bold')")
+            for shown in (toast, page.locator("#vv-notice")):
+                assert "<b>bold</b>" in shown.inner_text() and shown.locator("b").count() == 0
+        finally:
+            browser.close()

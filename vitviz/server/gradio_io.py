@@ -10,7 +10,9 @@
   upload request (Gradio's own limit is per file, up to 1,000 files a request).
 - `PngImage` / `ViewImage`: output images written under a keyed hash of their bytes (a per-process
   secret), so that nobody can test whether a given picture was recently analysed.
-- `as_text`: error text escaped for the page, which reads error messages as HTML.
+- Error text: plain for API callers (gradio_client, raw HTTP, MCP); escaped on its way out to the
+  page (whose requests carry Gradio's `x-gradio-user: app`), which reads error and warning text as
+  HTML (`as_text`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from urllib.parse import parse_qs
 import anyio
 import gradio as gr
 from gradio.data_classes import ImageData
+from gradio.server_messages import LogMessage, ProcessCompletedMessage
 from gradio.utils import get_upload_folder
 from PIL import Image
 from starlette.requests import HTTPConnection
@@ -48,6 +51,7 @@ __all__ = [
     "PngImage",
     "ViewImage",
     "as_text",
+    "from_page",
     "secret_name",
     "uploaded_path",
     "upload_folder",
@@ -69,6 +73,14 @@ def secret_name(data: bytes) -> str:
 def as_text(message: str) -> str:
     """`message` for the page, where Gradio renders error text as HTML: shown as typed."""
     return html.escape(message, quote=False)
+
+
+def from_page(request: Any) -> bool:
+    """Whether a request came from the app's own page: Gradio's page sends `x-gradio-user: app`
+    (its JavaScript client sends "api" for other callers, gradio_client "api", MCP "mcp"). Only the
+    page reads error text as HTML; a client that claims to be the page gets its text escaped."""
+    headers = getattr(request, "headers", None) or {}
+    return headers.get("x-gradio-user") == "app"
 
 
 def upload_folder() -> Path:
@@ -143,6 +155,8 @@ class GuardedBlocks(gr.Blocks):
     - A failure that is not a `gr.Error` (a value Gradio's own preprocessing cannot read, a bug)
       reaches the client as a message that says what failed, never a bare "Error" and never a
       server path.
+    - Error and warning text is written plain; the page's own requests get it escaped on its way
+      out of the queue (`from_page`), since the page reads it as HTML.
     - `queue(client_jobs=..., address_jobs=...)`: one session may have at most `client_jobs` jobs
       waiting in the queue (besides those running), one network address `address_jobs` waiting or
       running; more are answered "one at a time, please" while the queue keeps serving everyone
@@ -186,7 +200,7 @@ class GuardedBlocks(gr.Blocks):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             why = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
             what = name.rstrip("_0123456789").replace("_", " ").strip().capitalize()
-            raise gr.Error(as_text(FAILED.format(what=what, why=public_text(why)[:300].rstrip(".")))) from exc
+            raise gr.Error(FAILED.format(what=what, why=public_text(why)[:300].rstrip("."))) from exc
         finally:
             self.after_any()
 
@@ -207,7 +221,28 @@ class GuardedBlocks(gr.Blocks):
         out = super().queue(*args, **kwargs)
         self.client_jobs, self.address_jobs = client_jobs, address_jobs
         _fair(self)
+        _escaped_for_the_page(self)
         return out
+
+
+def _escaped_for_the_page(blocks: GuardedBlocks) -> None:
+    """Wraps the queue's `send_message`: the text of an error (`process_completed` that failed) and of
+    a warning or info (`log`) goes escaped to the page (`from_page`), as written to everyone else."""
+    queue = blocks._queue
+    if getattr(queue, "_vitviz_escaped", False):
+        return
+    send = queue.send_message
+
+    def send_message(event, message) -> None:
+        if from_page(getattr(event, "request", None)):
+            if isinstance(message, ProcessCompletedMessage) and isinstance(message.output.get("error"), str):
+                message = message.model_copy(update={"output": {**message.output, "error": as_text(message.output["error"])}})
+            elif isinstance(message, LogMessage):
+                message = message.model_copy(update={"log": as_text(message.log)})
+        send(event, message)
+
+    queue.send_message = send_message
+    queue._vitviz_escaped = True
 
 
 ONE_AT_A_TIME = (

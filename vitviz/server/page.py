@@ -15,7 +15,7 @@ import gradio as gr
 from vitviz.cost import price
 from vitviz.images import describe_limits
 from vitviz.server import inputs, runtime, swin_views, views
-from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage, as_text
+from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage
 from vitviz.server.menus import spec_line, variant_choices
 from vitviz.server.runtime import EXAMPLES, Outputs
 from vitviz.server.sessions import SessionRef
@@ -260,11 +260,11 @@ def _refused(exc: gr.Error, ref: SessionRef | None) -> Outputs:
     message = exc.message
     if isinstance(ref, SessionRef):
         stop = "" if message.rstrip().endswith((".", "!", "?", ":")) else "."
-        message += as_text(f"{stop} The results below are still those of {ref.image} on {ref.variant}.")
+        message += f"{stop} The results below are still those of {ref.image} on {ref.variant}."
         out[PAGE.results_box] = gr.update(elem_classes=["vv-results", "vv-stale"])
         if cause == "variant":  # the menu goes back to the variant that works
             out[PAGE.variant] = gr.update(value=ref.variant)
-            message += as_text(f" The menu is back on {ref.variant}.")
+            message += f" The menu is back on {ref.variant}."
     if cause == "image":
         out[PAGE.image] = None  # no broken preview left behind
     gr.Warning(exc.message)
@@ -334,7 +334,7 @@ def on_variant_info(variant: str) -> Outputs:
     try:
         return {PAGE.variant_info: spec_line(runtime.variant_name(variant))}
     except gr.Error as exc:
-        return {PAGE.variant_info: exc.message}
+        return {PAGE.variant_info: runtime.md(exc.message)}
 
 
 # ------------------------------------------------------------------------------------------------

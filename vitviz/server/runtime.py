@@ -100,8 +100,8 @@ def device_line() -> str:
 
 
 def error(message: str) -> gr.Error:
-    """An error for the page and the API, its text shown as typed (the page reads it as HTML)."""
-    return gr.Error(as_text(message))
+    """An error for the page and the API, in plain text (the page gets it escaped: `gradio_io.from_page`)."""
+    return gr.Error(message)
 
 
 def checked(check, *args, **kwargs):
@@ -379,8 +379,8 @@ def forget(ref: SessionRef | None) -> None:
 
 
 def notice_html(message: str) -> str:
-    """An error for a notice box: `message` is already escaped text."""
-    return f'<div class="vv-error">{message}</div>'
+    """An error for a notice box (HTML, for every caller): `message`, plain text, shown as typed."""
+    return f'<div class="vv-error">{as_text(message)}</div>'
 
 
 def md(text: str) -> str:

@@ -6,7 +6,6 @@ stage grid, its window outlined."""
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import gradio as gr
@@ -33,7 +32,7 @@ def explorer_layer(request: list) -> str | dict:
     try:
         return _explorer_layer(request)
     except gr.Error as exc:  # answered, not raised: Gradio's component-server route has no error path (a bare 500 and a logged traceback)
-        return {"error": html.unescape(str(exc.message)), "busy": getattr(exc, "busy", False)}  # (the page shows it as text)
+        return {"error": str(exc.message), "busy": getattr(exc, "busy", False)}  # (plain text: the page shows it as text)
 
 
 def _explorer_layer(request: list) -> str:
