@@ -160,3 +160,31 @@ def test_the_page_shows_error_text_as_typed(server):
                 assert "<b>bold</b>" in shown.inner_text() and shown.locator("b").count() == 0
         finally:
             browser.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. file names cut by bytes
+
+
+def test_file_names_from_user_text_are_cut_by_bytes():
+    from vitviz.server.gradio_io import file_stem
+
+    for text in ["星" * 200, "a" * 300, "é" * 200, "🙂" * 100, "x/../y\0z" * 40]:
+        stem = file_stem(text)
+        assert len(stem.encode()) <= 200 and stem.encode().decode() == stem and "/" not in stem and "\0" not in stem
+    assert file_stem("星" * 200).startswith("星" * 66) and file_stem("vit_b_16-find") == "vit_b_16-find"
+    assert file_stem("") == "image"
+
+
+def test_find_with_eighty_cjk_characters(server, good):
+    from vitviz.server.tabs.find import MAX_PHRASE_CHARS, PHRASE_METHODS
+
+    session = uuid.uuid4().hex
+    ok, out = run(server, "session_analyze", [upload(server, good), "shapes_clip", "mean", 0.0, None], session=session)
+    assert ok, out
+    phrase = "星" * MAX_PHRASE_CHARS
+    ok, out = run(server, "session_find", [None, phrase, PHRASE_METHODS[0]], session=session)
+    assert ok, out
+    picture = out[1]["value"] if "value" in out[1] else out[1]
+    name = os.path.basename(picture["path"])
+    assert len(name.encode()) <= 255 and "星" in name, name

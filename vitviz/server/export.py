@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from vitviz.cost import export_plan
+from vitviz.server.gradio_io import file_stem
 from vitviz.server.views import Exploration
 from vitviz.swin import SwinAnalysis
 
@@ -154,5 +155,5 @@ class Downloads:
                 f"({self.max_bytes / 2**20:,.0f} MB, VITVIZ_DOWNLOADS_MB)."
             )
         sweep(self.folder, max_age=self.max_age, max_bytes=self.max_bytes, pattern="*.npz", room=size or 0)
-        path = self.folder / f"vitviz-{exp.analysis.variant.replace(':', '-').replace('/', '-')}-{os.urandom(16).hex()}.npz"
+        path = self.folder / f"vitviz-{file_stem(exp.analysis.variant, max_bytes=180)}-{os.urandom(16).hex()}.npz"
         return str(export_npz(exp, path, attentions=attentions))

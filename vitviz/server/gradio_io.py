@@ -53,6 +53,7 @@ __all__ = [
     "as_text",
     "from_page",
     "secret_name",
+    "file_stem",
     "uploaded_path",
     "upload_folder",
 ]
@@ -63,6 +64,14 @@ UPLOAD_REFUSED = (
 )
 
 _SECRET = secrets.token_bytes(32)
+
+
+def file_stem(text: str, *, max_bytes: int = 200) -> str:
+    """`text` as the stem of a file name: letters, digits, "-", "_" and "." kept (any script), the
+    rest "-", cut to at most `max_bytes` bytes of UTF-8 without splitting a character (file systems
+    allow 255 bytes a name, which 86 CJK characters fill); "image" when nothing is left."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
+    return stem.encode()[:max_bytes].decode("utf-8", "ignore") or "image"
 
 
 def secret_name(data: bytes) -> str:
@@ -586,8 +595,7 @@ class PngImage(gr.Image):
             data = buf.getvalue()
         folder = Path(self.GRADIO_CACHE) / secret_name(data)
         folder.mkdir(parents=True, exist_ok=True)
-        stem = Path(str(value.info.get("vitviz_name") or "image")).stem  # a view's own download name
-        stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)[:120] or "image"
+        stem = file_stem(Path(str(value.info.get("vitviz_name") or "image")).stem)  # a view's own download name
         path = folder / f"{stem}.{'jpg' if self.FORMAT == 'jpeg' else self.FORMAT}"
         path.write_bytes(data)
         return ImageData(path=str(path), orig_name=path.name)
