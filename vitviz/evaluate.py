@@ -38,22 +38,27 @@ is then the phrase's, the pointing game uses the masks as for classes, and delet
 record the image–text similarity (logits_per_image, not a probability) of the perturbed image. The images are cut into
 global batches of --batch-size in file order, dealt to the ranks in turn: every image is scored
 once, by the same batch whatever the number of processes, and none is repeated to pad a rank. Each
-rank appends one line per image to its shard (DIR/shards/): the image's relative path, its size and
-modification time (and its mask's), the sha256 of the bytes scored, and the results. A run started
-again skips the images already there; run.json holds the settings and the list of files, and a run
-into the same DIR after DATA changed is refused, or with --rescan scores what is new or changed and
-drops the rows of what is gone. Rank 0 checks every shard line, merges the rows of the current
-files into per_image.csv and computes the dataset figures from them in file order, so one process
-and many write the same summary.csv (mean and 95 % interval per method and metric: Wilson's for the
-pointing game), distance.csv/.png and curves.png (each curve over the fractions of patches its
-points really removed, round(i * N / steps) / N of N patches, as the areas in summary.csv are).
+rank appends one line per image to its shard (DIR/shards/): the image's relative path, its stamp (the
+sha256 of its bytes, and of its mask's: an image is known by its content, not its size or time), the
+sha256 of the bytes scored, and the results. A run started again skips the images already there;
+run.json holds the settings and the list of files with their stamps, and a run into the same DIR
+after DATA changed is refused, or with --rescan scores what is new or changed and drops the rows of
+what is gone. --out is a folder outside DATA that is new, empty, or holds a run of vitviz.evaluate
+(which it resumes); any other is refused before anything is written, as is every mistake. Rank 0
+checks every shard line, merges the rows of the current files into per_image.csv and computes the
+dataset figures from them in file order, so one process and many write the same summary.csv (mean
+and 95 % interval per method and metric: Wilson's for the pointing game), distance.csv/.png and
+curves.png (each curve over the fractions of patches its points really removed,
+round(i * N / steps) / N of N patches, as the areas in summary.csv are).
 
 A row whose file could not be read (the image's, or the mask of an image that was scored) is scored
 again by the next run; a row the image gate refused stays while its file is unchanged. run.json
 counts the images scored and failed, and records each session that scored images (processes,
 seconds, images per second); its top-level rate covers every session listed. A mistake in the
-command is one line on stderr and exit status 2, a run that scored nothing exit status 1, Ctrl-C
-exit status 130 (run the same command again to go on); --debug shows the traceback.
+command is one line on stderr and exit status 2 (nothing written), a run that scored nothing exit
+status 1, Ctrl-C exit status 130 (run the same command again to go on); --debug shows the
+traceback. Every CSV cell of text that a spreadsheet would read as a formula (it starts with =, +,
+-, @, a tab or a carriage return) is written with a leading ' (OWASP's rule).
 
     summary = vitviz.evaluate.summarize("results/")     # the same summary, from Python
 """
@@ -72,9 +77,9 @@ import sys
 import time
 import warnings
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, Iterable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -103,7 +108,11 @@ EXTRA_METRICS = ("inside",)  # scored only when named in --metrics
 CURVE_METRICS = ("deletion", "insertion", "positive", "negative")  # the metrics with a curve per image and its area
 SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95 % interval
-FORMAT = 2  # of run.json and the shard rows: rows keyed by the image's relative path, stamped and hashed
+FORMAT = 3  # of run.json and the shard rows: rows keyed by the image's relative path, stamped with its bytes' sha256
+EARLIER_FORMATS = {  # what a run.json of an earlier format holds that this one cannot resume
+    1: "its rows are not keyed by file",
+    2: "its files are known by their size and modification time, not by their bytes",
+}
 MAX_TEXT_CHARS = 1000  # of a phrase (--text, or a caption): the text towers read 77 tokens or fewer anyway
 MAX_CAPTIONS_BYTES = 64 * 2**20  # of a --captions file
 
@@ -183,7 +192,8 @@ class Item:
         label: its class (the first folder below DATA), or None.
         mask: the path of its object mask, or None.
         file: its path relative to DATA, with "/" (what rows are keyed by).
-        stamp: its size and modification time, and its mask's: what a row was scored from.
+        stamp: the sha256 of its bytes, and "|" and its mask's when it has one (`_stamp`): what a row
+            was scored from; empty from `scan(..., stamps=False)`.
     """
 
     index: int
@@ -194,14 +204,35 @@ class Item:
     stamp: str = ""
 
 
-def _stat(path: Path) -> str:
-    s = path.stat()
-    return f"{s.st_size}:{s.st_mtime_ns}"
+def _content(path: str) -> str:
+    """The sha256 of the bytes of a file the image gate reads (its first `MAX_BYTES` + 1), read in
+    chunks, its first 16 bytes in hex (the row's `sha256` when the file was scored as it is); "?"
+    when the file cannot be read."""
+    h = hashlib.sha256()
+    left = MAX_BYTES + 1
+    try:
+        with open(path, "rb") as f:
+            while left and (chunk := f.read(min(left, 2**20))):
+                h.update(chunk)
+                left -= len(chunk)
+    except OSError:
+        return "?"
+    return h.hexdigest()[:32]
 
 
-def scan(root: str | Path) -> list[Item]:
+def _stamp(path: str, mask: str | None) -> str:
+    """An image's stamp: its bytes' digest, and "|" and its mask's when it has one."""
+    return _content(path) + ("" if mask is None else f"|{_content(mask)}")
+
+
+def scan(root: str | Path, *, stamps: bool = True) -> list[Item]:
     """Every image under `root` (not under root/masks), sorted by path; the class is the first folder
-    below `root` when there is one; the mask is root/masks/<the same relative path and stem>.*."""
+    below `root` when there is one; the mask is root/masks/<the same relative path and stem>.*.
+
+    Args:
+        stamps: read and hash every image and mask for its stamp; False leaves the stamps empty
+            (`evaluate` stamps them once its processes have started, each hashing a share).
+    """
     root = Path(root)
     masks_root = root / "masks"
     masks = {}
@@ -215,9 +246,21 @@ def scan(root: str | Path) -> list[Item]:
         rel = p.relative_to(root)
         label = rel.parts[0] if len(rel.parts) > 1 else None
         mask = masks.get(rel.with_suffix("").as_posix())
-        stamp = _stat(p) + (f"|{mask.relative_to(root).as_posix()}:{_stat(mask)}" if mask else "")
-        items.append(Item(i, str(p), label, None if mask is None else str(mask), rel.as_posix(), stamp))
+        mask = None if mask is None else str(mask)
+        items.append(Item(i, str(p), label, mask, rel.as_posix(), _stamp(str(p), mask) if stamps else ""))
     return items
+
+
+def _stamped(items: list[Item], *, rank: int, world: int) -> list[Item]:
+    """`items` with their stamps: each rank hashes every world-th image (and its mask), then every
+    rank gets every stamp, so that a run reads each file once to stamp it, on any number of processes."""
+    mine = {item.index: _stamp(item.path, item.mask) for item in items[rank::world]}
+    shares: list = [mine]
+    if dist.is_initialized():
+        shares = [None] * world
+        dist.all_gather_object(shares, mine)
+    stamps = {i: stamp for share in shares for i, stamp in share.items()}
+    return [replace(item, stamp=stamps[item.index]) for item in items]
 
 
 def _read(path: str) -> bytes:
@@ -232,15 +275,6 @@ def _read(path: str) -> bytes:
 def _digest(data: bytes) -> str:
     """The sha256 of `data`, its first 16 bytes in hex."""
     return hashlib.sha256(data).hexdigest()[:32]
-
-
-def _file_digest(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return _digest(_read(path))
-    except ImageError:
-        return None
 
 
 def _seed(file: str) -> int:
@@ -611,7 +645,7 @@ def _row_schema(methods, metrics, *, steps: int, depth: int, heads: int, classes
         "file": ("a relative path", lambda v: isinstance(v, str) and bool(v) and not v.startswith("/")),
         "path": ("a path", lambda v: isinstance(v, str) and bool(v)),
         "label": ("a class name or null", lambda v: v is None or isinstance(v, str)),
-        "stamp": ("the file's size and modification time", lambda v: isinstance(v, str) and bool(v)),
+        "stamp": ("the digests of the file's bytes and its mask's", lambda v: isinstance(v, str) and bool(v)),
         "sha256": ("32 hex digits or null", _digest_or_none),
         "mask_sha256": ("32 hex digits or null", _digest_or_none),
         "error": ("text", lambda v: isinstance(v, str)),
@@ -719,7 +753,7 @@ def _read_all(row: dict, item: Item) -> bool:
 
 def _current(rows: list[dict], items: list[Item]) -> dict[int, dict]:
     """{index: row} for the images of `items` whose row was scored from the file as it is now (same
-    relative path, size and modification time, and the same for its mask); the others' are dropped.
+    relative path, same bytes, and the same mask's bytes); the others' are dropped.
     A row scored from every byte it needed wins over one that could not read a file."""
     where = {item.file: item for item in items}
     out = {}
@@ -738,35 +772,24 @@ def _done(rows: list[dict], items: list[Item]) -> set[int]:
     return {i for i, row in _current(rows, items).items() if _read_all(row, items[i])}
 
 
-def _restamped(rows: list[dict], items: list[Item]) -> list[dict]:
-    """Rows of images whose stamp changed but whose bytes did not (a copy, a touch), and their masks'
-    neither: copies with the new stamp, so that --rescan scores only what changed."""
-    valid = _current(rows, items)
-    latest = {}
-    for row in rows:
-        latest[row["file"]] = row
-    out = []
-    for item in items:
-        row = latest.get(item.file)
-        if item.index in valid or row is None or row["sha256"] is None:
-            continue
-        if _file_digest(item.path) == row["sha256"] and _file_digest(item.mask) == row["mask_sha256"]:
-            out.append(dict(row, index=item.index, path=item.path, stamp=item.stamp))
-    return out
+def _differ(a: str, b: str) -> bool:
+    """Whether two digests of a file (`_content`) say its bytes changed; "?" (unreadable) says nothing."""
+    return a != b and "?" not in (a, b)
 
 
 def _changes(before: dict[str, str], now: dict[str, str]) -> str | None:
     """How the images, and the masks of the images in both lists, differ between two file lists
-    ({relative path: stamp}), with an example of each kind."""
+    ({relative path: stamp}), with an example of each kind. A file that could not be read when one
+    list was made is not counted as changed: the next run reads it again anyway."""
     added = sorted(now.keys() - before.keys())
     removed = sorted(before.keys() - now.keys())
     both = sorted(now.keys() & before.keys())
     split = {f: (before[f].partition("|"), now[f].partition("|")) for f in both}  # (image stamp, "|", mask stamp)
-    changed = [f for f in both if split[f][0][0] != split[f][1][0]]
+    changed = [f for f in both if _differ(split[f][0][0], split[f][1][0])]
     masks = {
         "added": [f for f in both if not split[f][0][2] and split[f][1][2]],
         "removed": [f for f in both if split[f][0][2] and not split[f][1][2]],
-        "changed": [f for f in both if split[f][0][2] and split[f][1][2] and split[f][0][2] != split[f][1][2]],
+        "changed": [f for f in both if split[f][0][2] and split[f][1][2] and _differ(split[f][0][2], split[f][1][2])],
     }
     if not (added or removed or changed or any(masks.values())):
         return None
@@ -887,25 +910,43 @@ def summarize(out: str | Path) -> list[dict]:
     return _summary_rows(values, order)
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet read a cell as a formula (OWASP's CSV injection)
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:inf|nan)")
+
+
+def _cell(value: object) -> object:
+    """A CSV cell a spreadsheet reads as text: text that starts with one of `FORMULA_STARTS` gets a
+    leading "'" (OWASP's rule); numbers, also those already written as text ("-0.25"), are as they are."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS) and not _NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
+def _write_csv(path: Path, columns: list[str], rows: Iterable[Sequence]) -> None:
+    """A CSV file with a header, every cell through `_cell`: how every CSV file of a run is written."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([_cell(c) for c in columns])
+        w.writerows([_cell(v) for v in row] for row in rows)
+
+
 def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
     """per_image.csv, summary.csv/.md, distance.csv/.png, heads.csv ("inside"), curves.csv and (for
     class probabilities) curves.png from the merged rows (sorted by index); returns the summary rows."""
     methods, metrics, steps = run["methods"], run["metrics"], run["steps"]
     protocol, text = run.get("protocol"), bool(run.get("text") or run.get("captions"))
     columns = _columns(methods, metrics, text=text)
-    with open(out / "per_image.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for row in rows:
-            flat = {k: ("" if row.get(k) is None else row.get(k)) for k in columns}
-            if row.get("distance") is not None:
-                flat["distance_mean"] = repr(float(np.mean(row["distance"])))
-            w.writerow(flat)
+
+    def flat(row: dict) -> list:
+        values = {k: row.get(k) for k in columns}
+        if row.get("distance") is not None:
+            values["distance_mean"] = float(np.mean(row["distance"]))
+        return ["" if v is None else v for v in values.values()]
+
+    _write_csv(out / "per_image.csv", columns, (flat(row) for row in rows))
     summary = _summary_rows(_scores(rows, methods, metrics), _order(methods, metrics))
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["method", "metric", "n", "mean", "ci95_low", "ci95_high"])
-        w.writeheader()
-        w.writerows(summary)
+    summary_columns = ["method", "metric", "n", "mean", "ci95_low", "ci95_high"]
+    _write_csv(out / "summary.csv", summary_columns, ([r[c] for c in summary_columns] for r in summary))
     lines = [f"| method | metric | images | mean | 95 % interval |", "|---|---|---|---|---|"]
     for r in summary:
         pct = r["metric"] in PROPORTIONS
@@ -923,12 +964,9 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
     if "distance" in metrics and distances:
         stack = np.asarray(distances, dtype=np.float64)  # [images, L, H], in file order
         n, mean, sd = len(stack), stack.mean(0), stack.std(0)
-        with open(out / "distance.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["layer", "head", "mean_distance_px", "sd_px", "images"])
-            for layer in range(mean.shape[0]):
-                for head in range(mean.shape[1]):
-                    w.writerow([layer + 1, head + 1, f"{mean[layer, head]:.4f}", f"{sd[layer, head]:.4f}", n])
+        _write_csv(out / "distance.csv", ["layer", "head", "mean_distance_px", "sd_px", "images"],
+                   ([layer + 1, head + 1, f"{mean[layer, head]:.4f}", f"{sd[layer, head]:.4f}", n]
+                    for layer in range(mean.shape[0]) for head in range(mean.shape[1])))
         fig = plots.distance_figure(torch.from_numpy(mean), uniform=uniform_attention_distance(spec.grid, patch_size=spec.patch_size),
                                     title=f"{spec.name}: mean attention distance over {n} images")
         plots.figure_to_image(fig).save(out / "distance.png")
@@ -943,12 +981,10 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
             fractions = PROTOCOLS[protocol].fractions(spec.image_size)
         else:
             fractions = _fractions(steps, spec.grid[0] * spec.grid[1])
-        with open(out / "curves.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["method", "metric", "step", "fraction", "mean", "images"])
-            for (method, mode), mean in curves.items():
-                n = sum(1 for r in scored if r.get(f"{method}_{mode}_curve") is not None)
-                w.writerows([method, mode, i, repr(float(fractions[i])), repr(float(v)), n] for i, v in enumerate(mean))
+        images = {key: sum(1 for r in scored if r.get(f"{key[0]}_{key[1]}_curve") is not None) for key in curves}
+        _write_csv(out / "curves.csv", ["method", "metric", "step", "fraction", "mean", "images"],
+                   ([method, mode, i, float(fractions[i]), float(v), images[(method, mode)]]
+                    for (method, mode), mean in curves.items() for i, v in enumerate(mean)))
         if protocol is None and not text:
             # over the fractions really removed, as the areas in summary.csv: the legend's areas are the table's
             fig = plots.curves_figure(curves, fractions=fractions, title=f"{spec.name}: mean over the images")
@@ -966,10 +1002,7 @@ def _write_heads(path: Path, attributions: list[list[list[float]]], top: int = 5
         for head in range(heads):
             mean, low, high = _normal_interval([float(a[layer][head]) for a in attributions])
             table.append(dict(layer=layer, head=head, mean_attribution=mean, ci95_low=low, ci95_high=high, images=n))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    _write_csv(path, list(table[0]), (list(r.values()) for r in table))
     best = sorted(table, key=lambda r: (-r["mean_attribution"], r["layer"], r["head"]))[:top]
     lines = ["", f"The {len(best)} heads that write the class's logit most (mean direct logit attribution over {_plural(n, 'image')}; "
              f"layer and head counted from 0, as vitviz.ablate takes them; every head in {path.name}):", "",
@@ -1065,21 +1098,27 @@ def _previous(out: Path) -> dict | None:
         before = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise EvaluateError(f"{path} cannot be read ({exc}); use another --out") from None
-    if not isinstance(before, dict):
-        raise EvaluateError(f"{path} is not a run.json of vitviz.evaluate; use another --out")
+    if not isinstance(before, dict) or not {"model", "methods", "metrics"} <= before.keys():
+        raise EvaluateError(f"{path} is not a run.json of vitviz.evaluate: the results would overwrite what is in {out}; "
+                            f"use another --out (an empty or new folder)")
     return before
 
 
-def _check_previous(out: Path, before: dict | None, run: dict, *, rescan: bool) -> bool:
-    """Whether `out` holds a run of these settings on another list of files (allowed with `rescan`).
+def _check_previous(out: Path, before: dict | None, run: dict, *, rescan: bool) -> None:
+    """Raises EvaluateError unless `out` holds no run, or a run of these settings on the same files
+    (on other files, with `rescan`).
 
     Raises:
-        EvaluateError: other settings, an older format, or DATA changed without `rescan`.
+        EvaluateError: other settings, another format, or DATA changed without `rescan`.
     """
     if before is None:
-        return False
-    if before.get("format") != FORMAT:
-        raise EvaluateError(f"{out} holds a run written by an earlier vitviz.evaluate (its rows are not keyed by file); use another --out")
+        return
+    found = before.get("format", 1)  # format 1 had no such key
+    if found != FORMAT:
+        later = isinstance(found, int) and found > FORMAT
+        why = (EARLIER_FORMATS.get(found) if isinstance(found, int) else None) or f"this one reads format {FORMAT}"
+        raise EvaluateError(f"{out} holds a run written by {'a later' if later else 'an earlier'} vitviz.evaluate (format {found}: "
+                            f"{why}); use another --out")
     settings = ("data", "model", "protocol", "methods", "metrics", "steps", "batch_size", "text", "captions")
     differ = [f"{k} {before.get(k)!r} there, {run[k]!r} here" for k in settings if before.get(k) != run[k]]
     if differ:
@@ -1087,11 +1126,10 @@ def _check_previous(out: Path, before: dict | None, run: dict, *, rescan: bool) 
     changes = _changes(before.get("files", {}), run["files"])
     if changes and not rescan:
         raise EvaluateError(
-            f"the images under {run['data']} changed since the run in {out} began: {changes} (changed: an image's size or "
-            f"modification time; a mask's likewise). Run again with --rescan to score what is new or changed "
+            f"the images under {run['data']} changed since the run in {out} began: {changes} (changed: an image's bytes; "
+            f"a mask's likewise). Run again with --rescan to score what is new or changed "
             f"and drop the rows of what is gone, or use another --out."
         )
-    return changes is not None
 
 
 def _whole(v: object) -> bool:
@@ -1172,8 +1210,24 @@ def _check_arguments(data: Path, out: Path, *, methods, metrics, steps, batch_si
                             f"python -m vitviz.shapes {data} --n 100 writes one to try")
     if not data.is_dir():
         raise EvaluateError(f"{data} is a file; DATA is a folder of images (DATA/<class>/<image> gives classes)")
+    _check_out(data, out)
+
+
+def _check_out(data: Path, out: Path) -> None:
+    """Raises EvaluateError for an --out that is a file, lies inside DATA (its figures would be
+    scored as images), or is a folder with files and no run of vitviz.evaluate (they would be
+    overwritten). A new folder, an empty one, and one with a run.json (a run to resume) pass."""
     if out.exists() and not out.is_dir():
         raise EvaluateError(f"--out {out} is a file; it is the folder the results go to (made when missing)")
+    root, target = data.resolve(), out.resolve()
+    if target == root or root in target.parents:
+        raise EvaluateError(f"--out {out} is inside DATA ({data}): its figures would be scored as images of DATA; put the results "
+                            f"outside DATA, e.g. --out {root.parent / 'results'}")
+    if out.is_dir() and not (out / "run.json").exists():
+        names = [p.name for p in out.iterdir()]
+        if names:
+            raise EvaluateError(f"--out {out} holds files and no run of vitviz.evaluate (e.g. {min(names)}): the results would "
+                                f"overwrite them; give an empty or new folder")
 
 
 def _check_labels(items: list[Item], classes: dict[str, int | None], protocol: str) -> None:
@@ -1316,8 +1370,9 @@ def evaluate(
     Raises:
         EvaluateError: a mistake in the arguments (unknown names, a folder that does not exist or
             holds no images, numbers out of range, a protocol with settings of its own, a captions
-            file that does not fit DATA), a run in `out` this one cannot resume, or (status 1) a run
-            whose every image failed.
+            file that does not fit DATA), an `out` inside `data` or holding files and no run of
+            vitviz.evaluate, a run in `out` this one cannot resume, or (status 1) a run whose every
+            image failed. Every one but the last is raised before anything is written.
 
     Warns:
         EvaluateWarning: on rank 0, a metric left out for some or all images (the pointing game
@@ -1349,7 +1404,7 @@ def evaluate(
                                               or any(registered_method(m).needs_target for m in methods)):
         raise EvaluateError(f"{spec.name} has no classifier: deletion, insertion and the methods that explain a class need one "
                             f"(an image–text model explains a phrase: give one with --text, or one per image with --captions)")
-    items = scan(data)
+    items = scan(data, stamps=False)  # stamped once the processes have started, each hashing a share
     if not items:
         raise EvaluateError(f"no images ({', '.join(sorted(SUFFIXES))}) under {data}: put images there (DATA/<class>/<image> "
                             f"gives classes), or write some with python -m vitviz.shapes {data} --n 100")
@@ -1369,6 +1424,7 @@ def evaluate(
                                 f"other --metrics")
         notes.append(f"pointing skipped: it needs object masks and {data} has none ({where}); scoring {', '.join(others)}")
     rank, world, device = _setup()
+    items = _stamped(items, rank=rank, world=world)
     for note in notes if rank == 0 else ():
         warnings.warn(note, EvaluateWarning, stacklevel=2)
     shards = out / "shards"
@@ -1386,19 +1442,14 @@ def evaluate(
     schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes,
                          protocol=protocol, text=phrased)
     before = _previous(out)
-    changed = _check_previous(out, before, run, rescan=rescan)  # on every rank: all refuse alike
+    _check_previous(out, before, run, rescan=rescan)  # on every rank: all refuse alike
+    done = _done(_read_shards(shards, schema), items)  # a line that is not a row refuses the run before anything is written
     sessions = list(before.get("sessions", [])) if before else []  # the timing of the sessions that scored the rows kept
     _barrier()
-    if rank == 0:
+    if rank == 0:  # every check passed: the first write of the run
         shards.mkdir(parents=True, exist_ok=True)
-        if changed:  # files only touched or copied keep their rows
-            kept = _restamped(_read_shards(shards, schema), items)
-            if kept:
-                with open(shards / f"rescan-{_unique()}.jsonl", "x") as f:
-                    f.write("".join(json.dumps(row) + "\n" for row in kept))
         _write_json(out / "run.json", dict(run, sessions=sessions, **_totals(sessions)))
     _barrier()
-    done = _done(_read_shards(shards, schema), items)
     plans = [_Batches(len(items), batch_size, r, world, done, max_images) for r in range(world)]  # every rank's, to count them all
     sampler = plans[rank]
     rounds = max(len(p) for p in plans)
