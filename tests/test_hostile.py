@@ -188,3 +188,41 @@ def test_find_with_eighty_cjk_characters(server, good):
     picture = out[1]["value"] if "value" in out[1] else out[1]
     name = os.path.basename(picture["path"])
     assert len(name.encode()) <= 255 and "星" in name, name
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. download folders of earlier processes
+
+
+def test_download_folders_left_by_earlier_processes_are_swept_at_start(tmp_path):
+    from vitviz.server.export import Downloads
+
+    live = Downloads(root=tmp_path)  # another server, still running
+    (live.folder / "vitviz-vit_b_16-" f"{'0' * 32}.npz").write_bytes(b"live")
+    old = tmp_path / "vitviz-downloads-abcd1234"  # left by a process that has ended
+    old.mkdir()
+    (old / ".owner").write_text("")
+    (old / f"vitviz-vit_b_16-{'1' * 32}.npz").write_bytes(b"\0" * 1000)
+    legacy = tmp_path / "vitviz-k2j4h5g6"  # an earlier version's folder: exports only, long since served
+    legacy.mkdir()
+    (legacy / f"vitviz-shapes_p16-{'2' * 32}.npz").write_bytes(b"\0" * 1000)
+    long_ago = time.time() - 3600
+    os.utime(legacy / f"vitviz-shapes_p16-{'2' * 32}.npz", (long_ago, long_ago))
+    # not vitviz's downloads: a folder of another name, one that holds something else, one just written
+    others = [tmp_path / "vitviz-notes", tmp_path / "vitviz-z9y8x7w6", tmp_path / "vitviz-q1w2e3r4", tmp_path / "other"]
+    for folder in others:
+        folder.mkdir()
+    (others[0] / f"vitviz-vit_b_16-{'3' * 32}.npz").write_bytes(b"x")
+    (others[1] / "notes.txt").write_text("mine")
+    (others[1] / f"vitviz-vit_b_16-{'4' * 32}.npz").write_bytes(b"x")
+    os.utime(others[1] / f"vitviz-vit_b_16-{'4' * 32}.npz", (long_ago, long_ago))
+    (others[2] / f"vitviz-vit_b_16-{'5' * 32}.npz").write_bytes(b"x")  # recent: maybe a server of that version, running
+    (others[3] / f"vitviz-vit_b_16-{'6' * 32}.npz").write_bytes(b"x")
+    stale_file_outside = tmp_path / "vitviz-downloads-abcd1234.txt"
+    stale_file_outside.write_text("a file, not a folder")
+
+    mine = Downloads(root=tmp_path)
+    assert not old.exists() and not legacy.exists()
+    assert live.folder.is_dir() and (live.folder / f"vitviz-vit_b_16-{'0' * 32}.npz").exists()
+    assert all(f.is_dir() and any(f.iterdir()) for f in others) and stale_file_outside.exists()
+    assert mine.folder.is_dir() and mine.folder != live.folder

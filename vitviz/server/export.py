@@ -1,12 +1,19 @@
-"""Downloads a server writes: the analysis as .npz, under names nobody can guess, cleaned up."""
+"""Downloads a server writes: the analysis as .npz, under names nobody can guess, cleaned up (also
+what servers before this one left)."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: folders of earlier servers are judged by age
+    fcntl = None
 
 import numpy as np
 
@@ -15,7 +22,7 @@ from vitviz.server.gradio_io import file_stem
 from vitviz.server.views import Exploration
 from vitviz.swin import SwinAnalysis
 
-__all__ = ["export_npz", "export_swin_npz", "Downloads", "sweep"]
+__all__ = ["export_npz", "export_swin_npz", "Downloads", "sweep", "sweep_old_downloads"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
@@ -133,13 +140,91 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
     return total
 
 
+DOWNLOADS_PREFIX = "vitviz-downloads-"
+OWNER = ".owner"  # in a downloads folder: locked (flock) by the server that writes there, as long as it runs
+_FOLDER = re.compile(r"vitviz-downloads-[a-z0-9_]{8}")  # `tempfile.mkdtemp`'s 8 characters
+_EARLIER_FOLDER = re.compile(r"vitviz-[a-z0-9_]{8}")  # the folders of versions before the owner's lock
+_EXPORT = re.compile(r"vitviz-.+-[0-9a-f]{32}\.npz")
+
+
+def _hold(path: Path) -> int:
+    """An open, locked `path` (created): the lock lasts as long as this process keeps it open."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether the server that wrote into `folder` has ended: its owner file's lock is free (taken
+    here for a moment). A folder without one (being made now) is not judged."""
+    try:
+        fd = os.open(folder / OWNER, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _exports(folder: Path, *, older_than: float | None = None) -> list[Path] | None:
+    """The files of a downloads folder (exports, and its owner file), or None when it holds anything
+    else or, with `older_than`, an export written since then."""
+    found = []
+    for path in folder.iterdir():
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or not (path.name == OWNER or _EXPORT.fullmatch(path.name)):
+            return None
+        if older_than is not None and st.st_mtime > older_than:
+            return None
+        found.append(path)
+    return found
+
+
+def sweep_old_downloads(root: str | Path, *, max_age: float = 600) -> int:
+    """Removes the downloads folders that servers before this one left in `root`: vitviz's by their
+    name and what they hold (exports only), and either no longer locked by their server or, for the
+    folders of earlier versions (and where there is no `fcntl`), holding only exports older than
+    `max_age` seconds (long since served). Nothing else is
+    touched: another name, another kind of file, a live server's folder. Returns the folders removed."""
+    removed = 0
+    for folder in Path(root).iterdir():
+        try:
+            if not stat.S_ISDIR(folder.lstat().st_mode):
+                continue
+            if _FOLDER.fullmatch(folder.name) and fcntl is not None:
+                files = _exports(folder) if _owner_gone(folder) else None
+            elif _FOLDER.fullmatch(folder.name) or _EARLIER_FOLDER.fullmatch(folder.name):
+                files = _exports(folder, older_than=time.time() - max_age) or None  # (an empty one may be anybody's)
+            else:
+                continue
+            if files is None:
+                continue
+            for path in files:
+                path.unlink(missing_ok=True)
+            folder.rmdir()
+            removed += 1
+        except OSError:  # (gone meanwhile, or not ours to remove: left as it is)
+            continue
+    return removed
+
+
 class Downloads:
     """A private folder of downloads with random names, within `max_bytes` on disk: before a file is
     written, files older than `max_age` seconds (long since served) go, then the oldest until the new
-    one fits."""
+    one fits. At start, the folders that earlier servers left in `root` (default: the system's
+    temporary folder) are removed (`sweep_old_downloads`); this one is locked as this server's while
+    it runs."""
 
-    def __init__(self, *, max_age: float = 600, max_bytes: int = 1024 * 2**20) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="vitviz-"))
+    def __init__(self, *, max_age: float = 600, max_bytes: int = 1024 * 2**20, root: str | Path | None = None) -> None:
+        root = Path(root) if root is not None else Path(tempfile.gettempdir())
+        self.swept = sweep_old_downloads(root, max_age=max_age)
+        self.folder = Path(tempfile.mkdtemp(prefix=DOWNLOADS_PREFIX, dir=root))
+        self._owner = _hold(self.folder / OWNER)
         self.max_age = max_age
         self.max_bytes = max_bytes
 
