@@ -6,8 +6,9 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from typing import Callable, Protocol
 
-__all__ = ["KEEP_BYTES", "resident_bytes", "release_memory"]
+__all__ = ["HANDS_BACK", "KEEP_BYTES", "HeapKeeper", "resident_bytes", "release_memory"]
 
 # Resident memory let grow past what the last hand-back left before the freed heap is handed back
 # again: the working set of a few ViT-B/16 analyses, kept for the next request to reuse; a request
@@ -27,11 +28,8 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+HANDS_BACK = _TRIM is not None  # whether this system's malloc can hand freed heap back (glibc)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_LOCK = threading.Lock()
-_after_last: int | None = None  # resident bytes just after the last hand-back
-_calls = 0  # calls so far: an idle hand-back goes ahead only if none came after it was armed
-_idle: threading.Timer | None = None
 
 
 def resident_bytes() -> int | None:
@@ -41,6 +39,66 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
+
+
+class _Timer(Protocol):
+    def start(self) -> None: ...
+    def cancel(self) -> None: ...
+
+
+class HeapKeeper:
+    """The hand-back policy of `release_memory`, with what it calls given: `trim` (glibc's
+    malloc_trim, None: a no-op), `resident` (bytes, or None where unknown), `idle_seconds`, and
+    `timer(seconds, fn)`, an object with start() and cancel() that calls fn() once `seconds` have
+    passed (`threading.Timer` by default: a test passes one it fires itself)."""
+
+    def __init__(self, *, trim: Callable[[int], object] | None = _TRIM, resident: Callable[[], int | None] = resident_bytes,
+                 idle_seconds: float | None = None, timer: Callable[[float, Callable[[], None]], _Timer] | None = None) -> None:
+        self._trim, self._resident = trim, resident
+        self._idle_seconds = idle_seconds
+        self._timer = timer or _daemon_timer
+        self._lock = threading.Lock()
+        self._after_last: int | None = None  # resident bytes just after the last hand-back
+        self._calls = 0  # calls so far: an idle hand-back goes ahead only if none came after it was armed
+        self._idle: _Timer | None = None
+
+    def release(self, *, keep: int | None = None) -> None:
+        """`release_memory`'s rule (see there)."""
+        if self._trim is None:
+            return
+        keep = KEEP_BYTES if keep is None else keep
+        with self._lock:
+            self._calls += 1
+            if self._idle is not None:
+                self._idle.cancel()
+                self._idle = None
+            now = self._resident()
+            if keep > 0 and now is not None and self._after_last is not None and now - self._after_last <= keep:
+                armed_at = self._calls
+                seconds = IDLE_SECONDS if self._idle_seconds is None else self._idle_seconds
+                self._idle = self._timer(seconds, lambda: self._hand_back_if_idle(armed_at))
+                self._idle.start()
+                return
+            self._hand_back()
+
+    def _hand_back(self) -> None:
+        self._trim(0)
+        self._after_last = self._resident()
+
+    def _hand_back_if_idle(self, armed_at: int) -> None:
+        with self._lock:
+            if self._calls == armed_at:  # no call since: the freed heap goes back
+                self._idle = None
+                self._hand_back()
+
+
+def _daemon_timer(seconds: float, fn: Callable[[], None]) -> threading.Timer:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    return timer
+
+
+_KEEPER = HeapKeeper()
 
 
 def release_memory(*, keep: int | None = None) -> None:
@@ -57,33 +115,4 @@ def release_memory(*, keep: int | None = None) -> None:
     the last hand-back left (freed heap is reused by the next request, not lost), and it goes back to
     what is live once they stop.
     """
-    global _after_last, _calls, _idle
-    if _TRIM is None:
-        return
-    keep = KEEP_BYTES if keep is None else keep
-    with _LOCK:
-        _calls += 1
-        if _idle is not None:
-            _idle.cancel()
-            _idle = None
-        now = resident_bytes()
-        if keep > 0 and now is not None and _after_last is not None and now - _after_last <= keep:
-            _idle = threading.Timer(IDLE_SECONDS, _hand_back_if_idle, args=(_calls,))
-            _idle.daemon = True
-            _idle.start()
-            return
-        _hand_back()
-
-
-def _hand_back() -> None:
-    global _after_last
-    _TRIM(0)
-    _after_last = resident_bytes()
-
-
-def _hand_back_if_idle(armed_at: int) -> None:
-    global _idle
-    with _LOCK:
-        if _calls == armed_at:  # no call since: the freed heap goes back
-            _idle = None
-            _hand_back()
+    _KEEPER.release(keep=keep)
