@@ -226,3 +226,66 @@ def test_download_folders_left_by_earlier_processes_are_swept_at_start(tmp_path)
     assert live.folder.is_dir() and (live.folder / f"vitviz-vit_b_16-{'0' * 32}.npz").exists()
     assert all(f.is_dir() and any(f.iterdir()) for f in others) and stale_file_outside.exists()
     assert mine.folder.is_dir() and mine.folder != live.folder
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. the parameter bound over the whole model
+
+VISION = dict(layers=2, width=32, head_width=16, patch_size=8, image_size=32, mlp_ratio=2.0)
+TEXT = dict(context_length=16, vocab_size=100, width=32, heads=2, layers=2)
+
+
+@pytest.fixture
+def tiny_open_clip(tmp_path, monkeypatch):
+    """A tiny open_clip architecture and tag, registered with open_clip (its weights not fetched):
+    returns (name, parameters of its image tower, of the whole model)."""
+    open_clip = pytest.importorskip("open_clip")
+    from open_clip import factory, pretrained
+
+    def register(arch: str, text: dict = TEXT, repo: str = "vitviz-test/tiny-open-clip"):
+        (tmp_path / "cfg").mkdir(exist_ok=True)
+        (tmp_path / "cfg" / f"{arch}.json").write_text(json.dumps(dict(embed_dim=16, quick_gelu=True, vision_cfg=VISION, text_cfg=text)))
+        open_clip.add_model_config(tmp_path / "cfg")
+        monkeypatch.setitem(pretrained._PRETRAINED, arch, {"tiny": dict(hf_hub=f"{repo}/", quick_gelu=True)})
+        return f"open_clip:{arch}/tiny"
+
+    try:
+        name = register("vitviz-tiny-params")
+        model = open_clip.create_model("vitviz-tiny-params", pretrained=None, force_quick_gelu=True)
+        yield name, sum(p.numel() for p in model.visual.parameters()), sum(p.numel() for p in model.parameters()), register
+    finally:
+        for arch in [a for a in factory._MODEL_CONFIGS if a.startswith("vitviz-tiny")]:
+            factory._MODEL_CONFIGS.pop(arch, None)
+
+
+def test_the_parameter_bound_counts_every_tower_before_loading(tiny_open_clip):
+    from vitviz.server import inputs
+
+    name, image, whole, _ = tiny_open_clip
+    assert image < whole
+    with pytest.raises(inputs.InputError, match="VITVIZ_MAX_PARAMS") as refused:
+        inputs.variant(name, max_params=(image + whole) // 2)
+    assert f"{whole:,}" in str(refused.value)
+    assert inputs.variant(name, max_params=whole) == name
+
+
+def test_the_parameter_bound_holds_for_a_loaded_model_its_name_could_not_count(monkeypatch, good):
+    """shapes_clip's spec counts its image tower: the loaded model (with its text tower) is counted
+    again, and the server refuses it as it refuses any variant, saying why."""
+    import gradio as gr
+
+    from vitviz.server import runtime
+    from vitviz.server.models import ModelCache, TooLarge
+
+    model = vitviz.load_model("shapes_clip", device="cpu")
+    whole = sum(p.numel() for p in model.parameters())
+    assert model.spec.config.num_params < whole
+    cache = ModelCache(max_models=2, max_params=whole - 1, device="cpu")
+    with pytest.raises(TooLarge, match="VITVIZ_MAX_PARAMS"):
+        cache.get("shapes_clip")
+    assert cache.loaded() == []
+    monkeypatch.setattr(runtime, "CACHE", cache)
+    with pytest.raises(gr.Error, match=f"{whole:,} parameters.*VITVIZ_MAX_PARAMS") as refused:
+        runtime.run(str(good), "shapes_clip")
+    assert refused.value.cause == "variant"
+    assert ModelCache(max_models=2, max_params=whole, device="cpu").get("shapes_clip")[0] is not None

@@ -8,7 +8,7 @@ import re
 import tempfile
 
 from vitviz.server.menus import head_choices
-from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants
+from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants, source_of
 
 __all__ = ["InputError", "variant", "public_text", "is_menu_name", "fusion", "ratio", "index", "head", "share"]
 
@@ -18,8 +18,9 @@ class InputError(ValueError):
 
 
 def variant(value: object, *, max_params: int | None = None, max_tokens: int | None = None, open_models: bool = True) -> str:
-    """A variant name vitviz can load: a listed one, or "timm:<name>" / "hf:<repo id>" of at most
-    `max_params` parameters (when `open_models`), at a size of at most `max_tokens` tokens (a windowed
+    """A variant name vitviz can load: a listed one, or "timm:<name>" / "hf:<repo id>" (when
+    `open_models`), of at most `max_params` parameters (every tower, as its source counts them from
+    the name: `WeightsSource.num_params`), at a size of at most `max_tokens` tokens (a windowed
     model: at most max_tokens² attention weights per head in any layer, what that many global tokens hold)."""
     if not isinstance(value, str) or not value.strip():
         raise InputError("Choose a model variant from the menu (or type timm:<name> or hf:<repo id> in the box below it).")
@@ -32,11 +33,10 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
         spec = get_spec(value)
     except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError, OSError) as exc:
         raise InputError(public_text(str(exc))) from None
-    if max_params is not None and spec.config.num_params > max_params:
-        raise InputError(
-            f"{value} has {spec.config.num_params / 1e6:,.0f} M parameters; this server loads models of up to "
-            f"{max_params / 1e6:,.0f} M (VITVIZ_MAX_PARAMS)."
-        )
+    params = source_of(spec).num_params(spec) if max_params is not None else 0
+    if max_params is not None and params > max_params:
+        raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "
+                         f"{max_params:,} (VITVIZ_MAX_PARAMS).")
     if max_tokens is not None and hasattr(spec.config, "geometries"):  # windowed attention: linear in tokens
         held = max(g.num_windows * g.area**2 for g in spec.config.geometries(spec.grid))  # weights per head of its largest layer
         if held > max_tokens**2:

@@ -20,7 +20,11 @@ from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
 from vitviz.swin import Swin
 
-__all__ = ["ModelFacts", "ModelCache", "prune_hub_cache"]
+__all__ = ["ModelFacts", "ModelCache", "TooLarge", "prune_hub_cache"]
+
+
+class TooLarge(RuntimeError):
+    """A loaded model with more parameters than the server loads; the message says how many, and the bound."""
 
 
 def _repo(spec: VariantSpec) -> str:
@@ -151,13 +155,16 @@ class ModelCache:
 
     At most `max_models` models and at most `max_bytes` of parameters are kept; the model just
     asked for always stays. Loads are serialised per variant, so two sessions asking for the same
-    variant load it once.
+    variant load it once. With `max_params`, a loaded model of more parameters (every tower counted)
+    is refused (`TooLarge`) and not kept: the bound holds also where a name could not be counted
+    before loading (`WeightsSource.num_params` counts what the spec says).
     """
 
     def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None,
-                 hub_bytes: int | None = None, keep_repos: set[str] | None = None) -> None:
+                 hub_bytes: int | None = None, keep_repos: set[str] | None = None, max_params: int | None = None) -> None:
         self.max_models = max_models
         self.max_bytes = max_bytes
+        self.max_params = max_params
         self.device = device
         self.hub_bytes = hub_bytes
         # the hub repositories of the menu's models: never removed, whoever named them
@@ -188,23 +195,35 @@ class ModelCache:
                     self._models.move_to_end(name)
                     return self._models[name]
             model = load_model(name, device=self.device)
+            repo = _repo(model.spec)
+            count = _count(model)
+            if self.max_params is not None and count > self.max_params:
+                del model
+                self._fetched(repo, keep=None)  # its files count within the hub's budget, oldest first
+                raise TooLarge(f"{name} has {count:,} parameters, all its towers together; this server loads models of up "
+                               f"to {self.max_params:,} (VITVIZ_MAX_PARAMS).")
             if isinstance(model, ImageTextModel) and model.labels is not None:
                 model.label_embeddings(model.labels)  # zero-shot labels encoded with the load, not inside a request
             entry = (model, ModelFacts.of(model))
             with self._lock:
                 self._models[name] = entry
                 self._evict(keep=name)
-                repo = _repo(model.spec)
-                if repo and repo not in self.menu_repos and self.hub_bytes is not None:
-                    self._hub_repos[repo] = None
-                    self._hub_repos.move_to_end(repo)
-                    repos = OrderedDict(self._hub_repos)
-            if repo and repo not in self.menu_repos and self.hub_bytes is not None:  # files removed outside the lock
-                prune_hub_cache(repos, max_bytes=self.hub_bytes, keep=repo)
-                with self._lock:
-                    for gone in set(self._hub_repos) - set(repos):
-                        self._hub_repos.pop(gone, None)
+            self._fetched(repo, keep=repo)
             return entry
+
+    def _fetched(self, repo: str, *, keep: str | None) -> None:
+        """A hub repository fetched for a name outside the menu: the newest, and the cache of such
+        repositories pruned within `hub_bytes`, oldest first (never `keep`; files removed outside the lock)."""
+        if not repo or repo in self.menu_repos or self.hub_bytes is None:
+            return
+        with self._lock:
+            self._hub_repos[repo] = None
+            self._hub_repos.move_to_end(repo)
+            repos = OrderedDict(self._hub_repos)
+        prune_hub_cache(repos, max_bytes=self.hub_bytes, keep=keep)
+        with self._lock:
+            for gone in set(self._hub_repos) - set(repos):
+                self._hub_repos.pop(gone, None)
 
     def _evict(self, *, keep: str) -> None:
         def total() -> int:

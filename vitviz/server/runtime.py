@@ -33,7 +33,7 @@ from vitviz.server.early import TICKET, Tickets  # noqa: E402
 from vitviz.server.export import Downloads, sweep  # noqa: E402
 from vitviz.server.gradio_io import as_text, upload_folder  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
-from vitviz.server.models import ModelCache  # noqa: E402
+from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
 from vitviz.server.settings import Settings  # noqa: E402
 from vitviz.server.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
@@ -54,7 +54,7 @@ Outputs = dict[Component, Any]
 MENU = list_variants()
 # every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
 SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
-CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes)
+CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes, max_params=SETTINGS.max_params)
 # one budget of model work for every event and the explorer's calls: priced before, bounded while running
 WORK = ModelWork(budget_bytes=SETTINGS.work_bytes, lanes=SETTINGS.concurrency, seconds=SETTINGS.request_seconds)
 DEFAULT_VARIANT, DEFAULT_REASON = default_variant()
@@ -219,7 +219,7 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
         refused.cause = "image"
         raise refused from None
-    except WeightsUnavailableError as exc:
+    except (WeightsUnavailableError, TooLarge) as exc:
         refused = error(inputs.public_text(str(exc)))
         refused.cause = "variant"
         raise refused from None
@@ -366,7 +366,7 @@ def recall(ref: SessionRef | None) -> views.Exploration:
         try:
             with job("analyse", ref.variant):
                 exp = _reanalyze_on_device(ref)
-        except WeightsUnavailableError as exc:
+        except (WeightsUnavailableError, TooLarge) as exc:
             raise error(inputs.public_text(str(exc))) from None
         STORE.put(exp, exp.analysis.nbytes, key=ref.key)
     return exp

@@ -89,6 +89,12 @@ class WeightsSource(ABC):
         """Whether weights could be downloaded now."""
         return False
 
+    def num_params(self, spec: VariantSpec) -> int:
+        """Parameters of the whole model `load` makes for `spec` (every tower: an image–text model's
+        text tower too), counted without loading it. The default counts the ViT of `spec.config`: a
+        source whose models hold more says so here (a server counts a loaded model again)."""
+        return spec.config.num_params
+
     def hub_repo(self, spec: VariantSpec) -> str:
         """The Hugging Face repository `spec`'s weights come from, or "" (not from the hub, or a
         checkpoint on this machine)."""

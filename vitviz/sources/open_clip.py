@@ -19,6 +19,8 @@ its last position ("last") after `ln_final`, projected, under a causal mask. Mod
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -249,11 +251,7 @@ class OpenClipSource(WeightsSource):
 
     def resolve(self, name: str, *, weights_path: str | None = None) -> VariantSpec:
         arch, tag, cfg = self._split(name)
-        open_clip = _open_clip()
-        with torch.device("meta"):
-            model = open_clip.create_model(arch, pretrained=None, load_weights=False, force_quick_gelu=bool(cfg.get("quick_gelu")),
-                                           device="meta")
-        vision, _ = open_clip_configs(model)
+        vision, _ = _architecture(arch, bool(cfg.get("quick_gelu")))
         repo = cfg["hf_hub"].strip("/")
         return VariantSpec(
             name=name, config=vision, preprocessing=_preprocessing(cfg, vision.image_size), categories=None, source=self.name,
@@ -268,6 +266,11 @@ class OpenClipSource(WeightsSource):
 
     def reachable(self) -> bool:
         return hub_reachable()
+
+    def num_params(self, spec: VariantSpec) -> int:
+        """Both towers' parameters, counted on the architecture built without memory ("meta")."""
+        arch, _, cfg = self._split(spec.name)
+        return _architecture(arch, bool(cfg.get("quick_gelu")))[1]
 
     def _weights(self, spec: VariantSpec) -> str:
         """The weights file: in the hub cache, or downloaded into it when the hub can be reached."""
@@ -299,6 +302,22 @@ class OpenClipSource(WeightsSource):
 
     def convert(self, model: nn.Module, **options) -> ImageTextModel:
         return from_open_clip(model, **options)
+
+
+def _architecture(arch: str, quick_gelu: bool) -> tuple[ViTConfig, int]:
+    """The image tower's config and the whole model's parameters (both towers) of an open_clip
+    architecture, built on the "meta" device (no memory, no weights); kept for its config's content."""
+    config = json.dumps(_open_clip().get_model_config(arch), sort_keys=True, default=str)
+    return _architecture_of(arch, quick_gelu, config)
+
+
+@functools.lru_cache(maxsize=32)
+def _architecture_of(arch: str, quick_gelu: bool, config: str) -> tuple[ViTConfig, int]:
+    open_clip = _open_clip()
+    with torch.device("meta"):
+        model = open_clip.create_model(arch, pretrained=None, load_weights=False, force_quick_gelu=quick_gelu, device="meta")
+    vision, _ = open_clip_configs(model)
+    return vision, sum(p.numel() for p in model.parameters())
 
 
 def _imagenet_labels() -> tuple[str, ...]:
