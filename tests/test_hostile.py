@@ -289,3 +289,89 @@ def test_the_parameter_bound_holds_for_a_loaded_model_its_name_could_not_count(m
         runtime.run(str(good), "shapes_clip")
     assert refused.value.cause == "variant"
     assert ModelCache(max_models=2, max_params=whole, device="cpu").get("shapes_clip")[0] is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. open_clip offline: no network call
+
+
+class NetworkReached(BaseException):
+    """Raised by any attempt to reach the network (not an Exception: no retry loop swallows it)."""
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """VITVIZ_OFFLINE=1, an empty Hugging Face cache, and every network call recorded and refused."""
+    from huggingface_hub import constants
+
+    calls = []
+
+    def reached(*args, **kwargs):
+        calls.append(args[:2])
+        raise NetworkReached(args[:2])
+
+    monkeypatch.setattr(socket.socket, "connect", reached)
+    monkeypatch.setattr(socket, "create_connection", reached)
+    monkeypatch.setattr(socket, "getaddrinfo", reached)
+    root = tmp_path / "hf" / "hub"
+    root.mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("VITVIZ_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return root, calls
+
+
+def test_open_clip_names_that_need_the_network_are_refused_offline_without_a_call(offline, tiny_open_clip):
+    from conftest import write_hub_cache
+    from vitviz.sources import WeightsUnavailableError
+
+    root, calls = offline
+    pytest.importorskip("open_clip")
+    # a Hugging Face text tower: its config would come from the hub; refused from open_clip's own config
+    with pytest.raises((ValueError, NotImplementedError), match="Hugging Face text tower"):
+        vitviz.get_spec("open_clip:xlm-roberta-base-ViT-B-32/laion5b_s13b_b90k")
+    # weights not in the cache
+    with pytest.raises(WeightsUnavailableError, match="VITVIZ_OFFLINE"):
+        vitviz.load_model("open_clip:ViT-B-32/openai", device="cpu")
+    # weights in the cache, but a tokenizer from the hub that is not
+    _, _, _, register = tiny_open_clip
+    name = register("vitviz-tiny-hftok", text={**TEXT, "hf_tokenizer_name": "vitviz-test/no-such-tokenizer"}, repo="vitviz-test/tiny-hftok")
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    snap = write_hub_cache(root, "vitviz-test/tiny-hftok", {})
+    torch.save(CLIP(embed_dim=16, vision_cfg=CLIPVisionCfg(**VISION), text_cfg=CLIPTextCfg(**TEXT), quick_gelu=True).state_dict(),
+               snap / "open_clip_pytorch_model.bin")
+    with pytest.raises(WeightsUnavailableError, match="VITVIZ_OFFLINE.*vitviz-test/no-such-tokenizer|vitviz-test/no-such-tokenizer.*VITVIZ_OFFLINE"):
+        vitviz.load_model(name, device="cpu")
+    assert calls == []
+
+
+def test_an_open_clip_model_with_a_cached_hub_tokenizer_loads_offline_without_a_call(offline, tiny_open_clip, monkeypatch, tmp_path):
+    """Reading even a cached file, huggingface_hub first asks huggingface.co for its registry of
+    agents (once a process, kept a day on disk): offline, it is kept from that too."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _detect_agent
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from conftest import write_hub_cache
+
+    root, calls = offline
+    monkeypatch.setattr(_detect_agent, "_registry", None)  # as in a fresh process, with nothing on disk
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agents.json"))
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "a": 2, "cat": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    snap = write_hub_cache(root, "vitviz-test/tiny-tokenizer", {
+        "config.json": json.dumps({"model_type": "bert"}).encode(),
+        "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]", "unk_token": "[UNK]"}).encode()})
+    words.save(str(snap / "tokenizer.json"))
+    _, _, _, register = tiny_open_clip
+    name = register("vitviz-tiny-cachedtok", text={**TEXT, "hf_tokenizer_name": "vitviz-test/tiny-tokenizer"}, repo="vitviz-test/tiny-cachedtok")
+    snap = write_hub_cache(root, "vitviz-test/tiny-cachedtok", {})
+    torch.save(CLIP(embed_dim=16, vision_cfg=CLIPVisionCfg(**VISION), text_cfg=CLIPTextCfg(**TEXT), quick_gelu=True).state_dict(),
+               snap / "open_clip_pytorch_model.bin")
+    offline_before = constants.HF_HUB_OFFLINE
+    ours = vitviz.load_model(name, device="cpu")
+    ids, _ = ours.tokenize(["a cat"])
+    assert ids[0, :2].tolist() == [2, 3]
+    assert calls == [] and constants.HF_HUB_OFFLINE == offline_before  # the hub's switch back as it was

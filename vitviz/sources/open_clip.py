@@ -14,7 +14,10 @@ the tag's config (mean, std, interpolation, resize mode) and the activation from
 Read: the image tower's cls token ("tok" pooling) after `ln_post`, projected; the text at its
 end-of-text token (the highest id, "argmax" pooling, or the tokenizer's end-of-text id, "eos") or at
 its last position ("last") after `ln_final`, projected, under a causal mask. Models with another pooling (an attentional pooler, CoCa), a timm or Hugging Face tower
-(SigLIP in open_clip, ConvNeXt, ResNets) or LayerScale in the text tower are refused with the reason.
+(SigLIP in open_clip, ConvNeXt, ResNets) or LayerScale in the text tower are refused with the reason
+(a Hugging Face or timm tower and CoCa from the architecture's config, before anything is built).
+With VITVIZ_OFFLINE or HF_HUB_OFFLINE nothing is fetched: weights and a Hugging Face tokenizer come
+from the hub's cache, or the load is refused at once saying what to download.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +42,7 @@ __all__ = ["OpenClipSource", "OpenClipTokenizer", "from_open_clip", "open_clip_c
 
 _NAME = re.compile(r"^open_clip:([A-Za-z0-9][A-Za-z0-9._-]{0,80})/([A-Za-z0-9][A-Za-z0-9._-]{0,80})$")
 _WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 def _open_clip():
@@ -87,6 +93,19 @@ def _check(model: nn.Module) -> None:
     for block in model.transformer.resblocks:
         if not isinstance(block.ls_1, nn.Identity) or getattr(block, "ln_attn", None) is not None:
             raise NotImplementedError("an open_clip text tower with LayerScale or extra norms is not modelled by vitviz")
+
+
+def _check_config(arch: str, config: dict) -> None:
+    """What vitviz does not model, refused from the architecture's config before anything is built:
+    building a Hugging Face text tower fetches its config from the hub, with retries when offline."""
+    vision, text = config.get("vision_cfg") or {}, config.get("text_cfg") or {}
+    towers = "vitviz reads open_clip's CLIP with its own VisionTransformer and text transformer"
+    if text.get("hf_model_name"):
+        raise NotImplementedError(f"open_clip's {arch} has a Hugging Face text tower ({text['hf_model_name']}): {towers}")
+    if vision.get("timm_model_name"):
+        raise NotImplementedError(f"open_clip's {arch} has a timm image tower ({vision['timm_model_name']}): {towers}")
+    if config.get("multimodal_cfg"):
+        raise NotImplementedError(f"open_clip's {arch} is a CoCa (a text decoder beside the towers): {towers}")
 
 
 def _mlp_dim(blocks: nn.ModuleList) -> int:
@@ -243,6 +262,7 @@ class OpenClipSource(WeightsSource):
         arch, tag = m.groups()
         if arch not in open_clip.list_models():
             raise ValueError(f"open_clip has no architecture {arch!r} (open_clip.list_models() lists them)")
+        _check_config(arch, open_clip.get_model_config(arch) or {})
         cfg = open_clip.get_pretrained_cfg(arch, tag)
         if not cfg or not cfg.get("hf_hub"):
             tags = ", ".join(open_clip.list_pretrained_tags_by_model(arch)) or "none"
@@ -290,12 +310,31 @@ class OpenClipSource(WeightsSource):
                 errors.append(f"{file}: {type(exc).__name__}")
         raise WeightsUnavailableError(missing_message(spec.name, spec.locator, "; ".join(errors), weights_path_hint="an open_clip checkpoint"))
 
+    def _tokenizer(self, spec: VariantSpec, arch: str) -> Any:
+        """open_clip's tokenizer for `arch`: its own vocabulary (shipped with it), or a Hugging Face
+        tokenizer from the hub's cache, downloaded into it when the hub can be reached."""
+        open_clip = _open_clip()
+        repo = ((open_clip.get_model_config(arch) or {}).get("text_cfg") or {}).get("hf_tokenizer_name")
+        if not repo:
+            return open_clip.get_tokenizer(arch)
+        if hub_offline() or not hub_reachable():
+            why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
+            if cached_file(repo, _TOKENIZER_FILES) is None:
+                raise WeightsUnavailableError(_tokenizer_missing(spec.name, repo, why))
+            with _hub_offline():
+                return open_clip.get_tokenizer(arch, local_files_only=True)
+        try:
+            return open_clip.get_tokenizer(arch)
+        except OSError as exc:
+            raise WeightsUnavailableError(_tokenizer_missing(spec.name, repo, type(exc).__name__)) from None
+
     def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ImageTextModel:
         arch, tag, cfg = self._split(spec.name)
         path = weights_path or self._weights(spec)
+        tokenizer = self._tokenizer(spec, arch)  # (before the model is built: nothing is built for a refusal)
         open_clip = _open_clip()
         model = open_clip.create_model(arch, pretrained=str(path), force_quick_gelu=bool(cfg.get("quick_gelu")), device="cpu").eval()
-        ours = from_open_clip(model, preprocessing=spec.preprocessing, tokenizer=open_clip.get_tokenizer(arch), name=spec.name)
+        ours = from_open_clip(model, preprocessing=spec.preprocessing, tokenizer=tokenizer, name=spec.name)
         ours.labels = _imagenet_labels()
         ours.spec = spec
         return ours
@@ -318,6 +357,39 @@ def _architecture_of(arch: str, quick_gelu: bool, config: str) -> tuple[ViTConfi
         model = open_clip.create_model(arch, pretrained=None, load_weights=False, force_quick_gelu=quick_gelu, device="meta")
     vision, _ = open_clip_configs(model)
     return vision, sum(p.numel() for p in model.parameters())
+
+
+def _tokenizer_missing(name: str, repo: str, why: str) -> str:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (f"The tokenizer of {name} ({repo}) is not in the Hugging Face cache and cannot be downloaded ({why}): on a machine "
+            f"with network run `hf download {repo}` and copy its models--{repo.replace('/', '--')} folder into {HF_HUB_CACHE} "
+            f"(set $HF_HOME to use another cache).")
+
+
+_OFFLINE_LOCK = threading.Lock()
+_offline = {"users": 0, "before": False}
+
+
+@contextmanager
+def _hub_offline():
+    """huggingface_hub (and transformers, through it) offline while a cached tokenizer is read: only
+    the hub's own switch keeps it from every call (before reading even a cached file it asks
+    huggingface.co for its registry of agents). The switch goes back when the last reader is done."""
+    from huggingface_hub import constants
+
+    with _OFFLINE_LOCK:
+        if _offline["users"] == 0:
+            _offline["before"] = constants.HF_HUB_OFFLINE
+        _offline["users"] += 1
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        with _OFFLINE_LOCK:
+            _offline["users"] -= 1
+            if _offline["users"] == 0:
+                constants.HF_HUB_OFFLINE = _offline["before"]
 
 
 def _imagenet_labels() -> tuple[str, ...]:
