@@ -618,25 +618,29 @@ def merge_map(grid: tuple[int, int], *, dtype: torch.dtype = torch.float32, devi
     return m / m.sum(dim=1, keepdim=True)
 
 
-def _merge_left(p: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """p [B, R, N_{s+1}] -> p @ merge_map(grid) [B, R, N_s], without the matrix."""
+def _merge_right(q: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """q [B, N_{s+1}, R] -> merge_map(grid)^T @ q [B, N_s, R], without the matrix: each child's row
+    is its parent's, divided by the parent's children."""
     gh, gw = grid
     pw = (gw + 1) // 2
-    rows, cols = torch.meshgrid(torch.arange(gh, device=p.device), torch.arange(gw, device=p.device), indexing="ij")
+    rows, cols = torch.meshgrid(torch.arange(gh, device=q.device), torch.arange(gw, device=q.device), indexing="ij")
     parent = ((rows // 2) * pw + cols // 2).flatten()
-    children = torch.bincount(parent, minlength=p.shape[-1]).to(p.dtype)
-    return (p / children)[..., parent]
+    children = torch.bincount(parent, minlength=q.shape[1]).to(q.dtype)
+    return (q / children[:, None]).index_select(1, parent)
 
 
-def _window_left(p: torch.Tensor, kernel: torch.Tensor, geometry: WindowGeometry) -> torch.Tensor:
-    """p [B, R, N] @ K [B, N, N], with K given window by window [B, windows, M², M²] and zero outside
-    the support (`WindowGeometry.support`): the product without the N x N matrix."""
-    b, r, _ = p.shape
-    window, place = geometry.placement(p.device)
-    spread = p.new_zeros(b, r, geometry.num_windows, geometry.area)
-    spread[:, :, window, place] = p  # each token's column at its place in its window
-    out = torch.einsum("brwi,bwij->brwj", spread, kernel)
-    return out[:, :, window, place]
+def _window_right(q: torch.Tensor, kernel: torch.Tensor, geometry: WindowGeometry) -> torch.Tensor:
+    """K^T @ q [B, N, R] for K [B, N, N] given window by window [B, windows, M², M²] and zero outside
+    the support (`WindowGeometry.support`): the product without the N x N matrix. Tokens go to their
+    places in their windows as whole rows (one index copy), each window's block is one batched
+    matrix product, and the rows come back the same way."""
+    b, _, r = q.shape
+    window, place = geometry.placement(q.device)
+    slot = window * geometry.area + place  # each token's row among the windows' places
+    spread = q.new_zeros(b, geometry.num_windows * geometry.area, r)
+    spread.index_copy_(1, slot, q)
+    out = kernel.transpose(-1, -2) @ spread.view(b, geometry.num_windows, geometry.area, r)  # [B, windows, M², R]
+    return out.view(b, -1, r).index_select(1, slot)
 
 
 def _layer_kernels(attentions: Sequence[torch.Tensor], geometries: Sequence[WindowGeometry]) -> list[torch.Tensor]:
@@ -658,25 +662,26 @@ def _through_network(
 
     Layer l's matrix is B_l = rownorm(K_l + I) ("rollout") or I + K_l ("add"), K_l given window by
     window [B, windows, M², M²] (fused over heads, support only). Returns
-    R = B_L ··· M ··· B_1 [B, N_last, N_0], taken from the last layer down (P <- P B_l,
-    P <- P M_s) so that only [B, N_last, N_s] is ever held."""
+    R = B_L ··· M ··· B_1 [B, N_last, N_0], taken from the last layer down and held transposed,
+    Q = R^T (Q <- B_l^T Q, Q <- M_s^T Q), so that only [B, N_s, N_last] is ever held and every
+    step moves whole rows."""
     if not (len(kernels) == len(geometries) == len(stages)):
         raise ValueError("one kernel, geometry and stage per layer")
     batch = kernels[0].shape[0]
     n_last = geometries[-1].num_tokens
-    p = torch.eye(n_last, dtype=kernels[0].dtype, device=kernels[0].device).expand(batch, n_last, n_last).clone()
+    q = torch.eye(n_last, dtype=kernels[0].dtype, device=kernels[0].device).expand(batch, n_last, n_last).clone()
     for l in range(len(kernels) - 1, -1, -1):
         g, k = geometries[l], kernels[l] * geometries[l].support(kernels[l].device).to(kernels[l].dtype)
         if rule == "rollout":
             window, place = g.placement(k.device)
             rows = k.sum(dim=-1)[:, window, place] + 1.0  # [B, N]: each row of K + I
-            scaled = p / rows[:, None, :]
-            p = _window_left(scaled, k, g) + scaled
+            scaled = q / rows[:, :, None]
+            q = _window_right(scaled, k, g) + scaled
         else:
-            p = p + _window_left(p, k, g)
+            q = q + _window_right(q, k, g)
         if l > 0 and stages[l - 1] != stages[l]:
-            p = _merge_left(p, geometries[l - 1].grid)
-    return p
+            q = _merge_right(q, geometries[l - 1].grid)
+    return q.transpose(1, 2).contiguous()
 
 
 def swin_rollout(
@@ -728,12 +733,12 @@ def swin_last_attention(
     k = fuse_heads(_layer_kernels(attentions[-1:], geometries[-1:])[0], head_fusion, dim=2)
     g = geometries[-1]
     k = k * g.support(k.device).to(k.dtype)
-    p = torch.full((k.shape[0], 1, g.num_tokens), 1.0 / g.num_tokens, dtype=k.dtype, device=k.device)
-    p = _window_left(p, k, g)
+    q = torch.full((k.shape[0], g.num_tokens, 1), 1.0 / g.num_tokens, dtype=k.dtype, device=k.device)  # the row, held as a column
+    q = _window_right(q, k, g)
     for l in range(len(geometries) - 1, 0, -1):
         if stages[l - 1] != stages[l]:
-            p = _merge_left(p, geometries[l - 1].grid)
-    return p[:, 0]
+            q = _merge_right(q, geometries[l - 1].grid)
+    return q[:, :, 0]
 
 
 # ---------------------------------------------------------------------------------------------
