@@ -9,7 +9,7 @@
 | VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |
 | VITVIZ_REQUEST_SECONDS | 300 | one model job's time (estimated before, enforced while it runs) |
 | VITVIZ_MAX_TOKENS | the largest menu model's (ViT-H/14 at 518 px: 1,370) | tokens per image |
-| VITVIZ_MAX_PARAMS | 7e8 | parameters of a model named in the page |
+| VITVIZ_MAX_PARAMS | 7e8 | parameters of a model, every tower (an image–text model's text tower too), before it loads where its name says, and once loaded |
 | VITVIZ_OPEN_MODELS | 1 | 0: only the menu's models, no timm:/hf: names from the page |
 | VITVIZ_MAX_MODELS | 3 | models kept loaded (and 3 GiB of parameters) |
 | VITVIZ_STATE_MB, VITVIZ_STATE_IDLE | 3072, 900 | analyses kept for sessions, and how long an idle one stays |
