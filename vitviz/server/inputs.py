@@ -33,8 +33,7 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
         spec = get_spec(value)
     except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError, OSError) as exc:
         raise InputError(public_text(str(exc))) from None
-    params = source_of(spec).num_params(spec) if max_params is not None else 0
-    if max_params is not None and params > max_params:
+    if max_params is not None and (params := source_of(spec).num_params(spec)) > max_params:
         raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "
                          f"{max_params:,} (VITVIZ_MAX_PARAMS).")
     if max_tokens is not None and hasattr(spec.config, "geometries"):  # windowed attention: linear in tokens
