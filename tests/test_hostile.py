@@ -8,7 +8,6 @@ import shutil
 import socket
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -109,9 +108,10 @@ def test_unknown_or_malformed_events_are_answered_4xx_with_a_reason(server, good
 
 def test_api_callers_read_error_text_as_it_was_written(server, good):
     from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
 
     client = Client(server, verbose=False)
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(AppError) as caught:
         client.predict(handle_file(str(good)), "timm:<name>", api_name="/analyze")
     assert "timm:<name>" in str(caught.value) and "&lt;" not in str(caught.value), caught.value
     client.close()
