@@ -9,10 +9,17 @@
     python -m vitviz.dev.bench --serving         # each kind of request priced and measured; one client's share of the queue
     python -m vitviz.dev.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
     python -m vitviz.dev.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
+    python -m vitviz.dev.bench --device cuda     # any row above on CUDA only (cpu: GPUs hidden; auto, the default: as each row says)
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
 cache state hit all of them alike; the table shows medians and ratios to torchvision's forward.
 Weights are random (the cost does not depend on their values), so no download is needed.
+
+--device auto (the default) times the model paths and --relevance on the CPU and, when there is a
+GPU, on CUDA; --training and the in-memory passes of --evaluate on the CPU; the app's rows
+(--handler, --app, --browser, --serving) and the evaluator's runs on the device the app and the
+evaluator choose themselves (CUDA when there is one). --device cpu hides every GPU from this process
+and the processes it starts; --device cuda runs every row that has a device on CUDA (`.ci/gpu`).
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ def measure(candidates: dict[str, Callable[[], object]], *, rounds: int, warmup:
     return times
 
 
+def _sync_of(device: torch.device) -> Callable[[], None]:
+    """What waits for `device`'s queued work (timings on CUDA end there)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -65,7 +77,8 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    gpu = f"; CUDA: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}{gpu}"
 
 
 def model_path_table(arch: str, device: torch.device, *, rounds: int) -> list[tuple[str, float, float]]:
@@ -227,7 +240,9 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
 
         photos = _photos(Path(home), rounds, seed=3)
         model, _ = runtime.CACHE.get(arch)
-        x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size)
+        device = next(model.parameters()).device  # the app's: CUDA when there is a GPU
+        x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size, device=device)
+        sync = _sync_of(device)
         times: dict[str, list[float]] = {k: [] for k in ("plain forward", "the explorer's value published for the page",
                                                          "analysis, explorer file written during the forward",
                                                          "of which its two pictures, before the forward",
@@ -240,6 +255,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             start = time.perf_counter()
             with torch.inference_mode():
                 model(x)
+            sync()
             times["plain forward"].append(time.perf_counter() - start)
             start, published = time.perf_counter(), []
             with runtime.EARLY.opened(runtime.new_key()) as ticket:  # as the page names its analyses: pictures before the forward
@@ -349,7 +365,9 @@ def _random_torchvision_checkpoints(names) -> dict:
 
 
 def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[tuple[str, float, str]]:
-    tv = _random_torchvision_checkpoints([arch, second])[arch]
+    device = vitviz.default_device()  # the app's: the reference forward runs where the app's does
+    tv = _random_torchvision_checkpoints([arch, second])[arch].to(device)
+    sync = _sync_of(device)
     from vitviz.server import app, page, runtime, tabs
     from gradio_client import Client, handle_file
 
@@ -357,12 +375,13 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
     try:
         client = Client(app.demo.local_url, verbose=False)
         paths = _photos(Path(torch_home), rounds + 2, seed=1, name="img{i}.jpg")
-        x = torch.randn(1, 3, tv.image_size, tv.image_size)
+        x = torch.randn(1, 3, tv.image_size, tv.image_size, device=device)
         counter = {"i": 0}
 
         def tv_forward():
             with torch.inference_mode():
                 tv(x)
+            sync()
 
         def api_new_image():
             counter["i"] += 1
@@ -594,12 +613,15 @@ def _browser_rows(page, app, name: str, photos: list[str], moves: int, tv_model)
     for k in range(moves):
         radio = page.locator("#vv-fusion label", has_text=fusions[k % 3])
         rollout.append(_timed(page, lambda: radio.click(), "src", "#vv-rollout img"))
-    model = tv_model if tv_model is not None else vitviz.load_model(name, device="cpu")
-    x = torch.randn(1, 3, spec.image_size, spec.image_size)
+    device = vitviz.default_device()  # the app's: the plain forward runs where the app's does
+    model = (tv_model if tv_model is not None else vitviz.load_model(name, device=device)).to(device)
+    x = torch.randn(1, 3, spec.image_size, spec.image_size, device=device)
+    sync = _sync_of(device)
 
     def forward():
         with torch.inference_mode():
             model(x)
+        sync()
 
     forward()
     analyse, explorer_ready, plain, served, chromium = [], [], [], [], []
@@ -727,12 +749,14 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
     return rows
 
 
-def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 5) -> list[tuple[str, float, float, str]]:
+def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 5,
+                         device: torch.device = torch.device("cpu")) -> list[tuple[str, float, float, str]]:
     """The evaluator's own scoring of one batch in memory (`vitviz.evaluate._score`, no decoding, no
     files), timed in turn with the plain passes it is held to, in this process: (what, median s,
     median over the rounds of the plain pass's time over its time in the same round, what the plain
     pass is). Across a whole run the machine's speed drifts between the run and its plain passes;
-    here each ratio pairs two passes timed one after the other.
+    here each ratio pairs two passes timed one after the other. On `device` as a run's rank: the model
+    and the plain passes' input there, the batch on the CPU as the data loader hands it over.
     torchvision variants load random weights through the real weights path (the ratios do not
     depend on the weights)."""
     from vitviz import evaluate
@@ -740,9 +764,11 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     with _private_weights():
         if vitviz.get_spec(arch).source == "torchvision":
             _random_torchvision_checkpoints([arch])
-        model = vitviz.load_model(arch, device="cpu")
+        model = vitviz.load_model(arch, device=device)
     size = model.image_size
     x = torch.randn(batch, 3, size, size)
+    x_on = x.to(device)
+    sync = _sync_of(device)
     mask = torch.zeros(batch, size, size, dtype=torch.bool)
     mask[:, size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = True
     items = [evaluate.Item(i, f"{i}.jpg", None, None, f"{i}.jpg", "") for i in range(batch)]
@@ -751,14 +777,15 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     rows = []
     for name, metrics, methods, backward in (("distance", ["distance"], [], False), ("pointing, gradient", ["pointing"], ["gradient"], True)):
         times = measure({"pass": lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16),
-                         "plain": lambda: evaluate._plain_pass(model, x, backward=backward)}, rounds=rounds, warmup=1)
+                         "plain": lambda: evaluate._plain_pass(model, x_on, backward=backward)}, rounds=rounds, warmup=1, sync=sync)
         what = "forwards + backwards" if backward else "forwards"
         paired = statistics.median(plain / mine for plain, mine in zip(times["plain"], times["pass"]))
         rows.append((name, statistics.median(times["pass"]), paired, what))
     return rows
 
 
-def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int = 9) -> list[tuple[str, float, float]]:
+def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int = 9,
+                         device: torch.device = torch.device("cpu")) -> list[tuple[str, float, float]]:
     """One layer's attention of a batch (random queries, keys and values of `arch`'s shape, 224 px or
     its own size) as the evaluator's distance pass computes it (`Attention._by_parts` with the
     per-head distances as the reduction), a few images at a time, against the fused attention that a
@@ -771,9 +798,9 @@ def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int
 
     spec = vitviz.get_spec(arch)
     c = spec.config
-    layer = Attention(width=c.width, heads=c.heads).eval()
+    layer = Attention(width=c.width, heads=c.heads).eval().to(device)
     tokens = c.grid[0] * c.grid[1] + c.num_prefix_tokens
-    q, k, v = (torch.randn(batch, c.heads, tokens, c.width // c.heads) for _ in range(3))
+    q, k, v = (torch.randn(batch, c.heads, tokens, c.width // c.heads, device=device) for _ in range(3))
 
     def reduce(a: torch.Tensor, first: int, total: int) -> None:
         mean_attention_distance(a.unsqueeze(0), patch_size=c.patch_size, num_prefix_tokens=c.num_prefix_tokens, grid=c.grid)
@@ -785,7 +812,7 @@ def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int
         name = f"with distances, {n} image{'s' if n > 1 else ''} at a time" + (" (the pass's)" if n == chosen else "")
         candidates[name] = lambda n=n: layer._by_parts(q, k, v, reduce, n)
     with torch.inference_mode():
-        times = measure(candidates, rounds=rounds, warmup=2)
+        times = measure(candidates, rounds=rounds, warmup=2, sync=_sync_of(device))
     fused = statistics.median(times["fused attention (a plain forward's)"])
     return [(name, 1e3 * statistics.median(t), statistics.median(t) / fused) for name, t in times.items()]
 
@@ -811,6 +838,9 @@ cost = price(model.spec, kind, budget={budget})
 release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
+gpu = torch.cuda.is_available()
+if gpu:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
 if kind == "analyse":
     e = views.explore(cache, image, variant); e.analysis.distances(); views.render_rollout(e)
@@ -822,15 +852,19 @@ elif kind == "export":
     Downloads().npz(exp, size=cost.kept_bytes)
 elif kind == "explorer":
     explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
+if gpu:
+    torch.cuda.synchronize()
 seconds = time.perf_counter() - start
-print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops)))
+gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if gpu else None
+print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak)))
 """
 
 
 def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer"),
-                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float]]:
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None]]:
     """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
-    peak MB above the process's resident memory before the request, seconds)."""
+    peak MB above the process's resident memory before the request, seconds, and on a GPU the peak MB
+    of CUDA memory allocated above what was before the request, else None)."""
     import subprocess
     import sys
 
@@ -844,7 +878,8 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
                 out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
-                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["seconds"]))
+                gpu = got.get("gpu_peak")
+                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["seconds"], None if gpu is None else gpu / 2**20))
     return rows
 
 
@@ -856,7 +891,8 @@ def fairness_table(arch: str = "vit_b_16", *, joins: int = 33) -> dict:
     import httpx
 
     with _private_weights():
-        _random_torchvision_checkpoints([arch])
+        if vitviz.get_spec(arch).source == "torchvision":
+            _random_torchvision_checkpoints([arch])
         from vitviz.server import app
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
@@ -948,7 +984,8 @@ def inputs_table(rounds: int = 5) -> list[tuple[str, str, float, float]]:
     return rows
 
 
-def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10) -> list[tuple[str, float]]:
+def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10,
+                   device: torch.device = torch.device("cpu")) -> list[tuple[str, float]]:
     """(what, median ms) for one training step of an embedded model on random images: forward and
     backward with the fused attention kernel and with the plain softmax product; an optimizer step
     of `torch.optim.Muon` (as `vitviz.dev.train_shapes.muon`) and of AdamW on the encoder's matrices; and
@@ -957,9 +994,10 @@ def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10
     from vitviz.dev.train_shapes import muon
 
     torch.manual_seed(0)
-    model = get_spec(name).build().train()
+    model = get_spec(name).build().train().to(device)
     side = model.image_size
-    x, y = torch.randn(batch, 3, side, side), torch.randint(0, model.num_classes, (batch,))
+    x, y = torch.randn(batch, 3, side, side, device=device), torch.randint(0, model.num_classes, (batch,), device=device)
+    sync = _sync_of(device)
     attention = [m for m in model.modules() if hasattr(m, "fused")]
 
     def step(fused: bool, net=model, xb=x, yb=y):
@@ -968,18 +1006,19 @@ def training_table(name: str = "shapes_p8", *, batch: int = 64, rounds: int = 10
         model.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(net(xb), yb).backward()
 
-    times = measure({"fused": lambda: step(True), "plain": lambda: step(False)}, rounds=rounds)
+    times = measure({"fused": lambda: step(True), "plain": lambda: step(False)}, rounds=rounds, sync=sync)
     rows = [(f"forward + backward, batch {batch}, fused attention", 1e3 * statistics.median(times["fused"])),
             (f"forward + backward, batch {batch}, plain softmax product", 1e3 * statistics.median(times["plain"]))]
     step(True)
     matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
     optimizers = {"Muon": muon(matrices, lr=1e-3, weight_decay=0.05), "AdamW": torch.optim.AdamW(matrices, lr=1e-3, weight_decay=0.05)}
-    times = measure({k: o.step for k, o in optimizers.items()}, rounds=rounds)
+    times = measure({k: o.step for k, o in optimizers.items()}, rounds=rounds, sync=sync)
     rows += [(f"optimizer step, {k}, {len(matrices)} matrices", 1e3 * statistics.median(times[k])) for k in optimizers]
     big = batch * 2
-    xb, yb = torch.randn(big, 3, side, side), torch.randint(0, model.num_classes, (big,))
+    xb, yb = torch.randn(big, 3, side, side, device=device), torch.randint(0, model.num_classes, (big,), device=device)
     compiled = torch.compile(model)
-    times = measure({"eager": lambda: step(True, model, xb, yb), "compiled": lambda: step(True, compiled, xb, yb)}, rounds=rounds, warmup=3)
+    times = measure({"eager": lambda: step(True, model, xb, yb), "compiled": lambda: step(True, compiled, xb, yb)}, rounds=rounds, warmup=3,
+                    sync=sync)
     rows += [(f"images/s forward + backward, batch {big}, {k}", big / statistics.median(times[k])) for k in ("eager", "compiled")]
     return rows
 
@@ -995,7 +1034,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="vit_b_16")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--cpu-only", action="store_true")
+    ap.add_argument("--cpu-only", action="store_true", help="the same as --device cpu")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: as each row says (see above); cpu: every GPU hidden from this process and the processes it "
+                         "starts; cuda: every row that has a device on CUDA, an error without one")
     ap.add_argument("--app", action="store_true", help="end to end through the app instead of the model paths")
     ap.add_argument("--second", default="vit_b_32", help="the other variant of the Compare timing (with --app)")
     ap.add_argument("--browser", action="store_true", help="in Chromium: view changes and new analyses as a person sees them")
@@ -1008,14 +1050,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inputs", action="store_true", help="hostile images (a checkout's tests/corpus.py): seconds and peak memory")
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
+    ap.add_argument("--joins", type=int, default=33, help="the analyses one client sends at once in --serving's share of the queue")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
-    ap.add_argument("--batch", type=int, default=8, help="the batch of --relevance and of --evaluate's passes in memory")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="the batch of --relevance and of --evaluate's passes in memory (default 8), of --training (default 64)")
     args = ap.parse_args(argv)
+    batch = args.batch or (64 if args.training else 8)
+    device = "cpu" if args.cpu_only else args.device
+    if device == "cpu":  # before anything asks torch about CUDA: it counts the devices once
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():
+            raise SystemExit("--device cpu: CUDA was queried before the GPUs could be hidden; run with CUDA_VISIBLE_DEVICES=''")
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU and a torch built with CUDA; torch.cuda.is_available() is False here "
+                         "(leave out --device to time on the CPU)")
+    # the model paths and --relevance: the CPU and, with a GPU, CUDA beside it; the other in-process rows: one device
+    both = [torch.device(d) for d in (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))] if device == "auto" else [torch.device(device)]
+    one = torch.device("cuda" if device == "cuda" else "cpu")
+
+    def title(d: torch.device) -> str:
+        return f"CUDA ({torch.cuda.get_device_name()})" if d.type == "cuda" else "CPU"
+
     if args.relevance:
-        print(f"vitviz.dev.bench --relevance {args.arch}, batch {args.batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
-        _print_table("CPU", relevance_table(args.arch, torch.device("cpu"), batch=args.batch, rounds=args.rounds))
-        if torch.cuda.is_available() and not args.cpu_only:
-            _print_table(f"CUDA ({torch.cuda.get_device_name()})", relevance_table(args.arch, torch.device("cuda"), batch=args.batch, rounds=args.rounds * 3))
+        print(f"vitviz.dev.bench --relevance {args.arch}, batch {batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        for d in both:
+            _print_table(title(d), relevance_table(args.arch, d, batch=batch, rounds=args.rounds * (3 if d.type == "cuda" else 1)))
         print("\ntarget: relevance_maps <= 1.05x the plain forward and backward")
         return
     if args.inputs:
@@ -1025,18 +1084,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<22}{how:<10}{seconds:>10.3f}{peak:>10.0f}")
         return
     if args.training:
-        print(f"vitviz.dev.bench --training shapes_p8, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}; {torch.get_num_threads()} threads")
-        for what, value in training_table(rounds=args.rounds):
+        print(f"vitviz.dev.bench --training shapes_p8, {args.rounds} rounds, on {title(one)}; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        for what, value in training_table(batch=batch, rounds=args.rounds, device=one):
             print(f"{what:<58}{value:>10.1f}")
         return
     if args.serving:
         print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
-        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'seconds':>10}")
-        for variant, kind, priced, peak, seconds in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
-            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{seconds:>10.2f}")
-        got = fairness_table(args.arch)
-        print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent 33 joins at once "
+        gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
+        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'seconds':>10}" + (f"{'GPU peak MB':>13}" if gpu else ""))
+        for variant, kind, priced, peak, seconds, gpu_peak in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
+            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{seconds:>10.2f}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
+        got = fairness_table(args.arch, joins=args.joins)
+        print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent {args.joins} joins at once "
               f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
         return
     if args.handler:
@@ -1047,16 +1107,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vitviz.dev.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480; {time.strftime('%Y-%m-%d')}; {_machine()}")
         runs = [(args.metrics, "rollout,gradient")] if args.metrics else [("distance", "rollout,gradient"), ("pointing", "gradient")]
         print(f"\n{'metrics':<10}{'methods':<18}{'processes':<11}{'images/s':>10}{'plain, images/s':>17}{'ratio':>8}{'waited':>8}  plain is")
+        processes = tuple(dict.fromkeys((1, args.processes)))  # 1 and --processes, once each (.ci/gpu: one per GPU)
         for metrics, methods in runs:
-            for n, rate, plain, ratio, reference, waited in evaluate_table(args.arch, images=args.images, processes=(1, args.processes), metrics=metrics,
+            for n, rate, plain, ratio, reference, waited in evaluate_table(args.arch, images=args.images, processes=processes, metrics=metrics,
                                                         methods=methods):
                 print(f"{metrics:<10}{methods:<18}{n:<11}{rate:>10.2f}{plain:>17.2f}{ratio:>8.2f}{waited:>8.1%}  {reference}")
-        print(f"\nthe evaluator's scoring of one batch of {args.batch} in memory, in turn with its plain passes (this process, 5 rounds; ratio: the median of each round's):")
+        print(f"\nthe evaluator's scoring of one batch of {batch} in memory on {title(one)}, in turn with its plain passes (this process, 5 rounds; "
+              f"ratio: the median of each round's):")
         print(f"{'metrics, methods':<22}{'seconds':>9}{'ratio':>8}  plain is")
-        for name, seconds, ratio, reference in evaluator_pass_table(args.arch, batch=args.batch):
+        for name, seconds, ratio, reference in evaluator_pass_table(args.arch, batch=batch, device=one):
             print(f"{name:<22}{seconds:>9.2f}{ratio:>8.2f}  {reference}")
-        _print_table(f"one layer's attention of 32 images (the runs' batch), {torch.get_num_threads()} threads; ratio: to the fused attention's time",
-                     attention_part_table(args.arch))
+        where = title(one) if one.type == "cuda" else f"{torch.get_num_threads()} threads"
+        _print_table(f"one layer's attention of 32 images (the runs' batch), {where}; ratio: to the fused attention's time",
+                     attention_part_table(args.arch, device=one))
         print("\nwaited: the share of the run the model waited for decoded images (the decoding workers behind)")
         print("targets: distance >= 0.95x plain batched forwards; a gradient method's maps >= 0.9x plain forwards + backwards")
         return
@@ -1078,9 +1141,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\ntargets: /analyze <= 2.5x forward; view change <= 80 ms; Compare <= the two singles")
         return
     print(f"vitviz.dev.bench {args.arch}, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
-    _print_table("CPU", model_path_table(args.arch, torch.device("cpu"), rounds=args.rounds))
-    if torch.cuda.is_available() and not args.cpu_only:
-        _print_table(f"CUDA ({torch.cuda.get_device_name()})", model_path_table(args.arch, torch.device("cuda"), rounds=args.rounds * 5))
+    for d in both:
+        _print_table(title(d), model_path_table(args.arch, d, rounds=args.rounds * (5 if d.type == "cuda" else 1)))
     print("\ntargets: recording forward <= 1.10, analyze <= 1.20 (ratios to torchvision's forward)")
 
 
