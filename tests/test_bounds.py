@@ -440,6 +440,7 @@ def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, m
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
     assert ok
     monkeypatch.setattr(runtime.WORK, "seconds", 0.5)
+    monkeypatch.setattr(runtime.WORK, "rates", {})  # no line's speed learned yet: every estimate at `rate`
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)  # priced: about 4 s here
     assert not ok and "would take about" in message and "VITVIZ_REQUEST_SECONDS" in message, message
     monkeypatch.setattr(runtime.WORK, "rate", 1e15)  # an estimate that lets it start: the deadline stops it

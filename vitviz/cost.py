@@ -6,15 +6,18 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
 `layer = H N^2 x 4` bytes (one layer's attention for one image) and `A = L x layer` (the stack):
 
 - "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
-  transients and the rollout's L fused N x N maps.
-- "explain": one forward and one backward with attention and its gradient recorded (2A) and the
-  activations autograd keeps per layer; with `layer_gradients` (LeGrad) the attention kept on the
-  graph and each layer's own gradient (2A more) and one more backward.
+  transients and the rollout's L fused N x N maps; its work adds the rollout (2 L N^3), the
+  distances and the position similarities its pictures draw.
+- "explain": one forward and, for each target (a class, or each of `phrases` phrases), a backward
+  to the attention maps with their gradient recorded (A each) and the activations autograd keeps per
+  layer; with `layer_gradients` (LeGrad) `LEGRAD_LAYERS` layers differentiated on their own; then
+  the maps: a rollout, and per target the gradient rule and gradient rollout (2 L N^3 each).
 - "faithfulness": "explain", then deletion and insertion forwards of (steps + 1) x 2 perturbed
-  images per ordering, `batch` images at a time (the batch is chosen to fit the budget).
+  images per ordering (`orders`: each method's and a random one), `batch` images at a time (the
+  batch is chosen to fit the budget).
 - "export": the .npz written straight to its file (attention in float16 beyond
   `FLOAT32_ATTENTION_BYTES`, the N x N rollout only up to `FULL_ROLLOUT_TOKENS`); in memory, the
-  float16 copy of the stack and the rollout.
+  float16 copy of the stack and the rollout; its work the rollout and the distances.
 - "view": a view drawn again from a kept analysis with new options (a rollout).
 - "ablate": two forwards of one image (with and without some heads), nothing recorded.
 - "importance": a forward, then for each layer a batch of H copies of the image run from that
@@ -25,12 +28,17 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
 - "compare": `analyse` for each variant, all held at once.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (thread pools, images,
-figures). Model work is counted in multiply-adds x 2 (`forward_flops`).
+figures). Model work is counted in multiply-adds x 2 (`forward_flops`); `tests/test_prices.py` holds
+each kind's to what the request runs (torch's FlopCounterMode) within 1.5x. The server turns work
+into seconds at the speed it learned for the request's line of work (`Cost.line`: its kind and
+family, `vitviz.server.work.ModelWork`).
 
 A windowed model (Swin: its config has `geometries`) holds each layer's attention window by window,
 `[windows, heads, M², M²]`: linear in tokens. Its requests are priced from those shapes, layer by
-layer (`_windowed_price`), with the same kinds and the same rules; "explorer" is the size of its
-windowed explorer file (`vitviz.server.swin_explorer`), all layers or nothing.
+layer (`_windowed_price`), with the same kinds and the same rules; its rollout and relevance through
+the merges (`_network_flops`, memory-bound: `WINDOW_PASS_FLOPS`) are priced where they are drawn;
+"explorer" is the size of its windowed explorer file (`vitviz.server.swin_explorer`), all layers or
+nothing.
 """
 
 from __future__ import annotations
@@ -64,7 +72,15 @@ FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up 
 FULL_ROLLOUT_TOKENS = 1024  # an export holds the whole N x N rollout up to this many tokens, the prefix rows beyond
 FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
 BROWSER_BYTES = 24 * 2**20  # the explorer's data a browser is sent at once
-FAITHFULNESS_ORDERS = 5  # four methods and a random order
+FAITHFULNESS_ORDERS = 6  # the five built-in methods' maps and a random order (`price(orders=)` counts plugins' too)
+LEGRAD_LAYERS = 2  # the layers LeGrad differentiates by default (`vitviz.explanations.LEGRAD_START_LAYER`)
+# A windowed model's product through the network (rollout, relevance; `vitviz.swin._through_network`)
+# moves each element of its [N_s, N_last] rows several times a layer (an index copy in, the window
+# product, an index copy out, a division and a sum): memory-bound work, counted in flops at what an
+# element cost beside a forward's multiply-adds on the 2-core test machine (shapes_swin@1824: a rollout
+# of 2.7e8 elements took 22.8 s where the forward's 1.43e10 flops took 1.0 s; `python -m
+# vitviz.dev.prices`, docs/serving.md).
+WINDOW_PASS_FLOPS = 1024
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,8 @@ class Cost:
             "explorer", the bytes written to disk).
         flops: model work (forward and backward passes, multiply-adds x 2).
         batch: for "faithfulness", the perturbed images per forward the estimate assumes.
+        family: "global" or "windowed" (a Swin): with `kind`, the line of work whose speed the
+            server learns on its own (`line`).
     """
 
     kind: str
@@ -89,6 +107,12 @@ class Cost:
     kept_bytes: int
     flops: float
     batch: int = 1
+    family: str = "global"
+
+    @property
+    def line(self) -> str:
+        """The line of work its time is estimated by: its kind and its family ("analyse/windowed")."""
+        return f"{self.kind}/{self.family}"
 
     @property
     def mib(self) -> float:
@@ -210,8 +234,9 @@ def attention_bytes(spec) -> int:
 
 
 def forward_flops(spec) -> float:
-    """Multiply-adds x 2 of one forward of one image: the projections and MLPs (2 x weights x N)
-    and the two attention products (4 x L x N^2 x D; windowed: 4 x windows x M² x M² x D per layer)."""
+    """Multiply-adds x 2 of one forward of one image: the patch embedding, the projections and MLPs
+    (2 x weights x N), the two attention products (4 x L x N^2 x D; windowed: 4 x windows x M² x M² x D
+    per layer) and the head."""
     if _windowed(spec):
         c, n0 = spec.config, spec.grid[0] * spec.grid[1]
         merges = sum(2.0 * 8 * c.dims[s - 1] ** 2 * g[0] * g[1] for s, g in enumerate(c.stage_grids(spec.grid)) if s)
@@ -219,7 +244,9 @@ def forward_flops(spec) -> float:
         return 2.0 * 3 * spec.patch_size**2 * c.embed_dim * n0 + merges + blocks
     depth, _, n, width, mlp = _shape(spec)
     block_weights = 4 * width * width + 2 * width * mlp
-    return 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width
+    patches = n - spec.num_prefix_tokens
+    embed = 2.0 * 3 * spec.patch_size**2 * width * patches  # the patch embedding
+    return embed + 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width + 2.0 * width * spec.num_classes
 
 
 def export_plan(spec, *, attentions: bool = True) -> dict:
@@ -246,7 +273,7 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
-          layer_gradients: bool = False) -> Cost:
+          layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 1) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -256,10 +283,15 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         budget: bytes the request may take; "faithfulness" picks the largest batch that fits it.
         attentions: whether an "export" holds the attention stack.
         layer_gradients: an "explain" or "faithfulness" whose methods need each layer's own gradient
-            (`Method.needs_layer_gradients`: LeGrad).
+            (`Method.needs_layer_gradients`: LeGrad, `LEGRAD_LAYERS` of them).
+        orders: "faithfulness": the orderings measured (the methods' maps and a random one).
+        phrases: "explain" of an image–text model: the phrases explained at once (one forward, a
+            backward for each: their gradients are held together).
     """
+    if orders < 1 or phrases < 1:
+        raise ValueError(f"orders and phrases are 1 or more, got {orders} and {phrases}")
     if _windowed(spec):
-        return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions)
+        return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions, orders=orders, phrases=phrases)
     depth, heads, n, width, mlp = _shape(spec)
     layer = heads * n * n * 4
     stack = depth * layer
@@ -267,32 +299,40 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
     kept = stack + token_row + depth * n * 4 + 3 * spec.image_size**2
     analyse = stack + 4 * layer + 2 * depth * n * n * 4 + 2 * depth * token_row + BASE_BYTES
     per_layer_backward = 2 * layer + 12 * token_row + 2 * n * mlp * 4
-    explain = (4 if layer_gradients else 2) * stack + depth * per_layer_backward + BASE_BYTES
+    own = min(depth, LEGRAD_LAYERS) if layer_gradients else 0  # layers differentiated on their own (LeGrad)
+    # per phrase: its gradient of every layer's attention, the backward's activations, LeGrad's own layers
+    explain = stack + phrases * (stack + depth * per_layer_backward + 2 * own * layer) + BASE_BYTES
     flops = forward_flops(spec)
-    explain_flops = (5 if layer_gradients else 3) * flops
+    rollout = 2.0 * depth * n**3  # R = Â_L ··· Â_1, N x N each
+    patches = n - spec.num_prefix_tokens
+    pictures = 2.0 * depth * heads * n * n + 2.0 * patches * patches * width  # the distances, the position similarities
+    # the backward runs to the attention maps only (no weight's gradient): the projections' input gradients
+    # (one forward's) and three attention products for two (1.5 forwards at most); LeGrad's own layers one
+    # block each; then the maps: rollout, and per target the gradient rule and gradient rollout
+    explain_flops = flops + rollout + phrases * ((1.5 + own / depth) * flops + 2 * rollout)
     if kind == "analyse":
-        return Cost(kind, spec.name, n, analyse, kept, flops)
+        return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures)
     if kind == "explain":
         return Cost(kind, spec.name, n, explain, 0, explain_flops)
     if kind == "faithfulness":
         per_image = 2 * layer + 8 * token_row + 2 * n * mlp * 4
-        images = 2 * FAITHFULNESS_ORDERS * (steps + 1) * 3 * spec.image_size**2 * 4  # the perturbed inputs of one mode
+        images = 2 * orders * (steps + 1) * 3 * spec.image_size**2 * 4  # the perturbed inputs of one mode
         room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
-        forwards = (steps + 1) * 2 * FAITHFULNESS_ORDERS
+        forwards = (steps + 1) * 2 * orders
         peak = max(explain, batch * per_image + images + BASE_BYTES)
         return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
         converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
-        return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], 0.0)
+        return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
     if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
         return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES, 0, 2 * flops)
     if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
         per_copy = 4 * layer + 4 * token_row + 2 * n * mlp * 4
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES, 0, (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
-        return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, 2.0 * depth * n**3)
+        return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, rollout)
     if kind in ("explorer", "explorer_layer"):
         layout = explorer_layout_of(spec)
         if kind == "explorer_layer":
@@ -311,8 +351,10 @@ def explorer_bytes(spec) -> int:
     return sum(l.places * 4 + 8 * l.tokens + (l.heads + 2) * (l.tokens * (4 + l.area) + 4 + l.tokens) for l in _layers(spec))
 
 
-def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attentions: bool) -> Cost:
-    """`price` for a windowed model: the same kinds, from each layer's own shapes (`_layers`)."""
+def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attentions: bool, orders: int, phrases: int) -> Cost:
+    """`price` for a windowed model: the same kinds, from each layer's own shapes (`_layers`); its
+    rollout through the merges (drawn by an analysis, a view and an export) and its relevance (in an
+    explanation) each cost one product through the network (`_network_flops`)."""
     layers, n0 = _layers(spec), spec.grid[0] * spec.grid[1]
     stack, layer, n = attention_bytes(spec), max(l.attention for l in layers), n0
     last = layers[-1]
@@ -322,28 +364,43 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
     products = 3 * last.tokens * max(l.places for l in layers) * 4  # rollout and relevance: [N_last, N_s] and its spread over windows
     activations = sum(l.tokens * l.width * 4 for l in layers)
     analyse = stack + 4 * layer + products + 2 * activations + BASE_BYTES
-    explain = 2 * stack + sum(2 * l.attention + 12 * l.tokens * l.width * 4 + 2 * l.places * l.hidden * 4 for l in layers) + products + BASE_BYTES
+    backward = sum(2 * l.attention + 12 * l.tokens * l.width * 4 + 2 * l.places * l.hidden * 4 for l in layers)
+    explain = stack + phrases * (stack + backward) + products + BASE_BYTES
     flops = forward_flops(spec)
+    network = _network_flops(layers)
+    explain_flops = flops + network + phrases * (flops + 2 * network)  # rollout; per phrase a backward, its relevance and gradient rollout
+
+    def cost(*args, **kwargs) -> Cost:
+        return Cost(*args, **kwargs, family="windowed")
+
     if kind == "analyse":
-        return Cost(kind, spec.name, n, analyse, kept, flops)
+        return cost(kind, spec.name, n, analyse, kept, flops + network)
     if kind == "explain":
-        return Cost(kind, spec.name, n, explain, 0, 3 * flops)
+        return cost(kind, spec.name, n, explain, 0, explain_flops)
     if kind == "faithfulness":
         per_image = 2 * layer + 8 * max(l.tokens * l.width * 4 for l in layers) + 2 * max(l.places * l.hidden for l in layers) * 4
-        images = 2 * FAITHFULNESS_ORDERS * (steps + 1) * 3 * spec.image_size**2 * 4
+        images = 2 * orders * (steps + 1) * 3 * spec.image_size**2 * 4
         room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
-        forwards = (steps + 1) * 2 * FAITHFULNESS_ORDERS
-        return Cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES), 0, 3 * flops + forwards * flops, batch)
+        forwards = (steps + 1) * 2 * orders
+        return cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES), 0, explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
         converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
-        return Cost(kind, spec.name, n, converted + 2 * products + BASE_BYTES, plan["bytes"], 0.0)
+        return cost(kind, spec.name, n, converted + 2 * products + BASE_BYTES, plan["bytes"], network)
     if kind == "view":
-        return Cost(kind, spec.name, n, 2 * products + BASE_BYTES, 0, 2.0 * sum(last.tokens * l.places * l.area for l in layers))
+        return cost(kind, spec.name, n, 2 * products + BASE_BYTES, 0, network)
     if kind in ("explorer", "explorer_layer"):  # all layers in one file when the browser can hold it, else the server draws
         whole = explorer_bytes(spec)
         written = whole if whole <= BROWSER_BYTES else 0
         transient = max((l.heads + 2) * l.tokens * l.area * (4 + 8 + 8) for l in layers) if written else 0
-        return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
+        return cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")
+
+
+def _network_flops(layers: list[_Layer]) -> float:
+    """One product through a windowed network (`vitviz.swin._through_network`): per layer, the final
+    tokens' rows over its tokens' places, each window's M² x M² product (2 M² flops an element) and
+    the element's passes through memory (`WINDOW_PASS_FLOPS`)."""
+    rows = layers[-1].tokens
+    return float(sum(rows * l.places * (2 * l.area + WINDOW_PASS_FLOPS) for l in layers))

@@ -122,9 +122,11 @@ def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: flo
     """Model work of `kind` on `variant`, priced before it starts and run within the server's budget
     (`lane` False: its memory only, for small work that runs no model; see `ModelWork.job`).
     An explanation computes every registered method at once: priced with each layer's own gradients
-    when one of them needs those (LeGrad)."""
+    when one of them needs those (LeGrad); faithfulness measures each method's order and a random one."""
     if kind in ("explain", "faithfulness") and "layer_gradients" not in options:
         options["layer_gradients"] = any(registered_method(m).needs_layer_gradients for m in registered_methods())
+    if kind == "faithfulness" and "orders" not in options:
+        options["orders"] = len(registered_methods()) + 1  # every method's map and a random order
     return priced(price(get_spec(variant), kind, budget=WORK.budget_bytes, **options), request, wait=wait, lane=lane)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -66,15 +66,21 @@ class ModelWork:
     `budget_bytes`; a job that checks (`Job.check`, between its steps) stops `seconds` after it
     started running.
 
-    `rate` is the server's measured model speed (flops per second), learned from the jobs that ran;
-    a job whose estimate exceeds `seconds` at that speed is refused before it starts.
+    The server's speed (flops per second) is learned from the jobs that ran, for each line of work on
+    its own (`Cost.line`: the kind of request and the model's family), so that one client's slow
+    windowed rollouts do not make another's ViT explanations look slow; `rate` is every line's
+    speed until a job of it has been timed. A job whose estimate exceeds `seconds` at its line's
+    speed is refused before it starts. `clock` (seconds, `time.perf_counter` by default) times them.
     """
 
-    def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 5e10) -> None:
+    def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 5e10,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.budget_bytes = budget_bytes
         self.lanes = lanes
         self.seconds = seconds
         self.rate = rate
+        self.rates: dict[str, float] = {}  # each line of work's learned speed
+        self._clock = clock
         self._free = budget_bytes
         self._running: list[Job] = []
         self._waiting: list[Job] = []
@@ -89,13 +95,21 @@ class ModelWork:
                 f"server runs requests of up to {self.budget_bytes / 2**20:,.0f} MB (VITVIZ_WORK_MB): choose a smaller model or "
                 "image size."
             )
-        estimate = cost.flops / self.rate
+        estimate = self.estimate(cost)
         if estimate > self.seconds:
             return (
                 f"{cost.kind.capitalize()} of {cost.variant} would take about {estimate:,.0f} s on this server, more than its "
                 f"limit of {self.seconds:,.4g} s (VITVIZ_REQUEST_SECONDS): choose a smaller model or image size."
             )
         return None
+
+    def speed(self, cost: Cost) -> float:
+        """The flops per second expected of `cost`'s line of work."""
+        return self.rates.get(cost.line, self.rate)
+
+    def estimate(self, cost: Cost) -> float:
+        """Seconds `cost` is expected to run here."""
+        return cost.flops / self.speed(cost)
 
     def current(self) -> Job | None:
         """The job the calling thread runs under, if any."""
@@ -138,12 +152,13 @@ class ModelWork:
             self._running.append(job)
         job.deadline = time.monotonic() + self.seconds  # its time starts when it runs
         self._local.job = job
-        start = time.perf_counter()
+        start = self._clock()
         try:
             yield job
-            spent = time.perf_counter() - start
-            if cost.flops >= 1e10 and spent > 0.2 and not job.unpriced:  # the speed, from priced work large enough to time
-                self.rate = 0.7 * self.rate + 0.3 * cost.flops / spent
+            spent = self._clock() - start
+            if cost.flops >= 1e10 and spent > 0.2 and not job.unpriced:  # the line's speed, from priced work large enough to time
+                with self._cond:
+                    self.rates[cost.line] = 0.7 * self.speed(cost) + 0.3 * cost.flops / spent
         finally:
             self._local.job = None
             with self._cond:

@@ -83,7 +83,7 @@ class FindTab(Tab):
         if method_name not in PHRASE_METHODS:
             raise runtime.error(f"The method must be one of {', '.join(PHRASE_METHODS)}.")
         layer_gradients = registered_method(method_name).needs_layer_gradients
-        with runtime.job("explain", a.variant, request, layer_gradients=layer_gradients):
+        with runtime.job("explain", a.variant, request, layer_gradients=layer_gradients, phrases=len(phrases)):
             maps, similarities = runtime.find_on_device(exp, phrases, method_name)
         pictures = views.render_phrase_maps(exp, maps, phrases, method=method_name)
         out: Outputs = {}

@@ -1,0 +1,112 @@
+"""What a request is priced before it runs, held to what it does: the model work each kind of
+request really runs (counted by torch's FlopCounterMode, no clock) within the price and within 1.5x
+of it; the speed the server learns kept apart for each line of work (an injected clock); the
+orderings, phrases and rollouts a price counts."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+import vitviz
+from vitviz import cost
+from vitviz.cost import price
+from vitviz.explainers import methods as registered_methods
+from vitviz.explanations import relevance_maps
+from vitviz.server.work import ModelWork
+from vitviz.sources import get_spec
+
+
+def _cpu_attention(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# torch counts the fused attention of CUDA's kernels, not of the CPU's: counted here by the same formula
+_CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention}
+
+
+def _counted(fn) -> float:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _image(spec):
+    """A generated shapes image at the model's size, and its input [1, 3, S, S]."""
+    from PIL import Image
+
+    picture = Image.fromarray(vitviz.shapes.render(3, seed=5, index=0, image_size=spec.image_size)[0])
+    return picture, vitviz.preprocess(picture, spec.preprocessing)[0][None]
+
+
+@pytest.mark.parametrize("name", ["shapes_p16", "shapes_p8@192"])
+def test_each_kind_is_priced_within_its_counted_work(name):
+    """For each kind the flops a request runs (matrix products, forward and backward) are at most its
+    price, and the price at most 1.5 times them: no kind priced at nothing, none far above."""
+    model = vitviz.load_model(name)
+    spec = model.spec
+    picture, x = _image(spec)
+    everything = list(registered_methods())
+    recorded = vitviz.analyze(model, picture)
+    counted = {
+        "analyse": _counted(lambda: vitviz.analyze(model, picture).rollout()),
+        "explain": _counted(lambda: relevance_maps(model, x, methods=everything)),
+        "view": _counted(lambda: recorded.rollout()),
+        "export": _counted(lambda: (recorded.rollout(), recorded.distances())),
+        "ablate": _counted(lambda: vitviz.inside.ablate(model, x[0], [(0, 0)])),
+        "importance": _counted(lambda: vitviz.inside.head_importance(model, x[0])),
+    }
+    for kind, work in counted.items():
+        priced = price(spec, kind, layer_gradients=True).flops
+        assert work > 0 and work <= priced <= 1.5 * work, (kind, work, priced, priced / work)
+
+
+def test_faithfulness_prices_every_ordering_and_find_every_phrase():
+    spec = get_spec("shapes_p16")
+    assert cost.FAITHFULNESS_ORDERS == len(vitviz.explanations.METHODS) + 1  # the built-in methods and a random order
+    five, six = price(spec, "faithfulness", orders=5), price(spec, "faithfulness", orders=6)
+    assert six.flops > five.flops and six.bytes >= five.bytes
+    one, four = price(get_spec("shapes_clip"), "explain", phrases=1), price(get_spec("shapes_clip"), "explain", phrases=4)
+    assert four.flops > 3 * one.flops - 2 * cost.forward_flops(get_spec("shapes_clip")) and four.bytes > 2.5 * (one.bytes - cost.BASE_BYTES)
+    with pytest.raises(ValueError, match="1 or more"):
+        price(spec, "explain", phrases=0)
+
+
+def test_a_windowed_rollout_is_priced_where_it_is_drawn():
+    """A Swin's rollout through the merges is drawn by an analysis, a view and an export: each priced
+    with the product through the network, which grows with the final tokens times every layer's."""
+    small, large = get_spec("shapes_swin"), get_spec("shapes_swin@1824")
+    for kind in ("analyse", "view", "export"):
+        assert price(large, kind).flops > 1e11, kind  # 2.7e8 elements through the network, each moved several times
+        assert price(large, kind).line == f"{kind}/windowed"
+    assert price(large, "view").flops > 1000 * price(small, "view").flops
+    assert price(large, "analyse").flops > 4 * cost.forward_flops(large)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_speed_is_learned_for_each_line_of_work():
+    """One client's slow windowed rollouts slow the estimate of windowed rollouts only: another
+    client's ViT explanation is still priced at the server's speed."""
+    clock = _Clock()
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=1000.0, rate=1e11, clock=clock)
+    rollout, explain = price(get_spec("shapes_swin@1824"), "view"), price(get_spec("shapes_p8@384"), "explain")
+    before = work.estimate(explain)
+    for _ in range(10):
+        with work.job(rollout):
+            clock.now += 90.0  # each took 90 s
+    assert work.estimate(explain) == before  # another line: unchanged
+    assert work.estimate(rollout) > 30.0 and work.refusal(explain) is None
+    work.seconds = 100.0
+    assert work.refusal(rollout) is None  # still within 100 s
+    work.seconds = 1000.0
+    for _ in range(10):
+        with work.job(rollout):
+            clock.now += 150.0
+    work.seconds = 100.0
+    assert "would take about" in work.refusal(rollout) and work.refusal(explain) is None
