@@ -88,6 +88,8 @@ def _explorer_files_gone(key: str) -> None:
 # and its explorer's files with it.
 STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle,
                                                       on_drop=_explorer_files_gone)
+# a plugin method's failure or slowness kept to its own map (`explaining.MethodGuard`)
+METHOD_GUARD = explaining.MethodGuard()
 # the colour scales' names on the page, and what `views` calls them
 _SCALE_NAMES = {"one per layer": "layer", "each map its own": "map", "each map": "map"}
 
@@ -338,8 +340,10 @@ def _reanalyze_on_device(ref: SessionRef) -> views.Exploration:
 
 
 @gpu
-def explain_on_device(exp: views.Exploration, target: str | None) -> tuple[dict, int | None]:
-    return explaining.explain_exploration(CACHE, exp, target=target)
+def explain_on_device(exp: views.Exploration, target: str | None, notes: dict[str, str] | None = None) -> tuple[dict, int | None]:
+    """Every method's map for `target`; a plugin's failure or slowness kept to its own map (`METHOD_GUARD`:
+    `notes` gets why it is missing)."""
+    return explaining.explain_exploration(CACHE, exp, target=target, guard=METHOD_GUARD, notes=notes)
 
 
 @gpu

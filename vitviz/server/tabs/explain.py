@@ -85,8 +85,9 @@ class ExplainTab(Tab):
         if a.layout.classifier and a.categories is not None and target not in a.categories:
             raise runtime.error("Pick one of the model's classes to explain.")
         scale = runtime.scale_of(scale_value, EXPLAIN_SCALES)
+        left_out: dict[str, str] = {}
         with runtime.job("explain", a.variant, request):
-            maps, index = runtime.explain_on_device(exp, target)
+            maps, index = runtime.explain_on_device(exp, target, left_out)
         label = a.categories[index] if index is not None else "no-class"
         pictures = views.render_method_maps(exp, maps, label=label, scale=scale)
         if index is None:
@@ -99,6 +100,8 @@ class ExplainTab(Tab):
         if swin_views.is_swin(exp) and missing:
             note += (f" Not for a Swin (windowed attention): {', '.join(missing)}. The maps are the pooled query's (the mean of the "
                      "final tokens' rows), through every window layer and patch merge onto the finest grid.")
+        if left_out:
+            note += " " + " ".join(left_out.values())
         faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: None}
         self.explained.add(ref.key)
         return {self.explain_note: note, **faith, **{self.explain_imgs[m]: pictures.get(m) for m in METHODS}}
