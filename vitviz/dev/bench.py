@@ -834,7 +834,14 @@ model, facts = cache.get(variant)
 image = "{image}"
 exp = views.explore(cache, image, variant)
 maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
-cost = price(model.spec, kind, budget={budget})
+cost = price(model.spec, kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"))
+from vitviz.cost import forward_flops
+x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(model.parameters()).device)
+plain = []
+with torch.inference_mode():
+    for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
+        t = time.perf_counter(); model(x) if not hasattr(model, "image") else model.image(x); plain.append(time.perf_counter() - t)
+speed = forward_flops(model.spec) / sorted(plain)[1]
 release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
@@ -852,19 +859,24 @@ elif kind == "export":
     Downloads().npz(exp, size=cost.kept_bytes)
 elif kind == "explorer":
     explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
+elif kind == "view":
+    from vitviz.server import swin_views
+    swin_views.render_rollout(exp, head_fusion="max") if swin_views.is_swin(exp) else views.render_rollout(exp, head_fusion="max")
 if gpu:
     torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if gpu else None
-print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak)))
+print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak,
+                      priced_seconds=cost.flops / speed)))
 """
 
 
-def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer"),
-                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None]]:
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view"),
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float, float | None]]:
     """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
-    peak MB above the process's resident memory before the request, seconds, and on a GPU the peak MB
-    of CUDA memory allocated above what was before the request, else None)."""
+    peak MB above the process's resident memory before the request, priced seconds (its work at the
+    speed of a plain forward of the same model, timed in that process), seconds, and on a GPU the
+    peak MB of CUDA memory allocated above what was before the request, else None)."""
     import subprocess
     import sys
 
@@ -879,7 +891,8 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 gpu = got.get("gpu_peak")
-                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["seconds"], None if gpu is None else gpu / 2**20))
+                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["priced_seconds"], got["seconds"],
+                             None if gpu is None else gpu / 2**20))
     return rows
 
 
@@ -1092,9 +1105,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
-        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'seconds':>10}" + (f"{'GPU peak MB':>13}" if gpu else ""))
-        for variant, kind, priced, peak, seconds, gpu_peak in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
-            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{seconds:>10.2f}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
+        print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
+        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'priced s':>10}{'seconds':>10}" + (f"{'GPU peak MB':>13}" if gpu else ""))
+        for variant, kind, priced, peak, priced_s, seconds, gpu_peak in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
+            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{priced_s:>10.2f}{seconds:>10.2f}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
         got = fairness_table(args.arch, joins=args.joins)
         print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent {args.joins} joins at once "
               f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
