@@ -161,3 +161,55 @@ def no_network(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("VITVIZ_OFFLINE", raising=False)
     return root
+
+
+# ------------------------------------------------------------------------------------------------
+# The running app, talked to over raw HTTP (the tests of a public server)
+
+
+@pytest.fixture(scope="module")
+def app():
+    """The app module (`vitviz.server.app`): its `demo` and launch settings, built once a process."""
+    from vitviz.server import app as app_module
+
+    return app_module
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    """The app served on 127.0.0.1 for a module's tests: its base URL; closed afterwards."""
+    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+    try:
+        yield app.demo.local_url.rstrip("/")
+    finally:
+        app.demo.close()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A generated shapes image (a star) as a PNG file."""
+    from PIL import Image
+
+    import vitviz
+
+    path = tmp_path_factory.mktemp("good") / "star.png"
+    Image.fromarray(vitviz.shapes.render(3, seed=5, index=0)[0]).save(path)
+    return path
+
+
+def upload(base: str, path) -> dict:
+    """`POST /gradio_api/upload` of one file: the payload an event takes for it."""
+    import httpx
+
+    with open(path, "rb") as f:
+        r = httpx.post(f"{base}/gradio_api/upload", files=[("files", (os.path.basename(path), f.read()))], timeout=60)
+    r.raise_for_status()
+    return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
+
+
+def fn_index(base: str, name: str) -> int:
+    """The event id of the API name `name` in the served app's /config."""
+    import httpx
+
+    config = httpx.get(f"{base}/config", timeout=30).json()
+    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == name)

@@ -12,46 +12,11 @@ import uuid
 import httpx
 import pytest
 import torch
-from PIL import Image
 
+from conftest import fn_index, upload
 import vitviz
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def app():
-    from vitviz.server import app as app_module
-
-    return app_module
-
-
-@pytest.fixture(scope="module")
-def server(app):
-    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
-    try:
-        yield app.demo.local_url.rstrip("/")
-    finally:
-        app.demo.close()
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    path = tmp_path_factory.mktemp("good") / "star.png"
-    Image.fromarray(vitviz.shapes.render(3, seed=5, index=0)[0]).save(path)
-    return path
-
-
-def upload(base: str, path) -> dict:
-    with open(path, "rb") as f:
-        r = httpx.post(f"{base}/gradio_api/upload", files=[("files", (os.path.basename(path), f.read()))], timeout=60)
-    r.raise_for_status()
-    return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
-
-
-def fn_index(base: str, name: str) -> int:
-    config = httpx.get(f"{base}/config", timeout=30).json()
-    return next(d["id"] for d in config["dependencies"] if d.get("api_name") == name)
 
 
 def messages(base: str, name: str, data: list, *, headers: dict | None = None, session: str | None = None) -> list[dict]:

@@ -26,15 +26,6 @@ def app():
     return app_module
 
 
-@pytest.fixture(scope="module")
-def server(app):
-    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
-    try:
-        yield app.demo.local_url.rstrip("/")
-    finally:
-        app.demo.close()
-
-
 def call(base: str, api: str, data: list, *, timeout: float = 120) -> tuple[str, object]:
     """One raw call of `/gradio_api/call/<api>`: ("complete", outputs) or ("error", message)."""
     r = httpx.post(f"{base}/gradio_api/call/{api}", json={"data": data}, timeout=timeout)
