@@ -5,6 +5,11 @@ of its analysis, the attention stack (22 MB for ViT-B/16, 192 MB for B/16 at 384
 518 px), lives in one `SessionStore` shared by every session. When the store is over its budget, or an
 entry has not been used for `idle_seconds`, the least recently used entries are dropped; a session whose
 entry was dropped computes it again from its crop (one model call) the next time it needs it.
+
+Gradio's own state of a session (its copy of every component's configuration, the components its
+events updated, the `gr.State` values such as the `SessionRef`, its unread results) is outside the
+store; it is priced here (`SESSION_PRICE`, measured: docs/serving.md) so that the server keeps at
+most as many sessions as fit beside the store in the state budget (`Settings.sessions`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,18 @@ from typing import Generic, TypeVar
 
 from PIL import Image
 
-__all__ = ["SessionRef", "SessionStore"]
+__all__ = ["SessionRef", "SessionStore", "SESSION_BYTES", "CROP_BYTES", "SESSION_PRICE", "crop_to_keep"]
+
+# What Gradio holds for one session of this page besides the crop: its copy of the components'
+# configurations (386 KiB traced, 421 KiB resident, for an empty one), the components an analysis
+# updated and its unread results (up to 530 KiB traced, 825 KiB resident with a 288 px crop), with room.
+SESSION_BYTES = 2**20
+# The largest crop a session keeps (`SessionRef.crop`): the menu's largest model's (ViT-H/14, 518 px,
+# RGB). A larger one (a model named by the client at a large size) is not kept: its analysis is
+# computed again from the upload.
+CROP_BYTES = 3 * 518**2
+# What one session may hold, all told
+SESSION_PRICE = SESSION_BYTES + CROP_BYTES
 
 T = TypeVar("T")
 
@@ -32,15 +48,21 @@ class SessionRef:
         key: the entry in the store (random, unguessable).
         variant: the model that analysed the image.
         crop: the S x S crop the model saw; the model's input is a pure function of it, so the
-            analysis can be computed again exactly.
+            analysis can be computed again exactly. None when it is over `CROP_BYTES` (the analysis
+            is then computed again from `source`).
         image: the analysed image's file name; source: the uploaded file it came from.
     """
 
     key: str
     variant: str
-    crop: Image.Image = field(repr=False, compare=False)
+    crop: Image.Image | None = field(repr=False, compare=False)
     image: str = ""  # the image's file name, as the page shows it
     source: str = field(default="", repr=False)  # the uploaded file the analysis came from
+
+
+def crop_to_keep(crop: Image.Image) -> Image.Image | None:
+    """`crop` if a session may keep it (at most `CROP_BYTES`), else None."""
+    return crop if crop.width * crop.height * len(crop.getbands()) <= CROP_BYTES else None
 
 
 class SessionStore(Generic[T]):

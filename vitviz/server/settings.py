@@ -12,7 +12,8 @@
 | VITVIZ_MAX_PARAMS | 7e8 | parameters of a model, every tower (an image–text model's text tower too), before it loads where its name says, and once loaded |
 | VITVIZ_OPEN_MODELS | 1 | 0: only the menu's models, no timm:/hf: names from the page |
 | VITVIZ_MAX_MODELS | 3 | models kept loaded (and 3 GiB of parameters) |
-| VITVIZ_STATE_MB, VITVIZ_STATE_IDLE | 3072, 900 | analyses kept for sessions, and how long an idle one stays |
+| VITVIZ_STATE_MB, VITVIZ_STATE_IDLE | 3072, 900 | what sessions hold: Gradio's sessions and the analyses kept for them; how long an idle analysis stays |
+| VITVIZ_SESSIONS | as many as fit in a quarter of VITVIZ_STATE_MB (434 at 1.8 MB each) | Gradio sessions kept, the least recently used dropped first; the analyses get the rest of VITVIZ_STATE_MB |
 | VITVIZ_BODY_KB | 1024 | a request body other than an upload |
 | VITVIZ_UPLOAD_MB_PER_MIN | 100 | what one address may upload in a minute |
 | VITVIZ_FILES_MB | 1024 | uploads and Gradio's copies of pictures on disk |
@@ -29,6 +30,7 @@ import os
 from dataclasses import dataclass
 
 from vitviz.server.memory import KEEP_BYTES
+from vitviz.server.sessions import SESSION_PRICE
 
 __all__ = ["Settings", "SettingsError"]
 
@@ -52,6 +54,9 @@ def _number(name: str, default: float, *, minimum: float = 0) -> float:
 
 @dataclass(frozen=True)
 class Settings:
+    """The bounds. `state_bytes` is the analyses' share of VITVIZ_STATE_MB: what is left beside
+    `sessions` sessions of `session_bytes` each (`vitviz.server.sessions.SESSION_PRICE`)."""
+
     queue_size: int
     client_jobs: int
     address_jobs: int
@@ -64,6 +69,8 @@ class Settings:
     max_models: int
     state_bytes: int
     state_idle: float
+    sessions: int
+    session_bytes: int
     body_bytes: int
     upload_bytes_per_minute: int
     files_bytes: int
@@ -73,8 +80,13 @@ class Settings:
     heap_keep_bytes: int
 
     @classmethod
-    def from_env(cls, *, gpu: bool, menu_tokens: int) -> "Settings":
+    def from_env(cls, *, gpu: bool, menu_tokens: int, session_bytes: int = SESSION_PRICE) -> "Settings":
         mb = 2**20
+        state = int(_number("VITVIZ_STATE_MB", 3072) * mb)
+        sessions = int(_number("VITVIZ_SESSIONS", max(1, state // 4 // session_bytes), minimum=1))
+        if sessions * session_bytes > state and os.environ.get("VITVIZ_SESSIONS", "").strip():
+            raise SettingsError(f"VITVIZ_SESSIONS={sessions} sessions of {session_bytes / mb:.1f} MB each take more than "
+                                f"VITVIZ_STATE_MB={state // mb}: fewer sessions, or more memory for them")
         return cls(
             queue_size=int(_number("VITVIZ_QUEUE_SIZE", 32, minimum=1)),
             client_jobs=int(_number("VITVIZ_CLIENT_JOBS", 2, minimum=1)),
@@ -86,8 +98,10 @@ class Settings:
             max_params=int(_number("VITVIZ_MAX_PARAMS", 7e8, minimum=1)),
             open_models=os.environ.get("VITVIZ_OPEN_MODELS", "1").strip().lower() not in ("0", "false", "no", "off"),
             max_models=int(_number("VITVIZ_MAX_MODELS", 3, minimum=1)),
-            state_bytes=int(_number("VITVIZ_STATE_MB", 3072) * mb),
+            state_bytes=max(0, state - sessions * session_bytes),
             state_idle=_number("VITVIZ_STATE_IDLE", 900, minimum=1),
+            sessions=sessions,
+            session_bytes=session_bytes,
             body_bytes=int(_number("VITVIZ_BODY_KB", 1024, minimum=16) * 1024),
             upload_bytes_per_minute=int(_number("VITVIZ_UPLOAD_MB_PER_MIN", 100, minimum=1) * mb),
             files_bytes=int(_number("VITVIZ_FILES_MB", 1024, minimum=64) * mb),
