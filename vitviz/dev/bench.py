@@ -832,9 +832,13 @@ variant, kind = {variant!r}, {kind!r}
 cache = ModelCache()
 model, facts = cache.get(variant)
 image = "{image}"
+if (kind == "find") != hasattr(model, "image") and kind in ("find", "faithfulness"):  # phrases need a text tower, curves a classifier
+    print(json.dumps(dict(skip=True))); sys.exit(0)
 exp = views.explore(cache, image, variant)
 maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
-cost = price(model.spec, kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"))
+PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
+cost = price(model.spec, "explain" if kind == "find" else kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"),
+             phrases=len(PHRASES) if kind == "find" else 1)
 from vitviz.cost import forward_flops
 x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(model.parameters()).device)
 plain = []
@@ -849,8 +853,10 @@ gpu = torch.cuda.is_available()
 if gpu:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
+from vitviz.server import swin_views
+rollout = swin_views.render_rollout if swin_views.is_swin(exp) else views.render_rollout  # what the page draws
 if kind == "analyse":
-    e = views.explore(cache, image, variant); e.analysis.distances(); views.render_rollout(e)
+    e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
 elif kind == "explain":
     explaining.explain_exploration(cache, exp, target=None)
 elif kind == "faithfulness":
@@ -860,8 +866,9 @@ elif kind == "export":
 elif kind == "explorer":
     explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
 elif kind == "view":
-    from vitviz.server import swin_views
-    swin_views.render_rollout(exp, head_fusion="max") if swin_views.is_swin(exp) else views.render_rollout(exp, head_fusion="max")
+    rollout(exp, head_fusion="max")
+elif kind == "find":
+    explaining.find_phrases(cache, exp, PHRASES, method="gradient")
 if gpu:
     torch.cuda.synchronize()
 seconds = time.perf_counter() - start
@@ -871,7 +878,7 @@ print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.b
 """
 
 
-def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view"),
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view", "find"),
                   *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float, float | None]]:
     """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
     peak MB above the process's resident memory before the request, priced seconds (its work at the
@@ -890,6 +897,8 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
                 out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
+                if got.get("skip"):  # a kind the model has no use for
+                    continue
                 gpu = got.get("gpu_peak")
                 rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["priced_seconds"], got["seconds"],
                              None if gpu is None else gpu / 2**20))
