@@ -18,7 +18,7 @@ from starlette.middleware import Middleware  # noqa: E402
 
 from vitviz.images import MAX_BYTES  # noqa: E402
 from vitviz.server import page, runtime  # noqa: E402
-from vitviz.server.gradio_io import BodyLimit, KnownEvents, UploadLimit  # noqa: E402
+from vitviz.server.gradio_io import BodyLimit, KnownEvents, SessionHashes, UploadLimit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CSS = (HERE / "app.css").read_text()
@@ -33,6 +33,7 @@ demo = page.build()
 # api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
 # client's share holds however it calls
 demo.after_event = runtime.files_sweep  # Gradio's copies of pictures and downloads are written by every kind of event
+demo.claim_files = runtime.FILES.claim  # whose they are, and whose uploads an event reads: each caller its share of the disk
 demo.queue(max_size=runtime.SETTINGS.queue_size, default_concurrency_limit=runtime.SETTINGS.concurrency, api_open=False,
            client_jobs=runtime.SETTINGS.client_jobs, address_jobs=runtime.SETTINGS.address_jobs)
 
@@ -42,12 +43,17 @@ LAUNCH_KWARGS = dict(
     head=(HERE / "app_head.html").read_text(),
     theme=THEME,
     max_file_size=MAX_BYTES,
+    # Gradio's sessions, the least recently used dropped first: as many as their price lets beside the
+    # analyses kept for them in VITVIZ_STATE_MB (`Settings.sessions`, docs/serving.md)
+    state_session_capacity=runtime.SETTINGS.sessions,
     ssr_mode=False,
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
         Middleware(BodyLimit, max_bytes=runtime.SETTINGS.body_bytes),
+        Middleware(SessionHashes, blocks=demo),  # a session hash of 1 to 64 [A-Za-z0-9_-], or 400 before Gradio keeps it
         Middleware(KnownEvents, blocks=demo),  # an unknown API name, event or session: 404 and why, not a 500
-        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=runtime.SETTINGS.upload_bytes_per_minute, after=demo.after_any),
+        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=runtime.SETTINGS.upload_bytes_per_minute, after=demo.after_any,
+                   claim=runtime.FILES.claim),
     ]},
 )
 

@@ -1,5 +1,7 @@
 """Downloads a server writes: the analysis as .npz, under names nobody can guess, cleaned up (also
-what servers before this one left)."""
+what servers before this one left); and the sweeps of the folders a server writes, where each caller
+(a session, an MCP caller: `gradio_io.caller_of`) makes room only among its own files or those of
+callers holding more than their share (`sweep(owners=...)`, `FileOwners`, `Downloads`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 try:
@@ -18,11 +23,11 @@ except ImportError:  # pragma: no cover - Windows: folders of earlier servers ar
 import numpy as np
 
 from vitviz.cost import export_plan
-from vitviz.server.gradio_io import file_stem
+from vitviz.server.gradio_io import current_caller, file_stem, secret_name
 from vitviz.server.views import Exploration
 from vitviz.swin import SwinAnalysis
 
-__all__ = ["export_npz", "export_swin_npz", "Downloads", "sweep", "sweep_old_downloads"]
+__all__ = ["export_npz", "export_swin_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
@@ -91,7 +96,8 @@ def export_swin_npz(exp: Exploration, path: str | Path, *, attentions: bool = Tr
 
 
 def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*", room: int = 0,
-          recursive: bool = False, skip: tuple[Path, ...] = (), keep=None) -> int:
+          recursive: bool = False, skip: tuple[Path, ...] = (), keep=None,
+          owners: Callable[[Path], Iterable[str]] | None = None, writer: str | None = None) -> int:
     """Removes files in `folder` older than `max_age` seconds, then the oldest until the rest take at
     most `max_bytes - room` (room for a file about to be written); returns the bytes the rest take.
 
@@ -99,6 +105,11 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
         recursive: also files in folders below (emptied folders are removed).
         skip: folders below `folder` left alone.
         keep: a predicate on a path: files it accepts are never removed, nor counted.
+        owners: the callers each file belongs to. Then a file is removed to make room only if it
+            belongs to nobody (those go first), or only to `writer` (who is about to write `room`)
+            and to callers holding more than their share: `max_bytes` divided among the callers
+            holding files, `writer` one of them. A file of a caller within its share stays, so the
+            rest may take more than `max_bytes - room`: the writer is refused then.
     """
     now = time.time()
     files = []
@@ -120,7 +131,10 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
         else:
             files.append((st.st_mtime, st.st_size, path, kept))
     total = sum(f[1] for f in files if not f[3])
-    if max_bytes is not None:
+    if max_bytes is not None and owners is not None:
+        total = _make_room(sorted((f for f in files if not f[3]), key=lambda f: f[0]), total, owners=owners, writer=writer,
+                           max_bytes=max_bytes, room=room)
+    elif max_bytes is not None:
         for _, size, path, kept in sorted(files, key=lambda f: f[0]):
             if total + room <= max_bytes:
                 break
@@ -138,6 +152,105 @@ def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, p
                 except OSError:
                     pass
     return total
+
+
+def _make_room(files: list, total: int, *, owners, writer: str | None, max_bytes: int, room: int) -> int:
+    """`sweep`'s room made fairly: `files` (mtime, size, path, kept) oldest first, `total` their bytes.
+    Returns the bytes left."""
+    if total + room <= max_bytes:
+        return total
+    held = {path: frozenset(owners(path)) for _, _, path, _ in files}
+    holding: Counter[str] = Counter()
+    for _, size, path, _ in files:
+        for who in held[path]:
+            holding[who] += size
+    if writer is not None:
+        holding[writer] += room
+    share = max_bytes / max(1, len(holding))  # (a file of several callers counts for each: within their shares, the rest fits)
+    gone = set()
+    for nobodys in (True, False):
+        for _, size, path, _ in files:
+            if total + room <= max_bytes:
+                return total
+            who = held[path]
+            if path in gone or bool(who) == nobodys or not all(w == writer or holding[w] > share for w in who):
+                continue
+            path.unlink(missing_ok=True)
+            gone.add(path)
+            total -= size
+            for w in who:
+                holding[w] -= size
+    return total
+
+
+class FileOwners:
+    """Who each file in `folder` belongs to: the callers (`gradio_io.caller_of`, or "address ..." for
+    an upload no event has used yet) that uploaded, used or were sent it, at most `max_owners` a file
+    (the latest). At most `max_files` files are remembered, the least recently claimed forgotten first
+    (their files then belong to nobody, and go first when room is made: `sweep(owners=...)`). Files
+    in `skip` folders are not followed.
+    """
+
+    def __init__(self, folder: str | Path, *, skip: tuple[Path, ...] = (), max_files: int = 32_768, max_owners: int = 8) -> None:
+        self.root = os.path.realpath(folder)
+        self.skip = tuple(os.path.realpath(p) for p in skip)
+        self.max_files, self.max_owners = max_files, max_owners
+        self._owners: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _key(self, path) -> str | None:
+        try:
+            real = os.path.realpath(path)
+        except (TypeError, ValueError, OSError):
+            return None
+        if os.path.commonpath([self.root, real]) != self.root or real == self.root:
+            return None
+        if any(os.path.commonpath([s, real]) == s for s in self.skip):
+            return None
+        return real
+
+    def claim(self, owner: str | None, paths: Iterable, *, used: bool = False) -> None:
+        """`paths` belong to `owner` (also); `used`: they were read now (their age starts again, so
+        that a file a session goes on using is not swept for its age)."""
+        if not owner:
+            return
+        for path in paths:
+            key = self._key(path)
+            if key is None:
+                continue
+            if used:
+                try:
+                    os.utime(key)
+                except OSError:
+                    continue
+            with self._lock:
+                mine = self._owners.setdefault(key, OrderedDict())
+                self._owners.move_to_end(key)
+                mine[owner] = None
+                mine.move_to_end(owner)
+                while len(mine) > self.max_owners:
+                    mine.popitem(last=False)
+                while len(self._owners) > self.max_files:
+                    self._owners.popitem(last=False)
+
+    def owners(self, path) -> frozenset[str]:
+        key = self._key(path)
+        with self._lock:
+            return frozenset(self._owners.get(key, ())) if key else frozenset()
+
+    def forget_gone(self) -> None:
+        """Forgets the files no longer there."""
+        with self._lock:
+            keys = list(self._owners)
+        gone = [k for k in keys if not os.path.lexists(k)]
+        with self._lock:
+            for key in gone:
+                self._owners.pop(key, None)
+
+
+class NoRoom(ValueError):
+    """A download that does not fit: larger than the folder, or the room is held by other callers'
+    recent downloads, each within its share."""
 
 
 DOWNLOADS_PREFIX = "vitviz-downloads-"
@@ -214,11 +327,14 @@ def sweep_old_downloads(root: str | Path, *, max_age: float = 600) -> int:
 
 
 class Downloads:
-    """A private folder of downloads with random names, within `max_bytes` on disk: before a file is
-    written, files older than `max_age` seconds (long since served) go, then the oldest until the new
-    one fits. At start, the folders that earlier servers left in `root` (default: the system's
-    temporary folder) are removed (`sweep_old_downloads`); this one is locked as this server's while
-    it runs."""
+    """A private folder of downloads with random names, within `max_bytes` on disk, each caller
+    (session, MCP caller) with its share: before a file is written, files older than `max_age`
+    seconds (long since served) go, then, oldest first, the writer's own and those of callers
+    holding more than their share (`max_bytes` divided among the callers holding downloads), until
+    the new one fits; a caller within its share keeps its files, and when they leave no room the
+    download is refused (`NoRoom`). A file's name carries its caller (a keyed hash). At start, the
+    folders that earlier servers left in `root` (default: the system's temporary folder) are removed
+    (`sweep_old_downloads`); this one is locked as this server's while it runs."""
 
     def __init__(self, *, max_age: float = 600, max_bytes: int = 1024 * 2**20, root: str | Path | None = None) -> None:
         root = Path(root) if root is not None else Path(tempfile.gettempdir())
@@ -228,17 +344,39 @@ class Downloads:
         self.max_age = max_age
         self.max_bytes = max_bytes
 
-    def npz(self, exp: Exploration, *, attentions: bool = True, size: int | None = None) -> str:
-        """Writes the .npz of `exp`; `size`: its expected bytes (`export_plan`), to make room first.
+    def npz(self, exp: Exploration, *, attentions: bool = True, size: int | None = None, owner: str | None = None) -> str:
+        """Writes the .npz of `exp`; `size`: its expected bytes (`export_plan`), to make room first;
+        `owner`: whose share it takes (default: the caller of the event running, `current_caller`).
 
         Raises:
-            ValueError: `size` is more than the folder may hold.
+            NoRoom: `size` is more than the folder may hold, or other callers' downloads, each within
+                its share, leave no room for it now.
         """
         if size is not None and size > self.max_bytes:
-            raise ValueError(
+            raise NoRoom(
                 f"This analysis as .npz takes {size / 2**20:,.0f} MB, more than this server keeps for downloads "
                 f"({self.max_bytes / 2**20:,.0f} MB, VITVIZ_DOWNLOADS_MB)."
             )
-        sweep(self.folder, max_age=self.max_age, max_bytes=self.max_bytes, pattern="*.npz", room=size or 0)
-        path = self.folder / f"vitviz-{file_stem(exp.analysis.variant, max_bytes=180)}-{os.urandom(16).hex()}.npz"
+        tag = _owner_tag(owner or current_caller())
+        left = sweep(self.folder, max_age=self.max_age, max_bytes=self.max_bytes, pattern="*.npz", room=size or 0,
+                     owners=_tagged_owner, writer=tag)
+        if left + (size or 0) > self.max_bytes:
+            raise NoRoom(
+                f"There is no room for this {(size or 0) / 2**20:,.1f} MB download now: this server keeps "
+                f"{self.max_bytes / 2**20:,.0f} MB of downloads (VITVIZ_DOWNLOADS_MB), shared among the sessions "
+                f"that hold some, and the others' recent downloads fill it within their shares. Try again in a few "
+                f"minutes (a download is kept {self.max_age / 60:,.0f} minutes)."
+            )
+        path = self.folder / f"vitviz-{file_stem(exp.analysis.variant, max_bytes=180)}-{tag}-{os.urandom(16).hex()}.npz"
         return str(export_npz(exp, path, attentions=attentions))
+
+
+def _owner_tag(owner: str | None) -> str:
+    """The caller a download's name carries: 16 hex digits of a keyed hash (nobody's: of "")."""
+    return secret_name(f"download owner\0{owner or ''}".encode())[:16]
+
+
+def _tagged_owner(path: Path) -> tuple[str, ...]:
+    """The caller tag in a download's name (`vitviz-<variant>-<tag>-<random>.npz`)."""
+    parts = path.name.removesuffix(".npz").rsplit("-", 2)
+    return (parts[1],) if len(parts) == 3 and re.fullmatch(r"[0-9a-f]{16}", parts[1]) else ()

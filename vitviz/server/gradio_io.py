@@ -10,23 +10,35 @@
   upload request (Gradio's own limit is per file, up to 1,000 files a request).
 - `PngImage` / `ViewImage`: output images written under a keyed hash of their bytes (a per-process
   secret), so that nobody can test whether a given picture was recently analysed.
+- Sessions: `SessionHashes` refuses a session hash that is not 1 to 64 of [A-Za-z0-9_-] on every
+  route; a join refused at the door, or the failed first event of a session, leaves no session state;
+  `launch(state_session_capacity=...)` bounds the sessions kept and, as many, their message queues.
 - Error text: plain for API callers (gradio_client, raw HTTP, MCP); escaped on its way out to the
   page (whose requests carry Gradio's `x-gradio-user: app`), which reads error and warning text as
   HTML (`as_text`).
+- Callers: whose request an event is (`caller_of`): its Gradio session, or for a call that Gradio's
+  MCP server relays (through one gradio_client of its own: one session, from this machine), the MCP
+  caller (`mcp_caller`), named in a header only this process can sign; the queue's shares and the
+  disk's count each caller apart (`current_caller` while its event runs).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import hashlib
 import hmac
 import html
 import io
+import json
 import os
 import re
 import secrets
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -34,8 +46,9 @@ from urllib.parse import parse_qs
 import anyio
 import gradio as gr
 from gradio.data_classes import ImageData
+from gradio_client.utils import QueueError
 from gradio.server_messages import LogMessage, ProcessCompletedMessage
-from gradio.utils import get_upload_folder
+from gradio.utils import LRUCache, get_upload_folder
 from PIL import Image
 from starlette.requests import HTTPConnection
 
@@ -46,7 +59,12 @@ __all__ = [
     "UploadLimit",
     "BodyLimit",
     "KnownEvents",
+    "SessionHashes",
+    "SESSION_HASH",
     "client_address",
+    "caller_of",
+    "current_caller",
+    "mcp_caller",
     "looks_like_image",
     "PngImage",
     "ViewImage",
@@ -147,6 +165,26 @@ class UploadedImage(gr.Image):
         return uploaded_path(payload.path)
 
 
+def _uploads_in(block_fn, inputs) -> list[str]:
+    """The paths of the uploaded images an event's raw inputs name."""
+    if not isinstance(inputs, list):
+        return []
+    return [v["path"] for b, v in zip(block_fn.inputs, inputs) if isinstance(b, UploadedImage) and isinstance(v, dict)
+            and isinstance(v.get("path"), str)]
+
+
+def _files_in(data, *, depth: int = 6) -> list[str]:
+    """The paths of the files in an event's outputs (file records, also inside updates, lists and dicts)."""
+    if depth < 0:
+        return []
+    if isinstance(data, dict):
+        found = [data["path"]] if isinstance(data.get("path"), str) else []
+        return found + [p for v in data.values() if isinstance(v, (dict, list)) for p in _files_in(v, depth=depth - 1)]
+    if isinstance(data, list):
+        return [p for v in data for p in _files_in(v, depth=depth - 1)]
+    return []
+
+
 _SKIP = {"__type__": "update"}  # gr.skip(): an output left as it is
 
 
@@ -169,14 +207,20 @@ class GuardedBlocks(gr.Blocks):
     - `queue(client_jobs=..., address_jobs=...)`: one session may have at most `client_jobs` jobs
       waiting in the queue (besides those running), one network address `address_jobs` waiting or
       running; more are answered "one at a time, please" while the queue keeps serving everyone
-      else, and sessions take turns in each waiting line.
+      else, and sessions take turns in each waiting line. A session is a caller (`caller_of`): each
+      MCP caller one of its own, at its own address, also though Gradio relays every MCP call
+      through one client of its own (`_per_caller`).
     - An output a handler leaves as it is (`gr.skip()`, or left out of its dict) costs nothing:
       Gradio would build its component again and regenerate its config (about 2 ms each).
+    - Sessions: a join with fewer inputs than its event takes is refused before Gradio makes the
+      session's state; a session whose first event fails keeps none (Gradio made it before running the event);
+      `launch(state_session_capacity=n)` keeps at most n sessions, and n sessions' message queues.
     """
 
     client_jobs: int | None = None
     address_jobs: int | None = None
     after_event = None  # called (off the event loop, at most every `after_every` s) when an event has run
+    claim_files = None  # called with (caller, paths, used=...) for the uploads an event reads and the files it sends (`export.FileOwners.claim`)
     after_every: float = 5.0
     _after_last = 0.0
     _after_lock = threading.Lock()
@@ -189,6 +233,20 @@ class GuardedBlocks(gr.Blocks):
             self._after_last = time.monotonic()
         threading.Thread(target=self.after_event, daemon=True).start()
 
+    def _claim(self, caller: str | None, paths: list[str], *, used: bool = False) -> None:
+        if self.claim_files is not None and caller is not None and paths:
+            self.claim_files(caller, paths, used=used)
+
+    @property
+    def mcp_server_obj(self):
+        return self.__dict__.get("_mcp_server_obj")
+
+    @mcp_server_obj.setter
+    def mcp_server_obj(self, server) -> None:  # (set by Gradio when it makes the app of a launch with mcp_server=True)
+        self.__dict__["_mcp_server_obj"] = server
+        if server is not None:
+            _per_caller(self, server)
+
     def validate_inputs(self, block_fn, inputs: list[Any]) -> None:
         super().validate_inputs(block_fn, inputs)
         for block, value in zip(block_fn.inputs, inputs):
@@ -196,11 +254,21 @@ class GuardedBlocks(gr.Blocks):
                 _check_image_payload(value)
 
     async def process_api(self, block_fn, inputs, *args, **kwargs):
+        request = kwargs.get("request", args[1] if len(args) > 1 else None)
+        request = request[0] if isinstance(request, list) and request else request
+        caller = caller_of(request, kwargs.get("session_hash"))
+        _CALLER.set(caller)  # (this task's context, copied into the handler's thread)
+        self._claim(caller, _uploads_in(block_fn, inputs), used=True)
         try:
-            return await super().process_api(block_fn, inputs, *args, **kwargs)
+            output = await super().process_api(block_fn, inputs, *args, **kwargs)
+            self._claim(caller, _files_in(output.get("data") if isinstance(output, dict) else None))
+            _served(kwargs.get("state"))
+            return output
         except gr.Error:
+            _forget_unserved(self, kwargs.get("state"), kwargs.get("session_hash"))
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure becomes one readable message
+            _forget_unserved(self, kwargs.get("state"), kwargs.get("session_hash"))
             from vitviz.server.inputs import public_text
 
             name = str(getattr(block_fn, "name", None) or "this request")
@@ -233,6 +301,83 @@ class GuardedBlocks(gr.Blocks):
         _escaped_for_the_page(self)
         return out
 
+    def launch(self, *args, state_session_capacity: int = 10_000, **kwargs):
+        if self._queue is not None:
+            _bounded_messages(self._queue, state_session_capacity)
+        return super().launch(*args, state_session_capacity=state_session_capacity, **kwargs)
+
+
+_SERVED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # session states an event has completed in
+
+
+def _served(state) -> None:
+    if state is not None:
+        _SERVED[state] = True
+
+
+def _forget_unserved(blocks: gr.Blocks, state, session: str | None) -> None:
+    """Gradio makes a session's state before it runs the session's event: when the first event of a
+    session fails (its inputs refused, the handler refused it) and no other event of it waits or runs,
+    the state goes, as if the request had been refused at the door."""
+    holder = getattr(blocks, "state_holder", None)
+    if not session or state is None or holder is None or state in _SERVED or holder.session_data.get(session) is not state:
+        return
+    queue = blocks._queue
+    live = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
+    live += [e for job in queue.active_jobs if job for e in job]
+    if sum(e.session_hash == session for e in live) > 1:  # (this event runs: one of them)
+        return
+    with holder.lock:
+        if holder.session_data.get(session) is state:
+            del holder.session_data[session]
+            holder.time_last_used.pop(session, None)
+
+
+class _MessageQueues(LRUCache):
+    """Gradio's message queues of sessions (`Queue.pending_messages_per_session`), at most `max_size`:
+    over it, the least recently joined session with no event waiting or running goes (Gradio's
+    LRUCache drops the oldest, whose results may still be on their way)."""
+
+    def __init__(self, queue, max_size: int) -> None:
+        super().__init__(max_size)
+        self._queue = queue
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self:
+            self.make_room(1)
+        OrderedDict.__setitem__(self, key, value)
+        self.move_to_end(key)
+
+    def make_room(self, new: int = 0) -> None:
+        """Drops sessions until `new` more fit within `max_size` (also after `max_size` was lowered)."""
+        live = {e.session_hash for e in list(self._queue.event_ids_to_events.values())}
+        while self and len(self) + new > self.max_size:
+            idle = next((k for k in self if k not in live), None)
+            self.pop(idle if idle is not None else next(iter(self)))
+
+
+def _bounded_messages(queue, sessions: int) -> None:
+    """The queue keeps the messages of at most `sessions` sessions (Gradio: 2,000, whatever the
+    sessions kept), those with nothing waiting or running and least recently joined dropped first; a
+    message for a session dropped so is dropped too (nobody can read it: Gradio answers its stream
+    404) instead of failing the job."""
+    if not isinstance(queue.pending_messages_per_session, _MessageQueues):
+        kept = _MessageQueues(queue, sessions)
+        OrderedDict.update(kept, queue.pending_messages_per_session)
+        queue.pending_messages_per_session = kept
+    queue.pending_messages_per_session.max_size = sessions
+    queue.pending_messages_per_session.make_room()
+    if getattr(queue, "_vitviz_bounded", False):
+        return
+    send = queue.send_message
+
+    def send_message(event, message) -> None:
+        if event.session_hash in queue.pending_messages_per_session:
+            send(event, message)
+
+    queue.send_message = send_message
+    queue._vitviz_bounded = True
+
 
 def _escaped_for_the_page(blocks: GuardedBlocks) -> None:
     """Wraps the queue's `send_message`: the text of an error (`process_completed` that failed) and of
@@ -261,8 +406,12 @@ ONE_AT_A_TIME = (
 
 
 def client_address(request: Any) -> str:
-    """The address a request came from: behind Hugging Face's proxy (SPACE_ID is set) the address it
-    appended last to X-Forwarded-For, otherwise the peer's."""
+    """The address a request came from: the MCP caller's, for a call Gradio's MCP server relays
+    (`mcp_caller`); behind Hugging Face's proxy (SPACE_ID is set) the address it appended last to
+    X-Forwarded-For; otherwise the peer's."""
+    caller = mcp_caller(request)
+    if caller is not None:
+        return caller[1]
     headers = getattr(request, "headers", None) or {}
     forwarded = headers.get("x-forwarded-for") if os.environ.get("SPACE_ID") else None
     if forwarded:
@@ -271,19 +420,106 @@ def client_address(request: Any) -> str:
     return getattr(client, "host", None) or "?"
 
 
+CALLER = "x-vitviz-caller"  # on a call Gradio's MCP server relays: whose it is ("<session>/<address>/<signature>")
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_caller", default=None)
+
+
+def _signature(text: str) -> str:
+    return hmac.new(_SECRET, b"mcp caller\0" + text.encode(), hashlib.sha256).hexdigest()
+
+
+def mcp_caller(request: Any) -> tuple[str, str] | None:
+    """(session, address) of the MCP caller whose call `request` relays, when this process's own MCP
+    bridge sent it (`_per_caller`: signed with this process's secret); None for any other request,
+    also one that names a caller it cannot sign."""
+    headers = getattr(request, "headers", None) or {}
+    token = headers.get(CALLER)
+    if not isinstance(token, str):
+        return None
+    named, _, signature = token.rpartition("/")
+    session, _, address = named.partition("/")
+    if not session or not address or not hmac.compare_digest(signature.encode(), _signature(named).encode()):
+        return None
+    return session, address
+
+
+def caller_of(request: Any, session_hash: str | None = None) -> str | None:
+    """Whose request this is, for the shares of the queue and the disk: the MCP caller a relayed call
+    names ("mcp ..."), otherwise its Gradio session ("session ..."); None without either."""
+    caller = mcp_caller(request)
+    if caller is not None:
+        return f"mcp {caller[0]}"
+    session = session_hash or getattr(request, "session_hash", None)
+    return f"session {session}" if isinstance(session, str) and session else None
+
+
+def current_caller() -> str | None:
+    """The caller (`caller_of`) of the event running in this context (`GuardedBlocks.process_api`
+    sets it; Gradio's handler threads run in a copy of its context)."""
+    return _CALLER.get()
+
+
+def _mcp_identity(request: Any) -> tuple[str, str]:
+    """(session, address) of the MCP caller that sent `request` (the HTTP request of its call): the
+    session is the one it names (an `mcp-session-id` header, the SSE transport's `session_id`;
+    Gradio's MCP server is stateless and issues none) or else its address: one agent per address
+    unless it names its sessions. Keyed with the address, so that no caller can take another's."""
+    address = client_address(request)
+    headers = getattr(request, "headers", None) or {}
+    params = getattr(request, "query_params", None) or {}
+    named = headers.get("mcp-session-id") or params.get("session_id") or ""
+    return secret_name(f"{address}\0{named}".encode())[:32], address
+
+
+def _per_caller(blocks: GuardedBlocks, server) -> None:
+    """Gradio's MCP server (`gradio.mcp.GradioMCPServer`) calls a queued event through one
+    gradio_client of its own (one session hash, from this machine's address) whatever the caller,
+    with the caller's headers: each call now also names its caller (`CALLER`, signed), so that the
+    queue counts it as that caller's session and address; a refusal of the queue reaches the caller as
+    its text (gradio_client reads every refusal as "Queue is full")."""
+    prepare = server._prepare_tool_call_args
+
+    def prepare_for_caller(name, arguments):
+        endpoint, args, headers, block_fn = prepare(name, arguments)
+        session, address = _mcp_identity(server.mcp_server.request_context.request)
+        named = f"{session}/{address}"
+        headers[CALLER] = f"{named}/{_signature(named)}"  # (replaces whatever the caller sent under that name)
+        return endpoint, args, headers, block_fn
+
+    def told(execute):
+        async def execute_telling(job, *args):
+            try:
+                return await execute(job, *args)
+            except QueueError:
+                session, _ = _mcp_identity(server.mcp_server.request_context.request)
+                why = blocks.__dict__.get("_refusals", {}).pop(f"mcp {session}", None)
+                if why is None:
+                    raise
+                raise QueueError(why) from None
+
+        return execute_telling
+
+    server._prepare_tool_call_args = prepare_for_caller
+    server._execute_tool_without_progress = told(server._execute_tool_without_progress)
+    server._execute_tool_with_progress = told(server._execute_tool_with_progress)
+
+
 def _take_turns(queue) -> None:
     """Orders each waiting line so that clients take turns: a session's k-th job (counting its jobs
-    already running) waits behind every other session's earlier ones; within a session, in order."""
-    running: dict[str, int] = {}
+    already running) waits behind every other session's earlier ones; within a session, in order.
+    A session is a caller (`caller_of`)."""
+    running: dict[str | None, int] = {}
     for job in queue.active_jobs:
         for e in job or ():
-            running[e.session_hash] = running.get(e.session_hash, 0) + 1
+            who = caller_of(e.request, e.session_hash)
+            running[who] = running.get(who, 0) + 1
     for line in queue.event_queue_per_concurrency_id.values():
         seen = dict(running)
         turns = []
         for e in line.queue:
-            turns.append(seen.get(e.session_hash, 0))
-            seen[e.session_hash] = turns[-1] + 1
+            who = caller_of(e.request, e.session_hash)
+            turns.append(seen.get(who, 0))
+            seen[who] = turns[-1] + 1
         order = sorted(range(len(line.queue)), key=lambda i: turns[i])  # stable: arrival order within a turn
         line.queue[:] = [line.queue[i] for i in order]
 
@@ -301,16 +537,38 @@ def _unknown_event(blocks: gr.Blocks, body) -> str | None:
     return UNKNOWN_EVENT.format(index=body.fn_index) if body.fn_index not in fns else None
 
 
+def _unfit_inputs(blocks: GuardedBlocks, body) -> str | None:
+    """Why a join's inputs fail Gradio's own check (fewer values than the event's inputs), or None;
+    checked at the door, where no session's state is made for it (Gradio makes one before it checks).
+    A value refused later (an image not uploaded, junk in a field) is the event's error, as before, and
+    `_forget_unserved` takes back the state Gradio made for it."""
+    session = body.session_hash
+    fns = blocks.state_holder[session].blocks_config.fns if session and session in blocks.state_holder else blocks.fns
+    fn = fns[body.fn_index]
+    if fn.batch or fn.cancels or not isinstance(body.data, list):
+        return None  # (Gradio rewrites or rejects these itself)
+    if len(body.data) < len(fn.inputs):
+        return f"This event takes {len(fn.inputs)} input values; the request sent {len(body.data)}."
+    return None
+
+
+READ_FIRST = (
+    "Read your results first: {count} of your requests have finished and nobody has read what they "
+    "returned (GET /gradio_api/queue/data?session_hash=...)."
+)
+
+
 def _fair(blocks: GuardedBlocks) -> None:
-    """Wraps the queue's `push`: a join that names no event of this app is refused (400, with the
-    reason), and no client holds more than its share of jobs."""
+    """Wraps the queue's `push`: a join that names no event of this app, or whose inputs do not fit
+    its event, is refused (400, with the reason) before Gradio makes a session for it, and no client
+    holds more than its share of jobs (nor of finished results it has not read)."""
     queue = blocks._queue
     if getattr(queue, "_vitviz_fair", False):
         return
     push = queue.push
 
     async def fair_push(body, request, username):
-        unknown = _unknown_event(blocks, body)
+        unknown = _unknown_event(blocks, body) or (body.fn_index is not None and _unfit_inputs(blocks, body))
         if unknown:
             return False, unknown, "error"
         per_session, per_address = blocks.client_jobs, blocks.address_jobs
@@ -318,19 +576,61 @@ def _fair(blocks: GuardedBlocks) -> None:
             waiting = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
             running = [e for job in queue.active_jobs if job for e in job]
             address = client_address(request)
-            mine = sum(1 for e in waiting if body.session_hash and e.session_hash == body.session_hash)
+            me = caller_of(request, body.session_hash)  # (an MCP caller's relayed call: the caller's, not the relay's)
+            mine = sum(1 for e in waiting if me and caller_of(e.request, e.session_hash) == me)
             here = sum(1 for e in waiting + running if client_address(e.request) == address)
+            unread = _unread(queue, body.session_hash)
             if per_session and mine >= per_session:
-                return False, ONE_AT_A_TIME.format(count=mine), "queue_full"
+                return _refused(blocks, me, ONE_AT_A_TIME.format(count=mine))
+            if per_session and unread >= per_session:
+                return _refused(blocks, me, READ_FIRST.format(count=unread))
             if per_address and here >= per_address:
-                return False, ONE_AT_A_TIME.format(count=here), "queue_full"
+                return _refused(blocks, me, ONE_AT_A_TIME.format(count=here))
         result = await push(body, request, username)
         if result[0]:
             _take_turns(queue)
+            _forget_read_sessions(queue)
         return result
 
     queue.push = fair_push
     queue._vitviz_fair = True
+
+
+def _unread(queue, session: str | None) -> int:
+    """The events of `session` that have finished and whose results nobody has read yet (they wait in
+    its message queue); none once the queue has dropped that (and then their ids go too)."""
+    ids = queue.pending_event_ids_session.get(session) if session else None
+    if not ids:
+        return 0
+    if session not in queue.pending_messages_per_session:
+        ids.intersection_update(queue.event_ids_to_events)  # (those waiting or running)
+        return 0
+    return sum(1 for i in ids if i not in queue.event_ids_to_events)
+
+
+def _refused(blocks: GuardedBlocks, caller: str | None, why: str):
+    """A refusal of `fair_push`; an MCP caller's is kept for the MCP bridge to tell it (`_per_caller`):
+    the newest 1,024 callers' last."""
+    if caller is not None and caller.startswith("mcp "):
+        refusals = blocks.__dict__.setdefault("_refusals", OrderedDict())
+        refusals[caller] = why
+        refusals.move_to_end(caller)
+        while len(refusals) > 1024:
+            refusals.popitem(last=False)
+    return False, why, "queue_full"
+
+
+def _forget_read_sessions(queue) -> None:
+    """Gradio keeps the ids of each session's events until they are read, and the session's entry
+    for good: entries with nothing left to read, or whose messages the queue has dropped (and no
+    event waits or runs), go once there are more than its message queues."""
+    ids = queue.pending_event_ids_session
+    if len(ids) <= 2 * queue.pending_messages_per_session.max_size:
+        return
+    live = {e.session_hash for q in queue.event_queue_per_concurrency_id.values() for e in q.queue}
+    live |= {e.session_hash for job in queue.active_jobs if job for e in job}
+    for session in [s for s, pending in ids.items() if s not in live and (not pending or s not in queue.pending_messages_per_session)]:
+        del ids[session]
 
 
 IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
@@ -350,15 +650,18 @@ class UploadLimit:
     for the multipart framing (413 otherwise, before a byte is read); an address past its minute's
     volume is answered 429 before a byte is read; a part whose first bytes are not an image's is
     cut off there (415), and so is a body with more than one part, as soon as the second part's
-    boundary arrives (413). `after()` runs after each upload that went through (a disk sweep).
+    boundary arrives (413). `after()` runs after each upload that went through (a disk sweep);
+    `claim(owner, paths)` is told the files it made, as the uploading address's ("address ...") until
+    an event uses them (`GuardedBlocks.claim_files`).
     """
 
-    def __init__(self, app, *, max_bytes: int, per_minute: int | None = None, after=None, overhead: int = 64 * 1024,
+    def __init__(self, app, *, max_bytes: int, per_minute: int | None = None, after=None, claim=None, overhead: int = 64 * 1024,
                  path_suffix: str = "/gradio_api/upload") -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.per_minute = per_minute
         self.after = after
+        self.claim = claim
         self.overhead = overhead
         self.path_suffix = path_suffix
         self._volume: dict[str, list[tuple[float, int]]] = {}
@@ -441,7 +744,9 @@ class UploadLimit:
             if not seen["refused"]:
                 raise
         if not seen["refused"]:
-            _touch_uploaded(b"".join(answer))
+            uploaded = _touch_uploaded(b"".join(answer))
+            if self.claim is not None and uploaded:
+                self.claim(f"address {address}", uploaded)
         if seen["refused"] and not seen["started"]:
             if seen["refused"] == "kind":
                 await _plain(send, 415, "Only images can be uploaded here (JPEG, PNG, WebP, GIF, BMP or TIFF).")
@@ -451,20 +756,25 @@ class UploadLimit:
             await anyio.to_thread.run_sync(self.after)  # off the event loop
 
 
-def _touch_uploaded(answer: bytes) -> None:
-    """Marks the files an upload answered with as new: Gradio keeps a file it already has (same
-    bytes, same name) with its old time, which an oldest-first sweep would take for the oldest."""
+def _touch_uploaded(answer: bytes) -> list[str]:
+    """Marks the files an upload answered with as new (Gradio keeps a file it already has, same
+    bytes and name, with its old time, which an oldest-first sweep would take for the oldest), and
+    returns their paths."""
     import json
 
     try:
         paths = json.loads(answer)
     except ValueError:
-        return
+        return []
+    touched = []
     for path in paths if isinstance(paths, list) else []:
         try:
-            os.utime(uploaded_path(path))
+            real = uploaded_path(path)
+            os.utime(real)
+            touched.append(real)
         except (gr.Error, OSError):
             pass
+    return touched
 
 
 class BodyLimit:
@@ -555,6 +865,137 @@ class KnownEvents:
             await _plain(send, 404, why)
             return
         await self.app(scope, receive, send)
+
+
+SESSION_HASH = re.compile(r"[A-Za-z0-9_-]{1,64}")
+BAD_SESSION = (
+    "A session hash is 1 to 64 letters, digits, '-' or '_' (Gradio's page sends 11 of them, gradio_client "
+    "a UUID); this request's is not."
+)
+
+
+class SessionHashes:
+    """ASGI middleware: a request that names a session (`session_hash` in its JSON body or its form, in
+    its query, in its `session_hash` header, or in the path of Gradio's heartbeat and stream routes)
+    names it with 1 to 64 of [A-Za-z0-9_-] (`SESSION_HASH`), or is answered 400 with the reason
+    before Gradio keeps anything under it (Gradio took any string, and kept a hash of 900 kB as the
+    key of a session's state and of its message queue). A component-server call of a function the
+    page lacks is answered 404 before Gradio makes the session it would make for it.
+
+    A body is read whole before the check (`BodyLimit`, outside this one, bounds it) and handed on
+    as it came."""
+
+    _PATH = re.compile(r"/gradio_api/(?:heartbeat/(?P<beat>[^/]*)/?|stream/(?P<stream>[^/]*)/[^/]+/[^/]+/[^/]+)$")
+
+    def __init__(self, app, *, blocks: gr.Blocks, skip_suffix: str = "/gradio_api/upload") -> None:
+        self.app = app
+        self.blocks = blocks
+        self.skip_suffix = skip_suffix
+
+    def _before_body(self, scope) -> str | None:
+        path = scope.get("path", "")
+        named = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True).get("session_hash", [])
+        if (m := self._PATH.search(path)) and scope.get("method") == "GET":
+            named.append(m["beat"] if m["beat"] is not None else m["stream"])
+        header = dict(scope.get("headers", [])).get(b"session_hash")
+        if header:
+            named.append(header.decode("latin-1"))
+        return BAD_SESSION if any(SESSION_HASH.fullmatch(n) is None for n in named) else None
+
+    def _in_body(self, path: str, fields: Any) -> tuple[int, str] | None:
+        if not isinstance(fields, dict):
+            return None
+        session = fields.get("session_hash")
+        if session is not None and (not isinstance(session, str) or SESSION_HASH.fullmatch(session) is None):
+            return 400, BAD_SESSION
+        if path.rstrip("/").endswith("/gradio_api/component_server"):
+            return self._unknown_function(fields, session)
+        return None
+
+    def _unknown_function(self, fields: dict, session: str | None) -> tuple[int, str] | None:
+        """Why Gradio's component server would answer a call with no function of the page (it makes the
+        caller's session first), or None; a session that exists is left to Gradio (its components may
+        be its own)."""
+        holder = getattr(self.blocks, "state_holder", None)
+        if session is None or (holder is not None and session in holder):
+            return None
+        component, name = fields.get("component_id"), fields.get("fn_name")
+        try:
+            block = self.blocks.blocks.get(int(component))
+        except (TypeError, ValueError, OverflowError):
+            block = None
+        fn = getattr(block, name, None) if block is not None and isinstance(name, str) else None
+        if fn is None or not getattr(fn, "_is_server_fn", False):
+            return 404, (f"This page has no function {str(name)[:64]!r} on a component {str(component)[:16]!r}: "
+                         "/config lists its components.")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        why = self._before_body(scope)
+        if why:
+            await _plain(send, 400, why)
+            return
+        path = scope.get("path", "")
+        if scope.get("method") != "POST" or "/gradio_api/" not in path or path.endswith(self.skip_suffix):
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client has gone, or BodyLimit has cut the body off (and answers 413)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        refused = self._in_body(path, await self._fields(scope, body))
+        if refused:
+            await _plain(send, *refused)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _fields(scope, body: bytes) -> Any:
+        """The request's fields: its JSON object, or its form's fields (files left out), or None."""
+        content_type = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1").lower()
+        if content_type.startswith("multipart/form-data"):  # read by the parser Gradio's route uses, so that both agree
+            from gradio.route_utils import GradioMultiPartParser
+            from starlette.datastructures import Headers
+
+            async def stream():
+                yield body
+
+            parser = GradioMultiPartParser(Headers(scope=scope), stream(), max_files=1000, max_fields=1000, max_file_size=len(body) + 1)
+            try:
+                form = await parser.parse()
+            except Exception:  # noqa: BLE001 - Gradio answers what it cannot parse itself
+                return None
+            try:
+                return {k: v for k, v in form.multi_items() if isinstance(v, str)}
+            finally:
+                for _, v in form.multi_items():
+                    if not isinstance(v, str):
+                        await v.close()
+                        with contextlib.suppress(OSError, AttributeError):
+                            os.unlink(v.file.name)
+        if not body.lstrip()[:1] == b"{":
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
 
 def _boundary(content_type: bytes) -> bytes | None:

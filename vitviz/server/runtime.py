@@ -30,11 +30,11 @@ from vitviz.images import ImageError  # noqa: E402
 from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
 from vitviz.server.early import TICKET, Tickets  # noqa: E402
-from vitviz.server.export import Downloads, sweep  # noqa: E402
-from vitviz.server.gradio_io import as_text, upload_folder  # noqa: E402
+from vitviz.server.export import Downloads, FileOwners, sweep  # noqa: E402
+from vitviz.server.gradio_io import as_text, upload_folder, uploaded_path  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
-from vitviz.server.sessions import SessionRef, SessionStore  # noqa: E402
+from vitviz.server.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
 from vitviz.server.settings import Settings  # noqa: E402
 from vitviz.server.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
 from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
@@ -62,6 +62,9 @@ EXAMPLES = sorted(str(p) for p in (assets_dir() / "examples").glob("*.png"))
 DOWNLOADS = Downloads(max_bytes=SETTINGS.downloads_bytes)
 # the explorer's data for the browser: files in Gradio's upload folder (which it serves), secret names
 EXPLORER_DIR = upload_folder() / "vitviz-explorer"
+# who each file in the upload folder belongs to (uploads, and Gradio's copies of what events sent):
+# each caller makes room only among its own files or those of callers over their share (`files_sweep`)
+FILES = FileOwners(upload_folder(), skip=(EXPLORER_DIR,))
 EXPLORER_WIDGET = explorer_data.widget_files()
 EXPLORER_LOCKS = KeyedLocks()  # each explorer file is written once, by one thread
 EXPLORER_CALLS = threading.BoundedSemaphore(4)  # explorer_layer calls at once (they run on Gradio's thread pool)
@@ -83,9 +86,9 @@ def _explorer_files_gone(key: str) -> None:
         pass
 
 
-# Analyses kept for sessions: all of them together within VITVIZ_STATE_MB (default 3 GiB, sized for
-# a 16 GB Space beside 3 GiB of models); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped,
-# and its explorer's files with it.
+# Analyses kept for sessions: all of them together within what VITVIZ_STATE_MB (default 3 GiB, sized for
+# a 16 GB Space beside 3 GiB of models) leaves beside Gradio's sessions (`Settings.sessions`, a quarter
+# by default); an analysis unused for VITVIZ_STATE_IDLE seconds is dropped, and its explorer's files with it.
 STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle,
                                                       on_drop=_explorer_files_gone)
 # a plugin method's failure or slowness kept to its own map (`explaining.MethodGuard`)
@@ -144,10 +147,15 @@ def priced(cost, request: gr.Request | None = None, *, wait: float | None = None
 
 
 def files_sweep() -> None:
-    """Uploads and Gradio's copies of pictures within VITVIZ_FILES_MB, oldest first (examples stay);
-    the explorer's files within their own bounds. Run after events (`GuardedBlocks.after_event`), so
-    that files of a process before this one, or of analyses no longer written to, go by age too."""
-    sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=is_example)
+    """Uploads and Gradio's copies of pictures and downloads within VITVIZ_FILES_MB (examples stay):
+    files 30 minutes unused go, then, oldest first, files nobody uses and those of callers holding
+    more than their share (`FILES`; VITVIZ_FILES_MB divided among the callers holding files); a
+    session's files within its share stay. The explorer's files within their own bounds. Run after
+    events (`GuardedBlocks.after_event`), so that files of a process before this one, or of analyses
+    no longer written to, go by age too."""
+    sweep(upload_folder(), max_age=1800, max_bytes=SETTINGS.files_bytes, recursive=True, skip=(EXPLORER_DIR,), keep=is_example,
+          owners=FILES.owners)
+    FILES.forget_gone()
     explorer_sweep(room=0)
 
 
@@ -336,6 +344,8 @@ def _analyze_on_device(image: str, variant: str, stream_to: str | None = None, o
 
 @gpu
 def _reanalyze_on_device(ref: SessionRef) -> views.Exploration:
+    if ref.crop is None:  # a crop larger than a session keeps: from the upload again
+        return views.explore(CACHE, ref.source, ref.variant)
     return views.explore_crop(CACHE, ref.crop, ref.variant)
 
 
@@ -360,15 +370,21 @@ def remember(exp: views.Exploration, source: str = "", *, key: str | None = None
     """Keeps `exp` in the store (under `key`, the one chosen for it before its forward, or a new one);
     the session holds only the returned reference."""
     key = STORE.put(exp, exp.analysis.nbytes, key=key or exp.key)
-    return SessionRef(key=key, variant=exp.analysis.variant, crop=exp.analysis.image, image=file_name(source), source=source)
+    return SessionRef(key=key, variant=exp.analysis.variant, crop=crop_to_keep(exp.analysis.image), image=file_name(source), source=source)
 
 
 def recall(ref: SessionRef | None) -> views.Exploration:
-    """The session's analysis; computed again from its crop when the store has dropped it."""
+    """The session's analysis; computed again from its crop (or its upload, for a crop too large for a
+    session to keep) when the store has dropped it."""
     if not isinstance(ref, SessionRef):
         raise error("Analyse an image first.")
     exp = STORE.get(ref.key)
     if exp is None:
+        if ref.crop is None:
+            try:
+                uploaded_path(ref.source)
+            except gr.Error:
+                raise error("This analysis was dropped to make room, and its image is no longer on the server: analyse it again.") from None
         try:
             with job("analyse", ref.variant):
                 exp = _reanalyze_on_device(ref)
