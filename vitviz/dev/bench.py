@@ -863,6 +863,9 @@ elif kind == "faithfulness":
     explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
 elif kind == "export":
     Downloads().npz(exp, size=cost.kept_bytes)
+elif kind == "explorer" and swin_views.is_swin(exp):
+    from vitviz.server import swin_explorer
+    swin_explorer.write_payload(exp, key="bench", folder=Downloads().folder, spec=model.spec)
 elif kind == "explorer":
     explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
 elif kind == "view":
@@ -895,7 +898,9 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
             for kind in kinds:
                 code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=image, budget=budget)
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
-                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise RuntimeError(f"--serving: the {kind} of {variant} failed:\n{out.stderr[-3000:]}")
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if got.get("skip"):  # a kind the model has no use for
                     continue
