@@ -1,3 +1,4 @@
+import functools
 import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -207,9 +208,39 @@ def upload(base: str, path) -> dict:
     return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
 
 
+@functools.lru_cache(maxsize=None)
 def fn_index(base: str, name: str) -> int:
     """The event id of the API name `name` in the served app's /config."""
     import httpx
 
     config = httpx.get(f"{base}/config", timeout=30).json()
     return next(d["id"] for d in config["dependencies"] if d.get("api_name") == name)
+
+
+def join(base: str, name: str, data: list, session: str, *, event_data=None):
+    """`POST /gradio_api/queue/join` for the event named `name` (private ones too): the response."""
+    import httpx
+
+    body = {"data": data, "fn_index": fn_index(base, name), "session_hash": session, "event_data": event_data, "trigger_id": None}
+    return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
+
+
+def results(base: str, session: str, count: int, *, timeout: float = 300) -> list[dict]:
+    """The next `count` completed events of `session` (each {"success", "output", ...})."""
+    import json
+
+    import httpx
+
+    done = []
+    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=timeout) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            msg = json.loads(line[5:])
+            if msg.get("msg") == "process_completed":
+                done.append(msg)
+                if len(done) == count:
+                    return done
+            if msg.get("msg") == "close_stream":
+                break
+    raise AssertionError(f"{len(done)} of {count} results arrived")

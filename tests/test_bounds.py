@@ -4,7 +4,6 @@ bare "Error" — private events and component-server calls included. After each 
 normal analysis still works and the server's resident memory is back near where it started."""
 
 import dataclasses
-import functools
 import json
 import os
 import threading
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import fn_index, upload
+from conftest import fn_index, join, results, upload
 import vitviz
 from vitviz.server.memory import release_memory, resident_bytes
 
@@ -34,32 +33,6 @@ def app():
 
 def _rss() -> int:
     return resident_bytes()
-
-
-_fn_index = functools.lru_cache(maxsize=None)(fn_index)
-
-
-def join(base: str, name: str, data: list, session: str, *, event_data=None) -> httpx.Response:
-    """`POST /gradio_api/queue/join` for the event named `name` (private ones too)."""
-    body = {"data": data, "fn_index": _fn_index(base, name), "session_hash": session, "event_data": event_data, "trigger_id": None}
-    return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
-
-
-def results(base: str, session: str, count: int, *, timeout: float = 300) -> list[dict]:
-    """The next `count` completed events of `session` (each {"success", "output", ...})."""
-    done = []
-    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=timeout) as stream:
-        for line in stream.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            msg = json.loads(line[5:])
-            if msg.get("msg") == "process_completed":
-                done.append(msg)
-                if len(done) == count:
-                    return done
-            if msg.get("msg") == "close_stream":
-                break
-    raise AssertionError(f"{len(done)} of {count} results arrived")
 
 
 def run(base: str, name: str, data: list, *, session: str | None = None, event_data=None) -> tuple[bool, object]:
@@ -513,7 +486,7 @@ def test_no_bare_error_for_junk_values(server, good, steady):
     ]
     for name, data in cases:
         event_data = {"index": [float("nan"), "x"], "value": None} if name == "on_click" else None
-        body = json.dumps({"data": data, "fn_index": _fn_index(server, name), "session_hash": session, "event_data": event_data,
+        body = json.dumps({"data": data, "fn_index": fn_index(server, name), "session_hash": session, "event_data": event_data,
                            "trigger_id": None}).replace("NaN", "NaN")
         r = httpx.post(f"{server}/gradio_api/queue/join", content=body, headers={"content-type": "application/json"}, timeout=30)
         if r.status_code != 200:  # refused by Gradio's own validation: a message, not a bare "Error"

@@ -12,7 +12,8 @@ import pytest
 
 import vitviz
 import vitviz.evaluate as ev
-from vitviz.evaluate import EvaluateError, evaluate, main, summarize
+from vitviz.evaluate import EvaluateError, evaluate, summarize
+from test_protocols import _main
 
 FAST = dict(model="shapes_p16", methods=("rollout",), metrics=("distance",), batch_size=3, workers=0, compare=False, progress=False)
 COMMAND = ["--model", "shapes_p16", "--methods", "rollout", "--metrics", "distance", "--batch-size", "3", "--workers", "0",
@@ -31,15 +32,6 @@ def shapes(tmp_path_factory):
 def data(shapes, tmp_path):
     shutil.copytree(shapes, tmp_path / "data")
     return tmp_path / "data"
-
-
-def _main(*argv) -> int:
-    """main(argv) in this process: its exit status (0 when it returned)."""
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
 
 
 def _files(folder: Path) -> dict[str, bytes]:

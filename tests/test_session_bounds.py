@@ -2,8 +2,6 @@
 HTTP: session hashes bounded on every route, refused requests leave no session behind, and the
 sessions kept (with their unread results) priced and counted beside the analyses kept for them."""
 
-import dataclasses
-import json
 import random
 import string
 import threading
@@ -11,9 +9,8 @@ import uuid
 
 import httpx
 import pytest
-from PIL import Image
 
-import vitviz
+from conftest import fn_index, join, results, upload
 from vitviz.server.memory import release_memory, resident_bytes
 
 SMALL = dict(state_mb=96, sessions=24)  # a budget the tests cross: 24 sessions, the rest of 96 MB for analyses
@@ -59,50 +56,6 @@ def demo(server):
     from vitviz.server import app
 
     return app.demo
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    path = tmp_path_factory.mktemp("good") / "star.png"
-    Image.fromarray(vitviz.shapes.render(3, seed=5, index=0)[0]).save(path)
-    return path
-
-
-def upload(base: str, path) -> dict:
-    with open(path, "rb") as f:
-        r = httpx.post(f"{base}/gradio_api/upload", files=[("files", ("star.png", f.read()))], timeout=60)
-    r.raise_for_status()
-    return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
-
-
-_INDEX: dict[str, int] = {}
-
-
-def fn_index(base: str, name: str) -> int:
-    if not _INDEX:
-        config = httpx.get(f"{base}/config", timeout=30).json()
-        _INDEX.update({d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")})
-    return _INDEX[name]
-
-
-def join(base: str, name: str, data: list, session) -> httpx.Response:
-    body = {"data": data, "fn_index": fn_index(base, name), "session_hash": session, "event_data": None, "trigger_id": None}
-    return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
-
-
-def results(base: str, session: str, count: int) -> list[dict]:
-    done = []
-    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=120) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("data:"):
-                msg = json.loads(line[5:])
-                if msg.get("msg") == "process_completed":
-                    done.append(msg)
-                    if len(done) == count:
-                        return done
-                if msg.get("msg") == "close_stream":
-                    break
-    raise AssertionError(f"{len(done)} of {count} results arrived")
 
 
 def analyse(base: str, image: dict, session: str) -> dict:
