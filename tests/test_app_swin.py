@@ -322,7 +322,8 @@ def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
     junk values are refused with a message, never a bare "Error"."""
     import httpx
 
-    from test_bounds import _fn_index, results, run, upload
+    from conftest import fn_index, results, upload
+    from test_bounds import run
 
     app.demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1", quiet=True,
                     **{k: v for k, v in app.LAUNCH_KWARGS.items() if k != "ssr_mode"})
@@ -336,7 +337,7 @@ def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
                  ("session_view", [2, "mean", 1, "all layers and heads"]), ("session_view", [2, "mean", 1e9, "each map its own"]),
                  ("session_rollout", ["mean", 0.5])]
         for name, data in cases:
-            body = {"data": [None, *data], "fn_index": _fn_index(base, name), "session_hash": session, "event_data": None, "trigger_id": None}
+            body = {"data": [None, *data], "fn_index": fn_index(base, name), "session_hash": session, "event_data": None, "trigger_id": None}
             r = httpx.post(f"{base}/gradio_api/queue/join", content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30)
             if r.status_code != 200:
                 assert r.text and r.text.strip() != "Error", r.text
