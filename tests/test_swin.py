@@ -353,8 +353,13 @@ def _dense_through(attn, grads, geometries, stages, *, rule):
     return r
 
 
+@pytest.mark.parametrize("slice_elements", [2**22, 50], ids=["whole", "sliced"])
 @pytest.mark.parametrize("kind", [SHIFTED, PADDED], ids=["shifted", "padded"])
-def test_rollout_and_relevance_equal_the_dense_products(kind):
+def test_rollout_and_relevance_equal_the_dense_products(kind, slice_elements, monkeypatch):
+    # "sliced": Q's columns go through the layers in slices of one or two columns, a step after each
+    # layer of each slice, and the products are the same
+    monkeypatch.setattr(vitviz.swin, "SLICE_ELEMENTS", slice_elements)
+    stepped = []
     model = _ours(kind, classes=5, seed=3)
     with torch.no_grad():
         model.head.weight.mul_(100)  # gradients large enough that relevance moves away from the merges alone
@@ -366,7 +371,10 @@ def test_rollout_and_relevance_equal_the_dense_products(kind):
     attn, grads = rec.calls[-1], rec.grad_calls[-1]
     geometries, stages = model.geometries(size, size), model.layer_stages
     want = _dense_through(attn, grads, geometries, stages, rule="rollout")
-    got = vitviz.swin.swin_rollout(attn, geometries, stages)
+    with vitviz.steps.between_steps(lambda: stepped.append(1)):
+        got = vitviz.swin.swin_rollout(attn, geometries, stages)
+    slices = -(-geometries[-1].num_tokens // max(1, slice_elements // geometries[0].num_tokens))
+    assert len(stepped) == slices * len(geometries) and (slices > 1) == (slice_elements == 50)
     assert got.shape == want.shape == (2, geometries[-1].num_tokens, geometries[0].num_tokens)
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
     torch.testing.assert_close(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-5, rtol=0)

@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from vitviz import steps
+
 __all__ = [
     "POOL",
     "Query",
@@ -137,6 +139,7 @@ def rollout_fused(fused: torch.Tensor, *, discard_ratio: float = 0.0, num_prefix
     rollout = eye.expand_as(hat[0]).clone()
     for layer in hat:  # R = Â_l @ R, first layer first
         rollout = layer @ rollout
+        steps.step()
     return rollout
 
 

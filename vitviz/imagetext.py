@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from vitviz import steps
 from vitviz.config import TextConfig, VariantSpec, ViTConfig
 from vitviz.model import ViT, _activation
 
@@ -140,6 +141,7 @@ class TextTower(nn.Module):
         mask = text_mask(attention_mask, length=n, causal=self.config.causal, dtype=x.dtype, device=x.device)
         for block in self.blocks:
             x = block(x, mask)
+            steps.step()
         return self.norm(x)
 
     def pool_index(self, input_ids: torch.Tensor) -> torch.Tensor:

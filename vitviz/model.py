@@ -36,6 +36,7 @@ from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
 
+from vitviz import steps
 from vitviz.config import VariantSpec, ViTConfig, _use_model_class
 
 __all__ = [
@@ -365,6 +366,7 @@ class ViT(nn.Module):
             x = block(x)
             if layers is not None:
                 layers.append(x)
+            steps.step()
         return self.norm(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

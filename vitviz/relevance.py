@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from vitviz import steps
 from vitviz.analysis import HeadFusion, Query, _as_batched, fuse_heads, infer_grid, query_row, rollout_fused
 
 __all__ = [
@@ -64,6 +65,7 @@ def relevance_from_layers(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     r = torch.eye(n, dtype=first.dtype, device=first.device).expand(*first.shape[:-2], n, n).clone()
     for term in terms:
         r = r + term @ r
+        steps.step()
     return r
 
 

@@ -58,6 +58,7 @@ from einops import rearrange
 from PIL import Image
 from torch import nn
 
+from vitviz import steps
 from vitviz.analysis import POOL, HeadFusion, fuse_heads
 from vitviz.config import VariantSpec
 from vitviz.hooks import record_attention
@@ -494,6 +495,7 @@ class SwinStage(nn.Module):
             x = self.merge(x)
         for block in self.blocks:
             x = block(x)
+            steps.step()
         return x
 
 
@@ -655,6 +657,9 @@ def _layer_kernels(attentions: Sequence[torch.Tensor], geometries: Sequence[Wind
     return out
 
 
+SLICE_ELEMENTS = 2**22  # a slice of Q's columns holds about this many elements on the finest grid
+
+
 def _through_network(
     kernels: Sequence[torch.Tensor], geometries: Sequence[WindowGeometry], stages: Sequence[int], *, rule: Literal["rollout", "add"]
 ) -> torch.Tensor:
@@ -663,25 +668,36 @@ def _through_network(
     Layer l's matrix is B_l = rownorm(K_l + I) ("rollout") or I + K_l ("add"), K_l given window by
     window [B, windows, M², M²] (fused over heads, support only). Returns
     R = B_L ··· M ··· B_1 [B, N_last, N_0], taken from the last layer down and held transposed,
-    Q = R^T (Q <- B_l^T Q, Q <- M_s^T Q), so that only [B, N_s, N_last] is ever held and every
-    step moves whole rows."""
+    Q = R^T (Q <- B_l^T Q, Q <- M_s^T Q), so that only [B, N_s, columns] is ever held and every
+    step moves whole rows. Q's columns are independent: they go through the layers a slice at a
+    time (`SLICE_ELEMENTS` on the finest grid), a step (`vitviz.steps`) after each layer of each."""
     if not (len(kernels) == len(geometries) == len(stages)):
         raise ValueError("one kernel, geometry and stage per layer")
     batch = kernels[0].shape[0]
-    n_last = geometries[-1].num_tokens
-    q = torch.eye(n_last, dtype=kernels[0].dtype, device=kernels[0].device).expand(batch, n_last, n_last).clone()
-    for l in range(len(kernels) - 1, -1, -1):
-        g, k = geometries[l], kernels[l] * geometries[l].support(kernels[l].device).to(kernels[l].dtype)
-        if rule == "rollout":
-            window, place = g.placement(k.device)
-            rows = k.sum(dim=-1)[:, window, place] + 1.0  # [B, N]: each row of K + I
-            scaled = q / rows[:, :, None]
-            q = _window_right(scaled, k, g) + scaled
-        else:
-            q = q + _window_right(q, k, g)
-        if l > 0 and stages[l - 1] != stages[l]:
-            q = _merge_right(q, geometries[l - 1].grid)
-    return q.transpose(1, 2).contiguous()
+    n_last, n_first = geometries[-1].num_tokens, geometries[0].num_tokens
+    layers = []  # each layer's support-masked kernel, and its rows' sums + 1 for the rollout rule
+    for k, g in zip(kernels, geometries):
+        k = k * g.support(k.device).to(k.dtype)
+        window, place = g.placement(k.device)
+        layers.append((k, k.sum(dim=-1)[:, window, place] + 1.0 if rule == "rollout" else None))
+    out = torch.empty(batch, n_last, n_first, dtype=kernels[0].dtype, device=kernels[0].device)
+    width = max(1, SLICE_ELEMENTS // max(1, n_first))
+    for start in range(0, n_last, width):
+        cols = min(width, n_last - start)
+        q = torch.zeros(batch, n_last, cols, dtype=out.dtype, device=out.device)
+        q[:, start:start + cols].copy_(torch.eye(cols, dtype=out.dtype, device=out.device).expand(batch, cols, cols))
+        for l in range(len(kernels) - 1, -1, -1):
+            (k, rows), g = layers[l], geometries[l]
+            if rule == "rollout":
+                scaled = q / rows[:, :, None]
+                q = _window_right(scaled, k, g) + scaled
+            else:
+                q = q + _window_right(q, k, g)
+            if l > 0 and stages[l - 1] != stages[l]:
+                q = _merge_right(q, geometries[l - 1].grid)
+            steps.step()
+        out[:, start:start + cols] = q.transpose(1, 2)
+    return out
 
 
 def swin_rollout(
