@@ -198,12 +198,18 @@ def good(tmp_path_factory):
     return path
 
 
-def upload(base: str, path) -> dict:
-    """`POST /gradio_api/upload` of one file: the payload an event takes for it."""
+def _http(address: str | None):
+    """An HTTP client whose requests come from `address` (a loopback address such as 127.0.0.2: another
+    client to the server), or from the system's choice."""
     import httpx
 
-    with open(path, "rb") as f:
-        r = httpx.post(f"{base}/gradio_api/upload", files=[("files", (os.path.basename(path), f.read()))], timeout=60)
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address) if address else None)
+
+
+def upload(base: str, path, *, address: str | None = None) -> dict:
+    """`POST /gradio_api/upload` of one file: the payload an event takes for it."""
+    with open(path, "rb") as f, _http(address) as http:
+        r = http.post(f"{base}/gradio_api/upload", files=[("files", (os.path.basename(path), f.read()))], timeout=60)
     r.raise_for_status()
     return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}}
 
@@ -217,22 +223,20 @@ def fn_index(base: str, name: str) -> int:
     return next(d["id"] for d in config["dependencies"] if d.get("api_name") == name)
 
 
-def join(base: str, name: str, data: list, session: str, *, event_data=None):
+def join(base: str, name: str, data: list, session: str, *, event_data=None, address: str | None = None):
     """`POST /gradio_api/queue/join` for the event named `name` (private ones too): the response."""
-    import httpx
-
     body = {"data": data, "fn_index": fn_index(base, name), "session_hash": session, "event_data": event_data, "trigger_id": None}
-    return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
+    with _http(address) as http:
+        return http.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
 
 
-def results(base: str, session: str, count: int, *, timeout: float = 300) -> list[dict]:
+def results(base: str, session: str, count: int, *, timeout: float = 300, address: str | None = None) -> list[dict]:
     """The next `count` completed events of `session` (each {"success", "output", ...})."""
     import json
 
-    import httpx
-
     done = []
-    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=timeout) as stream:
+    with _http(address) as http, http.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session},
+                                              timeout=timeout) as stream:
         for line in stream.iter_lines():
             if not line.startswith("data:"):
                 continue

@@ -142,9 +142,9 @@ def test_soak_memory_stays_flat_and_no_figure_stays_open(server, tmp_path, monke
     for i in range(30):
         _analyze(client, paths[i % 10])
     before = _rss_mb()
-    for i in range(300):
+    for i in range(150):
         _analyze(client, paths[i % 10])
     growth = _rss_mb() - before
-    print(f"\nresident memory growth over 300 analyses: {growth:.1f} MB")
+    print(f"\nresident memory growth over 150 analyses: {growth:.1f} MB")
     assert growth < 50
     assert Gcf.get_num_fig_managers() == 0

@@ -283,8 +283,8 @@ def test_a_session_keeps_a_crop_up_to_the_menus_largest_and_a_larger_one_comes_a
 
 @pytest.mark.slow
 def test_memory_stays_within_the_state_budget_after_many_new_sessions(server, demo, small, good):
-    """600 refused joins in new sessions (inputs that do not fit, junk in a field) and 150 real
-    analyses of the embedded shapes_p16, each in a new session (30 of them never read their results),
+    """600 refused joins in new sessions (inputs that do not fit, junk in a field) and 100 real
+    analyses of the embedded shapes_p16, each in a new session (20 of them never read their results),
     against a budget of 24 sessions: the sessions served before the refusals keep their state, Gradio
     holds at most 24 sessions (and unread results of at most 24), and resident memory grows by at
     most what the budget allows (sessions at their price, the analyses' share) and 64 MB for the
@@ -306,7 +306,7 @@ def test_memory_stays_within_the_state_budget_after_many_new_sessions(server, de
             (done,) = results(server, session, 1)
             assert not done["success"]
     assert all(s in demo.state_holder for s in served), "refused requests pushed out sessions that had been served"
-    for i in range(150):
+    for i in range(100):
         session = uuid.uuid4().hex
         if i % 5:
             analyse(server, image, session)

@@ -910,57 +910,111 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
     return rows
 
 
-def fairness_table(arch: str = "vit_b_16", *, joins: int = 33) -> dict:
-    """One client sends `joins` analyses at once through the running app while another sends one:
-    the other's time against its time alone, and what the first got."""
+FLOODS = {
+    # what 127.0.0.2 sends, as many as its share of the queue allows (two per session)
+    "swin": ("analyze", "shapes_swin@1824", None),
+    "find": ("session_find", "shapes_clip@592", "a star, a circle, a square, a triangle"),
+}
+
+
+def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: int = 5) -> list[tuple[str, float, float, int]]:
+    """Another address's flood against one client's analyses, through the running app over raw HTTP.
+    For each flood: (flood, the victim's `/analyze` seconds alone and during the flood (medians of
+    `rounds`, one after another), the flood's requests taken). The flood comes from 127.0.0.2: every
+    request its share of the queue allows (`VITVIZ_ADDRESS_JOBS`, two per session), sent again as
+    each ends, for as long as the victim's requests last."""
+    import threading
     import uuid
 
     import httpx
 
     with _private_weights():
-        if vitviz.get_spec(arch).source == "torchvision":
-            _random_torchvision_checkpoints([arch])
-        from vitviz.server import app
+        if vitviz.get_spec(victim).source == "torchvision":
+            _random_torchvision_checkpoints([victim])
+        from vitviz.server import app, runtime
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
         base = app.demo.local_url.rstrip("/")
-        try:
-            image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+        config = httpx.get(f"{base}/config").json()
+        index = {d.get("api_name"): d["id"] for d in config["dependencies"]}
+        image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+
+        def client(address):
+            return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=600)
+
+        def upload(http):
             with open(image, "rb") as f:
-                path = httpx.post(f"{base}/gradio_api/upload", files=[("files", ("star.png", f.read()))], timeout=60).json()[0]
-            payload = {"path": path, "meta": {"_type": "gradio.FileData"}}
-            config = httpx.get(f"{base}/config").json()
-            index = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "analyze")
+                path = http.post(f"{base}/gradio_api/upload", files=[("files", ("star.png", f.read()))]).json()[0]
+            return {"path": path, "meta": {"_type": "gradio.FileData"}}
 
-            def join(session):
-                body = {"data": [payload, arch], "fn_index": index, "session_hash": session, "event_data": None, "trigger_id": None}
-                return httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=60)
+        def call(http, name, data, session, count=1):
+            """`count` joins of the event in one session, then their results; how many succeeded."""
+            body = {"data": data, "fn_index": index[name], "session_hash": session, "event_data": None, "trigger_id": None}
+            joined = sum(http.post(f"{base}/gradio_api/queue/join", json=body).status_code == 200 for _ in range(count))
+            if not joined:
+                raise RuntimeError(f"{name}: refused")
+            done = ok = 0
+            with http.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}) as s:
+                for line in s.iter_lines():
+                    msg = json.loads(line[5:]) if line.startswith("data:") else {}
+                    if msg.get("msg") == "process_completed":
+                        done, ok = done + 1, ok + bool(msg.get("success"))
+                        if done == joined:
+                            break
+            if count == 1 and not ok:
+                raise RuntimeError(f"{name}: {msg.get('output')}")
+            return ok
 
-            def wait(session, count):
-                done = 0
-                with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=600) as s:
-                    for line in s.iter_lines():
-                        if line.startswith("data:") and json.loads(line[5:]).get("msg") == "process_completed":
-                            done += 1
-                            if done == count:
-                                return
+        rows = []
+        try:
+            mine = client("127.0.0.1")
+            picture = upload(mine)
 
-            solo = []
-            for _ in range(3):
-                session, start = uuid.uuid4().hex, time.perf_counter()
-                join(session)
-                wait(session, 1)
-                solo.append(time.perf_counter() - start)
-            hog = uuid.uuid4().hex
-            codes = [join(hog).status_code for _ in range(joins)]
-            session, start = uuid.uuid4().hex, time.perf_counter()
-            join(session)
-            wait(session, 1)
-            waited = time.perf_counter() - start
-            wait(hog, codes.count(200))
-            return dict(solo=statistics.median(solo), waited=waited, accepted=codes.count(200), refused=codes.count(503))
+            def victim_seconds():
+                out = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    call(mine, "analyze", [picture, victim], uuid.uuid4().hex)
+                    out.append(time.perf_counter() - start)
+                return statistics.median(out)
+
+            victim_seconds()  # (the model loaded and warm)
+            for flood in floods:
+                name, variant, text = FLOODS[flood]
+                theirs = client("127.0.0.2")
+                their_picture = upload(theirs)
+                sessions = [uuid.uuid4().hex for _ in range(runtime.SETTINGS.address_jobs // 2)]
+                if text is not None:  # (each session's analysis first, its flood of phrases after)
+                    for session in sessions:
+                        call(theirs, "session_analyze", [their_picture, variant, "mean", 0.0, None], session)
+                data = [their_picture, variant] if text is None else [None, text, "legrad"]
+                alone = victim_seconds()
+                stop, taken = threading.Event(), [0]
+
+                def flooding(session):
+                    with client("127.0.0.2") as http:
+                        while not stop.is_set():
+                            try:
+                                taken[0] += call(http, name, data, session, count=2)
+                            except RuntimeError:
+                                time.sleep(0.05)
+
+                threads = [threading.Thread(target=flooding, args=(s,), daemon=True) for s in sessions]
+                for t in threads:
+                    t.start()
+                deadline = time.monotonic() + 120
+                while not any(j.owner == "127.0.0.2" for j in runtime.WORK.running()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                during = victim_seconds()
+                stop.set()
+                for session in sessions:
+                    runtime.WORK.cancel(session)
+                for t in threads:
+                    t.join(600)
+                rows.append((flood, alone, during, taken[0]))
         finally:
             app.demo.close()
+        return rows
 
 
 _PEAK_OF_LOAD = """
@@ -1077,7 +1131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inputs", action="store_true", help="hostile images (a checkout's tests/corpus.py): seconds and peak memory")
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
-    ap.add_argument("--joins", type=int, default=33, help="the analyses one client sends at once in --serving's share of the queue")
+    ap.add_argument("--flood", action="store_true", help="one client's analyses (--arch) while another address floods Swin or Find requests")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--batch", type=int, default=None,
                     help="the batch of --relevance and of --evaluate's passes in memory (default 8), of --training (default 64)")
@@ -1123,9 +1177,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'priced s':>10}{'seconds':>10}" + (f"{'GPU peak MB':>13}" if gpu else ""))
         for variant, kind, priced, peak, priced_s, seconds, gpu_peak in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
             print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{priced_s:>10.2f}{seconds:>10.2f}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
-        got = fairness_table(args.arch, joins=args.joins)
-        print(f"\n{args.arch} through /analyze: alone {got['solo']:.2f} s (median of 3); while one client sent {args.joins} joins at once "
-              f"({got['accepted']} taken, {got['refused']} refused) {got['waited']:.2f} s = {got['waited'] / got['solo']:.2f}x")
+        return
+    if args.flood:
+        print(f"vitviz.dev.bench --flood; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        print(f"{args.arch} through /analyze from 127.0.0.1, medians of 5, alone and while 127.0.0.2 sends all its share allows")
+        print(f"\n{'flood':<8}{'alone s':>9}{'during s':>10}{'ratio':>7}{'flood requests':>16}")
+        for flood, alone, during, taken in flood_table(args.arch):
+            print(f"{flood + ' (' + FLOODS[flood][1] + ')':<8}{alone:>9.2f}{during:>10.2f}{during / alone:>7.2f}{taken:>16}")
         return
     if args.handler:
         print(f"vitviz.dev.bench --handler {args.arch}, {min(args.rounds, 8)} new images; {time.strftime('%Y-%m-%d')}; {_machine()}")

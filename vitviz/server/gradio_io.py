@@ -258,6 +258,8 @@ class GuardedBlocks(gr.Blocks):
         request = request[0] if isinstance(request, list) and request else request
         caller = caller_of(request, kwargs.get("session_hash"))
         _CALLER.set(caller)  # (this task's context, copied into the handler's thread)
+        _ADDRESS.set(client_address(request))
+        _SESSION.set(kwargs.get("session_hash") or getattr(request, "session_hash", None))
         self._claim(caller, _uploads_in(block_fn, inputs), used=True)
         try:
             output = await super().process_api(block_fn, inputs, *args, **kwargs)
@@ -422,6 +424,8 @@ def client_address(request: Any) -> str:
 
 CALLER = "x-vitviz-caller"  # on a call Gradio's MCP server relays: whose it is ("<session>/<address>/<signature>")
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_caller", default=None)
+_ADDRESS: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_address", default=None)
+_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_session", default=None)
 
 
 def _signature(text: str) -> str:
@@ -457,6 +461,16 @@ def current_caller() -> str | None:
     """The caller (`caller_of`) of the event running in this context (`GuardedBlocks.process_api`
     sets it; Gradio's handler threads run in a copy of its context)."""
     return _CALLER.get()
+
+
+def current_address() -> str | None:
+    """The address (`client_address`) of the event running in this context, set as `current_caller`."""
+    return _ADDRESS.get()
+
+
+def current_session() -> str | None:
+    """The Gradio session hash of the event running in this context, set as `current_caller`."""
+    return _SESSION.get()
 
 
 def _mcp_identity(request: Any) -> tuple[str, str]:
@@ -505,21 +519,23 @@ def _per_caller(blocks: GuardedBlocks, server) -> None:
 
 
 def _take_turns(queue) -> None:
-    """Orders each waiting line so that clients take turns: a session's k-th job (counting its jobs
-    already running) waits behind every other session's earlier ones; within a session, in order.
-    A session is a caller (`caller_of`)."""
-    running: dict[str | None, int] = {}
+    """Orders each waiting line so that clients take turns: an address's k-th job (counting its jobs
+    already running) waits behind every other address's earlier ones, and within an address a
+    session's k-th behind its other sessions' earlier ones; within a session, in order. A session is
+    a caller (`caller_of`)."""
+    running: dict[object, int] = {}
     for job in queue.active_jobs:
         for e in job or ():
-            who = caller_of(e.request, e.session_hash)
-            running[who] = running.get(who, 0) + 1
+            for key in (("address", client_address(e.request)), caller_of(e.request, e.session_hash)):
+                running[key] = running.get(key, 0) + 1
     for line in queue.event_queue_per_concurrency_id.values():
         seen = dict(running)
         turns = []
         for e in line.queue:
-            who = caller_of(e.request, e.session_hash)
-            turns.append(seen.get(who, 0))
-            seen[who] = turns[-1] + 1
+            keys = (("address", client_address(e.request)), caller_of(e.request, e.session_hash))
+            turns.append(tuple(seen.get(k, 0) for k in keys))
+            for k in keys:
+                seen[k] = seen.get(k, 0) + 1
         order = sorted(range(len(line.queue)), key=lambda i: turns[i])  # stable: arrival order within a turn
         line.queue[:] = [line.queue[i] for i in order]
 
@@ -577,7 +593,9 @@ def _fair(blocks: GuardedBlocks) -> None:
             running = [e for job in queue.active_jobs if job for e in job]
             address = client_address(request)
             me = caller_of(request, body.session_hash)  # (an MCP caller's relayed call: the caller's, not the relay's)
-            mine = sum(1 for e in waiting if me and caller_of(e.request, e.session_hash) == me)
+            # a session's jobs beside its first: those in the line and those handed to a thread (the model
+            # group hands events on before their turn for the model comes: `Settings.dispatched`)
+            mine = sum(1 for e in waiting + running if me and caller_of(e.request, e.session_hash) == me) - 1
             here = sum(1 for e in waiting + running if client_address(e.request) == address)
             unread = _unread(queue, body.session_hash)
             if per_session and mine >= per_session:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vitviz import plots
+from vitviz import plots, steps
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
@@ -189,7 +189,7 @@ class ModelCache:
                 self._models.move_to_end(name)
                 return self._models[name]
             load_lock = self._loading.setdefault(name, threading.Lock())
-        with load_lock:
+        with load_lock, steps.without_steps():  # (others may wait for this lock: the load is not set aside halfway)
             with self._lock:
                 if name in self._models:
                     self._models.move_to_end(name)

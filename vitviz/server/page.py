@@ -39,9 +39,10 @@ class Page:
         self.gates = []  # every content that needs something of the model (`tabs.base.gate`)
         self.variant_menus = []  # menus of variants besides the page's own: a model added by name joins them
         self.analysis_outputs = []
-        # everything that runs a model or builds analysis data shares one concurrency group (and, inside
-        # it, the work budget, which the explorer's component-server calls take too)
-        self.model = dict(concurrency_id="model", concurrency_limit=runtime.SETTINGS.concurrency)
+        # everything that runs a model or builds analysis data shares one concurrency group, handed to
+        # threads as soon as one address' share allows; inside it the work budget (which the explorer's
+        # component-server calls take too) runs the lanes by turns
+        self.model = dict(concurrency_id="model", concurrency_limit=runtime.SETTINGS.dispatched)
 
     @staticmethod
     def tab(tab_id: str) -> Tab:

@@ -31,7 +31,8 @@ from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
 from vitviz.server.early import TICKET, Tickets  # noqa: E402
 from vitviz.server.export import Downloads, FileOwners, sweep  # noqa: E402
-from vitviz.server.gradio_io import as_text, upload_folder, uploaded_path  # noqa: E402
+from vitviz.server.gradio_io import (as_text, caller_of, client_address, current_address, current_caller, current_session,  # noqa: E402
+                                     upload_folder, uploaded_path)
 from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
@@ -92,7 +93,7 @@ def _explorer_files_gone(key: str) -> None:
 STORE: SessionStore[views.Exploration] = SessionStore(budget_bytes=SETTINGS.state_bytes, idle_seconds=SETTINGS.state_idle,
                                                       on_drop=_explorer_files_gone)
 # a plugin method's failure or slowness kept to its own map (`explaining.MethodGuard`)
-METHOD_GUARD = explaining.MethodGuard()
+METHOD_GUARD = explaining.MethodGuard(clock=WORK.job_clock)
 # the colour scales' names on the page, and what `views` calls them
 _SCALE_NAMES = {"one per layer": "layer", "each map its own": "map", "each map": "map"}
 
@@ -138,7 +139,11 @@ def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: flo
 @contextmanager
 def priced(cost, request: gr.Request | None = None, *, wait: float | None = None, lane: bool = True):
     try:
-        with WORK.job(cost, session=getattr(request, "session_hash", None), wait=wait, lane=lane) as work:
+        # (turns are taken by address, then by session; an event's own request, else the event running here)
+        owner = client_address(request) if request is not None else current_address()
+        session = getattr(request, "session_hash", None) if request is not None else current_session()
+        caller = caller_of(request) if request is not None else current_caller()
+        with WORK.job(cost, session=session, owner=owner, caller=caller, wait=wait, lane=lane) as work:
             yield work
     except (RequestRefused, Cancelled) as exc:
         refused = error(str(exc))

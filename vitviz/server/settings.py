@@ -3,9 +3,9 @@
 | variable | default | what it bounds |
 |---|---|---|
 | VITVIZ_QUEUE_SIZE | 32 | jobs waiting in Gradio's queue, all clients together |
-| VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting in the queue (besides those running) |
+| VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting, besides its first |
 | VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running (and twice as many waits for an early explorer) |
-| VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together |
+| VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together; clients take turns for them by the time they have had (`vitviz.server.work`) |
 | VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |
 | VITVIZ_REQUEST_SECONDS | 300 | one model job's time (estimated before, enforced while it runs) |
 | VITVIZ_MAX_TOKENS | the largest menu model's (ViT-H/14 at 518 px: 1,370) | tokens per image |
@@ -78,6 +78,13 @@ class Settings:
     downloads_bytes: int
     hub_bytes: int
     heap_keep_bytes: int
+
+    @property
+    def dispatched(self) -> int:
+        """Events of the model group Gradio hands to threads at once: one address's share and the
+        lanes, so that another client's request reaches the work's turns (`ModelWork`) while one
+        address holds all it may; within the queue's size."""
+        return min(self.queue_size, self.address_jobs + self.concurrency)
 
     @classmethod
     def from_env(cls, *, gpu: bool, menu_tokens: int, session_bytes: int = SESSION_PRICE) -> "Settings":

@@ -11,6 +11,14 @@ compare, export, the explorer's files, a rollout drawn again with new options, a
 again after the store dropped it) takes a job, whether it came through Gradio's queue or outside it
 (component-server calls run on a thread pool and wait at most a few seconds). A thread that already
 holds a job runs nested work under it. A job's time starts when it runs, not while it waits.
+
+Clients take turns by the lane time they have had: a free lane goes to the waiting job whose owner
+(a client's address) has used the least of late (decayed with a half-life of `HALF_LIFE` s), and a
+running job gives its lane way at its next step (`vitviz.steps`: after each block, rollout layer,
+target) to a waiting job of an owner who has used at least `QUANTUM` s less, then takes it back
+when its turn comes again, its memory kept meanwhile. A short request of one client so runs
+within a step of a long one of another (least attained service, per owner), and two clients with
+long jobs share the lane about evenly.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from vitviz import steps
 from vitviz.cost import Cost
 
 __all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "ModelWork", "KeyedLocks"]
@@ -39,7 +48,12 @@ class Cancelled(RuntimeError):
     """A job stopped before its end: cancelled by its client, or past its time."""
 
 
-@dataclass
+QUANTUM = 0.05  # s a job keeps its lane before it gives way, and the lead in lane time that makes it
+HALF_LIFE = 60.0  # s: an owner's lane time counts half after this long
+PAUSE_LIMIT = 30.0  # s a job that gave way waits at most before it runs again beside the others
+
+
+@dataclass(eq=False)
 class Job:
     """A running piece of model work."""
 
@@ -49,9 +63,17 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     unpriced: bool = False  # set when the job did work its price leaves out (loading a model): not timed
     lane: bool = True  # it holds one of the lanes (False: small work that runs no model)
+    owner: str | None = None  # whose turn it takes (a client's address)
+    caller: str | None = None  # and within the owner's turns, whose (a session, an MCP caller; else `session`)
+    order: int = 0  # arrival, among jobs of one owner
+    started: float = 0.0  # (monotonic) when it last took its lane
+    paused: bool = False  # it gave its lane way and waits to take it back
+    paused_seconds: float = 0.0  # (the work's clock) time spent given way, out of its timing
+    work: "ModelWork | None" = field(default=None, repr=False)
 
     def check(self) -> None:
-        """Raises `Cancelled` when the job was cancelled or its time is up; cheap, call it between steps."""
+        """Raises `Cancelled` when the job was cancelled or its time is up; gives its lane way when
+        another owner's turn has come (`ModelWork`). Cheap: call it between steps."""
         if self.cancelled.is_set():
             raise Cancelled(f"{self.cost.kind} of {self.cost.variant} was stopped.")
         if time.monotonic() > self.deadline:
@@ -59,31 +81,41 @@ class Job:
                 f"{self.cost.kind} of {self.cost.variant} ran out of time on this server; try a smaller model or image size "
                 "(VITVIZ_REQUEST_SECONDS sets the limit)."
             )
+        if self.work is not None and self.lane:
+            self.work._give_way(self)
 
 
 class ModelWork:
     """At most `lanes` jobs at once (besides small ones that run no model), together within
     `budget_bytes`; a job that checks (`Job.check`, between its steps) stops `seconds` after it
-    started running.
+    started running (the time it gave its lane way to others not counted).
 
     The server's speed (flops per second) is learned from the jobs that ran, for each line of work on
     its own (`Cost.line`: the kind of request and the model's family), so that one client's slow
     windowed rollouts do not make another's ViT explanations look slow; `rate` is every line's
     speed until a job of it has been timed. A job whose estimate exceeds `seconds` at its line's
     speed is refused before it starts. `clock` (seconds, `time.perf_counter` by default) times them.
+
+    Lanes go to owners by turns (the module's docstring): `quantum`, `half_life`, `pause_limit`.
     """
 
     def __init__(self, *, budget_bytes: int, lanes: int, seconds: float, rate: float = 5e10,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, quantum: float = QUANTUM, half_life: float = HALF_LIFE,
+                 pause_limit: float = PAUSE_LIMIT) -> None:
         self.budget_bytes = budget_bytes
         self.lanes = lanes
         self.seconds = seconds
         self.rate = rate
         self.rates: dict[str, float] = {}  # each line of work's learned speed
+        self.quantum = quantum
+        self.half_life = half_life
+        self.pause_limit = pause_limit
         self._clock = clock
         self._free = budget_bytes
-        self._running: list[Job] = []
-        self._waiting: list[Job] = []
+        self._running: list[Job] = []  # (those given way included: they hold their memory)
+        self._waiting: list[Job] = []  # waiting to start, or given way and waiting to take their lane back
+        self._used: dict[str | None, tuple[float, float]] = {}  # owner -> (lane seconds, when), decayed since
+        self._arrivals = 0
         self._cond = threading.Condition()
         self._local = threading.local()
 
@@ -115,11 +147,21 @@ class ModelWork:
         """The job the calling thread runs under, if any."""
         return getattr(self._local, "job", None)
 
+    def job_clock(self) -> float:
+        """The work's clock (seconds) less the time the calling thread's job has given its lane way:
+        what a part of a job took, timed by it, is its own work."""
+        job = self.current()
+        return self._clock() - (job.paused_seconds if job is not None else 0.0)
+
     @contextmanager
-    def job(self, cost: Cost, *, session: str | None = None, wait: float | None = None, lane: bool = True) -> Iterator[Job]:
-        """Runs the block as a job priced `cost`; nested jobs of one thread share the outer one.
+    def job(self, cost: Cost, *, session: str | None = None, owner: str | None = None, caller: str | None = None,
+            wait: float | None = None, lane: bool = True) -> Iterator[Job]:
+        """Runs the block as a job priced `cost`; nested jobs of one thread share the outer one. The
+        block's steps (`vitviz.steps`) check the job (`Job.check`).
 
         Args:
+            owner: whose turn it takes (a client's address; None is an owner of its own).
+            caller: whose turn within the owner's (a session, an MCP caller; `session` if None).
             wait: the longest to wait for a lane and memory (None: as long as it takes).
             lane: False for small work that runs no model (an explorer's layer file): it waits for
                 its memory only, and takes no lane from the model jobs.
@@ -136,13 +178,13 @@ class ModelWork:
         why = self.refusal(cost)
         if why:
             raise RequestRefused(why)
-        job = Job(cost, session, deadline=math.inf, lane=lane)
+        job = Job(cost, session, deadline=math.inf, lane=lane, owner=owner, caller=caller, work=self)
         with self._cond:
+            self._arrivals += 1
+            job.order = self._arrivals
             self._waiting.append(job)
             try:
-                ready = self._cond.wait_for(
-                    lambda: job.cancelled.is_set() or ((not lane or self._lanes_taken() < self.lanes) and self._free >= cost.bytes),
-                    timeout=wait)
+                ready = self._cond.wait_for(lambda: job.cancelled.is_set() or self._may_start(job), timeout=wait)
             finally:
                 self._waiting.remove(job)
             if not ready:
@@ -150,30 +192,101 @@ class ModelWork:
             job.check()
             self._free -= cost.bytes
             self._running.append(job)
-        job.deadline = time.monotonic() + self.seconds  # its time starts when it runs
+            job.started = time.monotonic()
+            self._cond.notify_all()  # (the next in turn may start beside it when lanes are left)
+        job.deadline = job.started + self.seconds  # its time starts when it runs
         self._local.job = job
         start = self._clock()
         try:
-            yield job
-            spent = self._clock() - start
+            with steps.between_steps(job.check):
+                yield job
+            spent = self._clock() - start - job.paused_seconds
             if cost.flops >= 1e10 and spent > 0.2 and not job.unpriced:  # the line's speed, from priced work large enough to time
                 with self._cond:
                     self.rates[cost.line] = 0.7 * self.speed(cost) + 0.3 * cost.flops / spent
         finally:
             self._local.job = None
             with self._cond:
+                if job.lane and not job.paused:
+                    self._add_use(job, time.monotonic() - job.started)
                 self._free += cost.bytes
                 self._running.remove(job)
                 self._cond.notify_all()
 
+    # -- turns -------------------------------------------------------------------------------------
+
+    def used(self, owner: str | None, now: float | None = None) -> float:
+        """The lane seconds `owner` has used, decayed by their age, its running jobs' included."""
+        return self._use(("owner", owner), now)
+
+    def _use(self, key: tuple[str, str | None], now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            seconds, at = self._used.get(key, (0.0, now))
+            seconds *= 0.5 ** (max(0.0, now - at) / self.half_life)
+            return seconds + sum(now - j.started for j in self._running if j.lane and not j.paused and key in _keys(j))
+
+    def _add_use(self, job: Job, seconds: float) -> None:
+        """`job` had the lane for `seconds`: its owner's and its session's time."""
+        now = time.monotonic()
+        for key in _keys(job):
+            before, at = self._used.pop(key, (0.0, now))
+            self._used[key] = (before * 0.5 ** (max(0.0, now - at) / self.half_life) + max(0.0, seconds), now)
+        if len(self._used) > 4096:  # the oldest keys' time has mostly decayed: forget the first half
+            for key in list(self._used)[:2048]:
+                del self._used[key]
+
     def _lanes_taken(self) -> int:
-        return sum(1 for j in self._running if j.lane)
+        return sum(1 for j in self._running if j.lane and not j.paused)
+
+    def _next_in_turn(self, *, other_than: str | None | object = ...) -> Job | None:
+        """The waiting lane job whose turn is next: its owner's use the least, then one that gave way
+        before one that has not started, then its session's use the least (sessions of one address
+        take turns too), then first come; only jobs whose memory is free now."""
+        now = time.monotonic()
+        fits = [j for j in self._waiting if j.lane and (j.paused or j.cost.bytes <= self._free) and j.owner != other_than
+                and not j.cancelled.is_set()]
+        if not fits:
+            return None
+        use = {key: self._use(key, now) for j in fits for key in _keys(j)}
+        return min(fits, key=lambda j: (use[("owner", j.owner)], not j.paused, use[_keys(j)[1]], j.order))
+
+    def _may_start(self, job: Job) -> bool:
+        if not job.lane:
+            return self._free >= job.cost.bytes
+        return self._lanes_taken() < self.lanes and self._next_in_turn() is job
+
+    def _give_way(self, job: Job) -> None:
+        """At a step of `job`: when an owner who has used at least a quantum less waits, its job
+        takes the lane, and `job` waits for its own turn (at most `pause_limit` s at a time)."""
+        now = time.monotonic()
+        if not self._waiting or now - job.started < self.quantum:
+            return
+        with self._cond:
+            other = self._next_in_turn(other_than=job.owner)
+            if other is None or self.used(other.owner, now) + self.quantum > self.used(job.owner, now):
+                return
+            self._add_use(job, now - job.started)
+            job.paused = True
+            self._waiting.append(job)
+            self._cond.notify_all()
+            paused_at, clock_at = now, self._clock()
+            try:
+                self._cond.wait_for(lambda: job.cancelled.is_set() or self._may_start(job), timeout=self.pause_limit)
+            finally:
+                self._waiting.remove(job)
+                job.paused = False
+                job.started = time.monotonic()
+                job.deadline += job.started - paused_at
+                job.paused_seconds += self._clock() - clock_at
+        if job.cancelled.is_set():
+            raise Cancelled(f"{job.cost.kind} of {job.cost.variant} was stopped.")
 
     def cancel(self, session: str | None) -> int:
         """Cancels the jobs of `session`, running or waiting; returns how many."""
         with self._cond:
-            jobs = [j for j in self._running + self._waiting if session is not None and j.session == session]
-            for j in jobs:
+            jobs = {id(j): j for j in self._running + self._waiting if session is not None and j.session == session}
+            for j in jobs.values():
                 j.cancelled.set()
             self._cond.notify_all()
         return len(jobs)
@@ -181,6 +294,10 @@ class ModelWork:
     def running(self) -> list[Job]:
         with self._cond:
             return list(self._running)
+
+
+def _keys(job: Job) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    return ("owner", job.owner), ("session", job.caller or job.session)
 
 
 class KeyedLocks:
