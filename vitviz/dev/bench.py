@@ -920,7 +920,7 @@ FLOODS = {
 def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: int = 5) -> list[tuple[str, float, float, int]]:
     """Another address's flood against one client's analyses, through the running app over raw HTTP.
     For each flood: (flood, the victim's `/analyze` seconds alone and during the flood (medians of
-    `rounds`, one after another), the flood's requests taken). The flood comes from 127.0.0.2: every
+    `rounds`, one after another), the flood's requests completed meanwhile). The flood comes from 127.0.0.2: every
     request its share of the queue allows (`VITVIZ_ADDRESS_JOBS`, two per session), sent again as
     each ends, for as long as the victim's requests last."""
     import threading
@@ -1181,9 +1181,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.flood:
         print(f"vitviz.dev.bench --flood; {time.strftime('%Y-%m-%d')}; {_machine()}")
         print(f"{args.arch} through /analyze from 127.0.0.1, medians of 5, alone and while 127.0.0.2 sends all its share allows")
-        print(f"\n{'flood':<8}{'alone s':>9}{'during s':>10}{'ratio':>7}{'flood requests':>16}")
+        print(f"\n{'flood':<8}{'alone s':>9}{'during s':>10}{'ratio':>7}{'flood requests done':>21}")
         for flood, alone, during, taken in flood_table(args.arch):
-            print(f"{flood + ' (' + FLOODS[flood][1] + ')':<8}{alone:>9.2f}{during:>10.2f}{during / alone:>7.2f}{taken:>16}")
+            print(f"{flood + ' (' + FLOODS[flood][1] + ')':<8}{alone:>9.2f}{during:>10.2f}{during / alone:>7.2f}{taken:>21}")
         return
     if args.handler:
         print(f"vitviz.dev.bench --handler {args.arch}, {min(args.rounds, 8)} new images; {time.strftime('%Y-%m-%d')}; {_machine()}")
