@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 
@@ -176,14 +177,21 @@ def app():
     return app_module
 
 
+@contextlib.contextmanager
+def serving(demo, **launch_kwargs):
+    """`demo` served on 127.0.0.1 with `launch_kwargs`: its base URL; closed afterwards."""
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **launch_kwargs)
+    try:
+        yield demo.local_url.rstrip("/")
+    finally:
+        demo.close()
+
+
 @pytest.fixture(scope="module")
 def server(app):
-    """The app served on 127.0.0.1 for a module's tests: its base URL; closed afterwards."""
-    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
-    try:
-        yield app.demo.local_url.rstrip("/")
-    finally:
-        app.demo.close()
+    """The app served on 127.0.0.1 for a module's tests, as `python app.py` launches it: its base URL."""
+    with serving(app.demo, **app.LAUNCH_KWARGS) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +256,15 @@ def results(base: str, session: str, count: int, *, timeout: float = 300, addres
             if msg.get("msg") == "close_stream":
                 break
     raise AssertionError(f"{len(done)} of {count} results arrived")
+
+
+def run(base: str, name: str, data: list, *, session: str | None = None, event_data=None) -> tuple[bool, object]:
+    """One event through the queue (`join`, then its result): (success, outputs or the error message)."""
+    import uuid
+
+    session = session or uuid.uuid4().hex
+    r = join(base, name, data, session, event_data=event_data)
+    assert r.status_code == 200, r.text
+    (msg,) = results(base, session, 1)
+    out = msg.get("output", {})
+    return bool(msg.get("success")), out.get("data") if msg.get("success") else out.get("error")

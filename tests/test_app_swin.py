@@ -323,7 +323,7 @@ def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
     import httpx
 
     from conftest import fn_index, results, upload
-    from test_bounds import run
+    from conftest import run
 
     app.demo.launch(prevent_thread_lock=True, ssr_mode=False, server_name="127.0.0.1", quiet=True,
                     **{k: v for k, v in app.LAUNCH_KWARGS.items() if k != "ssr_mode"})

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import fn_index, join, results, upload
+from conftest import fn_index, join, results, run, upload
 import vitviz
 from vitviz.server.memory import release_memory, resident_bytes
 
@@ -33,16 +33,6 @@ def app():
 
 def _rss() -> int:
     return resident_bytes()
-
-
-def run(base: str, name: str, data: list, *, session: str | None = None, event_data=None) -> tuple[bool, object]:
-    """One event through the queue: (success, outputs or the error message)."""
-    session = session or uuid.uuid4().hex
-    r = join(base, name, data, session, event_data=event_data)
-    assert r.status_code == 200, r.text
-    (msg,) = results(base, session, 1)
-    out = msg.get("output", {})
-    return bool(msg.get("success")), out.get("data") if msg.get("success") else out.get("error")
 
 
 def _alive(base: str, good) -> None:

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from conftest import fn_index, join, results, upload
+from conftest import fn_index, join, results, serving, upload
 from vitviz.server.memory import release_memory, resident_bytes
 
 SMALL = dict(state_mb=96, sessions=24)  # a budget the tests cross: 24 sessions, the rest of 96 MB for analyses
@@ -43,12 +43,8 @@ def server(small, monkeypatch_module):
     from vitviz.server import app, runtime
 
     monkeypatch_module.setattr(runtime.STORE, "budget_bytes", small.state_bytes)
-    kwargs = {**app.LAUNCH_KWARGS, "state_session_capacity": small.sessions}
-    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **kwargs)
-    try:
-        yield app.demo.local_url.rstrip("/")
-    finally:
-        app.demo.close()
+    with serving(app.demo, **{**app.LAUNCH_KWARGS, "state_session_capacity": small.sessions}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

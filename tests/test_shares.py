@@ -6,7 +6,6 @@ within it."""
 import asyncio
 import base64
 import io
-import json
 import os
 import socket
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import fn_index, upload
+from conftest import run, upload
 from PIL import Image
 
 import vitviz
@@ -203,19 +202,6 @@ def other(tmp_path_factory):
     return path
 
 
-def run(base: str, name: str, data: list, session: str) -> tuple[bool, object]:
-    """One event through `POST /gradio_api/queue/join` and its stream: (success, outputs or the error)."""
-    body = {"data": data, "fn_index": fn_index(base, name), "session_hash": session, "event_data": None, "trigger_id": None}
-    r = httpx.post(f"{base}/gradio_api/queue/join", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    with httpx.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}, timeout=300) as stream:
-        for line in stream.iter_lines():
-            if line.startswith("data:") and (msg := json.loads(line[5:])).get("msg") == "process_completed":
-                out = msg.get("output", {})
-                return bool(msg.get("success")), out.get("data") if msg.get("success") else out.get("error")
-    raise AssertionError("no completion")
-
-
 def served(base: str, path: str) -> bytes | None:
     r = httpx.get(f"{base}/gradio_api/file={path}", timeout=60)
     return r.content if r.status_code == 200 else None
@@ -223,7 +209,7 @@ def served(base: str, path: str) -> bytes | None:
 
 def _analysed(base: str, good, variant: str, session: str) -> dict:
     image = upload(base, good)
-    ok, out = run(base, "session_analyze", [image, variant, "mean", 0.0, None], session)
+    ok, out = run(base, "session_analyze", [image, variant, "mean", 0.0, None], session=session)
     assert ok, out
     return image
 
@@ -247,7 +233,7 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
 
     a, b = "share-a", "share-b"
     mine = _analysed(server, good, "shapes_p16", a)
-    ok, out = run(server, "on_export", [None], a)
+    ok, out = run(server, "on_export", [None], session=a)
     assert ok, out
     export = out[0]["path"]
     original = next(downloads.folder.glob("*.npz"))
@@ -257,7 +243,7 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
     _analysed(server, other, "shapes_p8@192", b)
     written = 0
     while written <= 2 * runtime.SETTINGS.files_bytes:
-        ok, out = run(server, "on_export", [None], b)
+        ok, out = run(server, "on_export", [None], session=b)
         assert ok, out  # room made from B's own files: never refused
         written += big
     runtime.files_sweep()  # (as after every event: the last one may still be running beside this test)
@@ -282,12 +268,12 @@ def test_a_download_with_no_room_left_by_others_within_their_share_is_refused_cl
     kept = []
     for session, variant in (("room-a", "shapes_p16"), ("room-c", "shapes_p8")):
         _analysed(server, good, variant, session)
-        ok, out = run(server, "on_export", [None], session)
+        ok, out = run(server, "on_export", [None], session=session)
         assert ok, out
         kept.append(out[0]["path"])
     originals = sorted(downloads.folder.glob("*.npz"))
     assert len(originals) == 2
     _analysed(server, good, "shapes_p8@192", "room-b")
-    ok, message = run(server, "on_export", [None], "room-b")
+    ok, message = run(server, "on_export", [None], session="room-b")
     assert not ok and "no room" in message and "VITVIZ_DOWNLOADS_MB" in message and "Try again" in message, message
     assert sorted(downloads.folder.glob("*.npz")) == originals and all(served(server, p) for p in kept)
