@@ -40,7 +40,7 @@ import time
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs
 
 import anyio
@@ -64,6 +64,8 @@ __all__ = [
     "client_address",
     "caller_of",
     "current_caller",
+    "whose",
+    "Whose",
     "mcp_caller",
     "looks_like_image",
     "PngImage",
@@ -256,10 +258,9 @@ class GuardedBlocks(gr.Blocks):
     async def process_api(self, block_fn, inputs, *args, **kwargs):
         request = kwargs.get("request", args[1] if len(args) > 1 else None)
         request = request[0] if isinstance(request, list) and request else request
-        caller = caller_of(request, kwargs.get("session_hash"))
-        _CALLER.set(caller)  # (this task's context, copied into the handler's thread)
-        _ADDRESS.set(client_address(request))
-        _SESSION.set(kwargs.get("session_hash") or getattr(request, "session_hash", None))
+        whom = _whose(request, kwargs.get("session_hash"))
+        _EVENT.set(whom)  # (this task's context, copied into the handler's thread)
+        caller = whom.caller
         self._claim(caller, _uploads_in(block_fn, inputs), used=True)
         try:
             output = await super().process_api(block_fn, inputs, *args, **kwargs)
@@ -324,10 +325,8 @@ def _forget_unserved(blocks: gr.Blocks, state, session: str | None) -> None:
     holder = getattr(blocks, "state_holder", None)
     if not session or state is None or holder is None or state in _SERVED or holder.session_data.get(session) is not state:
         return
-    queue = blocks._queue
-    live = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
-    live += [e for job in queue.active_jobs if job for e in job]
-    if sum(e.session_hash == session for e in live) > 1:  # (this event runs: one of them)
+    waiting, running = _queued(blocks._queue)
+    if sum(e.session_hash == session for e in waiting + running) > 1:  # (this event runs: one of them)
         return
     with holder.lock:
         if holder.session_data.get(session) is state:
@@ -423,9 +422,17 @@ def client_address(request: Any) -> str:
 
 
 CALLER = "x-vitviz-caller"  # on a call Gradio's MCP server relays: whose it is ("<session>/<address>/<signature>")
-_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_caller", default=None)
-_ADDRESS: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_address", default=None)
-_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitviz_session", default=None)
+
+
+class Whose(NamedTuple):
+    """Whose a request is: its caller (`caller_of`), network address (`client_address`) and Gradio session hash."""
+
+    caller: str | None
+    address: str | None
+    session: str | None
+
+
+_EVENT: contextvars.ContextVar[Whose] = contextvars.ContextVar("vitviz_event", default=Whose(None, None, None))
 
 
 def _signature(text: str) -> str:
@@ -457,20 +464,20 @@ def caller_of(request: Any, session_hash: str | None = None) -> str | None:
     return f"session {session}" if isinstance(session, str) and session else None
 
 
+def _whose(request: Any, session_hash: str | None = None) -> Whose:
+    session = session_hash or getattr(request, "session_hash", None)
+    return Whose(caller_of(request, session), client_address(request), session if isinstance(session, str) else None)
+
+
+def whose(request: Any = None) -> Whose:
+    """Whose `request` is; without one, whose the event running in this context is
+    (`GuardedBlocks.process_api` sets it; Gradio's handler threads run in a copy of its context)."""
+    return _whose(request) if request is not None else _EVENT.get()
+
+
 def current_caller() -> str | None:
-    """The caller (`caller_of`) of the event running in this context (`GuardedBlocks.process_api`
-    sets it; Gradio's handler threads run in a copy of its context)."""
-    return _CALLER.get()
-
-
-def current_address() -> str | None:
-    """The address (`client_address`) of the event running in this context, set as `current_caller`."""
-    return _ADDRESS.get()
-
-
-def current_session() -> str | None:
-    """The Gradio session hash of the event running in this context, set as `current_caller`."""
-    return _SESSION.get()
+    """The caller (`caller_of`) of the event running in this context."""
+    return _EVENT.get().caller
 
 
 def _mcp_identity(request: Any) -> tuple[str, str]:
@@ -518,23 +525,30 @@ def _per_caller(blocks: GuardedBlocks, server) -> None:
     server._execute_tool_with_progress = told(server._execute_tool_with_progress)
 
 
+def _queued(queue) -> tuple[list, list]:
+    """The queue's events: (waiting in its lines, handed to threads)."""
+    waiting = [e for line in queue.event_queue_per_concurrency_id.values() for e in line.queue]
+    return waiting, [e for job in queue.active_jobs if job for e in job]
+
+
 def _take_turns(queue) -> None:
     """Orders each waiting line so that clients take turns: an address's k-th job (counting its jobs
     already running) waits behind every other address's earlier ones, and within an address a
     session's k-th behind its other sessions' earlier ones; within a session, in order. A session is
     a caller (`caller_of`)."""
+    def keys(e):
+        return ("address", client_address(e.request)), caller_of(e.request, e.session_hash)
+
     running: dict[object, int] = {}
-    for job in queue.active_jobs:
-        for e in job or ():
-            for key in (("address", client_address(e.request)), caller_of(e.request, e.session_hash)):
-                running[key] = running.get(key, 0) + 1
+    for e in _queued(queue)[1]:
+        for key in keys(e):
+            running[key] = running.get(key, 0) + 1
     for line in queue.event_queue_per_concurrency_id.values():
         seen = dict(running)
         turns = []
         for e in line.queue:
-            keys = (("address", client_address(e.request)), caller_of(e.request, e.session_hash))
-            turns.append(tuple(seen.get(k, 0) for k in keys))
-            for k in keys:
+            turns.append(tuple(seen.get(k, 0) for k in keys(e)))
+            for k in keys(e):
                 seen[k] = seen.get(k, 0) + 1
         order = sorted(range(len(line.queue)), key=lambda i: turns[i])  # stable: arrival order within a turn
         line.queue[:] = [line.queue[i] for i in order]
@@ -548,9 +562,12 @@ def _unknown_event(blocks: gr.Blocks, body) -> str | None:
     is made for the check (Gradio's own lookup makes one)."""
     if body.fn_index is None:
         return None  # Gradio answers that itself (400)
-    session = body.session_hash
-    fns = blocks.state_holder[session].blocks_config.fns if session and session in blocks.state_holder else blocks.fns
-    return UNKNOWN_EVENT.format(index=body.fn_index) if body.fn_index not in fns else None
+    return UNKNOWN_EVENT.format(index=body.fn_index) if body.fn_index not in _fns(blocks, body.session_hash) else None
+
+
+def _fns(blocks: gr.Blocks, session: str | None) -> dict:
+    """The events a join of `session` may name: its session's own, or the app's (no state is made)."""
+    return blocks.state_holder[session].blocks_config.fns if session and session in blocks.state_holder else blocks.fns
 
 
 def _unfit_inputs(blocks: GuardedBlocks, body) -> str | None:
@@ -558,9 +575,7 @@ def _unfit_inputs(blocks: GuardedBlocks, body) -> str | None:
     checked at the door, where no session's state is made for it (Gradio makes one before it checks).
     A value refused later (an image not uploaded, junk in a field) is the event's error, as before, and
     `_forget_unserved` takes back the state Gradio made for it."""
-    session = body.session_hash
-    fns = blocks.state_holder[session].blocks_config.fns if session and session in blocks.state_holder else blocks.fns
-    fn = fns[body.fn_index]
+    fn = _fns(blocks, body.session_hash)[body.fn_index]
     if fn.batch or fn.cancels or not isinstance(body.data, list):
         return None  # (Gradio rewrites or rejects these itself)
     if len(body.data) < len(fn.inputs):
@@ -589,8 +604,7 @@ def _fair(blocks: GuardedBlocks) -> None:
             return False, unknown, "error"
         per_session, per_address = blocks.client_jobs, blocks.address_jobs
         if per_session or per_address:
-            waiting = [e for q in queue.event_queue_per_concurrency_id.values() for e in q.queue]
-            running = [e for job in queue.active_jobs if job for e in job]
+            waiting, running = _queued(queue)
             address = client_address(request)
             me = caller_of(request, body.session_hash)  # (an MCP caller's relayed call: the caller's, not the relay's)
             # a session's jobs beside its first: those in the line and those handed to a thread (the model
@@ -645,8 +659,8 @@ def _forget_read_sessions(queue) -> None:
     ids = queue.pending_event_ids_session
     if len(ids) <= 2 * queue.pending_messages_per_session.max_size:
         return
-    live = {e.session_hash for q in queue.event_queue_per_concurrency_id.values() for e in q.queue}
-    live |= {e.session_hash for job in queue.active_jobs if job for e in job}
+    waiting, running = _queued(queue)
+    live = {e.session_hash for e in waiting + running}
     for session in [s for s, pending in ids.items() if s not in live and (not pending or s not in queue.pending_messages_per_session)]:
         del ids[session]
 
@@ -778,8 +792,6 @@ def _touch_uploaded(answer: bytes) -> list[str]:
     """Marks the files an upload answered with as new (Gradio keeps a file it already has, same
     bytes and name, with its old time, which an oldest-first sweep would take for the oldest), and
     returns their paths."""
-    import json
-
     try:
         paths = json.loads(answer)
     except ValueError:

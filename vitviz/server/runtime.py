@@ -31,8 +31,7 @@ from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
 from vitviz.server.early import TICKET, Tickets  # noqa: E402
 from vitviz.server.export import Downloads, FileOwners, sweep  # noqa: E402
-from vitviz.server.gradio_io import (as_text, caller_of, client_address, current_address, current_caller, current_session,  # noqa: E402
-                                     upload_folder, uploaded_path)
+from vitviz.server.gradio_io import as_text, upload_folder, uploaded_path, whose  # noqa: E402
 from vitviz.server.memory import release_memory  # noqa: E402
 from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
 from vitviz.server.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
@@ -139,11 +138,8 @@ def job(kind: str, variant: str, request: gr.Request | None = None, *, wait: flo
 @contextmanager
 def priced(cost, request: gr.Request | None = None, *, wait: float | None = None, lane: bool = True):
     try:
-        # (turns are taken by address, then by session; an event's own request, else the event running here)
-        owner = client_address(request) if request is not None else current_address()
-        session = getattr(request, "session_hash", None) if request is not None else current_session()
-        caller = caller_of(request) if request is not None else current_caller()
-        with WORK.job(cost, session=session, owner=owner, caller=caller, wait=wait, lane=lane) as work:
+        who = whose(request)  # (turns are taken by address, then by caller; Stop cancels by session)
+        with WORK.job(cost, session=who.session, owner=who.address, caller=who.caller, wait=wait, lane=lane) as work:
             yield work
     except (RequestRefused, Cancelled) as exc:
         refused = error(str(exc))
