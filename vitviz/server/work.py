@@ -65,7 +65,7 @@ class Job:
     lane: bool = True  # it holds one of the lanes (False: small work that runs no model)
     owner: str | None = None  # whose turn it takes (a client's address)
     caller: str | None = None  # and within the owner's turns, whose (a session, an MCP caller; else `session`)
-    order: int = 0  # arrival, among jobs of one owner
+    order: int = 0  # when it arrived (a count of the jobs before it)
     started: float = 0.0  # (monotonic) when it last took its lane
     paused: bool = False  # it gave its lane way and waits to take it back
     paused_seconds: float = 0.0  # (the work's clock) time spent given way, out of its timing
@@ -74,6 +74,11 @@ class Job:
     def check(self) -> None:
         """Raises `Cancelled` when the job was cancelled or its time is up; gives its lane way when
         another owner's turn has come (`ModelWork`). Cheap: call it between steps."""
+        self._stop_if_over()
+        if self.work is not None and self.lane:
+            self.work._give_way(self)
+
+    def _stop_if_over(self) -> None:
         if self.cancelled.is_set():
             raise Cancelled(f"{self.cost.kind} of {self.cost.variant} was stopped.")
         if time.monotonic() > self.deadline:
@@ -81,8 +86,6 @@ class Job:
                 f"{self.cost.kind} of {self.cost.variant} ran out of time on this server; try a smaller model or image size "
                 "(VITVIZ_REQUEST_SECONDS sets the limit)."
             )
-        if self.work is not None and self.lane:
-            self.work._give_way(self)
 
 
 class ModelWork:
@@ -189,7 +192,7 @@ class ModelWork:
                 self._waiting.remove(job)
             if not ready:
                 raise Busy(f"The server is busy with other requests: try the {cost.kind} of {cost.variant} again in a moment.")
-            job.check()
+            job._stop_if_over()  # (stopped while it waited; it holds no lane yet, so it gives none way)
             self._free -= cost.bytes
             self._running.append(job)
             job.started = time.monotonic()
@@ -279,8 +282,7 @@ class ModelWork:
                 job.started = time.monotonic()
                 job.deadline += job.started - paused_at
                 job.paused_seconds += self._clock() - clock_at
-        if job.cancelled.is_set():
-            raise Cancelled(f"{job.cost.kind} of {job.cost.variant} was stopped.")
+        job._stop_if_over()  # (stopped while it waited)
 
     def cancel(self, session: str | None) -> int:
         """Cancels the jobs of `session`, running or waiting; returns how many."""
