@@ -124,6 +124,16 @@ def offline_hub(timm_cache, monkeypatch):
     return models
 
 
+def free_port() -> int:
+    """A port no one listens on now (a server a test starts must not take a fixed one: another suite
+    may run beside it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_for(url: str, process, timeout: float = 180) -> None:
     """Waits until a server started as `process` (a subprocess.Popen with stdout) answers `url`."""
     import time

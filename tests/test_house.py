@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import random_torchvision_checkpoint, random_timm_weights, wait_for, write_hub_cache
+from conftest import free_port, random_torchvision_checkpoint, random_timm_weights, wait_for, write_hub_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vitviz"
@@ -226,7 +226,8 @@ def _readme_blocks() -> list[str]:
 def test_the_readmes_python_examples_run_as_written(tmp_path):
     """Every Python block of the README, in a fresh interpreter from the repository's root (where a
     reader who cloned it stands); torchvision's and timm's weights come from caches of random
-    weights, offline; the gradio_client examples talk to the app on its default port."""
+    weights, offline; the gradio_client examples talk to the app on a free port (the README's address
+    changed to it)."""
     import torch
     import torchvision
 
@@ -243,13 +244,16 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
     needs_server = any("Client(" in b for b in blocks)
     server = None
     if needs_server:
+        port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-c", "import app; app.demo.launch(server_name='127.0.0.1', server_port=7860, **app.LAUNCH_KWARGS)"],
+            [sys.executable, "-c", f"import app; app.demo.launch(server_name='127.0.0.1', server_port={port}, **app.LAUNCH_KWARGS)"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        wait_for("http://127.0.0.1:7860/", server)
+        wait_for(f"http://127.0.0.1:{port}/", server)
     try:
         for i, block in enumerate(blocks):
+            if server is not None:  # the README's address, the port this run's server took
+                block = block.replace("http://127.0.0.1:7860/", f"http://127.0.0.1:{port}/")
             out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, f"README block {i + 1} failed:\n{block}\n{out.stderr[-3000:]}"
     finally:

@@ -5,13 +5,12 @@ import asyncio
 import base64
 import io
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import free_port, wait_for
 from PIL import Image
 
 import vitviz
@@ -26,12 +25,6 @@ def _data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
     """`VITVIZ_MCP=1 python app.py`, as the README says, in a process of its own (Gradio's MCP
     server can start once per app and process)."""
@@ -39,7 +32,7 @@ def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
     from mcp import ClientSession
     from mcp.client.streamable_http import streamablehttp_client
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VITVIZ_MCP="1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path))
     server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

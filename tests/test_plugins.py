@@ -6,7 +6,6 @@ Each part runs in a process of its own (the registry is per process)."""
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import wait_for
+from conftest import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,17 +97,11 @@ def test_the_evaluator_scores_a_plugin_method(plugin_env, tmp_path):
     assert {("centre", "pointing"), ("centre", "deletion"), ("rollout", "deletion")} <= scored, scored
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_app_draws_a_plugin_method_in_its_explain_tab(plugin_env, tmp_path):
     from gradio_client import Client, handle_file
 
-    port = _free_port()
+    port = free_port()
     env = dict(plugin_env, GRADIO_SERVER_PORT=str(port))
     server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,19 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run, upload
+from conftest import free_port, run, upload
 from PIL import Image
 
 import vitviz
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _until(done, what: str, *, limit: float = 120) -> None:
@@ -105,7 +98,7 @@ def test_each_mcp_caller_is_a_session_with_its_own_share(tmp_path):
 
     signals = tmp_path / "signals"
     signals.mkdir()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path), VITVIZ_CLIENT_JOBS="2", VITVIZ_ADDRESS_JOBS="8",
                VITVIZ_CONCURRENCY="1")
     log = open(tmp_path / "server.log", "w")
