@@ -62,8 +62,6 @@ def test_each_kind_is_priced_within_its_counted_work(name):
 
 def test_faithfulness_prices_every_ordering_and_find_every_phrase():
     spec = get_spec("shapes_p16")
-    assert cost.LEGRAD_LAYERS == -vitviz.explanations.LEGRAD_START_LAYER  # the layers LeGrad differentiates, priced
-    assert cost.FAITHFULNESS_ORDERS == len(vitviz.explanations.METHODS) + 1  # the built-in methods and a random order
     five, six = price(spec, "faithfulness", orders=5), price(spec, "faithfulness", orders=6)
     assert six.flops > five.flops and six.bytes >= five.bytes
     one, four = price(get_spec("shapes_clip"), "explain", phrases=1), price(get_spec("shapes_clip"), "explain", phrases=4)

@@ -46,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from vitviz.explanations import LEGRAD_START_LAYER, METHODS
+
 __all__ = [
     "Kind",
     "Cost",
@@ -72,8 +74,8 @@ FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up 
 FULL_ROLLOUT_TOKENS = 1024  # an export holds the whole N x N rollout up to this many tokens, the prefix rows beyond
 FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
 BROWSER_BYTES = 24 * 2**20  # the explorer's data a browser is sent at once
-FAITHFULNESS_ORDERS = 6  # the five built-in methods' maps and a random order (`price(orders=)` counts plugins' too)
-LEGRAD_LAYERS = 2  # the layers LeGrad differentiates by default (`vitviz.explanations.LEGRAD_START_LAYER`)
+FAITHFULNESS_ORDERS = len(METHODS) + 1  # the built-in methods' maps and a random order (`price(orders=)` counts plugins' too)
+LEGRAD_LAYERS = -LEGRAD_START_LAYER  # the layers LeGrad differentiates by default (the last two)
 # A windowed model's product through the network (rollout, relevance; `vitviz.swin._through_network`)
 # moves each element of its [N_s, N_last] rows several times a layer (an index copy in, the window
 # product, an index copy out, a division and a sum): memory-bound work, counted in flops at what an
