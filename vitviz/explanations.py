@@ -499,19 +499,23 @@ def record_for(
     discard_ratio: float = 0.0,
     readout: Readout = "mean",
     start_layer: int = LEGRAD_START_LAYER,
+    in_backward: Callable[[str], bool] | None = None,
 ) -> Recorded:
     """The pass `methods` need and nothing more (`record`): the gradients only when one needs them;
     each gradient method with a per-layer reduction has it computed inside the backward with the
     options `maps_of` will read it with (`head_fusion`, `discard_ratio`, the same defaults), and the
     gradient stack is kept only for a method without one; `readout` and `start_layer` for the
-    per-layer gradients (LeGrad)."""
+    per-layer gradients (LeGrad). `in_backward(name)` false: that method's reduction is left out of
+    the backward and taken from the kept gradients when its map is read (a server runs a plugin's
+    own code where its failure and its time are its map's alone)."""
     options = {"head_fusion": head_fusion, "discard_ratio": discard_ratio}
     chosen = [registered(m) for m in methods]
     gradient_methods = [m for m in chosen if m.needs_gradients]
+    inside = [m.name for m in gradient_methods if m.layerwise is not None and (in_backward is None or in_backward(m.name))]
     return record(
         model, x, targets=targets, text=text, gradients=bool(gradient_methods), layer_gradients=any(m.needs_layer_gradients for m in chosen),
-        layerwise=[m.name for m in gradient_methods if m.layerwise is not None], layerwise_options=options,
-        keep_gradients=any(m.layerwise is None for m in gradient_methods), readout=readout, start_layer=start_layer,
+        layerwise=inside, layerwise_options=options,
+        keep_gradients=any(m.name not in inside for m in gradient_methods), readout=readout, start_layer=start_layer,
     )
 
 

@@ -92,7 +92,7 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
         return {m: v[0] for m, v in maps.items()}, index
     why = {m: guard.left_out(m) for m in wanted}
     kept = [m for m in wanted if why[m] is None]
-    rec = record_for(model, x, kept, targets=targets)
+    rec = record_for(model, x, kept, targets=targets, in_backward=lambda m: m in BUILT_IN)  # a plugin's reduction under its guard
     found: dict[str, torch.Tensor] = {}
     for m in kept:
         found_map, why[m] = guard.run(m, lambda m=m: maps_of(rec, [m])[m])
