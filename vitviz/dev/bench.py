@@ -832,7 +832,8 @@ variant, kind = {variant!r}, {kind!r}
 cache = ModelCache()
 model, facts = cache.get(variant)
 image = "{image}"
-if (kind == "find") != hasattr(model, "image") and kind in ("find", "faithfulness"):  # phrases need a text tower, curves a classifier
+image_text = hasattr(model, "image")
+if (kind == "find" and not image_text) or (kind == "faithfulness" and image_text):  # phrases need a text tower, curves a classifier
     print(json.dumps(dict(skip=True))); sys.exit(0)
 exp = views.explore(cache, image, variant)
 maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
