@@ -736,3 +736,13 @@ def test_a_person_types_two_phrases_and_gets_two_maps(url, page):
         assert size[0] > size[1] > 0
     assert not page.locator("#vv-find-3").is_visible() and not page.locator("#vv-find-4").is_visible()
     assert "closest to" in page.locator("#vv-find-note").inner_text()
+
+
+def test_clicking_an_example_analyses_it(url, page):
+    """An example's click fills the image and analyses it, as an upload does (one request)."""
+    base, _ = url
+    page.goto(base)
+    page.locator("#vv-examples button").first.click()
+    _analysed(page, "shapes_p16")
+    assert page.locator("#vv-predictions").inner_text().strip()
+    assert page.locator("#vv-rollout img").count() == 1

@@ -99,8 +99,9 @@ def _inputs() -> None:
         )
         PAGE.use_other = gr.Button("Use", size="sm", scale=1, min_width=60, elem_id="vv-other-use")
     PAGE.run = gr.Button("Analyse", variant="primary", elem_id="vv-run")
-    if EXAMPLES:
-        gr.Examples(EXAMPLES, inputs=PAGE.image, label="Examples")
+    PAGE.examples = None
+    if EXAMPLES:  # a click fills the image and analyses it, as an upload does (`_wire`)
+        PAGE.examples = gr.Examples(EXAMPLES, inputs=PAGE.image, label="Examples (click one to analyse it)", elem_id="vv-examples")
     gr.Markdown(f"Images: {describe_limits()}.", elem_classes="vv-caption")
 
 
@@ -167,6 +168,8 @@ def _wire() -> None:
     PAGE.api_session_button.click(on_analyze, analysis_inputs[:-1], outputs, api_visibility="undocumented", api_name="session_analyze",
                                   **model)
     _analysis(PAGE.image.upload(on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse))
+    if PAGE.examples is not None:  # an example analyses as an upload does, once its image is in place
+        _analysis(PAGE.examples.load_input_event.then(on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse))
     _analysis(PAGE.variant.change(on_variant_info, PAGE.variant, PAGE.variant_info, api_visibility="private", show_progress="hidden").then(
         on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse
     ))
