@@ -60,9 +60,11 @@ def test_the_dry_run_writes_every_steps_figures_to_one_file_within_its_budget(tm
     for want in wanted:
         assert any(s.startswith(want) for s in sections), (want, sections)
     assert "$ " + sys.prefix in text  # each step's command beside its figures
-    assert "run.json: 2 process(es), rank 0 on cpu: 8 scored" in text
     rows = re.findall(r"^\| ([^|]+?) \| ([^|]+?) \| \d+ \|$", text.split("\n## Steps\n")[1], flags=re.M)
     status = {name: code for name, code in rows}
+    evaluator = next(name for name in status if name.startswith("The evaluator, torchrun"))
+    if status[evaluator] == "0":  # (on a loaded machine the budget may end before it does: then it is written as cut)
+        assert "run.json: 2 process(es), rank 0 on cpu: 8 scored" in text
     assert status["Tests that need CUDA (pytest -m cuda)"] == "0" and status["The evaluator's images"] == "0"
     cut = [name for name, code in status.items() if code == "124" or code.startswith("not run (budget")]  # by its timeout, or never started
     assert all(code == "0" or name in cut for name, code in status.items() if name != "bench --inputs"), rows
