@@ -1,8 +1,9 @@
 """What a request on a model variant costs, from its arguments alone, before anything runs.
 
-Every figure is an upper estimate written from the architecture (`VariantSpec`: layers L, heads H,
-width D, MLP width F, tokens N at the requested image size) and the work each kind of request does;
-`docs/serving.md` sets each beside the peak resident memory measured for it. With
+Every figure is written from the architecture (`VariantSpec`: layers L, heads H, width D, MLP width
+F, tokens N at the requested image size) and the work each kind of request does; `docs/serving.md`
+sets each beside the peak resident memory measured for it (within 1.5x either way where the peak is
+over the base, `python -m vitviz.dev.bench --serving`). With
 `layer = H N^2 x 4` bytes (one layer's attention for one image) and `A = L x layer` (the stack):
 
 - "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
@@ -11,24 +12,29 @@ width D, MLP width F, tokens N at the requested image size) and the work each ki
 - "explain": one forward and, for each target (a class, or each of `phrases` phrases), a backward
   to the attention maps with their gradient recorded (A each) and the activations autograd keeps per
   layer; with `layer_gradients` (LeGrad) `LEGRAD_LAYERS` layers differentiated on their own; then
-  the maps: a rollout, and per target the gradient rule and gradient rollout (2 L N^3 each).
+  the maps: a rollout, and per target the gradient rule and gradient rollout (2 L N^3 each). The
+  (image, phrase) pairs of phrases hold the stack once per phrase as well. A model without a
+  classifier explained without a phrase gets the maps that need no gradient: an analysis' price.
 - "faithfulness": "explain", then deletion and insertion forwards of (steps + 1) x 2 perturbed
-  images per ordering (`orders`: each method's and a random one), `batch` images at a time (the
-  batch is chosen to fit the budget).
+  images per ordering (`orders`: each method's and a random one), one mode's images held at once,
+  `batch` of them through the fused forward at a time (the batch is chosen to fit the budget).
 - "export": the .npz written straight to its file (attention in float16 beyond
   `FLOAT32_ATTENTION_BYTES`, the N x N rollout only up to `FULL_ROLLOUT_TOKENS`); in memory, the
-  float16 copy of the stack and the rollout; its work the rollout and the distances.
+  float16 copy of the stack, the attention's bytes as they are written and the rollout; its work
+  the rollout and the distances.
 - "view": a view drawn again from a kept analysis with new options (a rollout).
 - "ablate": two forwards of one image (with and without some heads), nothing recorded.
 - "importance": a forward, then for each layer a batch of H copies of the image run from that
   layer on, one head switched off in each (`vitviz.inside.head_importance`).
-- "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`,
-  else of one layer ("explorer_layer"), else nothing (the server draws the views): the layout of
-  `explorer_layout`, by which the analysis writes it.
+- "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`
+  (in memory, then copied as it is written), else of one layer ("explorer_layer", written when the
+  browser asks for it), else nothing (the server draws the views): the layout of `explorer_layout`,
+  by which the analysis writes it.
 - "compare": `analyse` for each variant, all held at once.
 
-A fixed `BASE_BYTES` covers what any request allocates whatever the model (thread pools, images,
-figures). Model work is counted in multiply-adds x 2 (`forward_flops`); `tests/test_prices.py` holds
+A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
+and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
+the figure). Model work is counted in multiply-adds x 2 (`forward_flops`); `tests/test_prices.py` holds
 each kind's to what the request runs (torch's FlopCounterMode) within 1.5x. The server turns work
 into seconds at the speed it learned for the request's line of work (`Cost.line`: its kind and
 family, `vitviz.server.work.ModelWork`).
@@ -36,7 +42,8 @@ family, `vitviz.server.work.ModelWork`).
 A windowed model (Swin: its config has `geometries`) holds each layer's attention window by window,
 `[windows, heads, M², M²]`: linear in tokens. Its requests are priced from those shapes, layer by
 layer (`_windowed_price`), with the same kinds and the same rules; its rollout and relevance through
-the merges (`_network_flops`, memory-bound: `WINDOW_PASS_FLOPS`) are priced where they are drawn;
+the merges (`_network_flops`, memory-bound: `WINDOW_PASS_FLOPS`) are priced where they are drawn,
+each its [N_last, N_0] result and the slices of columns it is taken in (`vitviz.swin.SLICE_ELEMENTS`);
 "explorer" is the size of its windowed explorer file (`vitviz.server.swin_explorer`), all layers or
 nothing.
 """
@@ -47,6 +54,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from vitviz.explanations import LEGRAD_START_LAYER, METHODS
+from vitviz.swin import SLICE_ELEMENTS
 
 __all__ = [
     "Kind",
@@ -69,7 +77,8 @@ __all__ = [
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance"]
 
-BASE_BYTES = 64 * 2**20
+BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
+COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
 FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up to this size, float16 beyond
 FULL_ROLLOUT_TOKENS = 1024  # an export holds the whole N x N rollout up to this many tokens, the prefix rows beyond
 FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
@@ -275,7 +284,7 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
-          layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 1) -> Cost:
+          layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -288,22 +297,28 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
             (`Method.needs_layer_gradients`: LeGrad, `LEGRAD_LAYERS` of them).
         orders: "faithfulness": the orderings measured (the methods' maps and a random one).
         phrases: "explain" of an image–text model: the phrases explained at once (one forward, a
-            backward for each: their gradients are held together).
+            backward for each: their gradients are held together); 0: a class of a classifier, or
+            for a model without one the maps that need no gradient.
     """
-    if orders < 1 or phrases < 1:
-        raise ValueError(f"orders and phrases are 1 or more, got {orders} and {phrases}")
+    if orders < 1 or phrases < 0:
+        raise ValueError(f"orders are 1 or more and phrases 0 or more, got {orders} and {phrases}")
     if _windowed(spec):
-        return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions, orders=orders, phrases=phrases)
+        return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions, orders=orders, phrases=max(phrases, 1))
     depth, heads, n, width, mlp = _shape(spec)
     layer = heads * n * n * 4
     stack = depth * layer
     token_row = n * width * 4
     kept = stack + token_row + depth * n * 4 + 3 * spec.image_size**2
-    analyse = stack + 4 * layer + 2 * depth * n * n * 4 + 2 * depth * token_row + BASE_BYTES
-    per_layer_backward = 2 * layer + 12 * token_row + 2 * n * mlp * 4
+    analyse = stack + 4 * layer + 2 * depth * n * n * 4 + 2 * depth * token_row + BASE_BYTES + COMPUTE_BYTES
     own = min(depth, LEGRAD_LAYERS) if layer_gradients else 0  # layers differentiated on their own (LeGrad)
-    # per phrase: its gradient of every layer's attention, the backward's activations, LeGrad's own layers
-    explain = stack + phrases * (stack + depth * per_layer_backward + 2 * own * layer) + BASE_BYTES
+    # per target: its gradient of every layer's attention, the backward's activations, LeGrad's own layers; the
+    # (image, phrase) pairs of phrases hold each layer's attention once more for each phrase
+    per_target = (2 if phrases else 1) * stack + depth * (layer + 12 * token_row + 2 * n * mlp * 4) + 2 * own * layer
+    targets = max(phrases, 1)
+    if phrases or spec.has_head:
+        explain = stack + targets * per_target + BASE_BYTES + COMPUTE_BYTES
+    else:  # nothing to differentiate (an image–text model's maps without a phrase): a recorded forward and a rollout
+        explain = analyse
     flops = forward_flops(spec)
     rollout = 2.0 * depth * n**3  # R = Â_L ··· Â_1, N x N each
     patches = n - spec.num_prefix_tokens
@@ -311,37 +326,43 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
     # the backward runs to the attention maps only (no weight's gradient): the projections' input gradients
     # (one forward's) and three attention products for two (1.5 forwards at most); LeGrad's own layers one
     # block each; then the maps: rollout, and per target the gradient rule and gradient rollout
-    explain_flops = flops + rollout + phrases * ((1.5 + own / depth) * flops + 2 * rollout)
+    explain_flops = flops + rollout + (targets * ((1.5 + own / depth) * flops + 2 * rollout) if phrases or spec.has_head else 0)
     if kind == "analyse":
         return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures)
     if kind == "explain":
         return Cost(kind, spec.name, n, explain, 0, explain_flops)
     if kind == "faithfulness":
-        per_image = 2 * layer + 8 * token_row + 2 * n * mlp * 4
-        images = 2 * orders * (steps + 1) * 3 * spec.image_size**2 * 4  # the perturbed inputs of one mode
-        room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
+        per_image = 12 * token_row + 2 * n * mlp * 4  # a fused attention's forward (nothing recorded): the activations
+        images = _perturbed_bytes(spec, orders, steps)
+        room = (budget - BASE_BYTES - COMPUTE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
         forwards = (steps + 1) * 2 * orders
-        peak = max(explain, batch * per_image + images + BASE_BYTES)
+        peak = max(explain, batch * per_image + images + BASE_BYTES + COMPUTE_BYTES)
         return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
-        converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
-        return Cost(kind, spec.name, n, converted + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
+        saved = (stack if plan["attention_dtype"] == "float32" else stack // 2) if attentions else 0
+        converted = saved if plan["attention_dtype"] == "float16" else 0
+        # the float16 copy, the rollout's products, and the attention's bytes copied as they are written
+        return Cost(kind, spec.name, n, converted + saved + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
     if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
-        return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES, 0, 2 * flops)
+        return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
     if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
         per_copy = 4 * layer + 4 * token_row + 2 * n * mlp * 4
-        return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES, 0, (1 + heads * (depth + 1) / 2) * flops, heads)
-    if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and products)
-        return Cost(kind, spec.name, n, 4 * depth * n * n * 4 + BASE_BYTES, 0, rollout)
+        return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES + COMPUTE_BYTES, 0,
+                    (1 + heads * (depth + 1) / 2) * flops, heads)
+    if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and the products)
+        return Cost(kind, spec.name, n, 3 * depth * n * n * 4 + BASE_BYTES + COMPUTE_BYTES, 0, rollout)
     if kind in ("explorer", "explorer_layer"):
         layout = explorer_layout_of(spec)
         if kind == "explorer_layer":
             layout = replace(layout, mode="layers")
         written = layout.file_bytes
-        transient = layout.views * layout.tokens * n * (4 + 8 + 8) if written else 0  # a layer's rows in float32, then float64 while quantised
-        return Cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
+        # the file in memory and its copy as it is written; a layer's rows in float32, then float64 while quantised
+        transient = layout.views * layout.tokens * n * (4 + 8 + 8) if written else 0
+        if kind == "explorer" and layout.mode == "layers":  # the analysis writes the pictures; a layer's file when it is asked for
+            return Cost(kind, spec.name, n, BASE_BYTES, written, 0.0)  # ("explorer_layer"; its room on disk is kept for it)
+        return Cost(kind, spec.name, n, 2 * written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")
 
 
@@ -363,11 +384,14 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
     biases = sum(l.heads * l.area * l.area * 4 for l in layers)
     # what the analysis keeps (`SwinAnalysis.nbytes`): window attention, biases, final tokens, probabilities, the crop
     kept = stack + biases + last.tokens * last.width * 4 + 4 * spec.num_classes + 3 * spec.image_size**2
-    products = 3 * last.tokens * max(l.places for l in layers) * 4  # rollout and relevance: [N_last, N_s] and its spread over windows
+    result = last.tokens * n0 * 4  # a product through the network: [N_last, N_0]
+    # taken a slice of columns at a time: the slice, scaled, its window product in and out of the windows
+    slices = 5 * min(SLICE_ELEMENTS, last.tokens * n0) * 4
     activations = sum(l.tokens * l.width * 4 for l in layers)
-    analyse = stack + 4 * layer + products + 2 * activations + BASE_BYTES
+    analyse = stack + activations + max(4 * layer + activations, result + slices) + BASE_BYTES + COMPUTE_BYTES
     backward = sum(2 * l.attention + 12 * l.tokens * l.width * 4 + 2 * l.places * l.hidden * 4 for l in layers)
-    explain = stack + phrases * (stack + backward) + products + BASE_BYTES
+    # the gradients, the backward, then the rollout, the relevance and the gradient rollout held, one product's slices at a time
+    explain = stack + phrases * (stack + backward) + 3 * result + slices + BASE_BYTES + COMPUTE_BYTES
     flops = forward_flops(spec)
     network = _network_flops(layers)
     explain_flops = flops + network + phrases * (flops + 2 * network)  # rollout; per phrase a backward, its relevance and gradient rollout
@@ -381,23 +405,33 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
         return cost(kind, spec.name, n, explain, 0, explain_flops)
     if kind == "faithfulness":
         per_image = 2 * layer + 8 * max(l.tokens * l.width * 4 for l in layers) + 2 * max(l.places * l.hidden for l in layers) * 4
-        images = 2 * orders * (steps + 1) * 3 * spec.image_size**2 * 4
-        room = (budget - BASE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
+        images = _perturbed_bytes(spec, orders, steps)
+        room = (budget - BASE_BYTES - COMPUTE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
         forwards = (steps + 1) * 2 * orders
-        return cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES), 0, explain_flops + forwards * flops, batch)
+        return cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES + COMPUTE_BYTES), 0,
+                    explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
-        converted = stack // 2 if plan["attention_dtype"] == "float16" and attentions else 0
-        return cost(kind, spec.name, n, converted + 2 * products + BASE_BYTES, plan["bytes"], network)
+        saved = (stack if plan["attention_dtype"] == "float32" else stack // 2) if attentions else 0
+        converted = saved if plan["attention_dtype"] == "float16" else 0
+        # the rollout (one product's slices at a time), its rows and the attention copied as they are written
+        return cost(kind, spec.name, n, converted + saved + 2 * result + slices + BASE_BYTES, plan["bytes"], network)
     if kind == "view":
-        return cost(kind, spec.name, n, 2 * products + BASE_BYTES, 0, network)
+        return cost(kind, spec.name, n, result + slices + BASE_BYTES + COMPUTE_BYTES, 0, network)
     if kind in ("explorer", "explorer_layer"):  # all layers in one file when the browser can hold it, else the server draws
         whole = explorer_bytes(spec)
         written = whole if whole <= BROWSER_BYTES else 0
         transient = max((l.heads + 2) * l.tokens * l.area * (4 + 8 + 8) for l in layers) if written else 0
-        return cost(kind, spec.name, n, written + transient + BASE_BYTES, written, 0.0)
+        return cost(kind, spec.name, n, 2 * written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")
+
+
+def _perturbed_bytes(spec, orders: int, steps: int) -> int:
+    """The perturbed images of one mode (deletion, then insertion), every ordering's steps at once:
+    float32 pixels [orders, steps + 1, 3, S, S], the float32 mask they are multiplied by and two boolean
+    masks, 18 bytes a pixel (`vitviz.faithfulness.perturbation_curves`)."""
+    return orders * (steps + 1) * spec.image_size**2 * (3 * 4 + 4 + 2)
 
 
 def _network_flops(layers: list[_Layer]) -> float:

@@ -839,7 +839,7 @@ exp = views.explore(cache, image, variant)
 maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
 PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
 cost = price(model.spec, "explain" if kind == "find" else kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"),
-             phrases=len(PHRASES) if kind == "find" else 1)
+             phrases=len(PHRASES) if kind == "find" else 0)
 from vitviz.cost import forward_flops
 x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(model.parameters()).device)
 plain = []
@@ -847,6 +847,8 @@ with torch.inference_mode():
     for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
         t = time.perf_counter(); model(x) if not hasattr(model, "image") else model.image(x); plain.append(time.perf_counter() - t)
 speed = forward_flops(model.spec) / sorted(plain)[1]
+if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
+    explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")
 release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
@@ -878,16 +880,19 @@ if gpu:
 seconds = time.perf_counter() - start
 gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if gpu else None
 print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak,
-                      priced_seconds=cost.flops / speed)))
+                      priced_seconds=cost.flops / speed, line=cost.line)))
 """
 
 
 def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view", "find"),
-                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float, float | None]]:
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float, float | None]]:
     """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
     peak MB above the process's resident memory before the request, priced seconds (its work at the
-    speed of a plain forward of the same model, timed in that process), seconds, and on a GPU the
-    peak MB of CUDA memory allocated above what was before the request, else None)."""
+    speed of a plain forward of the same model, timed in that process), priced seconds at its line's
+    learned speed (`Cost.line`; the median speed, flops per second, that the other variants' requests of
+    the same line ran at here, as a server learns it from the jobs it ran; None when no other variant
+    has one), seconds, and on a GPU the peak MB of CUDA memory allocated above what was before the
+    request, else None)."""
     import subprocess
     import sys
 
@@ -905,10 +910,15 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if got.get("skip"):  # a kind the model has no use for
                     continue
-                gpu = got.get("gpu_peak")
-                rows.append((variant, kind, got["price"] / 2**20, got["peak"] / 2**20, got["priced_seconds"], got["seconds"],
-                             None if gpu is None else gpu / 2**20))
-    return rows
+                rows.append(dict(got, variant=variant, kind=kind))
+    table = []
+    for row in rows:
+        others = [r["flops"] / r["seconds"] for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
+        learned = row["flops"] / statistics.median(others) if others and row["flops"] > 0 else None
+        gpu = row.get("gpu_peak")
+        table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
+                      row["seconds"], None if gpu is None else gpu / 2**20))
+    return table
 
 
 FLOODS = {
@@ -1175,9 +1185,15 @@ def main(argv: list[str] | None = None) -> None:
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
-        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'priced s':>10}{'seconds':>10}" + (f"{'GPU peak MB':>13}" if gpu else ""))
-        for variant, kind, priced, peak, priced_s, seconds, gpu_peak in serving_table(tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")):
-            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{priced_s:>10.2f}{seconds:>10.2f}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
+        print("line s: the same work at the speed the other variants' requests of its line (kind and family) ran at here")
+        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'seconds':>10}{'ratio':>7}"
+              + (f"{'GPU peak MB':>13}" if gpu else ""))
+        variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
+        for variant, kind, priced, peak, priced_s, line_s, seconds, gpu_peak in serving_table(variants):
+            line = "-" if line_s is None else f"{line_s:.2f}"
+            line_ratio = "-" if line_s is None else f"{line_s / seconds:.2f}"
+            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{priced / max(peak, 1):>7.2f}{priced_s:>10.2f}{line:>8}{seconds:>10.2f}"
+                  f"{line_ratio:>7}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
         return
     if args.flood:
         print(f"vitviz.dev.bench --flood; {time.strftime('%Y-%m-%d')}; {_machine()}")
