@@ -204,7 +204,7 @@ def test_hostile_view_values_get_clear_errors(app, analysed):
         with pytest.raises(gr.Error, match="fusion|discard"):
             tabs.predict.TAB.on_rollout_options(ref, fusion, ratio)
     out = page.on_analyze(runtime.EXAMPLES[0], "vit_x", "mean", 0.0, progress=_quiet)
-    assert set(out) == {page.PAGE.notice} and "unknown variant" in out[page.PAGE.notice]
+    assert set(out) == {page.PAGE.notice} and "There is no model called 'vit_x'; did you mean" in out[page.PAGE.notice]
 
 
 def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(app, example, tmp_path, monkeypatch):
@@ -399,9 +399,11 @@ def test_analyze_endpoint_and_compare_with_a_timm_model(app, server, example, of
 def test_other_model_names_are_checked(app):
     for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
                        ("timm:vit_giant_patch14_dinov2.lvd142m", "SwiGLU"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
-                       ("resnet50", "unknown variant")]:
+                       ("resnet50", "There is no model called 'resnet50': choose one from the menu"),
+                       ("/etc/passwd", "not given as a path"), ("vit_b_99", "did you mean vit_b_32 or vit_b_16")]:
         out = page.on_other_model(bad, [])
         assert set(out) == {page.PAGE.notice} and words in out[page.PAGE.notice], (bad, out[page.PAGE.notice])
+        assert "shapes_clip, shapes_swin" not in out[page.PAGE.notice]  # never the whole list
 
 
 def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):

@@ -340,3 +340,25 @@ def test_an_open_clip_model_with_a_cached_hub_tokenizer_loads_offline_without_a_
     ids, _ = ours.tokenize(["a cat"])
     assert ids[0, :2].tolist() == [2, 3]
     assert calls == [] and constants.HF_HUB_OFFLINE == offline_before  # the hub's switch back as it was
+
+
+def test_a_model_that_cannot_be_fetched_is_one_sentence_and_the_advice_goes_to_the_log(monkeypatch, caplog):
+    """Weights that are not here and cannot be downloaded: the caller reads one sentence naming the
+    model (quoted, cut at 60 characters); the library's advice (what to run, which cache) is logged."""
+    import logging
+
+    from vitviz.server import inputs
+    from vitviz.sources import WeightsUnavailableError
+
+    def unavailable(name):
+        raise WeightsUnavailableError(f"Weights for {name} are not in the Hugging Face cache (We couldn't connect to "
+                                      "'https://huggingface.co' ...): on a machine with network run `hf download`")
+
+    monkeypatch.setattr(inputs, "get_spec", unavailable)
+    with caplog.at_level(logging.INFO, logger="vitviz.server"), pytest.raises(inputs.InputError) as refused:
+        inputs.variant("hf:foo/bar")
+    assert str(refused.value) == "'hf:foo/bar' is not on this server and cannot be downloaded now: choose a model from the menu."
+    assert "hf download" in caplog.text
+    with pytest.raises(inputs.InputError, match=r"^'hf:xxxxxxxx") as long:
+        inputs.variant("hf:" + "x" * 150)
+    assert "..." in str(long.value) and len(str(long.value)) < 160

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import re
@@ -11,6 +13,9 @@ from vitviz.server.menus import head_choices
 from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants, source_of
 
 __all__ = ["InputError", "variant", "public_text", "is_menu_name", "fusion", "ratio", "index", "head", "share"]
+
+
+LOG = logging.getLogger("vitviz.server")
 
 
 class InputError(ValueError):
@@ -31,7 +36,14 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
         raise InputError("This server analyses the models of its menu only (VITVIZ_OPEN_MODELS=0): choose one there.")
     try:
         spec = get_spec(value)
-    except (ValueError, WeightsUnavailableError, ImportError, NotImplementedError, TypeError, OSError) as exc:
+    except WeightsUnavailableError as exc:  # the library's advice is for whoever runs the server: its log has it
+        LOG.info("%s", exc)
+        raise InputError(f"{_shown(value)} is not on this server and cannot be downloaded now: choose a model from the menu.") from None
+    except ValueError as exc:
+        if not value.startswith(("timm:", "hf:")):
+            raise InputError(unknown_name(value)) from None
+        raise InputError(public_text(str(exc))) from None
+    except (ImportError, NotImplementedError, TypeError, OSError) as exc:
         raise InputError(public_text(str(exc))) from None
     if max_params is not None and (params := source_of(spec).num_params(spec)) > max_params:
         raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "
@@ -50,6 +62,23 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
             f"{max_tokens:,} (VITVIZ_MAX_TOKENS): for this model, sizes up to @{side}."
         )
     return value
+
+
+def _shown(value: str) -> str:
+    """A name a client typed, as a message quotes it: at most 60 characters."""
+    return repr(value if len(value) <= 60 else value[:57] + "...")
+
+
+def unknown_name(value: str) -> str:
+    """One sentence for a model name that is neither a variant nor timm:/hf:: a path is refused as one,
+    else the closest variants are offered (never the whole list)."""
+    if any(c in value for c in "/\\") or value.startswith((".", "~")):
+        return "A model is named, not given as a path: choose one from the menu, or type timm:<name> or hf:<org/name>."
+    names = [v.name for v in list_variants()]
+    close = difflib.get_close_matches(value.rpartition("@")[0] or value, names, n=3, cutoff=0.6)
+    if close:
+        return f"There is no model called {_shown(value)}; did you mean {' or '.join(close)}?"
+    return f"There is no model called {_shown(value)}: choose one from the menu, or type timm:<name> or hf:<org/name>."
 
 
 def is_menu_name(name: str) -> bool:
