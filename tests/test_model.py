@@ -167,3 +167,7 @@ def test_summary_matches_seed_table_and_real_shapes():
     assert rows["Encoder block 1"] == shapes["block"]
     assert rows["Classification head"] == shapes["head"]
     assert "Total params: 527,144" in str(vitviz.summary(small))
+    # as the tokens go: the cls token prepended to the 36 patches, then the 37 position embeddings added to them
+    stages = [r.stage for r in vitviz.summary(small, batch=2).rows]
+    assert stages.index("Prepend cls token") + 1 == stages.index("Add position embeddings")
+    assert rows["Prepend cls token"] == rows["Add position embeddings"] == (2, 37, 96)

@@ -81,10 +81,12 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         SummaryRow("Input image", "", (b, 3, s, s), 0),
         SummaryRow("Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}", (b, d, gh, gw), _count(model.patch_embed.proj)),
         SummaryRow("Flatten to tokens", "Rearrange b d gh gw -> b (gh gw) d", (b, gh * gw, d), 0),
-        SummaryRow("Add position embeddings", f"Parameter [1, {c.pos_embed_prefix} + gh*gw, D]", (b, gh * gw, d), _count(model.pos_embed)),
     ]
     if prefix:
         rows.append(SummaryRow(f"Prepend {names} token{'s' if p > 1 else ''}", f"Parameter [1, {p}, D]", (b, n, d), _count(*prefix)))
+    k = c.pos_embed_prefix  # the leading prefix tokens that get one (the registers of some models get none)
+    rows.append(SummaryRow("Add position embeddings", f"Parameter [1, {k} + gh*gw, D]" + (f", none for {p - k} of the {p} prefix tokens" if k < p else ""),
+                           (b, n, d), _count(model.pos_embed)))
     if c.norm_pre:
         rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
     ls = ", LayerScale" if c.layer_scale is not None else ""
