@@ -54,6 +54,7 @@ def test_analyze_fills_every_section(app, analysed):
     table, npz, status = out[tabs.architecture.TAB.table], out[tabs.predict.TAB.npz], out[page.PAGE.status]
     assert out[page.PAGE.notice] == ""
     assert len(preds) == 5 and abs(sum(preds.values()) - 1) < 0.5
+    assert out[tabs.positions.TAB.caption].startswith("Left: cosine similarity between the learned position embedding")
     # 384 px maps (the 96 px crop at 4x) with a colour bar beside them
     assert rollout.size[1] == 384 and 384 < rollout.size[0] < 480
     # the explorer is the browser's: its data written once, the server's own explorer hidden and not drawn

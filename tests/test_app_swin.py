@@ -138,6 +138,7 @@ def test_positions_show_each_layers_relative_position_bias_tables(analysed):
     assert out[positions.similarity_box]["visible"] is False and out[positions.bias_box]["visible"] is True
     assert out[positions.bias_layer]["maximum"] == 6 and isinstance(out[positions.bias_img], Image.Image)
     assert isinstance(out[positions.filters_img], Image.Image)
+    assert "position embedding" not in out[positions.caption] and "principal components" in out[positions.caption]  # (none to show)
     for l, block in enumerate(model.blocks):
         wh, ww = block.attn.window
         table = block.attn.relative_position_bias_table.detach()  # [(2wh-1)(2ww-1), heads], row (dy + wh-1)(2ww-1) + dx + ww-1, dy = query - key

@@ -11,6 +11,13 @@ from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 
+FILTERS = ("the top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each with the "
+           "share of the filters' variance it explains.")
+CAPTION = ("Left: cosine similarity between the learned position embedding of each patch (one tile per patch) and all "
+           "others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: " + FILTERS)
+SWIN_CAPTION = "Below the bias tables: " + FILTERS  # (a Swin has no position embeddings: no similarity on the left)
+
+
 class PositionsTab(Tab):
     id = "positions"
     label = "Positions"
@@ -18,13 +25,7 @@ class PositionsTab(Tab):
     swin_needs = frozenset()  # a Swin: its relative position bias
 
     def build(self, page) -> None:
-        gr.Markdown(
-            "Left: cosine similarity between the learned position embedding of each patch (one tile per patch) "
-            "and all others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: the "
-            "top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each "
-            "with the share of the filters' variance it explains.",
-            elem_classes="vv-caption",
-        )
+        self.caption = gr.Markdown(CAPTION, elem_classes="vv-caption", elem_id="vv-positions-caption")
         with gr.Group(visible=False) as self.bias_box:
             gr.Markdown(
                 "This model has no position embeddings: each layer adds a learned **relative position bias** to its attention "
@@ -40,7 +41,7 @@ class PositionsTab(Tab):
             self.filters_img = figure(label="Filters: principal components", elem_id="vv-filters")
 
     def analysis_outputs(self):
-        return [self.similarity_img, self.filters_img, self.similarity_box, self.bias_box, self.bias_layer, self.bias_img]
+        return [self.similarity_img, self.filters_img, self.similarity_box, self.bias_box, self.bias_layer, self.bias_img, self.caption]
 
     def analysed(self, done: Analysed) -> Outputs:
         if done.same_model:  # the model's own pictures are on the page already
@@ -50,11 +51,11 @@ class PositionsTab(Tab):
             return {
                 self.similarity_img: None, self.similarity_box: gr.update(visible=False), self.filters_img: swin_views.render_filters(exp),
                 self.bias_box: gr.update(visible=True), self.bias_layer: gr.update(maximum=exp.analysis.num_layers, value=1),
-                self.bias_img: swin_views.render_bias(exp, layer=1),
+                self.bias_img: swin_views.render_bias(exp, layer=1), self.caption: SWIN_CAPTION,
             }
         similarity, filters = views.render_position(exp)
         return {self.similarity_img: similarity, self.filters_img: filters, self.similarity_box: gr.update(visible=True),
-                self.bias_box: gr.update(visible=False), self.bias_layer: gr.skip(), self.bias_img: None}
+                self.bias_box: gr.update(visible=False), self.bias_layer: gr.skip(), self.bias_img: None, self.caption: CAPTION}
 
     def on_bias_layer(self, ref: SessionRef | None, layer_value: float) -> Outputs:
         """Another layer's relative position bias tables (a Swin's)."""
