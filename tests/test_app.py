@@ -413,16 +413,17 @@ def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):
     label = max(top, key=top.get)
     assert out[tabs.explain.TAB.target_class]["value"] == label and "circle" in out[tabs.explain.TAB.target_class]["choices"]
     got = tabs.explain.TAB.on_explain(ref, label)
-    pictures = [got[tabs.explain.TAB.explain_imgs[m]] for m in vitviz.METHODS]
+    pictures = [got[tabs.explain.TAB.explain_imgs[m]]["value"] for m in vitviz.METHODS]
+    assert all(got[tabs.explain.TAB.explain_imgs[m]]["visible"] for m in vitviz.METHODS)
     assert all(p.size[1] == 384 and p.size[0] > 384 for p in pictures)
     assert label in got[tabs.explain.TAB.explain_note]
     # a different class changes the gradient maps but not the class-blind ones
     other = tabs.explain.TAB.on_explain(ref, "circle")
     diff = lambda a, b: np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean()  # noqa: E731
-    assert diff(other[tabs.explain.TAB.explain_imgs["gradient"]], got[tabs.explain.TAB.explain_imgs["gradient"]]) > 0.5
-    assert diff(other[tabs.explain.TAB.explain_imgs["rollout"]], got[tabs.explain.TAB.explain_imgs["rollout"]]) == 0
+    assert diff(other[tabs.explain.TAB.explain_imgs["gradient"]]["value"], got[tabs.explain.TAB.explain_imgs["gradient"]]["value"]) > 0.5
+    assert diff(other[tabs.explain.TAB.explain_imgs["rollout"]]["value"], got[tabs.explain.TAB.explain_imgs["rollout"]]["value"]) == 0
     # the downloads are named by variant, view, method and class
-    assert got[tabs.explain.TAB.explain_imgs["gradient"]].info["vitviz_name"] == f"shapes_p16-explain-gradient-{label}.png"
+    assert got[tabs.explain.TAB.explain_imgs["gradient"]]["value"].info["vitviz_name"] == f"shapes_p16-explain-gradient-{label}.png"
     with pytest.raises(gr.Error, match="classes"):
         tabs.explain.TAB.on_explain(ref, "<script>")
 
@@ -588,7 +589,7 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
     drawn = page.on_refresh_tab(fresh, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
     gh, gw = runtime.STORE.get(fresh.key).analysis.grid
     for m in tabs.explain.METHODS:
-        picture = drawn[tabs.explain.TAB.explain_imgs[m]]
+        picture = drawn[tabs.explain.TAB.explain_imgs[m]]["value"]
         assert isinstance(picture, Image.Image) and picture.size[1] >= gh * 8, (m, picture)  # a map drawn, not a placeholder
 
 
@@ -737,3 +738,22 @@ def test_a_second_image_on_the_same_model_sends_what_changes_and_gradio_would_se
         assert len(rebuilt) == updates  # only the components whose properties change are built again
         assert mine == asyncio.run(gr.Blocks.postprocess_data(demo, fn, theirs, SessionState(demo)))
     assert len([v for v in second.values() if v == skip]) > 20
+
+
+def test_an_image_text_models_explain_tab_has_no_empty_frame_and_no_faithfulness(app, example):
+    """shapes_clip has no classifier: its Explain tab draws the two maps that need no class and hides
+    the other frames (the note says why) and the faithfulness controls; a classifier after it gets
+    them all back."""
+    explain = tabs.explain.TAB
+    out = page.on_analyze(example, "shapes_clip", "mean", 0.0, progress=_quiet)
+    for control in (explain.faith_button, explain.faith_stop, explain.faith_img, explain.faith_table):
+        assert out[control]["visible"] is False
+    got = explain.on_explain(out[page.PAGE.state], None)
+    shown = {m for m in tabs.explain.METHODS if got[explain.explain_imgs[m]]["visible"]}
+    assert shown == {"attention", "rollout"} and all(isinstance(got[explain.explain_imgs[m]]["value"], Image.Image) for m in shown)
+    assert all(got[explain.explain_imgs[m]]["value"] is None for m in set(tabs.explain.METHODS) - shown)
+    assert "has no classifier" in got[explain.explain_note]
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert all(out[c]["visible"] is True for c in (explain.faith_button, explain.faith_stop, explain.faith_img, explain.faith_table))
+    got = explain.on_explain(out[page.PAGE.state], "star")
+    assert all(got[explain.explain_imgs[m]]["visible"] for m in tabs.explain.METHODS)

@@ -267,9 +267,9 @@ def test_the_explain_tab_maps_the_methods_that_apply(analysed):
     got = tabs.explain.TAB.on_explain(ref, "circle")
     for m in vitviz.swin.SWIN_METHODS:
         want = vitviz.explain(model, exp.analysis.image, method=m, target="circle").map
-        _map_equals(got[tabs.explain.TAB.explain_imgs[m]], exp, want)
+        _map_equals(got[tabs.explain.TAB.explain_imgs[m]]["value"], exp, want)
     absent = [m for m in tabs.explain.METHODS if m not in vitviz.swin.SWIN_METHODS]
-    assert all(got[tabs.explain.TAB.explain_imgs[m]] is None for m in absent)
+    assert all(got[tabs.explain.TAB.explain_imgs[m]] == gr.update(value=None, visible=False) for m in absent)  # no empty frame
     note = got[tabs.explain.TAB.explain_note]
     assert note.startswith("Explaining **circle**") and "Not for a Swin (windowed attention)" in note
 
@@ -452,4 +452,4 @@ def test_the_embedded_shapes_swin_through_the_app(app):
     assert max(preds, key=preds.get) == "star"
     assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.swin_live]["mode"] == "stack"
     got = tabs.explain.TAB.on_explain(ref, "star")
-    assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]], Image.Image) for m in vitviz.swin.SWIN_METHODS)
+    assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]]["value"], Image.Image) for m in vitviz.swin.SWIN_METHODS)

@@ -59,7 +59,7 @@ class ExplainTab(Tab):
         self.draw_outputs = [self.explain_note, self.faith_img, self.faith_table, *self.explain_imgs.values()]
 
     def analysis_outputs(self):
-        return [self.target_class, self.faith_img, self.faith_table]
+        return [self.target_class, self.faith_img, self.faith_table, self.faith_button, self.faith_stop]
 
     def analysed(self, done: Analysed) -> Outputs:
         a = done.exp.analysis
@@ -68,7 +68,11 @@ class ExplainTab(Tab):
             classes = gr.update(value=top[0][0] if top else None)
         else:
             classes = gr.update(choices=list(a.categories or []), value=top[0][0] if top else None, interactive=a.probabilities is not None)
-        return {self.target_class: classes, self.faith_img: None, self.faith_table: None}
+        # deletion and insertion follow a class's probability: without a classifier, not offered
+        measurable = gr.update(visible=bool(a.layout.classifier and a.categories is not None))
+        return {self.target_class: classes, self.faith_img: gr.update(value=None, visible=measurable["visible"]),
+                self.faith_table: gr.update(value=None, visible=measurable["visible"]), self.faith_button: measurable,
+                self.faith_stop: measurable}
 
     def draw(self, ref: SessionRef, target: str | None = None, scale_value: str = EXPLAIN_SCALES[0]) -> Outputs:
         return self.on_explain(ref, target, scale_value)
@@ -104,7 +108,9 @@ class ExplainTab(Tab):
             note += " " + " ".join(left_out.values())
         faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: None}
         self.explained.add(ref.key)
-        return {self.explain_note: note, **faith, **{self.explain_imgs[m]: pictures.get(m) for m in METHODS}}
+        # a method with no map for this model (said in the note) leaves no empty frame
+        drawn = {self.explain_imgs[m]: gr.update(value=pictures.get(m), visible=m in pictures) for m in METHODS}
+        return {self.explain_note: note, **faith, **drawn}
 
     def on_explain_scale(self, ref: SessionRef | None, target: str | None, scale_value: str, request: gr.Request = None) -> Outputs:
         """The Explain tab's colour scale changed: the maps drawn again; the curves do not depend on it."""
