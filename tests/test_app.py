@@ -401,7 +401,7 @@ def test_other_model_names_are_checked(app):
     for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
                        ("timm:vit_giant_patch14_dinov2.lvd142m", "SwiGLU"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
                        ("resnet50", "There is no model called 'resnet50': choose one from the menu"),
-                       ("/etc/passwd", "not given as a path"), ("vit_b_99", "did you mean vit_b_32 or vit_b_16")]:
+                       ("/etc/passwd", "'/etc/passwd' is a path, and a model is named"), ("vit_b_99", "did you mean vit_b_32 or vit_b_16")]:
         out = page.on_other_model(bad, [])
         assert set(out) == {page.PAGE.notice} and words in out[page.PAGE.notice], (bad, out[page.PAGE.notice])
         assert "shapes_clip, shapes_swin" not in out[page.PAGE.notice]  # never the whole list

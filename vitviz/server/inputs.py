@@ -40,7 +40,7 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
         LOG.info("%s", exc)
         raise InputError(f"{_shown(value)} is not on this server and cannot be downloaded now: choose a model from the menu.") from None
     except ValueError as exc:
-        if not value.startswith(("timm:", "hf:")):
+        if str(exc).startswith("unknown variant"):  # no variant, and no family's prefix (a family's own refusals say more)
             raise InputError(unknown_name(value)) from None
         raise InputError(public_text(str(exc))) from None
     except (ImportError, NotImplementedError, TypeError, OSError) as exc:
@@ -70,10 +70,10 @@ def _shown(value: str) -> str:
 
 
 def unknown_name(value: str) -> str:
-    """One sentence for a model name that is neither a variant nor timm:/hf:: a path is refused as one,
-    else the closest variants are offered (never the whole list)."""
+    """One sentence for a name that is no variant and has no family's prefix (timm:, hf:, ...): a path
+    is refused as one, else the closest variants are offered (never the whole list)."""
     if any(c in value for c in "/\\") or value.startswith((".", "~")):
-        return "A model is named, not given as a path: choose one from the menu, or type timm:<name> or hf:<org/name>."
+        return f"{_shown(value)} is a path, and a model is named: choose one from the menu, or type timm:<name> or hf:<org/name>."
     names = [v.name for v in list_variants()]
     close = difflib.get_close_matches(value.rpartition("@")[0] or value, names, n=3, cutoff=0.6)
     if close:
