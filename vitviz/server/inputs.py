@@ -10,7 +10,7 @@ import re
 import tempfile
 
 from vitviz.server.menus import head_choices
-from vitviz.sources import WeightsUnavailableError, checkpoint_dir, get_spec, list_variants, source_of
+from vitviz.sources import UnknownVariant, WeightsUnavailableError, checkpoint_dir, get_spec, list_variants, source_of
 
 __all__ = ["InputError", "variant", "public_text", "is_menu_name", "fusion", "ratio", "index", "head", "share"]
 
@@ -39,11 +39,9 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
     except WeightsUnavailableError as exc:  # the library's advice is for whoever runs the server: its log has it
         LOG.info("%s", exc)
         raise InputError(f"{_shown(value)} is not on this server and cannot be downloaded now: choose a model from the menu.") from None
-    except ValueError as exc:
-        if str(exc).startswith("unknown variant"):  # no variant, and no family's prefix (a family's own refusals say more)
-            raise InputError(unknown_name(value)) from None
-        raise InputError(public_text(str(exc))) from None
-    except (ImportError, NotImplementedError, TypeError, OSError) as exc:
+    except UnknownVariant:  # no variant, and no family's prefix (a family's own refusals say more)
+        raise InputError(unknown_name(value)) from None
+    except (ValueError, ImportError, NotImplementedError, TypeError, OSError) as exc:
         raise InputError(public_text(str(exc))) from None
     if max_params is not None and (params := source_of(spec).num_params(spec)) > max_params:
         raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "

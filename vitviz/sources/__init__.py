@@ -27,6 +27,7 @@ from vitviz.model import ViT
 from vitviz.sources import base
 from vitviz.sources.base import (
     Status,
+    UnknownVariant,
     VariantSpec,
     WeightsSource,
     WeightsUnavailableError,
@@ -48,6 +49,7 @@ __all__ = [
     "VariantSpec",
     "WeightsSource",
     "WeightsUnavailableError",
+    "UnknownVariant",
     "Status",
     "register_source",
     "registered_sources",
@@ -160,7 +162,7 @@ def get_spec(name: str) -> VariantSpec:
         _, size = split_size(name)
         return dataclasses.replace(_registry()[base].at(size), name=name)
     prefixes = ", ".join(f"{s.prefix}<name>" for s in _sources() if s.prefix)
-    raise ValueError(f"unknown variant {name!r}; known: {', '.join(_registry())}" + (f"; or {prefixes}" if prefixes else ""))
+    raise UnknownVariant(f"unknown variant {name!r}; known: {', '.join(_registry())}" + (f"; or {prefixes}" if prefixes else ""))
 
 
 def source_of(spec: VariantSpec) -> WeightsSource:

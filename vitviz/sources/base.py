@@ -44,6 +44,10 @@ __all__ = [
 Status = Literal["embedded", "cached", "download"]
 
 
+class UnknownVariant(ValueError):
+    """A name that is no variant and that no source's prefix claims."""
+
+
 class WeightsUnavailableError(RuntimeError):
     """Weights are neither at hand nor downloadable; the message says what to run or where to put what."""
 
