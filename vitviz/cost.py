@@ -261,8 +261,8 @@ def forward_flops(spec) -> float:
 
 
 def export_plan(spec, *, attentions: bool = True) -> dict:
-    """What an .npz export of an analysis holds: {"attention_dtype", "rollout_rows", "bytes"}
-    (`attentions=False`: without the attention stack). A windowed model's: every layer's window
+    """What an .npz export of an analysis holds: {"attention_dtype", "attention_bytes" (the attention
+    stack as saved), "rollout_rows", "bytes"} (`attentions=False`: without the attention stack). A windowed model's: every layer's window
     attention and relative position bias, the rollout's N_last rows onto the finest grid."""
     if _windowed(spec):
         layers, n0 = _layers(spec), spec.grid[0] * spec.grid[1]
@@ -272,7 +272,8 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
         biases = sum(l.heads * l.area * l.area * 4 for l in layers)
         rows = layers[-1].tokens
         other = rows * n0 * 4 + n0 * 4 + len(layers) * (max(l.heads for l in layers) + 8) * 8 + biases + 4 * spec.num_classes
-        return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other + 3 * spec.image_size**2 + 64 * 1024}
+        return {"attention_dtype": dtype, "attention_bytes": attention, "rollout_rows": rows,
+                "bytes": attention + other + 3 * spec.image_size**2 + 64 * 1024}
     depth, heads, n, width, _ = _shape(spec)
     a32 = attention_bytes(spec)
     dtype = "float32" if a32 <= FLOAT32_ATTENTION_BYTES else "float16"
@@ -280,7 +281,7 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
     rows = n if n <= FULL_ROLLOUT_TOKENS else spec.num_prefix_tokens
     side = spec.image_size
     other = rows * n * 4 + n * 4 + depth * heads * 8 + 4 * spec.num_classes + 3 * side * side + 64 * 1024
-    return {"attention_dtype": dtype, "rollout_rows": rows, "bytes": attention + other}
+    return {"attention_dtype": dtype, "attention_bytes": attention, "rollout_rows": rows, "bytes": attention + other}
 
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
@@ -315,7 +316,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
     # (image, phrase) pairs of phrases hold each layer's attention once more for each phrase
     per_target = (2 if phrases else 1) * stack + depth * (layer + 12 * token_row + 2 * n * mlp * 4) + 2 * own * layer
     targets = max(phrases, 1)
-    if phrases or spec.has_head:
+    differentiated = bool(phrases) or spec.has_head  # a phrase or a class to explain (else no backward runs)
+    if differentiated:
         explain = stack + targets * per_target + BASE_BYTES + COMPUTE_BYTES
     else:  # nothing to differentiate (an image–text model's maps without a phrase): a recorded forward and a rollout
         explain = analyse
@@ -326,7 +328,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
     # the backward runs to the attention maps only (no weight's gradient): the projections' input gradients
     # (one forward's) and three attention products for two (1.5 forwards at most); LeGrad's own layers one
     # block each; then the maps: rollout, and per target the gradient rule and gradient rollout
-    explain_flops = flops + rollout + (targets * ((1.5 + own / depth) * flops + 2 * rollout) if phrases or spec.has_head else 0)
+    explain_flops = flops + rollout + (targets * ((1.5 + own / depth) * flops + 2 * rollout) if differentiated else 0)
     if kind == "analyse":
         return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures)
     if kind == "explain":
@@ -341,7 +343,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
-        saved = (stack if plan["attention_dtype"] == "float32" else stack // 2) if attentions else 0
+        saved = plan["attention_bytes"]
         converted = saved if plan["attention_dtype"] == "float16" else 0
         # the float16 copy, the rollout's products, and the attention's bytes copied as they are written
         return Cost(kind, spec.name, n, converted + saved + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
@@ -358,10 +360,10 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         if kind == "explorer_layer":
             layout = replace(layout, mode="layers")
         written = layout.file_bytes
-        # the file in memory and its copy as it is written; a layer's rows in float32, then float64 while quantised
-        transient = layout.views * layout.tokens * n * (4 + 8 + 8) if written else 0
         if kind == "explorer" and layout.mode == "layers":  # the analysis writes the pictures; a layer's file when it is asked for
             return Cost(kind, spec.name, n, BASE_BYTES, written, 0.0)  # ("explorer_layer"; its room on disk is kept for it)
+        # the file in memory and its copy as it is written; a layer's rows in float32, then float64 while quantised
+        transient = layout.views * layout.tokens * n * (4 + 8 + 8) if written else 0
         return Cost(kind, spec.name, n, 2 * written + transient + BASE_BYTES, written, 0.0)
     raise ValueError(f"unknown kind of request {kind!r}")
 
@@ -413,7 +415,7 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
                     explain_flops + forwards * flops, batch)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
-        saved = (stack if plan["attention_dtype"] == "float32" else stack // 2) if attentions else 0
+        saved = plan["attention_bytes"]
         converted = saved if plan["attention_dtype"] == "float16" else 0
         # the rollout (one product's slices at a time), its rows and the attention copied as they are written
         return cost(kind, spec.name, n, converted + saved + 2 * result + slices + BASE_BYTES, plan["bytes"], network)

@@ -845,7 +845,7 @@ x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(
 plain = []
 with torch.inference_mode():
     for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
-        t = time.perf_counter(); model(x) if not hasattr(model, "image") else model.image(x); plain.append(time.perf_counter() - t)
+        t = time.perf_counter(); model.image(x) if image_text else model(x); plain.append(time.perf_counter() - t)
 speed = forward_flops(model.spec) / sorted(plain)[1]
 if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
     explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")

@@ -69,10 +69,10 @@ class ExplainTab(Tab):
         else:
             classes = gr.update(choices=list(a.categories or []), value=top[0][0] if top else None, interactive=a.probabilities is not None)
         # deletion and insertion follow a class's probability: without a classifier, not offered
-        measurable = gr.update(visible=bool(a.layout.classifier and a.categories is not None))
-        return {self.target_class: classes, self.faith_img: gr.update(value=None, visible=measurable["visible"]),
-                self.faith_table: gr.update(value=None, visible=measurable["visible"]), self.faith_button: measurable,
-                self.faith_stop: measurable}
+        measurable = bool(a.layout.classifier and a.categories is not None)
+        return {self.target_class: classes, self.faith_img: gr.update(value=None, visible=measurable),
+                self.faith_table: gr.update(value=None, visible=measurable), self.faith_button: gr.update(visible=measurable),
+                self.faith_stop: gr.update(visible=measurable)}
 
     def draw(self, ref: SessionRef, target: str | None = None, scale_value: str = EXPLAIN_SCALES[0]) -> Outputs:
         return self.on_explain(ref, target, scale_value)
