@@ -15,8 +15,8 @@ from vitviz.model import ViT
 @pytest.fixture(scope="module")
 def app():
     # the page's modules, imported with the app (which builds the page) and bound here for every test
-    global gradio_io, page, runtime, tabs
-    from vitviz.server import app as app_module, gradio_io, page, runtime, tabs
+    global gradio_io, page, runtime, tabs, views
+    from vitviz.server import app as app_module, gradio_io, page, runtime, tabs, views
 
     return app_module
 
@@ -172,15 +172,48 @@ def _refused(answer) -> str:
 
 
 def test_compare_two_variants(app, example):
-    out = tabs.compare.TAB.on_compare(example, ["shapes_p16", "shapes_p8"])
-    (col1, md1, ro1, _), (col2, md2, ro2, _), (col3, _, _, _) = tabs.compare.TAB.slots
+    """Two variants side by side: their rollouts as densities on one colour scale by default (a colour
+    means the same density in both maps, the page's colour bar says which), each its own on asking;
+    their grids and sizes in one table."""
+    from vitviz import plots
+
+    t = tabs.compare.TAB
+    out = t.on_compare(example, ["shapes_p16", "shapes_p8"])
+    (col1, md1, ro1, bar1), (col2, md2, ro2, bar2), (col3, _, _, _) = t.slots
     assert out[col1]["visible"] and out[col2]["visible"] and not out[col3]["visible"]
     assert "shapes_p16" in out[md1] and "shapes_p8" in out[md2]
     assert out[ro1].size[1] == 384 and out[ro2].size[1] == 384
-    assert out[tabs.compare.TAB.compare_notice] == "" and out[tabs.compare.TAB.compare_distance].size[0] > 300
-    # too few variants: only the notice changes, saying why
-    out = tabs.compare.TAB.on_compare(example, ["shapes_p16"])
-    assert set(out) == {tabs.compare.TAB.compare_notice} and "two or three" in out[tabs.compare.TAB.compare_notice]
+    assert out[t.compare_notice] == "" and out[t.compare_distance].size[0] > 300
+    exps = [runtime.run(example, name) for name in ("shapes_p16", "shapes_p8")]
+    for e in exps:  # a density: each patch's weight times the patch count, so its mean is the query's share on the patches
+        a = e.analysis
+        assert torch.allclose(views.rollout_density(e).mean(), a.rollout()[0, a.num_prefix_tokens:].sum(), atol=1e-6)
+    dens = [views.rollout_density(e) for e in exps]
+    top = max(float(d.max()) for d in dens)
+    for picture, e, d in zip((out[ro1], out[ro2]), exps, dens):
+        assert np.array_equal(np.asarray(picture), np.asarray(plots.overlay(e.display_image, d, vmin=0.0, vmax=top)))
+    assert out[bar1] == out[bar2] == "" and f"<span>{plots._fmt(top)}</span>" in out[t.compare_bar]  # one bar: the shared scale
+    table = out[t.compare_table]
+    assert "<td>6x6</td>" in table and "<td>12x12</td>" in table and "<td>16 px</td>" in table and "<td>8 px</td>" in table
+    # each its own scale: a bar under each map, none shared
+    own = t.on_compare(example, ["shapes_p16", "shapes_p8"], "own")
+    assert own[t.compare_bar] == "" and f"<span>{plots._fmt(float(dens[1].max()))}</span>" in own[bar2]
+    assert np.array_equal(np.asarray(own[ro2]), np.asarray(plots.overlay(exps[1].display_image, dens[1], vmin=0.0, vmax=float(dens[1].max()))))
+    # too few variants, or a scale not offered: only the notice changes, saying why
+    out = t.on_compare(example, ["shapes_p16"])
+    assert set(out) == {t.compare_notice} and "two or three" in out[t.compare_notice]
+    out = t.on_compare(example, ["shapes_p16", "shapes_p8"], "../../etc")
+    assert set(out) == {t.compare_notice} and "colour scale" in out[t.compare_notice]
+
+
+def test_the_compare_picker_puts_what_runs_offline_first_and_names_each_family(app):
+    labels = [label for label, _ in tabs.compare.TAB.compare_pick.choices]
+    ready = [i for i, label in enumerate(labels) if "needs a download" not in label]
+    assert ready == list(range(len(ready))) and len(ready) >= 4  # the embedded models, then the downloads
+    assert all(label.split(" — ")[0] in {"Embedded", "torchvision", "timm", "Hugging Face", "OpenCLIP"} for label in labels)
+    families = [label.split(" — ")[0] for label in labels[len(ready):]]
+    blocks = [f for i, f in enumerate(families) if i == 0 or f != families[i - 1]]
+    assert len(blocks) == len(set(blocks)) >= 3  # each family one block
 
 
 def test_missing_inputs_and_bad_images_change_only_the_notice_and_the_preview(app, tmp_path):
@@ -437,7 +470,7 @@ def test_explain_tab_maps_every_method_for_the_picked_class(app, analysed):
 def test_faithfulness_tab_measures_every_method_and_a_random_order(app, analysed):
     ref, _ = analysed
     out = tabs.explain.TAB.on_faithfulness(ref, "circle", progress=_quiet)
-    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]}
+    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]["value"]}
     assert set(rows) == {*vitviz.METHODS, "random"}
     assert all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
     assert out[tabs.explain.TAB.faith_img].size[0] > 600
@@ -754,6 +787,7 @@ def test_an_image_text_models_explain_tab_has_no_empty_frame_and_no_faithfulness
     assert all(got[explain.explain_imgs[m]]["value"] is None for m in set(tabs.explain.METHODS) - shown)
     assert "has no classifier" in got[explain.explain_note]
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert all(out[c]["visible"] is True for c in (explain.faith_button, explain.faith_stop, explain.faith_img, explain.faith_table))
+    assert all(out[c]["visible"] is True for c in (explain.faith_button, explain.faith_stop, explain.faith_img))
+    assert out[explain.faith_table]["visible"] is False  # a table shows with its rows, once measured
     got = explain.on_explain(out[page.PAGE.state], "star")
     assert all(got[explain.explain_imgs[m]]["visible"] for m in tabs.explain.METHODS)

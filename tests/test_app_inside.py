@@ -52,7 +52,7 @@ def test_the_tab_draws_the_lens_and_the_attribution_of_the_analysis(analysed):
     assert sum(float(v) for _, v in rows) == pytest.approx(float(parts.logit), abs=5e-3)
     assert f"logit {float(parts.logit):.2f}" in out[tab.note]
     assert out[tab.lens_img].size == (520, 360) and out[tab.heads_img].size[1] > 6 * 14
-    assert out[tab.ablated] is None and "No head" in out[tab.ablation_note]
+    assert out[tab.ablated] == {"value": None, "visible": False, "__type__": "update"} and "No head" in out[tab.ablation_note]
     assert len(out[tab.off]["choices"]) == 18 and out[tab.off]["value"] == []
 
 
@@ -64,7 +64,7 @@ def test_a_click_switches_a_head_off_and_the_top5_is_the_librarys_ablation(analy
     out = tab.on_click(ref, target, ["L6 H1"], "mean", _Click(*_cell_centre(3, 2)))
     assert out[tab.off]["value"] == ["L6 H1", "L4 H3"]
     want = ablate(model, a.image, [(5, 0), (3, 2)], mode="mean", target=target)
-    assert out[tab.ablated] == {str(k): v for k, v in want.predictions(5)}
+    assert out[tab.ablated]["value"] == {str(k): v for k, v in want.predictions(5)} and out[tab.ablated]["visible"]
     assert f"{want.target_before:.1%} → {want.target_after:.1%}" in out[tab.ablation_note]
     again = tab.on_click(ref, target, out[tab.off]["value"], "mean", _Click(*_cell_centre(3, 2)))  # on again
     assert again[tab.off]["value"] == ["L6 H1"]

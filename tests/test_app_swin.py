@@ -277,7 +277,7 @@ def test_the_explain_tab_maps_the_methods_that_apply(analysed):
 def test_faithfulness_curves_for_a_swin(analysed):
     ref = analysed[0]
     out = tabs.explain.TAB.on_faithfulness(ref, "circle", progress=_quiet)
-    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]}
+    rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]["value"]}
     assert set(rows) == {*vitviz.swin.SWIN_METHODS, "random"} and all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
 
 
@@ -300,8 +300,12 @@ def test_the_npz_and_the_api_endpoints(analysed):
     assert np.array_equal(np.asarray(view), np.asarray(swin_views.render_window_query(exp, layer=SHIFTED, head="mean", query=1 + 4 * 12 + 4)))
     with pytest.raises(gr.Error, match="cannot run on"):
         page.api_explain(image, NAME, "", "legrad")
-    compared = tabs.compare.TAB.on_compare(image, [NAME, "shapes_p16"])  # a Swin beside a ViT
-    _map_equals(compared[tabs.compare.TAB.slots[0][2]], exp, fresh.cls_map())
+    from vitviz import plots
+
+    compared = tabs.compare.TAB.on_compare(image, [NAME, "shapes_p16"], "own")  # a Swin beside a ViT, each on its own scale
+    density = fresh.cls_map() * fresh.cls_map().numel()
+    want = plots.overlay(exp.display_image, density, vmin=0.0, vmax=float(density.max()))
+    assert np.array_equal(np.asarray(compared[tabs.compare.TAB.slots[0][2]]), np.asarray(want))
     assert compared[tabs.compare.TAB.compare_notice] == "" and compared[tabs.compare.TAB.compare_distance].size[0] > 300
 
 

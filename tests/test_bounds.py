@@ -229,7 +229,7 @@ def test_one_budget_of_model_work_across_events(server, good, app, monkeypatch, 
     sessions = [uuid.uuid4().hex for _ in range(4)]
     for session, (name, extra) in zip(sessions, [("analyze", []), ("session_analyze", ["mean", 0.0, None]),
                                                  ("on_analyze", ["mean", 0.0, None, ""]), ("on_compare", [])]):
-        data = [image, ["shapes_p16", "shapes_p8"]] if name == "on_compare" else [image, "shapes_p16", *extra]
+        data = [image, ["shapes_p16", "shapes_p8"], "shared"] if name == "on_compare" else [image, "shapes_p16", *extra]
         assert join(server, name, data, session).status_code == 200
     for ratio in (0.1, 0.2):  # `session_rollout` is not in the model group: only the shared budget holds it back
         assert join(server, "session_rollout", [None, "max", ratio], owner).status_code == 200

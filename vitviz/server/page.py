@@ -26,7 +26,7 @@ from vitviz.sources import checkpoint_dir, get_spec
 
 HERE = Path(__file__).resolve().parent
 # after an analysis on a narrow screen the page goes to its results (they sit under the inputs there)
-SCROLL_TO_RESULTS = (HERE / "app.js").read_text()
+AFTER_ANALYSIS_JS = (HERE / "app.js").read_text()
 # before an analysis goes to the queue: the page names it with a ticket and asks for its explorer at
 # once (`vitviz.server.early`; the explorer's widget defines `vitvizTicket`), the other inputs as they are
 NAME_ANALYSIS = "(...values) => [...values.slice(0, 5), window.vitvizTicket ? window.vitvizTicket() : '']"
@@ -37,7 +37,7 @@ class Page:
 
     def __init__(self) -> None:
         self.gates = []  # every content that needs something of the model (`tabs.base.gate`)
-        self.variant_menus = []  # menus of variants besides the page's own: a model added by name joins them
+        self.variant_menus = []  # (menu, its choices given a session's added names): a model added by name joins them
         self.analysis_outputs = []
         # everything that runs a model or builds analysis data shares one concurrency group, handed to
         # threads as soon as one address' share allows; inside it the work budget (which the explorer's
@@ -118,7 +118,7 @@ def _results() -> None:
             for tab in TABS:
                 tab.page = PAGE
                 with gr.Tab(tab.label, id=tab.id):
-                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, tab.swin_needs)
+                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, tab.swin_needs, waits=tab.waits)
                     with tab.gate.content:
                         tab.build(PAGE)
     PAGE.analysis_outputs = [
@@ -174,7 +174,7 @@ def _wire() -> None:
         on_analyze, analysis_inputs, outputs, api_visibility="private", **analyse
     ))
     PAGE.tabs.select(on_tab, [PAGE.state, *PAGE.draw_inputs], [PAGE.current_tab, *PAGE.draw_outputs], api_visibility="private", **model)
-    other_outputs = [PAGE.custom_models, PAGE.notice, PAGE.variant, *PAGE.variant_menus]
+    other_outputs = [PAGE.custom_models, PAGE.notice, PAGE.variant, *[menu for menu, _ in PAGE.variant_menus]]
     PAGE.use_other.click(on_other_model, [PAGE.other_model, PAGE.custom_models], other_outputs, api_visibility="private")
     PAGE.other_model.submit(on_other_model, [PAGE.other_model, PAGE.custom_models], other_outputs, api_visibility="private")
     PAGE.api_button.click(api_analyze, [PAGE.image, PAGE.api_variant], [PAGE.api_pred, PAGE.api_rollout, PAGE.api_distance, PAGE.api_npz],
@@ -192,7 +192,7 @@ def _analysis(event) -> None:
     tab's follow-up step runs (a Swin's explorer, or the server's for a model too large for the
     browser; the browser's own explorer came with the analysis), and the tab on show is
     drawn for it when it is one of those drawn on demand."""
-    event.then(None, None, None, js=SCROLL_TO_RESULTS, api_visibility="private", queue=False)
+    event.then(None, None, None, js=AFTER_ANALYSIS_JS, api_visibility="private", queue=False)
     for tab in TABS:
         step = tab.follow_up(PAGE)
         if step is not None:
@@ -330,7 +330,7 @@ def on_other_model(name: str, custom: list[str] | None) -> Outputs:
         PAGE.custom_models: custom,
         PAGE.notice: "",
         PAGE.variant: gr.update(choices=choices, value=name),
-        **{menu: gr.update(choices=choices) for menu in PAGE.variant_menus},
+        **{menu: gr.update(choices=choices_of(custom)) for menu, choices_of in PAGE.variant_menus},
     }
 
 

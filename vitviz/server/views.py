@@ -9,10 +9,12 @@ layer, head, query token, colour scale) is an argument of the function that draw
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
 from PIL import Image
@@ -45,6 +47,10 @@ __all__ = [
     "render_head_mosaic",
     "render_distance",
     "render_compare_distance",
+    "rollout_density",
+    "render_compare_rollouts",
+    "colour_bar_html",
+    "compare_table_html",
     "render_position",
     "render_architecture",
     "render_method_maps",
@@ -277,6 +283,66 @@ _COMPARE_CHART = plots.DistanceChart(uniform=None, title="Mean attention distanc
 def render_compare_distance(exps: list[Exploration]) -> Image.Image:
     img = _COMPARE_CHART.render({e.facts.spec.name: e.analysis.distances() for e in exps})
     return plots.named(img, "compare-" + "-".join(_slug(e.facts.spec.name) for e in exps) + "-attention-distance.png")
+
+
+def rollout_density(exp: Exploration) -> torch.Tensor:
+    """The classifier query's rollout over the patches [gh, gw] (a Swin's: the pooled query's on its
+    finest grid) as a density: each patch's weight times the number of patches, so 1 is the weight
+    of a patch when the query spreads it evenly. Maps on different grids (B/16 and B/32) then share
+    one scale; the raw weights of a grid with 4x the patches are 4x smaller."""
+    heat = exp.analysis.cls_map()
+    return heat * heat.numel()
+
+
+COMPARE_LABEL = "rollout density (1 = spread evenly over the patches)"
+
+
+def render_compare_rollouts(exps: list[Exploration], *, shared: bool = True) -> tuple[list[Image.Image], list[tuple[float, float]]]:
+    """Each exploration's rollout density over its image, without a colour bar, and the range each
+    is drawn on: 0 to the largest density of all of them when `shared` (one scale, so a colour means
+    the same density in every map), else 0 to each map's own largest."""
+    heats = [rollout_density(e) for e in exps]
+    top = max(float(h.max()) for h in heats)
+    ranges = [(0.0, top if shared else float(h.max())) for h in heats]
+    pictures = [plots.named(plots.overlay(e.display_image, h, vmin=lo, vmax=hi), _name(e, "rollout-density", "shared" if shared else "own"))
+                for e, h, (lo, hi) in zip(exps, heats, ranges)]
+    return pictures, ranges
+
+
+def colour_bar_html(lo: float, hi: float, *, label: str = COMPARE_LABEL, cmap: str = plots.CMAP) -> str:
+    """A horizontal colour bar as page text (its numbers stay readable however narrow the figures):
+    the colour map from `lo` to `hi`, five values under it."""
+    lut = matplotlib_colours(cmap, 11)
+    stops = ", ".join(f"rgb({r},{g},{b}) {i * 10}%" for i, (r, g, b) in enumerate(lut))
+    ticks = "".join(f"<span>{html.escape(plots._fmt(lo + (hi - lo) * i / 4))}</span>" for i in range(5))
+    return (f'<div class="vv-colourbar" role="img" aria-label="{html.escape(label)}: {plots._fmt(lo)} to {plots._fmt(hi)}">'
+            f'<div class="vv-colourbar-ramp" style="background: linear-gradient(to right, {stops})"></div>'
+            f'<div class="vv-colourbar-ticks">{ticks}</div><div class="vv-colourbar-label">{html.escape(label)}</div></div>')
+
+
+def matplotlib_colours(cmap: str, count: int) -> list[tuple[int, int, int]]:
+    """`count` evenly spaced colours of a matplotlib colour map, as 0..255 RGB."""
+    rgba = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, count), bytes=True)
+    return [tuple(int(v) for v in c[:3]) for c in rgba]
+
+
+def compare_table_html(exps: list[Exploration]) -> str:
+    """The compared models in one small table: input, patch, grid, layers and heads (a Swin's per
+    stage), parameters and the forward pass's time."""
+    head = "".join(f"<th scope='col'>{h}</th>" for h in ("Variant", "Input", "Patch", "Grid", "Layers", "Heads", "Params", "Forward"))
+    rows = []
+    for e in exps:
+        a = e.analysis
+        d = a.distances()  # [L, H]; a Swin's: one [heads] per layer, the heads by stage
+        heads = [int(h.numel()) for h in d] if isinstance(d, list) else [int(d.shape[1])]
+        stages = list(dict.fromkeys(heads))
+        p = a.patch_size
+        cells = [f"{a.grid[1] * p}x{a.grid[0] * p}", f"{p} px", f"{a.grid[0]}x{a.grid[1]}", str(len(d)),
+                 "-".join(str(h) for h in stages), f"{e.facts.total_params / 1e6:.2f} M", f"{a.model_seconds * 1e3:.0f} ms"]
+        name = "".join(f"{c}<wbr>" if c in "_.:/-@" else c for c in html.escape(a.variant))  # long names break at their joints
+        rows.append(f"<tr><th scope='row'>{name}</th>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return (f"<div class='vv-scroll-x'><table class='vv-compare-table'><caption>The compared models</caption><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
 def render_position(exp: Exploration) -> tuple[Image.Image, Image.Image]:

@@ -25,7 +25,7 @@ class ArchitectureTab(Tab):
         self.stages_img = figure(label="Stages: tokens, windows and shifted windows", visible=False, elem_id="vv-stages")
         self.table = gr.Dataframe(
             headers=["Stage", "Layer", "Output shape", "Param #"], label="Stages", wrap=True, elem_id="vv-table",
-            column_widths=["30%", "34%", "20%", "16%"],
+            column_widths=["30%", "34%", "20%", "16%"], max_height=100_000,  # the whole table on the page, its header with it
         )
 
     def analysis_outputs(self):

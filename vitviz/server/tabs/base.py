@@ -56,12 +56,18 @@ def lacks(exp: views.Exploration, needs: Iterable[str], swin_needs: Iterable[str
     return a.layout.lacks(wanted, name=a.variant)
 
 
-def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], swin_needs: Iterable[str] | None = None) -> Gate:
+# what a tab that draws an analysis says in place of its content before the first one
+NO_ANALYSIS = "No image analysed yet: upload one or click an example, and this tab shows what the model made of it."
+
+
+def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], swin_needs: Iterable[str] | None = None, *,
+         waits: bool = True) -> Gate:
     """A note (`<elem_id>-lacks`) and a column (`<elem_id>-content`) for content that needs `needs`
     (`swin_needs` for a Swin analysis, when it has views of its own for one; open the column with
-    `with gate.content:`); kept in `gates`, whose outputs every analysis gives."""
-    note = gr.Markdown("", visible=False, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
-    content = gr.Column(visible=True, elem_id=f"{elem_id}-content")
+    `with gate.content:`); kept in `gates`, whose outputs every analysis gives. Content that `waits`
+    for an analysis starts hidden behind `NO_ANALYSIS`."""
+    note = gr.Markdown(NO_ANALYSIS if waits else "", visible=waits, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
+    content = gr.Column(visible=not waits, elem_id=f"{elem_id}-content")
     g = Gate(check_needs(needs), note, content, None if swin_needs is None else check_needs(swin_needs))
     gates.append(g)
     return g
@@ -85,6 +91,7 @@ class Tab:
     needs: frozenset[str] = frozenset()
     swin_needs: frozenset[str] | None = None  # the needs of its views of a Swin analysis; None: it has none (`needs` apply)
     on_demand: bool = False  # drawn when shown (`draw`), not with every analysis
+    waits: bool = True  # shows nothing before the first analysis (one line says so); False: works from the image alone
 
     def __init__(self) -> None:
         self.needs = check_needs(self.needs)

@@ -54,7 +54,8 @@ class ExplainTab(Tab):
             self.faith_stop = gr.Button("Stop", size="sm", elem_id="vv-faith-stop", scale=1, min_width=60)
         self.faith_img = figure(label="Deletion and insertion", elem_id="vv-faith")
         self.faith_table = gr.Dataframe(headers=["Order", "Deletion AUC (lower is better)", "Insertion AUC (higher is better)"],
-                                        label="Area under each curve", elem_id="vv-faith-table")
+                                        label="Area under each curve", visible=False, wrap=True,  # shown with its rows
+                                        column_widths=["30%", "35%", "35%"], elem_id="vv-faith-table")
         self.draw_inputs = [self.target_class, self.explain_scale]
         self.draw_outputs = [self.explain_note, self.faith_img, self.faith_table, *self.explain_imgs.values()]
 
@@ -71,7 +72,7 @@ class ExplainTab(Tab):
         # deletion and insertion follow a class's probability: without a classifier, not offered
         measurable = bool(a.layout.classifier and a.categories is not None)
         return {self.target_class: classes, self.faith_img: gr.update(value=None, visible=measurable),
-                self.faith_table: gr.update(value=None, visible=measurable), self.faith_button: gr.update(visible=measurable),
+                self.faith_table: gr.update(value=None, visible=False), self.faith_button: gr.update(visible=measurable),
                 self.faith_stop: gr.update(visible=measurable)}
 
     def draw(self, ref: SessionRef, target: str | None = None, scale_value: str = EXPLAIN_SCALES[0]) -> Outputs:
@@ -106,7 +107,7 @@ class ExplainTab(Tab):
                      "final tokens' rows), through every window layer and patch merge onto the finest grid.")
         if left_out:
             note += " " + " ".join(left_out.values())
-        faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: None}
+        faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: gr.update(value=None, visible=False)}
         self.explained.add(ref.key)
         # a method with no map for this model (said in the note) leaves no empty frame
         drawn = {self.explain_imgs[m]: gr.update(value=pictures.get(m), visible=m in pictures) for m in METHODS}
@@ -130,7 +131,8 @@ class ExplainTab(Tab):
             curves = runtime.faithfulness_on_device(exp, maps, index, work.cost.batch, work.check)
         figure_ = plots.faithfulness_figure(curves, title=f"{a.variant}: {target}")
         rows = [[name, f"{float(c.deletion_auc[0]):.3f}", f"{float(c.insertion_auc[0]):.3f}"] for name, c in curves.items()]
-        return {self.faith_img: plots.named(plots.figure_to_image(figure_), views._name(exp, "faithfulness", target)), self.faith_table: rows}
+        return {self.faith_img: plots.named(plots.figure_to_image(figure_), views._name(exp, "faithfulness", target)),
+                self.faith_table: gr.update(value=rows, visible=True)}
 
     def on_stop(self, request: gr.Request = None) -> Outputs:
         """Stops this session's running model work (the faithfulness curves)."""

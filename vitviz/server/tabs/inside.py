@@ -88,12 +88,12 @@ class InsideTab(Tab):
             self.lens_img = figure(label="Logit lens: probability against depth", elem_id="vv-lens")
             self.heads_img = figure(label="Each head's part of the logit (click: switch off)", elem_id="vv-attribution")
         self.parts = gr.Dataframe(headers=["part", "logit"], label="The logit, part by part", elem_id="vv-attribution-parts",
-                                  interactive=False, wrap=True)
+                                  interactive=False, wrap=True, column_widths=["72%", "28%"])
         with gr.Row():
             self.off = gr.Dropdown([], value=[], multiselect=True, label="Heads switched off", elem_id="vv-heads-off", scale=3)
             self.clear = gr.Button("All on", size="sm", scale=1)
         with gr.Row(elem_classes="vv-pair"):
-            self.ablated = gr.Label(num_top_classes=5, label="Top-5 with those heads off", elem_id="vv-ablated")
+            self.ablated = gr.Label(num_top_classes=5, label="Top-5 with those heads off", visible=False, elem_id="vv-ablated")
             self.ablation_note = gr.Markdown("", elem_id="vv-ablation-note")
         self.rank = gr.Button("Rank heads by ablation (each alone)", size="sm", elem_id="vv-rank-heads")
         with gr.Row(elem_classes="vv-pair"):
@@ -168,11 +168,11 @@ class InsideTab(Tab):
     def _ablation(self, exp: views.Exploration, pairs: list[tuple[int, int]], mode: object, t: int, request) -> Outputs:
         mode = self._checked_mode(mode)
         if not pairs:
-            return {self.ablated: None, self.ablation_note: "No head is switched off: click one in the map."}
+            return {self.ablated: gr.update(value=None, visible=False), self.ablation_note: "No head is switched off: click one in the map."}
         with runtime.job("ablate", exp.analysis.variant, request):
             result = ablate_on_device(exp, pairs, mode, t)
         return {
-            self.ablated: {str(label): p for label, p in result.predictions(5)},
+            self.ablated: gr.update(value={str(label): p for label, p in result.predictions(5)}, visible=True),
             self.ablation_note: (f"With {len(pairs)} head{'s' if len(pairs) > 1 else ''} off ({mode}): "
                                  f"P({result.label}) {result.target_before:.1%} → {result.target_after:.1%} ({result.change:+.1%})."),
         }

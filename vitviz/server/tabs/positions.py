@@ -15,7 +15,7 @@ FILTERS = ("the top 28 principal components of the patch-embedding filters as RG
            "share of the filters' variance it explains.")
 CAPTION = ("Left: cosine similarity between the learned position embedding of each patch (one tile per patch) and all "
            "others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: " + FILTERS)
-SWIN_CAPTION = "Below the bias tables: " + FILTERS  # (a Swin has no position embeddings: no similarity on the left)
+SWIN_CAPTION = "Below: " + FILTERS  # (a Swin has no position embeddings: no similarity on the left)
 
 
 class PositionsTab(Tab):
@@ -25,8 +25,7 @@ class PositionsTab(Tab):
     swin_needs = frozenset()  # a Swin: its relative position bias
 
     def build(self, page) -> None:
-        self.caption = gr.Markdown(CAPTION, elem_classes="vv-caption", elem_id="vv-positions-caption")
-        with gr.Group(visible=False) as self.bias_box:
+        with gr.Column(visible=False, elem_id="vv-bias-box") as self.bias_box:  # a Swin's, above its filters
             gr.Markdown(
                 "This model has no position embeddings: each layer adds a learned **relative position bias** to its attention "
                 "logits inside a window, one table per head. A tile shows where the key lies relative to the query (the "
@@ -35,6 +34,7 @@ class PositionsTab(Tab):
             )
             self.bias_layer = gr.Slider(1, 2, value=1, step=1, label="Layer", elem_id="vv-bias-layer")
             self.bias_img = figure(label="Relative position bias per head", elem_id="vv-bias")
+        self.caption = gr.Markdown(CAPTION, elem_classes="vv-caption", elem_id="vv-positions-caption")
         with gr.Row(elem_classes="vv-pair"):
             with gr.Column(min_width=240) as self.similarity_box:
                 self.similarity_img = figure(label="Position-embedding similarity", elem_id="vv-similarity")
