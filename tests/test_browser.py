@@ -110,9 +110,6 @@ def test_a_person_explores_an_image(url, page, tmp_path_factory):
     assert len(list(shots.glob("*.png"))) == 7
 
 
-# Where the test leaves its screenshots: a folder of the test's own, unless VITVIZ_SCREENS names one
-# (`VITVIZ_SCREENS=docs/screens python -m pytest tests/test_browser.py -k desk` makes docs/screens anew).
-SCREENS_ENV = "VITVIZ_SCREENS"
 CONTRAST_JS = (Path(__file__).resolve().parent / "js" / "contrast.js").read_text()
 
 
@@ -141,10 +138,9 @@ def test_the_page_at_a_desk_and_on_a_phone(url, page, tmp_path):
     """1366x900: the explorer's map and controls above the fold once its tab is chosen, the mosaic
     beside the map; 414x896: after Analyse the page has gone to the results, one column, the rollout
     at least 360 px wide with its title clear of the buttons. On both, every text at 4.5:1 at least.
-    The screenshots in docs/screens are these (made with VITVIZ_SCREENS=docs/screens)."""
+    (docs/screens is made by `python -m vitviz.dev.screens`.)"""
     base, example = url
-    screens = Path(os.environ.get(SCREENS_ENV) or tmp_path)
-    screens.mkdir(parents=True, exist_ok=True)
+    screens = tmp_path
     page.set_viewport_size({"width": 1366, "height": 900})
     page.goto(base)
     page.wait_for_selector("#vv-run")

@@ -74,6 +74,37 @@ def pick_compared(page, names) -> None:
     page.keyboard.press("Escape")
 
 
+def _shown(page, selector: str) -> bool:
+    return page.locator(selector).count() > 0 and page.locator(selector).first.is_visible()
+
+
+def _click_and_wait(page, button: str, picture: str) -> None:
+    if _shown(page, button):
+        page.locator(button).first.click()
+        page.wait_for_selector(f"{picture} img")
+        settled(page)
+
+
+def act(page, label: str) -> None:
+    """What a reader does on a tab to see all of it: the figures that wait for a click, drawn."""
+    if label == "Explain":
+        _click_and_wait(page, "#vv-faith-run", "#vv-faith")
+    elif label == "Inside":
+        _click_and_wait(page, "#vv-rank-heads", "#vv-rank")
+    elif label == "Tokens" and _shown(page, "#vv-features img"):
+        page.locator("#vv-features img").click()
+        page.wait_for_selector("#vv-feature-similarity img")
+        settled(page)
+    elif label == "Find" and _shown(page, "#vv-phrases input"):
+        page.locator("#vv-phrases input").fill("an arrow, a red star")
+        _click_and_wait(page, "#vv-find-run", "#vv-find-2")
+    elif label == "Compare":
+        pick_compared(page, COMPARED)
+        page.locator("#vv-compare-run").click()
+        page.wait_for_function("(document.querySelector('#vv-compare-3')?.innerText ?? '').includes('shapes')")
+        settled(page)
+
+
 def shoot(page, out: Path, stem: str) -> list[str]:
     page.evaluate("document.querySelector('#vv-results')?.scrollIntoView({block: 'start'})")
     settled(page, 300)
@@ -82,49 +113,55 @@ def shoot(page, out: Path, stem: str) -> list[str]:
     return [f"{stem}: {p}" for p in found]
 
 
+def shoot_all(browser, base: str, out: Path, models, sizes) -> list[str]:
+    """Every tab of every model in `models` at every size in `sizes`, from the app at `base`, saved
+    in `out`: the problems found, one line each."""
+    from vitviz.server import runtime
+
+    found: list[str] = []
+    for size in sizes:
+        width, height = SIZES[size]
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.set_default_timeout(120_000)
+        try:
+            for model in models:
+                page.goto(base)
+                page.wait_for_selector("#vv-run")
+                if model != runtime.DEFAULT_VARIANT:
+                    choose_variant(page, model)
+                page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[0])
+                analysed(page, model)
+                labels = [t.inner_text().strip() for t in page.get_by_role("tab").all()]
+                for n, label in enumerate(labels, start=1):
+                    page.get_by_role("tab", name=label, exact=True).click()
+                    settled(page)
+                    act(page, label)
+                    found += shoot(page, out, f"{size}-{model}-{n}-{label.lower()}")
+        finally:
+            page.close()
+    return found
+
+
 def run(out: Path, models, sizes, chromium: str) -> list[str]:
+    """`shoot_all` with the app started here and the system Chromium."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from playwright.sync_api import sync_playwright
 
-    from vitviz.server import app, runtime
+    from vitviz.server import app
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True, **app.LAUNCH_KWARGS)
-    found: list[str] = []
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=FLAGS)
             try:
-                for size in sizes:
-                    width, height = SIZES[size]
-                    page = browser.new_page(viewport={"width": width, "height": height})
-                    page.set_default_timeout(120_000)
-                    for model in models:
-                        page.goto(app.demo.local_url)
-                        page.wait_for_selector("#vv-run")
-                        if model != runtime.DEFAULT_VARIANT:
-                            choose_variant(page, model)
-                        page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[0])
-                        analysed(page, model)
-                        tabs = page.get_by_role("tab")
-                        labels = [t.inner_text().strip() for t in tabs.all()]
-                        for n, label in enumerate(labels, start=1):
-                            page.get_by_role("tab", name=label, exact=True).click()
-                            settled(page)
-                            if label == "Compare":
-                                pick_compared(page, COMPARED)
-                                page.locator("#vv-compare-run").click()
-                                page.wait_for_function("(document.querySelector('#vv-compare-3')?.innerText ?? '').includes('shapes')")
-                                settled(page)
-                            found += shoot(page, out, f"{size}-{model}-{n}-{label.lower()}")
-                    page.close()
+                return shoot_all(browser, app.demo.local_url, out, models, sizes)
             finally:
                 browser.close()
     finally:
         app.demo.close()
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
