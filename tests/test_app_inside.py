@@ -3,7 +3,6 @@ each equal to the library's numbers (`vitviz.inside`), clicks on the heads x lay
 heads off, and junk from a client refused."""
 
 import gradio as gr
-import numpy as np
 import pytest
 import torch
 

@@ -947,7 +947,7 @@ def _write_outputs(out: Path, rows: list[dict], run: dict, spec) -> list[dict]:
     summary = _summary_rows(_scores(rows, methods, metrics), _order(methods, metrics))
     summary_columns = ["method", "metric", "n", "mean", "ci95_low", "ci95_high"]
     _write_csv(out / "summary.csv", summary_columns, ([r[c] for c in summary_columns] for r in summary))
-    lines = [f"| method | metric | images | mean | 95 % interval |", "|---|---|---|---|---|"]
+    lines = ["| method | metric | images | mean | 95 % interval |", "|---|---|---|---|---|"]
     for r in summary:
         pct = r["metric"] in PROPORTIONS
         two = r["metric"] in ("distance", "positive", "negative", "first_top1")  # Chefer et al.'s areas x 100

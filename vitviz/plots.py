@@ -16,7 +16,6 @@ import matplotlib.text
 import matplotlib.ticker
 import numpy as np
 import torch
-import torch.nn.functional as F
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image, ImageDraw, ImageFont

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from vitviz import shapes
 from vitviz.sources import default_device, get_spec
-from vitviz.sources.embedded import SHAPES_IMAGE_SIZE, assets_dir
+from vitviz.sources.embedded import SHAPES_IMAGE_SIZE
 
 CHECKOUT_ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the weights go to the checkout, never into an installed package
 
