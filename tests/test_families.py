@@ -35,6 +35,7 @@ TOY_PLUGIN = textwrap.dedent(
     class ToySource(WeightsSource):
         name = "toy"
         prefix = "toy:"
+        library = "toylib"  # its library's models are state dicts' owners shaped as a vitviz ViT
 
         def _spec(self, name):
             return VariantSpec(name=name, config=CONFIG, preprocessing=Preprocessing(image_size=32, resize_size=32),
@@ -54,6 +55,11 @@ TOY_PLUGIN = textwrap.dedent(
             LOADED.append(spec.name)
             torch.manual_seed(SEEDS.get(spec.name, 0))
             return spec.build()
+
+        def convert(self, model, **options):
+            vit = self._spec("toy:tiny").build()
+            vit.load_state_dict(model.state_dict())
+            return vit.eval()
 
 
     @vitviz.register_method("toy_flat", title="Flat", needs_gradients=False)
@@ -127,6 +133,17 @@ def test_a_plugin_family_is_listed_loaded_and_analysed_like_the_built_in_ones(to
     assert [label for label, _ in result.predictions()] and {l for l, _ in result.predictions()} <= {"red", "green", "blue"}
     with torch.no_grad():
         assert torch.allclose(result.probabilities, model(vitviz.preprocess(image, model.spec.preprocessing)[0][None]).softmax(-1)[0], atol=1e-5)
+
+    # its conversion is vitviz.from_<its library>, a library no family converts is no attribute
+    other = vitviz.load_model("toy:small", device="cpu")
+    converted = vitviz.from_toylib(other)
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(converted(x), other(x)) and not torch.equal(converted(x), model(x))
+    assert vitviz.sources.converter("toylib").__func__ is type(base.registered_sources()[-1]).convert
+    with pytest.raises(AttributeError, match="from_nolib"):
+        vitviz.from_nolib
+    assert vitviz.from_timm is vitviz.sources.from_timm  # a built-in one is the package's own name
 
     # a name outside the list goes to the source's prefix, and a size suffix to the spec
     assert vitviz.get_spec("toy:other").source == "toy"

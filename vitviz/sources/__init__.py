@@ -54,6 +54,7 @@ __all__ = [
     "register_source",
     "registered_sources",
     "load_plugins",
+    "converter",
     "ENTRY_POINT_GROUP",
     "from_torchvision",
     "from_timm",
@@ -108,9 +109,20 @@ def _sources() -> tuple[WeightsSource, ...]:
     return registered_sources()
 
 
+def converter(library: str):
+    """The conversion of a registered family whose models are `library`'s (its `convert`), plugins
+    included; None when no family converts that library's models. `vitviz.from_<library>` is it."""
+    for source in reversed(_sources()):  # the latest registered first, as a name registered again replaces
+        if source.library == library and type(source).convert is not WeightsSource.convert:
+            return source.convert
+    return None
+
+
 def __getattr__(name: str):
     if name == "SOURCES":  # the registered sources, plugins included (a snapshot: a list made now)
         return list(_sources())
+    if name.startswith("from_") and (convert := converter(name[len("from_"):])) is not None:
+        return convert  # a plugin family's conversion (the built-in ones are this module's own names)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
