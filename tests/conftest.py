@@ -9,6 +9,13 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """With the suite split over processes (pytest-xdist, `-n`), each process computes on one thread:
+    two processes of two threads each on a 2-core machine wait on each other."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_in_pytest_tmp(tmp_path_factory):
     """Libraries' scratch files go under pytest's own temporary folder, which pytest prunes:

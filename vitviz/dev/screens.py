@@ -127,10 +127,11 @@ def shoot_all(browser, base: str, out: Path, models, sizes) -> list[str]:
             for model in models:
                 page.goto(base)
                 page.wait_for_selector("#vv-run")
-                if model != runtime.DEFAULT_VARIANT:
-                    choose_variant(page, model)
                 page.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[0])
-                analysed(page, model)
+                analysed(page, runtime.DEFAULT_VARIANT)
+                if model != runtime.DEFAULT_VARIANT:  # with an image on the page, a model chosen analyses it
+                    choose_variant(page, model)
+                    analysed(page, model)
                 labels = [t.inner_text().strip() for t in page.get_by_role("tab").all()]
                 for n, label in enumerate(labels, start=1):
                     page.get_by_role("tab", name=label, exact=True).click()
