@@ -65,7 +65,8 @@ def test_the_dry_run_writes_every_steps_figures_to_one_file_within_its_budget(tm
     evaluator = next(name for name in status if name.startswith("The evaluator, torchrun"))
     if status[evaluator] == "0":  # (on a loaded machine the budget may end before it does: then it is written as cut)
         assert "run.json: 2 process(es), rank 0 on cpu: 8 scored" in text
-    assert status["Tests that need CUDA (pytest -m cuda)"] == "0" and status["The evaluator's images"] == "0"
+    for step in ("Tests that need CUDA (pytest -m cuda)", "The evaluator's images"):  # ran: whole, or cut by the budget under load
+        assert status[step] in ("0", "124"), (step, rows)
     cut = [name for name, code in status.items() if code == "124" or code.startswith("not run (budget")]  # by its timeout, or never started
     assert all(code == "0" or name in cut for name, code in status.items() if name != "bench --inputs"), rows
     assert status["bench --inputs"] == "not run"

@@ -42,7 +42,12 @@ def settled(page, quiet_ms: int = 600) -> None:
 
 
 def problems(page) -> list[str]:
-    """What `page_checks.js` finds on the page as it is now, one line each."""
+    """What `page_checks.js` finds on the page as it is now, one line each, once the pictures on
+    show have loaded (a slow machine may take a while; one still loading after 60 s counts as empty)."""
+    try:
+        page.wait_for_function("[...document.querySelectorAll('.vv-figure img')].every(i => i.complete)", timeout=60_000)
+    except Exception:  # Playwright's TimeoutError: the check says which figure is empty
+        pass
     found = page.evaluate(CHECKS_JS)
     return [f"{kind}: {item}" for kind in ("empty", "overlaps", "clipped", "small") for item in found[kind]]
 
