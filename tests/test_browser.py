@@ -114,18 +114,10 @@ CONTRAST_JS = (Path(__file__).resolve().parent / "js" / "contrast.js").read_text
 
 
 def _settled(page, quiet_ms: int = 600) -> None:
-    """Waits until nothing on the page has been pending (Gradio dims what an event will redraw) for
-    `quiet_ms` in a row: a tab chosen starts its drawing a moment later. The quiet spell starts with
-    this call, never carried over from an earlier one."""
-    page.evaluate("window.__vvQuietSince = undefined")
-    page.wait_for_function(
-        f"""(() => {{
-            const busy = document.querySelector('.pending, .generating') !== null, now = performance.now();
-            if (busy || window.__vvQuietSince === undefined) window.__vvQuietSince = now;
-            return !busy && now - window.__vvQuietSince >= {quiet_ms};
-        }})()""",
-        polling=100,
-    )
+    """Waits until nothing on the page has been pending for `quiet_ms` in a row (`vitviz.dev.screens.settled`)."""
+    from vitviz.dev import screens
+
+    screens.settled(page, quiet_ms)
 
 
 def _low_contrast(page) -> list[str]:

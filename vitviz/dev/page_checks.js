@@ -1,6 +1,6 @@
 // What a reader would call broken on the page as laid out now, by element boxes: evaluated in the
 // page (Playwright's page.evaluate), it returns {empty, overlaps, clipped, small}:
-//   empty    a figure on screen with no drawn picture (each figure shows a picture or is not there);
+//   empty    a figure on screen with no picture, or one that failed to load (each shows a picture or is not there);
 //   overlaps two texts whose boxes cross, or a text over a picture;
 //   clipped  a text cut by a box that hides what leaves it (overflow hidden or clip);
 //   small    a text under 10 px high.
@@ -24,8 +24,8 @@
   const empty = [];
   for (const f of document.querySelectorAll('.vv-figure')) {
     if (!shown(f) || busy(f)) continue;
-    const img = f.querySelector('img');
-    if (!img || !img.complete || img.naturalWidth === 0) empty.push(name(f));
+    const img = f.querySelector('img');  // none, none to fetch, or one that failed (a lazy one below the fold is waiting, not empty)
+    if (!img || !img.getAttribute('src') || (img.complete && img.naturalWidth === 0)) empty.push(name(f));
   }
 
   const texts = [];

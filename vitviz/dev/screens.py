@@ -42,10 +42,12 @@ def settled(page, quiet_ms: int = 600) -> None:
 
 
 def problems(page) -> list[str]:
-    """What `page_checks.js` finds on the page as it is now, one line each, once the pictures on
-    show have loaded (a slow machine may take a while; one still loading after 60 s counts as empty)."""
+    """What `page_checks.js` finds on the page as it is now, one line each, once the pictures in the
+    window have loaded (a slow machine may take a while; the browser fetches one below the fold when
+    it is scrolled to)."""
     try:
-        page.wait_for_function("[...document.querySelectorAll('.vv-figure img')].every(i => i.complete)", timeout=60_000)
+        page.wait_for_function("[...document.querySelectorAll('.vv-figure img')].every(i => i.complete || "
+                               "i.getBoundingClientRect().top > innerHeight || i.getBoundingClientRect().bottom < 0)", timeout=60_000)
     except Exception:  # Playwright's TimeoutError: the check says which figure is empty
         pass
     found = page.evaluate(CHECKS_JS)
