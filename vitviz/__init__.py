@@ -107,10 +107,9 @@ def __getattr__(name: str):
         return importlib.import_module(f"vitviz.{name}")
     if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
         return getattr(importlib.import_module("vitviz.inside"), name)
-    if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>`
-        from vitviz.sources import converter
-
-        convert = converter(name[len("from_"):])
-        if convert is not None:
-            return convert
+    if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>` (`vitviz.sources` answers)
+        try:
+            return getattr(importlib.import_module("vitviz.sources"), name)
+        except AttributeError:
+            pass
     raise AttributeError(f"module 'vitviz' has no attribute {name!r}")

@@ -23,6 +23,7 @@ from PIL import Image, ImageDraw, ImageFont
 __all__ = [
     "CMAP",
     "heat_indices",
+    "lut",
     "colorize",
     "overlay",
     "overlay_many",
@@ -72,6 +73,12 @@ def heat_indices(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
     return np.clip(np.floor((v - vmin) / (vmax - vmin) * 255.0 + 0.5), 0, 255).astype(np.uint8)
 
 
+def lut(cmap: str = CMAP) -> np.ndarray:
+    """The colour map's 256 colours as matplotlib looks them up (`Colormap(i, bytes=True)`): uint8 RGB
+    [256, 3], the table every map is drawn with (here, in the browser's explorers, in colour bars)."""
+    return matplotlib.colormaps[cmap](np.arange(256), bytes=True)[:, :3]
+
+
 def colorize(values: np.ndarray, *, cmap: str = CMAP, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
     """Float array [...] -> uint8 RGB [..., 3]; min-max scaled unless vmin/vmax are given (matplotlib's
     own lookup of the 256 colours, `Colormap(i, bytes=True)`)."""
@@ -101,12 +108,12 @@ def overlay_many(
     if w % gw or h % gh:
         raise ValueError(f"a {w}x{h} image does not divide into {gh}x{gw} patches")
     base = np.asarray(image.convert("RGB"), dtype=np.int32)
-    lut = matplotlib.colormaps[cmap](np.arange(256), bytes=True)[:, :3].astype(np.int32)
+    table = lut(cmap).astype(np.int32)
     values = heats.detach().cpu().double().numpy()
     out = []
     for heat in values:
         lo, hi = _scale_range(heat, vmin, vmax)
-        colour = lut[heat_indices(heat, lo, hi)]  # [gh, gw, 3]
+        colour = table[heat_indices(heat, lo, hi)]  # [gh, gw, 3]
         colour = colour.repeat(h // gh, axis=0).repeat(w // gw, axis=1)
         blended = ((ALPHA_DEN - ALPHA_NUM) * base + ALPHA_NUM * colour + ALPHA_DEN // 2) // ALPHA_DEN
         img = Image.fromarray(blended.astype(np.uint8))

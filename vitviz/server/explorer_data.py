@@ -35,7 +35,6 @@ import base64
 import io
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 from PIL import Image
@@ -43,7 +42,7 @@ from PIL import Image
 from vitviz.analysis import pooled_row, query_row, with_pooled_query
 from vitviz.cost import ExplorerLayout, explorer_layout
 from vitviz.pipeline import Analysis
-from vitviz.plots import CMAP
+from vitviz.plots import CMAP, lut
 
 __all__ = ["layout_of", "fused_rows", "query_rows",
            "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
@@ -269,7 +268,7 @@ def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_n
     return dict(
         id=key, mode=layout.mode, depth=layout.layers, heads=heads, views=layout.views, tokens=layout.tokens, patches=layout.patches,
         grid=list(grid), prefix=list(query_names), patch_px=int(patch_px),
-        lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist(),
+        lut=lut(CMAP).reshape(-1).tolist(),
     )
 
 

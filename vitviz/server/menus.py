@@ -15,11 +15,16 @@ def variant_choice(spec: VariantSpec) -> tuple[str, str]:
     return f"{spec.name} · {spec.image_size}px /{spec.patch_size} · {_STATUS_WORDS[status]}", spec.name
 
 
-def variant_choices(extra: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """(label, name) for a dropdown: every listed variant, then `extra` names (timm:..., hf:...)."""
+def _menu_specs(extra: list[str] | tuple[str, ...]) -> list[VariantSpec]:
+    """Every listed variant, then the `extra` names (timm:..., hf:...) not among them."""
     listed = list_variants()
     names = {s.name for s in listed}
-    return [variant_choice(s) for s in listed] + [variant_choice(get_spec(n)) for n in extra if n not in names]
+    return listed + [get_spec(n) for n in extra if n not in names]
+
+
+def variant_choices(extra: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(label, name) for a dropdown: every listed variant, then `extra` names (timm:..., hf:...)."""
+    return [variant_choice(s) for s in _menu_specs(extra)]
 
 
 # a source's name as a reader knows the family (a source not named here shows its own name)
@@ -32,7 +37,7 @@ def grouped_choices(extra: list[str] | tuple[str, ...] = ()) -> list[tuple[str, 
     """(label, name) for a searchable picker: each label starts with its family, so typing a family
     (or "download", or "offline") narrows the list to it; what runs now (embedded, then on this
     machine) comes first, then what needs a download, each group in its family's order."""
-    specs = [get_spec(name) for _, name in variant_choices(extra)]
+    specs = _menu_specs(extra)
     family_order: dict[str, int] = {}
     for spec in specs:
         family_order.setdefault(spec.source, len(family_order))

@@ -35,13 +35,12 @@ import io
 from importlib import resources
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 
 from vitviz import cost
 from vitviz.cost import explorer_bytes
-from vitviz.plots import CMAP
+from vitviz.plots import CMAP, lut
 from vitviz.server.explorer_data import dequantise, quantise_rows
 from vitviz.swin import SwinAnalysis
 
@@ -158,7 +157,7 @@ def write_payload(exp, *, key: str, folder, spec, budget: int | None = None) -> 
     size = explorer_bytes(spec)
     finest_px = a.patch_size * exp.scale
     value = dict(id=key, grid=list(a.grid), depth=a.num_layers, patch_size=a.patch_size, patch_px=finest_px, outline=outline_width(finest_px),
-                 layers=_layers_meta(a), lut=matplotlib.colormaps[CMAP](np.arange(256), bytes=True)[:, :3].reshape(-1).tolist())
+                 layers=_layers_meta(a), lut=lut(CMAP).reshape(-1).tolist())
     if size > budget:
         value.update(mode="server", note=f"{a.variant}'s windowed attention is too large to hold in the browser ({size / 2**20:.0f} MB); "
                                          "the views below are drawn by the server.")

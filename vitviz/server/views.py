@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 from PIL import Image
@@ -312,18 +311,12 @@ def render_compare_rollouts(exps: list[Exploration], *, shared: bool = True) -> 
 def colour_bar_html(lo: float, hi: float, *, label: str = COMPARE_LABEL, cmap: str = plots.CMAP) -> str:
     """A horizontal colour bar as page text (its numbers stay readable however narrow the figures):
     the colour map from `lo` to `hi`, five values under it."""
-    lut = matplotlib_colours(cmap, 11)
-    stops = ", ".join(f"rgb({r},{g},{b}) {i * 10}%" for i, (r, g, b) in enumerate(lut))
-    ticks = "".join(f"<span>{html.escape(plots._fmt(lo + (hi - lo) * i / 4))}</span>" for i in range(5))
+    table = plots.lut(cmap)
+    stops = ", ".join(f"rgb({r},{g},{b}) {i * 10}%" for i, (r, g, b) in enumerate(table[np.linspace(0, 255, 11).round().astype(int)].tolist()))
+    ticks = "".join(f"<span>{html.escape(plots._fmt(v))}</span>" for v in plots._ticks(lo, hi))
     return (f'<div class="vv-colourbar" role="img" aria-label="{html.escape(label)}: {plots._fmt(lo)} to {plots._fmt(hi)}">'
             f'<div class="vv-colourbar-ramp" style="background: linear-gradient(to right, {stops})"></div>'
             f'<div class="vv-colourbar-ticks">{ticks}</div><div class="vv-colourbar-label">{html.escape(label)}</div></div>')
-
-
-def matplotlib_colours(cmap: str, count: int) -> list[tuple[int, int, int]]:
-    """`count` evenly spaced colours of a matplotlib colour map, as 0..255 RGB."""
-    rgba = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, count), bytes=True)
-    return [tuple(int(v) for v in c[:3]) for c in rgba]
 
 
 def compare_table_html(exps: list[Exploration]) -> str:
@@ -333,11 +326,10 @@ def compare_table_html(exps: list[Exploration]) -> str:
     rows = []
     for e in exps:
         a = e.analysis
-        d = a.distances()  # [L, H]; a Swin's: one [heads] per layer, the heads by stage
-        heads = [int(h.numel()) for h in d] if isinstance(d, list) else [int(d.shape[1])]
+        heads = [int(layer.shape[-3]) for layer in a.attentions]  # each layer's [..., heads, N, N] (a Swin's: by stage)
         stages = list(dict.fromkeys(heads))
         p = a.patch_size
-        cells = [f"{a.grid[1] * p}x{a.grid[0] * p}", f"{p} px", f"{a.grid[0]}x{a.grid[1]}", str(len(d)),
+        cells = [f"{a.grid[1] * p}x{a.grid[0] * p}", f"{p} px", f"{a.grid[0]}x{a.grid[1]}", str(len(heads)),
                  "-".join(str(h) for h in stages), f"{e.facts.total_params / 1e6:.2f} M", f"{a.model_seconds * 1e3:.0f} ms"]
         name = "".join(f"{c}<wbr>" if c in "_.:/-@" else c for c in html.escape(a.variant))  # long names break at their joints
         rows.append(f"<tr><th scope='row'>{name}</th>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
