@@ -18,6 +18,7 @@ from PIL import Image
 from conftest import fn_index, join, results, run, upload
 import vitviz
 from vitviz.server.memory import release_memory, resident_bytes
+from vitviz.server.work import LineTimes
 
 pytestmark = pytest.mark.slow
 
@@ -379,13 +380,13 @@ def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, m
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
     assert ok
     monkeypatch.setattr(runtime.WORK, "seconds", 0.5)
-    monkeypatch.setattr(runtime.WORK, "rates", {})  # no line's speed learned yet: every estimate at `rate`
+    monkeypatch.setattr(runtime.WORK, "times", LineTimes(5e10))  # no line's time learned yet: every estimate at the rate
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)  # priced: about 4 s here
     assert not ok and "would take about" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(runtime.WORK, "rate", 1e15)  # an estimate that lets it start: the deadline stops it
+    monkeypatch.setattr(runtime.WORK, "times", LineTimes(1e15))  # an estimate that lets it start: the deadline stops it
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)
     assert not ok and "ran out of time" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(runtime.WORK, "rate", 5e10)
+    monkeypatch.setattr(runtime.WORK, "times", LineTimes(5e10))
     monkeypatch.setattr(runtime.WORK, "seconds", 300.0)
     assert join(server, "session_faithfulness", [None, "star"], session).status_code == 200
     deadline = time.monotonic() + 30

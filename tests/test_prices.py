@@ -3,16 +3,18 @@ request really runs (counted by torch's FlopCounterMode, no clock) within the pr
 of it; the speed the server learns kept apart for each line of work (an injected clock); the
 orderings, phrases and rollouts a price counts."""
 
+import statistics
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import vitviz
 from vitviz import cost
-from vitviz.cost import price
+from vitviz.cost import Cost, price
 from vitviz.explainers import methods as registered_methods
 from vitviz.explanations import relevance_maps
-from vitviz.server.work import ModelWork
+from vitviz.server.work import LineTimes, ModelWork
 from vitviz.sources import get_spec
 
 
@@ -111,3 +113,57 @@ def test_the_speed_is_learned_for_each_line_of_work():
             clock.now += 150.0
     work.seconds = 100.0
     assert "would take about" in work.refusal(rollout) and work.refusal(explain) is None
+
+
+def test_a_lines_time_is_learned_as_a_fixed_part_and_a_part_that_grows_with_the_work():
+    """Jobs that each take 0.5 s besides 1e10 flops a second: once two sizes have run, a job ten times
+    the largest is priced at 0.5 s + its work (one speed alone would price it at 5.5x its time, or
+    the small ones far below theirs)."""
+    times = LineTimes(rate=1e9)
+    assert times.estimate("explain/global", 2e9) == pytest.approx(2.0)  # no job yet: the rate
+    times.add("explain/global", 1e9, 0.5 + 0.1)
+    times.add("explain/global", 1.2e9, 0.5 + 0.12)  # one size so far (within 1.5x): proportional
+    assert times.parts("explain/global")[0] == 0.0
+    assert times.estimate("explain/global", 1e10) == pytest.approx(1e10 / statistics.median([1e9 / 0.6, 1.2e9 / 0.62]))
+    for flops in (4e9, 1e10):
+        times.add("explain/global", flops, 0.5 + flops / 1e10)
+    fixed, speed = times.parts("explain/global")
+    assert fixed == pytest.approx(0.5) and speed == pytest.approx(1e10)
+    assert times.estimate("explain/global", 1e11) == pytest.approx(10.5)
+    assert times.estimate("view/global", 1e11) == pytest.approx(100.0)  # another line: its rate still
+    times.add("view/global", 1e9, 3.0)  # larger jobs faster than small ones: no fixed part, through the origin
+    times.add("view/global", 1e10, 2.0)
+    assert times.parts("view/global")[0] == 0.0
+    assert times.estimate("view/global", 1e10) == pytest.approx(1e10 * (1e9 * 3.0 + 1e10 * 2.0) / (1e18 + 1e20))
+    times.add("view/global", 0.0, 5.0)  # no work, or no time: not counted
+    times.add("view/global", 1e9, 0.0)
+    assert times.estimate("view/global", 1e10) == pytest.approx(1e10 * (1e9 * 3.0 + 1e10 * 2.0) / (1e18 + 1e20))
+
+
+def test_the_server_learns_both_parts_from_the_jobs_it_times():
+    """Through `ModelWork` with an injected clock: analyses of two sizes, each 0.2 s plus its work at
+    2e10 flops a second; a request four times the larger is then priced at its time, and one whose
+    time passes the limit is refused."""
+    clock = _Clock()
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=30.0, rate=1e12, clock=clock)
+    small, large = price(get_spec("shapes_p16"), "analyse"), price(get_spec("shapes_p16@384"), "analyse")
+    for c in (small, large, small, large):
+        with work.job(c):
+            clock.now += 0.2 + c.flops / 2e10
+    huge = Cost("analyse", "huge", 1, 1, 0, 4 * large.flops)
+    assert work.estimate(huge) == pytest.approx(0.2 + 4 * large.flops / 2e10)
+    assert work.refusal(Cost("analyse", "huger", 1, 1, 0, 40 * 2e10)) is not None
+
+
+def test_a_variant_that_has_run_is_priced_by_its_own_jobs():
+    """Variants of one line differ in what a flop costs them: once a variant has run a job of about
+    the size asked (within 1.5x), its own jobs price it; a new variant, or a size far from what it
+    ran, is priced by the line's fit."""
+    times = LineTimes(rate=1e9)
+    for flops, seconds, variant in ((1e9, 0.6, "narrow"), (1e10, 1.5, "wide"), (4e9, 0.9, "mid")):
+        times.add("analyse/global", flops, seconds, variant)
+    fixed, speed = times.parts("analyse/global")
+    assert times.estimate("analyse/global", 1.2e10, "wide") == pytest.approx(1.5 * 1.2)
+    assert times.estimate("analyse/global", 1.2e10, "new") == pytest.approx(fixed + 1.2e10 / speed)
+    assert times.estimate("analyse/global", 3e10, "wide") == pytest.approx(fixed + 3e10 / speed)
+    assert times.estimate("view/global", 1e10, "wide") == pytest.approx(10.0)  # another line: the rate

@@ -845,7 +845,12 @@ x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(
 plain = []
 with torch.inference_mode():
     for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
-        t = time.perf_counter(); model.image(x) if image_text else model(x); plain.append(time.perf_counter() - t)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter(); model.image(x) if image_text else model(x)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        plain.append(time.perf_counter() - t)
 speed = forward_flops(model.spec) / sorted(plain)[1]
 if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
     explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")
@@ -901,7 +906,10 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
         _random_torchvision_checkpoints([v for v in variants if v in {s.name for s in vitviz.list_variants()} and vitviz.get_spec(v).source == "torchvision"])
         image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
         for variant in variants:
+            has_head = vitviz.get_spec(variant).has_head
             for kind in kinds:
+                if (kind == "find" and has_head) or (kind == "faithfulness" and not has_head):  # a text tower's; a classifier's
+                    continue
                 code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=image, budget=budget)
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
                 out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -911,10 +919,15 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 if got.get("skip"):  # a kind the model has no use for
                     continue
                 rows.append(dict(got, variant=variant, kind=kind))
+    from vitviz.server.work import LineTimes
+
     table = []
     for row in rows:
-        others = [r["flops"] / r["seconds"] for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
-        learned = row["flops"] / statistics.median(others) if others and row["flops"] > 0 else None
+        others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
+        times = LineTimes(rate=1.0)  # what a server learns from the other variants' jobs of the line
+        for r in others:
+            times.add(r["line"], r["flops"], r["seconds"])
+        learned = times.estimate(row["line"], row["flops"]) if others and row["flops"] > 0 else None
         gpu = row.get("gpu_peak")
         table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
                       row["seconds"], None if gpu is None else gpu / 2**20))
@@ -1185,7 +1198,7 @@ def main(argv: list[str] | None = None) -> None:
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
-        print("line s: the same work at the speed the other variants' requests of its line (kind and family) ran at here")
+        print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here (vitviz.server.work.LineTimes)")
         print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'seconds':>10}{'ratio':>7}"
               + (f"{'GPU peak MB':>13}" if gpu else ""))
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
@@ -1204,7 +1217,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.handler:
         print(f"vitviz.dev.bench --handler {args.arch}, {min(args.rounds, 8)} new images; {time.strftime('%Y-%m-%d')}; {_machine()}")
-        _print_table("CPU", handler_table(args.arch, rounds=min(args.rounds, 8)))
+        _print_table(title(vitviz.sources.default_device()), handler_table(args.arch, rounds=min(args.rounds, 8)))  # the app's device
         return
     if args.evaluate:
         print(f"vitviz.dev.bench --evaluate {args.arch}, {args.images} JPEGs of 640x480; {time.strftime('%Y-%m-%d')}; {_machine()}")

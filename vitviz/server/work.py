@@ -24,8 +24,10 @@ long jobs share the lane about evenly.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +35,82 @@ from dataclasses import dataclass, field
 from vitviz import steps
 from vitviz.cost import Cost
 
-__all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "ModelWork", "KeyedLocks"]
+__all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "LineTimes", "ModelWork", "KeyedLocks"]
+
+
+class LineTimes:
+    """The seconds each line of work (`Cost.line`) takes here, learned from its last `keep` jobs as
+    a fixed part and a part that grows with the work: seconds = fixed + flops / speed.
+
+    A request's fixed part (decoding, resizing, pictures, copies, Python) does not shrink with the
+    model, and on a GPU it is most of a small model's time, so one speed alone prices small models
+    far above and large ones far below what they take. Until the line has run jobs of two sizes (the
+    largest at least `SPREAD` times the smallest) its time is taken as proportional to the work, at
+    the median speed of its jobs; from then on the two parts are the least-squares line through its
+    jobs, the fixed part at least 0 and the work's share of the largest job at least a quarter. A
+    line with no job yet runs at `rate` flops per second.
+
+    Models of one line still differ in what a flop costs them (a wide model's products run faster
+    per flop than a narrow one's many small ones), so a job of a variant that has run jobs of about
+    its size on the line (within `SPREAD`) is priced by those jobs alone, in proportion to its work:
+    the line's fit prices a variant until it has run.
+    """
+
+    SPREAD = 1.5
+
+    def __init__(self, rate: float, *, keep: int = 32) -> None:
+        if rate <= 0 or keep < 1:
+            raise ValueError(f"a rate above 0 and keep of 1 or more, got {rate} and {keep}")
+        self.rate = rate
+        self.keep = keep
+        self._jobs: dict[str, deque[tuple[float, float]]] = {}
+        self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
+        self._lock = threading.Lock()
+
+    def add(self, line: str, flops: float, seconds: float, variant: str | None = None) -> None:
+        """One job of `line` (of `variant`) ran `flops` in `seconds` (jobs with no work or no time are
+        not counted)."""
+        if flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds):
+            with self._lock:
+                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(seconds)))
+                if variant is not None:
+                    own = self._own.setdefault((line, variant), deque(maxlen=8))
+                    own.append((float(flops), float(seconds)))
+                    while len(self._own) > 64 * self.keep:  # the oldest variants' forgotten first
+                        del self._own[next(iter(self._own))]
+
+    def parts(self, line: str) -> tuple[float, float]:
+        """(fixed seconds, flops per second) of `line` as learned so far."""
+        with self._lock:
+            jobs = list(self._jobs.get(line, ()))
+        if not jobs:
+            return 0.0, self.rate
+        flops = [f for f, _ in jobs]
+        if max(flops) < self.SPREAD * min(flops):  # one size of job: its time taken as proportional to its work
+            return 0.0, statistics.median(f / s for f, s in jobs)
+        n = len(jobs)
+        mf, ms = sum(flops) / n, sum(s for _, s in jobs) / n
+        sff = sum((f - mf) ** 2 for f in flops)
+        slope = sum((f - mf) * (s - ms) for f, s in jobs) / sff  # seconds per flop
+        fixed = ms - slope * mf
+        largest = max(jobs)
+        floor = largest[1] / largest[0]  # at least as slow a flop as the largest job's, all of its time counted as work
+        if fixed < 0 or slope <= 0:  # no fixed part to be seen: proportional, through the origin
+            slope, fixed = max(sum(f * s for f, s in jobs) / sum(f * f for f in flops), 1e-300), 0.0
+        elif slope < floor / 4:  # a fit dominated by the fixed part: keep the work's share at least a quarter of the largest job's
+            slope = floor / 4
+            fixed = max(0.0, ms - slope * mf)
+        return fixed, 1.0 / slope
+
+    def estimate(self, line: str, flops: float, variant: str | None = None) -> float:
+        """Seconds a job of `line` (of `variant`) running `flops` is expected to take."""
+        if variant is not None and flops > 0:
+            with self._lock:
+                own = [(f, t) for f, t in self._own.get((line, variant), ()) if max(f, flops) < self.SPREAD * min(f, flops)]
+            if own:
+                return statistics.median(t * flops / f for f, t in own)
+        fixed, speed = self.parts(line)
+        return (fixed if flops > 0 else 0.0) + flops / speed
 
 
 class RequestRefused(ValueError):
@@ -93,11 +170,12 @@ class ModelWork:
     `budget_bytes`; a job that checks (`Job.check`, between its steps) stops `seconds` after it
     started running (the time it gave its lane way to others not counted).
 
-    The server's speed (flops per second) is learned from the jobs that ran, for each line of work on
-    its own (`Cost.line`: the kind of request and the model's family), so that one client's slow
-    windowed rollouts do not make another's ViT explanations look slow; `rate` is every line's
-    speed until a job of it has been timed. A job whose estimate exceeds `seconds` at its line's
-    speed is refused before it starts. `clock` (seconds, `time.perf_counter` by default) times them.
+    The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and a part
+    that grows with the work), for each line of work on its own (`Cost.line`: the kind of request and
+    the model's family), so that one client's slow windowed rollouts do not make another's ViT
+    explanations look slow; `rate` (flops per second) prices a line until a job of it has been
+    timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
+    `time.perf_counter` by default) times them.
 
     Lanes go to owners by turns (the module's docstring): `quantum`, `half_life`, `pause_limit`.
     """
@@ -108,8 +186,7 @@ class ModelWork:
         self.budget_bytes = budget_bytes
         self.lanes = lanes
         self.seconds = seconds
-        self.rate = rate
-        self.rates: dict[str, float] = {}  # each line of work's learned speed
+        self.times = LineTimes(rate)
         self.quantum = quantum
         self.half_life = half_life
         self.pause_limit = pause_limit
@@ -138,13 +215,9 @@ class ModelWork:
             )
         return None
 
-    def speed(self, cost: Cost) -> float:
-        """The flops per second expected of `cost`'s line of work."""
-        return self.rates.get(cost.line, self.rate)
-
     def estimate(self, cost: Cost) -> float:
         """Seconds `cost` is expected to run here."""
-        return cost.flops / self.speed(cost)
+        return self.times.estimate(cost.line, cost.flops, cost.variant)
 
     def current(self) -> Job | None:
         """The job the calling thread runs under, if any."""
@@ -204,9 +277,8 @@ class ModelWork:
             with steps.between_steps(job.check):
                 yield job
             spent = self._clock() - start - job.paused_seconds
-            if cost.flops >= 1e10 and spent > 0.2 and not job.unpriced:  # the line's speed, from priced work large enough to time
-                with self._cond:
-                    self.rates[cost.line] = 0.7 * self.speed(cost) + 0.3 * cost.flops / spent
+            if not job.unpriced:  # the line's times, from the priced work it ran
+                self.times.add(cost.line, cost.flops, spent, cost.variant)
         finally:
             self._local.job = None
             with self._cond:
