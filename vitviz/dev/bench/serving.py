@@ -1,0 +1,241 @@
+"""Each kind of request priced and measured in a fresh process; another address's flood against one client's analyses."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import vitviz
+from vitviz.dev.bench.common import _private_weights, _random_torchvision_checkpoints
+
+
+_KIND_CODE = """
+import json, os, sys, time, torch
+torch.set_num_threads({threads})
+import vitviz
+from vitviz.cost import price
+from vitviz.server import explaining, explorer_data, views
+from vitviz.server.export import Downloads
+from vitviz.server.models import ModelCache
+from vitviz.server.memory import release_memory
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+variant, kind = {variant!r}, {kind!r}
+cache = ModelCache()
+model, facts = cache.get(variant)
+image = "{image}"
+image_text = hasattr(model, "image")
+if (kind == "find" and not image_text) or (kind == "faithfulness" and image_text):  # phrases need a text tower, curves a classifier
+    print(json.dumps(dict(skip=True))); sys.exit(0)
+exp = views.explore(cache, image, variant)
+maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
+PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
+cost = price(model.spec, "explain" if kind == "find" else kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"),
+             phrases=len(PHRASES) if kind == "find" else 0)
+from vitviz.cost import forward_flops
+x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(model.parameters()).device)
+plain = []
+with torch.inference_mode():
+    for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter(); model.image(x) if image_text else model(x)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        plain.append(time.perf_counter() - t)
+speed = forward_flops(model.spec) / sorted(plain)[1]
+if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
+    explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")
+release_memory(keep=0)
+open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
+base = status("VmRSS")
+gpu = torch.cuda.is_available()
+if gpu:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
+start = time.perf_counter()
+from vitviz.server import swin_views
+rollout = swin_views.render_rollout if swin_views.is_swin(exp) else views.render_rollout  # what the page draws
+if kind == "analyse":
+    e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
+elif kind == "explain":
+    explaining.explain_exploration(cache, exp, target=None)
+elif kind == "faithfulness":
+    explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
+elif kind == "export":
+    Downloads().npz(exp, size=cost.kept_bytes)
+elif kind == "explorer" and swin_views.is_swin(exp):
+    from vitviz.server import swin_explorer
+    swin_explorer.write_payload(exp, key="bench", folder=Downloads().folder, spec=model.spec)
+elif kind == "explorer":
+    explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
+elif kind == "view":
+    rollout(exp, head_fusion="max")
+elif kind == "find":
+    explaining.find_phrases(cache, exp, PHRASES, method="gradient")
+if gpu:
+    torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if gpu else None
+print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak,
+                      priced_seconds=cost.flops / speed, line=cost.line)))
+"""
+
+
+
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view", "find"),
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float, float | None]]:
+    """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
+    peak MB above the process's resident memory before the request, priced seconds (its work at the
+    speed of a plain forward of the same model, timed in that process), priced seconds at its line's
+    learned speed (`Cost.line`; the median speed, flops per second, that the other variants' requests of
+    the same line ran at here, as a server learns it from the jobs it ran; None when no other variant
+    has one), seconds, and on a GPU the peak MB of CUDA memory allocated above what was before the
+    request, else None)."""
+    import subprocess
+    import sys
+
+    rows = []
+    with _private_weights() as torch_home:
+        _random_torchvision_checkpoints([v for v in variants if v in {s.name for s in vitviz.list_variants()} and vitviz.get_spec(v).source == "torchvision"])
+        image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+        for variant in variants:
+            has_head = vitviz.get_spec(variant).has_head
+            for kind in kinds:
+                if (kind == "find" and has_head) or (kind == "faithfulness" and not has_head):  # a text tower's; a classifier's
+                    continue
+                code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=image, budget=budget)
+                env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise RuntimeError(f"--serving: the {kind} of {variant} failed:\n{out.stderr[-3000:]}")
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                if got.get("skip"):  # a kind the model has no use for
+                    continue
+                rows.append(dict(got, variant=variant, kind=kind))
+    from vitviz.server.work import LineTimes
+
+    table = []
+    for row in rows:
+        others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
+        times = LineTimes(rate=1.0)  # what a server learns from the other variants' jobs of the line
+        for r in others:
+            times.add(r["line"], r["flops"], r["seconds"])
+        learned = times.estimate(row["line"], row["flops"]) if others and row["flops"] > 0 else None
+        gpu = row.get("gpu_peak")
+        table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
+                      row["seconds"], None if gpu is None else gpu / 2**20))
+    return table
+
+
+
+FLOODS = {
+    # what 127.0.0.2 sends, as many as its share of the queue allows (two per session)
+    "swin": ("analyze", "shapes_swin@1824", None),
+    "find": ("session_find", "shapes_clip@592", "a star, a circle, a square, a triangle"),
+}
+
+
+
+def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: int = 5) -> list[tuple[str, float, float, int]]:
+    """Another address's flood against one client's analyses, through the running app over raw HTTP.
+    For each flood: (flood, the victim's `/analyze` seconds alone and during the flood (medians of
+    `rounds`, one after another), the flood's requests completed meanwhile). The flood comes from 127.0.0.2: every
+    request its share of the queue allows (`VITVIZ_ADDRESS_JOBS`, two per session), sent again as
+    each ends, for as long as the victim's requests last."""
+    import threading
+    import uuid
+
+    import httpx
+
+    with _private_weights():
+        if vitviz.get_spec(victim).source == "torchvision":
+            _random_torchvision_checkpoints([victim])
+        from vitviz.server import app, runtime
+
+        app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
+        base = app.demo.local_url.rstrip("/")
+        config = httpx.get(f"{base}/config").json()
+        index = {d.get("api_name"): d["id"] for d in config["dependencies"]}
+        image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+
+        def client(address):
+            return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=600)
+
+        def upload(http):
+            with open(image, "rb") as f:
+                path = http.post(f"{base}/gradio_api/upload", files=[("files", ("star.png", f.read()))]).json()[0]
+            return {"path": path, "meta": {"_type": "gradio.FileData"}}
+
+        def call(http, name, data, session, count=1):
+            """`count` joins of the event in one session, then their results; how many succeeded."""
+            body = {"data": data, "fn_index": index[name], "session_hash": session, "event_data": None, "trigger_id": None}
+            joined = sum(http.post(f"{base}/gradio_api/queue/join", json=body).status_code == 200 for _ in range(count))
+            if not joined:
+                raise RuntimeError(f"{name}: refused")
+            done = ok = 0
+            with http.stream("GET", f"{base}/gradio_api/queue/data", params={"session_hash": session}) as s:
+                for line in s.iter_lines():
+                    msg = json.loads(line[5:]) if line.startswith("data:") else {}
+                    if msg.get("msg") == "process_completed":
+                        done, ok = done + 1, ok + bool(msg.get("success"))
+                        if done == joined:
+                            break
+            if count == 1 and not ok:
+                raise RuntimeError(f"{name}: {msg.get('output')}")
+            return ok
+
+        rows = []
+        try:
+            mine = client("127.0.0.1")
+            picture = upload(mine)
+
+            def victim_seconds():
+                out = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    call(mine, "analyze", [picture, victim], uuid.uuid4().hex)
+                    out.append(time.perf_counter() - start)
+                return statistics.median(out)
+
+            victim_seconds()  # (the model loaded and warm)
+            for flood in floods:
+                name, variant, text = FLOODS[flood]
+                theirs = client("127.0.0.2")
+                their_picture = upload(theirs)
+                sessions = [uuid.uuid4().hex for _ in range(runtime.SETTINGS.address_jobs // 2)]
+                if text is not None:  # (each session's analysis first, its flood of phrases after)
+                    for session in sessions:
+                        call(theirs, "session_analyze", [their_picture, variant, "mean", 0.0, None], session)
+                data = [their_picture, variant] if text is None else [None, text, "legrad"]
+                alone = victim_seconds()
+                stop, taken = threading.Event(), [0]
+
+                def flooding(session):
+                    with client("127.0.0.2") as http:
+                        while not stop.is_set():
+                            try:
+                                taken[0] += call(http, name, data, session, count=2)
+                            except RuntimeError:
+                                time.sleep(0.05)
+
+                threads = [threading.Thread(target=flooding, args=(s,), daemon=True) for s in sessions]
+                for t in threads:
+                    t.start()
+                deadline = time.monotonic() + 120
+                while not any(j.owner == "127.0.0.2" for j in runtime.WORK.running()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                during = victim_seconds()
+                stop.set()
+                for session in sessions:
+                    runtime.WORK.cancel(session)
+                for t in threads:
+                    t.join(600)
+                rows.append((flood, alone, during, taken[0]))
+        finally:
+            app.demo.close()
+        return rows
