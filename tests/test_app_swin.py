@@ -265,10 +265,10 @@ def test_hostile_values_get_clear_errors(analysed):
 def test_the_explain_tab_maps_the_methods_that_apply(analysed):
     ref, _, exp, model, _ = analysed
     got = tabs.explain.TAB.on_explain(ref, "circle")
-    for m in vitviz.swin.SWIN_METHODS:
+    for m in vitviz.swin_analysis.SWIN_METHODS:
         want = vitviz.explain(model, exp.analysis.image, method=m, target="circle").map
         _map_equals(got[tabs.explain.TAB.explain_imgs[m]]["value"], exp, want)
-    absent = [m for m in tabs.explain.METHODS if m not in vitviz.swin.SWIN_METHODS]
+    absent = [m for m in tabs.explain.METHODS if m not in vitviz.swin_analysis.SWIN_METHODS]
     assert all(got[tabs.explain.TAB.explain_imgs[m]] == gr.update(value=None, visible=False) for m in absent)  # no empty frame
     note = got[tabs.explain.TAB.explain_note]
     assert note.startswith("Explaining **circle**") and "Not for a Swin (windowed attention)" in note
@@ -278,7 +278,7 @@ def test_faithfulness_curves_for_a_swin(analysed):
     ref = analysed[0]
     out = tabs.explain.TAB.on_faithfulness(ref, "circle", progress=_quiet)
     rows = {r[0]: (float(r[1]), float(r[2])) for r in out[tabs.explain.TAB.faith_table]["value"]}
-    assert set(rows) == {*vitviz.swin.SWIN_METHODS, "random"} and all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
+    assert set(rows) == {*vitviz.swin_analysis.SWIN_METHODS, "random"} and all(0 <= d <= 1 and 0 <= i <= 1 for d, i in rows.values())
 
 
 def test_the_npz_and_the_api_endpoints(analysed):
@@ -456,4 +456,4 @@ def test_the_embedded_shapes_swin_through_the_app(app):
     assert max(preds, key=preds.get) == "star"
     assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.swin_live]["mode"] == "stack"
     got = tabs.explain.TAB.on_explain(ref, "star")
-    assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]]["value"], Image.Image) for m in vitviz.swin.SWIN_METHODS)
+    assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]]["value"], Image.Image) for m in vitviz.swin_analysis.SWIN_METHODS)

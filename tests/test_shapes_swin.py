@@ -15,7 +15,8 @@ from vitviz.analysis import pointing_game
 from vitviz.dev.train_shapes import generate_pool, to_batch
 from vitviz.hooks import record_attention
 from vitviz.sources.embedded import assets_dir, shapes_swin_config
-from vitviz.swin import Swin, SwinConfig, merge_map, swin_relevance_maps, window_to_global
+from vitviz.swin import Swin, SwinConfig
+from vitviz.swin_analysis import merge_map, swin_relevance_maps, window_to_global
 
 SEED = 4545  # never trained on (training: seed 0, held-out checks: 1, the published figures: 2024)
 

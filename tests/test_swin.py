@@ -17,9 +17,8 @@ from conftest import write_hub_cache
 import vitviz
 from vitviz.analysis import mean_attention_distance
 from vitviz.config import Preprocessing, VariantSpec, ViTConfig
-from vitviz.swin import (
-    Swin, SwinAnalysis, SwinConfig, merge_map, swin_gradient_relevance, swin_relevance, window_to_global,
-)
+from vitviz.swin import Swin, SwinConfig
+from vitviz.swin_analysis import SwinAnalysis, merge_map, swin_gradient_relevance, swin_relevance, window_to_global
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -358,7 +357,7 @@ def _dense_through(attn, grads, geometries, stages, *, rule):
 def test_rollout_and_relevance_equal_the_dense_products(kind, slice_elements, monkeypatch):
     # "sliced": Q's columns go through the layers in slices of one or two columns, a step after each
     # layer of each slice, and the products are the same
-    monkeypatch.setattr(vitviz.swin, "SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(vitviz.swin_analysis, "SLICE_ELEMENTS", slice_elements)
     stepped = []
     model = _ours(kind, classes=5, seed=3)
     with torch.no_grad():
@@ -372,7 +371,7 @@ def test_rollout_and_relevance_equal_the_dense_products(kind, slice_elements, mo
     geometries, stages = model.geometries(size, size), model.layer_stages
     want = _dense_through(attn, grads, geometries, stages, rule="rollout")
     with vitviz.steps.between_steps(lambda: stepped.append(1)):
-        got = vitviz.swin.swin_rollout(attn, geometries, stages)
+        got = vitviz.swin_analysis.swin_rollout(attn, geometries, stages)
     slices = -(-geometries[-1].num_tokens // max(1, slice_elements // geometries[0].num_tokens))
     assert len(stepped) == slices * len(geometries) and (slices > 1) == (slice_elements == 50)
     assert got.shape == want.shape == (2, geometries[-1].num_tokens, geometries[0].num_tokens)

@@ -47,7 +47,8 @@ from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.pipeline import layout_of, spec_of
 from vitviz.preprocess import preprocess
-from vitviz.swin import Swin, swin_relevance_maps
+from vitviz.swin import Swin
+from vitviz.swin_analysis import swin_relevance_maps
 
 __all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_of", "needs_gradients", "needs_layer_gradients", "record",
            "record_for", "relevance_maps", "resolve_target"]
@@ -591,7 +592,7 @@ def relevance_maps(
         classes: ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None);
         phrases: ({method: maps [B, T, gh, gw]}, None, similarities `logits_per_image` [B, T]).
     """
-    if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin)
+    if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin_analysis)
         return swin_relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
     rec = record_for(model, x, methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio, readout=readout,
                      start_layer=start_layer)

@@ -29,7 +29,8 @@ from vitviz.sources.base import VariantSpec
 
 if TYPE_CHECKING:  # vitviz.inside is imported on first use, so that `python -m vitviz.inside` runs a module not yet imported
     from vitviz.inside import Attribution, Stream, Target
-from vitviz.swin import Swin, analyze_swin, analyze_swin_crop
+from vitviz.swin import Swin
+from vitviz.swin_analysis import analyze_swin, analyze_swin_crop
 
 __all__ = ["Analysis", "analyze", "analyze_crop", "image_tower", "layout_of", "spec_of"]
 
@@ -214,7 +215,7 @@ def analyze(
         on_layer: called with (layer, its attention [H, N, N] on the CPU) as soon as each block has
             computed it, before the next block runs (a Swin's windowed attention is not passed).
     """
-    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
+    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin_analysis.SwinAnalysis`
         return analyze_swin(model, image)
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
@@ -227,7 +228,7 @@ def analyze_crop(
 ) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
-    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin.SwinAnalysis`
+    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin_analysis.SwinAnalysis`
         return analyze_swin_crop(model, cropped)
     return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template,
                           on_layer=on_layer)

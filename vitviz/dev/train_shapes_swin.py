@@ -20,7 +20,7 @@ float32, which this CPU runs far faster than torch's bfloat16).
 `--report` prints top-1 on 1,000 fresh images (seed 2024, as for the shapes ViTs) and the pointing
 game on the same images of rollout, of Chefer et al.'s gradient relevance and of the other maps a
 Swin offers (gradient rollout, the last layer's attention): the pooled query's map on the finest
-grid (`vitviz.swin.swin_relevance_maps`; gradient methods explain the true class), beside a
+grid (`vitviz.swin_analysis.swin_relevance_maps`; gradient methods explain the true class), beside a
 uniformly random map and the rollout of an untrained model of the same shape (seed 0).
 """
 
@@ -38,7 +38,8 @@ from vitviz.analysis import pointing_game
 from vitviz.dev.train_shapes import evaluate, generate_pool, run_steps, to_batch
 from vitviz.dev.train_shapes_clip import muon32
 from vitviz.sources import get_spec, source_of
-from vitviz.swin import Swin, swin_relevance_maps
+from vitviz.swin import Swin
+from vitviz.swin_analysis import swin_relevance_maps
 
 CHECKOUT_ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the weights go to the checkout, never into an installed package
 NAME = "shapes_swin"

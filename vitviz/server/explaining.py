@@ -16,7 +16,7 @@ from vitviz.faithfulness import Curves, perturbation_curves, random_maps
 from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
 from vitviz.server.views import Exploration
-from vitviz.swin import SWIN_METHODS, SwinAnalysis
+from vitviz.swin_analysis import SWIN_METHODS, SwinAnalysis
 
 __all__ = ["explain_exploration", "find_phrases", "faithfulness_of", "MethodGuard", "PLUGIN_SECONDS"]
 
@@ -74,7 +74,7 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
     analysed crop: the methods whose needs the model meets (`Method.needs`), those that explain a
     score only for a model with a classifier (a model without one, an image–text model included,
     gets the maps that need no target: "attention" and "rollout"). A Swin: the methods of
-    `vitviz.swin.SWIN_METHODS` (its windowed attention made global, through every merge).
+    `vitviz.swin_analysis.SWIN_METHODS` (its windowed attention made global, through every merge).
 
     With `guard`, a plugin method's failure or slowness stays with its own map (`MethodGuard`): it
     is left out, and `notes` (when given) gets {method: why}."""

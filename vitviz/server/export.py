@@ -25,7 +25,7 @@ import numpy as np
 from vitviz.cost import export_plan
 from vitviz.server.gradio_io import current_caller, file_stem, secret_name
 from vitviz.server.views import Exploration
-from vitviz.swin import SwinAnalysis
+from vitviz.swin_analysis import SwinAnalysis
 
 __all__ = ["export_npz", "export_swin_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
 

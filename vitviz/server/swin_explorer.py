@@ -1,4 +1,4 @@
-"""The windowed explorer's data (a Swin analysis, `vitviz.swin.SwinAnalysis`), as the browser holds
+"""The windowed explorer's data (a Swin analysis, `vitviz.swin_analysis.SwinAnalysis`), as the browser holds
 it, and the one rule both sides draw it by.
 
 At layer l (stage s, its grid gh_s x gw_s of N_s tokens), a query token attends only inside its
@@ -42,7 +42,7 @@ from vitviz import cost
 from vitviz.cost import explorer_bytes
 from vitviz.plots import CMAP, lut
 from vitviz.server.explorer_data import dequantise, quantise_rows
-from vitviz.swin import SwinAnalysis
+from vitviz.swin_analysis import SwinAnalysis
 
 __all__ = ["POOL_QUERY", "view_rows", "window_rows", "pool_rows", "row_values", "visible", "query_cell", "outline_width",
            "layer_block", "stack_file", "write_payload", "widget_files"]

@@ -1,4 +1,4 @@
-"""The app's pictures of a Swin analysis (`vitviz.swin.SwinAnalysis`): no Gradio.
+"""The app's pictures of a Swin analysis (`vitviz.swin_analysis.SwinAnalysis`): no Gradio.
 
 A Swin attends inside windows, each stage on its own grid (the finest first, halved at each merge),
 and classifies from the mean of its final tokens: there is no cls token and no position embedding.
@@ -25,7 +25,8 @@ import torch
 from PIL import Image
 
 from vitviz import plots
-from vitviz.swin import SwinAnalysis, relative_position_index
+from vitviz.swin import relative_position_index
+from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
 from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, tick
 

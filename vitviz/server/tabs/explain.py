@@ -21,7 +21,7 @@ class ExplainTab(Tab):
     id = "explain"
     label = "Explain"
     needs = frozenset({"global_attention"})
-    swin_needs = frozenset()  # a Swin's maps: its windowed attention made global (`vitviz.swin`)
+    swin_needs = frozenset()  # a Swin's maps: its windowed attention made global (`vitviz.swin_analysis`)
     on_demand = True
 
     def __init__(self) -> None:
