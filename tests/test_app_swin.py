@@ -297,7 +297,7 @@ def test_the_npz_and_the_api_endpoints(analysed):
     assert api[page.PAGE.api_pred] == dict(fresh.predictions(5)) and "attentions" not in np.load(api[page.PAGE.api_npz])
     _map_equals(api[page.PAGE.api_rollout], exp, fresh.cls_map())
     view = page.api_attention(image, NAME, SHIFTED, "mean", 1 + 4 * 12 + 4)[page.PAGE.api_map]
-    assert np.array_equal(np.asarray(view), np.asarray(swin_views.render_window_query(exp, layer=SHIFTED, head="mean", query=1 + 4 * 12 + 4)))
+    assert np.array_equal(np.asarray(view), np.asarray(swin_views.render_query(exp, layer=SHIFTED, head="mean", query=1 + 4 * 12 + 4)))
     with pytest.raises(gr.Error, match="cannot run on"):
         page.api_explain(image, NAME, "", "legrad")
     from vitviz import plots
@@ -423,7 +423,7 @@ def _hover_two_windows(page_, url, _analysed, _canvas):
         rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
         assert shown == f"{int(rows[0])},{int(cols[0])},{int(rows[-1]) + 1},{int(cols[-1]) + 1}", (r, c, shown)
         got = _canvas(page_, "#vv-swin-explorer canvas.vvw-map")
-        want = np.asarray(swin_views.render_window_query(exp, layer=SHIFTED, head="mean", query=query, scale="layer"))[:, :side]
+        want = np.asarray(swin_views.render_query(exp, layer=SHIFTED, head="mean", query=query, scale="layer"))[:, :side]
         assert got.shape == want.shape and np.array_equal(got, want), (r, c, np.abs(got.astype(int) - want).max())
         windows.append((shown, got))
     assert windows[0][0] != windows[1][0]  # the outline moved with the query
@@ -442,7 +442,7 @@ def _hover_two_windows(page_, url, _analysed, _canvas):
     page_.wait_for_function("document.querySelector('#vv-swin-explorer canvas.vvw-map').dataset.query === '0'")
     assert page_.locator("#vv-swin-explorer canvas.vvw-map").get_attribute("data-window") == ""
     got = _canvas(page_, "#vv-swin-explorer canvas.vvw-map")
-    assert np.array_equal(got, np.asarray(swin_views.render_window_query(exp, layer=6, head="mean", query=0, scale="layer"))[:, :side])
+    assert np.array_equal(got, np.asarray(swin_views.render_query(exp, layer=6, head="mean", query=0, scale="layer"))[:, :side])
 
 
 @pytest.mark.skipif(not (vitviz.sources.assets_dir() / "shapes_swin.pt").is_file(), reason="assets/shapes_swin.pt is not trained yet")

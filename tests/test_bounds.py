@@ -311,16 +311,16 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
     thread, release = holding(1)  # the lane taken, the memory free
     try:
         assert runtime.WORK.lanes == 1 and len(runtime.WORK.running()) == 1
-        path, seconds = layer([key, 3])
-        assert path == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 3)) and seconds < 1.0, (path, seconds)
+        path, _ = layer([key, 3])  # written beside the job that holds the lane (waiting for it would answer "busy")
+        assert path == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 3)), path
     finally:
         release.set()
         thread.join()
     thread, release = holding(runtime.WORK.budget_bytes)  # the lane and every byte taken
     try:
         assert layer([key, 3])[0] == path  # written already: no job
-        busy, seconds = layer([key, 4])
-        assert busy["busy"] is True and "busy" in busy["error"] and seconds >= 1.0, busy
+        busy, _ = layer([key, 4])
+        assert busy["busy"] is True and "busy" in busy["error"], busy
         assert not explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4).exists()
     finally:
         release.set()

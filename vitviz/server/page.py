@@ -15,6 +15,7 @@ import gradio as gr
 from vitviz.cost import price
 from vitviz.images import describe_limits
 from vitviz.server import inputs, runtime, swin_views, views
+from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage
 from vitviz.server.menus import spec_line, variant_choices
 from vitviz.server.runtime import EXAMPLES, Outputs
@@ -364,7 +365,7 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
             path = runtime.DOWNLOADS.npz(exp, attentions=False, size=size)
         except ValueError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
-        drawn = swin_views if swin_views.is_swin(exp) else views  # a Swin's rollout and distances are its own
+        drawn = drawer(exp)  # by its token layout (a Swin's rollout and distances are its own)
         return {
             PAGE.api_pred: views.render_predictions(exp) or None,
             PAGE.api_rollout: drawn.render_rollout(exp),
@@ -420,14 +421,10 @@ def api_attention(image: str | None, variant: str, layer: float, head: str, quer
         The query's attention over the patches, drawn on the image.
     """
     exp = runtime.run(image, variant)
-    a = exp.analysis
-    if swin_views.is_swin(exp):  # the query's attention on its layer's stage grid, its window outlined
-        layer = runtime.checked(inputs.index, layer, 1, a.num_layers, "layer")
-        head = runtime.checked(inputs.head, head, a.heads(layer - 1))
-        query = runtime.checked(inputs.index, query, 0, a.grid[0] * a.grid[1], "query token")
-        return {PAGE.api_map: swin_views.render_window_query(exp, layer=layer, head=head, query=query)}
-    depth, heads = a.attentions.shape[:2]
+    draw = drawer(exp)  # a windowed model's: on its layer's stage grid, its window outlined
+    depth, _, _ = draw.explorer_bounds(exp)
     layer = runtime.checked(inputs.index, layer, 1, depth, "layer")
+    _, heads, queries = draw.explorer_bounds(exp, layer)
     head = runtime.checked(inputs.head, head, heads)
-    query = runtime.checked(inputs.index, query, 0, a.num_queries - 1, "query token")
-    return {PAGE.api_map: views.render_query(exp, layer=layer, head=head, query=query)}
+    query = runtime.checked(inputs.index, query, 0, queries - 1, "query token")
+    return {PAGE.api_map: draw.render_query(exp, layer=layer, head=head, query=query)}

@@ -6,7 +6,7 @@ What applies, drawn here from the stored analysis (no model runs):
 
 - the rollout of the pooled query through every layer and merge, on the finest grid (`cls_map`);
 - a query token's attention at any layer on that layer's stage grid, its window outlined
-  (`render_window_query`, the browser's windowed explorer draws the same pixels: `swin_explorer`);
+  (`render_query`, the browser's windowed explorer draws the same pixels: `swin_explorer`);
 - mean attention distance per layer and head in input pixels, heads by stage (`render_distance`);
 - each layer's relative position bias tables per head (`render_bias`), in place of position
   embeddings;
@@ -30,7 +30,7 @@ from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
 from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, tick
 
-__all__ = ["is_swin", "finest", "render_rollout", "render_window_query", "render_window_mosaic", "query_range", "distance_table",
+__all__ = ["is_swin", "finest", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
            "render_distance", "bias_tables", "render_bias", "render_filters", "render_stages", "describe_query", "head_view", "patch_at",
            "render_compare_distance"]
 
@@ -95,7 +95,7 @@ def _outlined(exp: Exploration, img: Image.Image, *, layer: int, query: int) -> 
     return out
 
 
-def render_window_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "layer") -> Image.Image:
+def render_query(exp: Exploration, *, layer: int, head: str, query: int, scale: str = "layer") -> Image.Image:
     """Layer `layer` (1-based) attention of query `query` (`swin_explorer.POOL_QUERY`, or 1 + a
     finest patch: the stage's token over it) on the layer's stage grid, over the image, its window
     outlined, with a colour bar. The values are the 8-bit rows the browser draws, so both give the
@@ -111,7 +111,7 @@ def render_window_query(exp: Exploration, *, layer: int, head: str, query: int, 
     return plots.with_colorbar(img, vmin=lo, vmax=hi, label="attention")
 
 
-def render_window_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "layer") -> Image.Image:
+def render_head_mosaic(exp: Exploration, *, layer: int, query: int, scale: str = "layer") -> Image.Image:
     """Every head of one layer for the same query, tiles about 160 px, on the layer's colour bar
     ("layer") or each on its own range, written beneath it ("map")."""
     a = exp.analysis
@@ -127,6 +127,21 @@ def render_window_mosaic(exp: Exploration, *, layer: int, query: int, scale: str
     img = plots.named(plots.mosaic(tiles, cols=math.ceil(math.sqrt(heads)), labels=labels), _name(exp, "window-heads", f"layer{layer}",
                                                                                                  f"token{query}", scale))
     return plots.with_colorbar(img, vmin=common[0], vmax=common[1], label="attention") if common else img
+
+
+def explorer_bounds(exp: Exploration, layer: int | None = None) -> tuple[int, int, int]:
+    """(layers, heads at `layer` (1-based) or the most of any layer, queries: the pooled query and
+    every finest patch)."""
+    a = exp.analysis
+    heads = a.heads(layer - 1) if layer is not None else max(a.heads(l) for l in range(a.num_layers))
+    return a.num_layers, heads, 1 + a.grid[0] * a.grid[1]
+
+
+def scale_refusal(scale: str) -> str | None:
+    """Why the windowed explorer has no such colour scale, or None."""
+    if scale == "shared":
+        return "A Swin's layers lie on grids of their own: its colour scale is one per layer or each map its own."
+    return None
 
 
 def patch_at(exp: Exploration, x: float, y: float) -> int:

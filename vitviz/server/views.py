@@ -38,6 +38,8 @@ __all__ = [
     "explore_crop",
     "patch_at",
     "describe_query",
+    "explorer_bounds",
+    "scale_refusal",
     "parse_head",
     "render_predictions",
     "render_rollout",
@@ -142,8 +144,8 @@ def patch_at(exp: Exploration, x: float, y: float) -> int:
     return a.patch_query(r, c)
 
 
-def describe_query(exp: Exploration, query: int) -> str:
-    """What query index `query` stands for, in words."""
+def describe_query(exp: Exploration, query: int, layer: int | None = None) -> str:
+    """What query index `query` stands for, in words (the same token at every layer)."""
     a = exp.analysis
     if query < len(a.query_names):
         name = a.query_names[query]
@@ -152,6 +154,17 @@ def describe_query(exp: Exploration, query: int) -> str:
         return "query: the cls token" if name == "cls" else f"query: the {name} token"
     r, c = divmod(query - len(a.query_names), a.grid[1])
     return f"query: patch row {r + 1}, column {c + 1}"
+
+
+def explorer_bounds(exp: Exploration, layer: int | None = None) -> tuple[int, int, int]:
+    """(layers, heads, queries: the prefix tokens, a pooled query and the patches) of the explorer."""
+    depth, heads = exp.analysis.attentions.shape[:2]
+    return depth, heads, exp.analysis.num_queries
+
+
+def scale_refusal(scale: str) -> str | None:
+    """Why the explorer has no such colour scale: None, it has each."""
+    return None
 
 
 def render_predictions(exp: Exploration) -> dict[str, float]:

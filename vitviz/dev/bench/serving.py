@@ -59,7 +59,8 @@ if gpu:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
 from vitviz.server import swin_views
-rollout = swin_views.render_rollout if swin_views.is_swin(exp) else views.render_rollout  # what the page draws
+from vitviz.server.drawers import drawer
+rollout = drawer(exp).render_rollout  # what the page draws
 if kind == "analyse":
     e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
 elif kind == "explain":

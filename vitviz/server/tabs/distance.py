@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import swin_views, views
+from vitviz.server.drawers import drawer
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
@@ -30,8 +30,7 @@ class DistanceTab(Tab):
         return [self.distance_img]
 
     def analysed(self, done: Analysed) -> Outputs:
-        draw = swin_views.render_distance if swin_views.is_swin(done.exp) else views.render_distance
-        return {self.distance_img: draw(done.exp)}
+        return {self.distance_img: drawer(done.exp).render_distance(done.exp)}
 
 
 TAB = register_tab(DistanceTab())

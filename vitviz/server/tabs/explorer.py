@@ -11,6 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from vitviz.server import explorer_data, inputs, runtime, swin_explorer, swin_views, views
+from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import ViewImage, client_address
 from vitviz.server.menus import head_choices
 from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
@@ -140,15 +141,14 @@ class ExplorerTab(Tab):
 
     def analysed(self, done: Analysed) -> Outputs:
         exp, a = done.exp, done.exp.analysis
-        swin = swin_views.is_swin(exp)
-        depth, heads = (a.num_layers, max(a.heads(l) for l in range(a.num_layers))) if swin else a.attentions.shape[:2]
+        depth, heads, _ = drawer(exp).explorer_bounds(exp)
         same = done.same_model  # the same choices and bounds as for the last analysis: the values alone
         return {
             self.prefix_query: None if same else gr.update(choices=list(a.query_names), value=None),
             self.layer: depth if same else gr.update(maximum=depth, value=depth),
             self.head: "mean" if same else gr.update(choices=head_choices(heads), value="mean"),
             self.query: 0,
-            self.query_text: swin_views.describe_query(exp, 0) if swin else views.describe_query(exp, 0),
+            self.query_text: drawer(exp).describe_query(exp, 0),
             **self._live_now(exp, same_model=same),
         }
 
@@ -203,39 +203,33 @@ class ExplorerTab(Tab):
 
     def _pictures(self, exp: views.Exploration, layer: int, head: str, query: int, scale: str) -> Outputs:
         """The server's explorer: the query's map and the layer's heads (a Swin's on its stage grid, its window outlined)."""
-        if swin_views.is_swin(exp):
-            return {self.explorer_img: swin_views.render_window_query(exp, layer=layer, head=head, query=query, scale=scale),
-                    self.mosaic: swin_views.render_window_mosaic(exp, layer=layer, query=query, scale=scale)}
-        return {self.explorer_img: views.render_query(exp, layer=layer, head=head, query=query, scale=scale),
-                self.mosaic: views.render_head_mosaic(exp, layer=layer, query=query, scale=scale)}
+        draw = drawer(exp)
+        return {self.explorer_img: draw.render_query(exp, layer=layer, head=head, query=query, scale=scale),
+                self.mosaic: draw.render_head_mosaic(exp, layer=layer, query=query, scale=scale)}
 
     def on_view(self, ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
         """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
         exp = runtime.recall(ref)
-        a = exp.analysis
-        swin = swin_views.is_swin(exp)
-        depth = a.num_layers if swin else a.attentions.shape[0]
+        draw = drawer(exp)
+        depth, _, _ = draw.explorer_bounds(exp)
         layer_value = runtime.checked(inputs.index, layer_value, 1, depth, "layer")
-        heads = a.heads(layer_value - 1) if swin else a.attentions.shape[1]
+        _, heads, queries = draw.explorer_bounds(exp, layer_value)
         head_value = runtime.checked(inputs.head, head_value, heads)
-        queries = 1 + a.grid[0] * a.grid[1] if swin else a.num_queries
         query_value = runtime.checked(inputs.index, query_value, 0, queries - 1, "query token")
         scale = runtime.scale_of(scale_value, SCALES)
-        if swin and scale == "shared":
-            raise runtime.error("A Swin's layers lie on grids of their own: its colour scale is one per layer or each map its own.")
+        refusal = draw.scale_refusal(scale)
+        if refusal:
+            raise runtime.error(refusal)
         return self._pictures(exp, layer_value, head_value, query_value, scale)
 
     def on_click(self, ref: SessionRef | None, layer_value: float, head_value: str, scale_value: str, evt: gr.SelectData) -> Outputs:
         """A click on the explorer image picks that patch as the query."""
         exp = runtime.recall(ref)
         x, y = runtime.click_xy(evt)
-        swin = swin_views.is_swin(exp)
-        query_value = swin_views.patch_at(exp, x, y) if swin else views.patch_at(exp, x, y)
+        draw = drawer(exp)
+        query_value = draw.patch_at(exp, x, y)
         shown = self.on_view(ref, layer_value, head_value, query_value, scale_value)  # the values checked
-        if swin:  # the patch, and the token of the layer's stage over it
-            text = swin_views.describe_query(exp, query_value, layer=int(float(layer_value)))
-        else:
-            text = views.describe_query(exp, query_value)
+        text = draw.describe_query(exp, query_value, layer=int(float(layer_value)))  # (a stage's token, for a windowed model)
         return {self.query: query_value, self.query_text: text, self.prefix_query: None, **shown}
 
     def on_prefix_query(self, ref: SessionRef | None, layer_value: float, head_value: str, name: str | None,
@@ -246,7 +240,7 @@ class ExplorerTab(Tab):
         if name not in names:
             raise runtime.error(f"The query token must be one of {', '.join(names)}.")
         index = names.index(name)
-        text = swin_views.describe_query(exp, index) if swin_views.is_swin(exp) else views.describe_query(exp, index)
+        text = drawer(exp).describe_query(exp, index)
         return {self.query: index, self.query_text: text,
                 **self.on_view(ref, layer_value, head_value, index, scale_value)}
 
