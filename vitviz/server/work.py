@@ -44,19 +44,22 @@ class LineTimes:
 
     A request's fixed part (decoding, resizing, pictures, copies, Python) does not shrink with the
     model, and on a GPU it is most of a small model's time, so one speed alone prices small models
-    far above and large ones far below what they take. Until the line has run jobs of two sizes (the
-    largest at least `SPREAD` times the smallest) its time is taken as proportional to the work, at
-    the median speed of its jobs; from then on the two parts are the least-squares line through its
-    jobs, the fixed part at least 0 and the work's share of the largest job at least a quarter. A
-    line with no job yet runs at `rate` flops per second.
+    far above what they take. The fixed part is the median time of the line's small jobs (under
+    `LARGE_FLOPS` of work or `LARGE_SECONDS` of time: mostly fixed time); the speed is the median of
+    the large jobs' work over their time less the fixed part (at least half their time), and `rate`
+    until a large job has run. Small jobs never set the speed: their time says nothing of how fast
+    work runs, and a speed taken from them (a slow small job's) would price a large job hundreds of
+    times too high.
 
     Models of one line still differ in what a flop costs them (a wide model's products run faster
     per flop than a narrow one's many small ones), so a job of a variant that has run jobs of about
     its size on the line (within `SPREAD`) is priced by those jobs alone, in proportion to its work:
-    the line's fit prices a variant until it has run.
+    the line's parts price a variant until it has run.
     """
 
     SPREAD = 1.5
+    LARGE_FLOPS = 1e10
+    LARGE_SECONDS = 0.2
 
     def __init__(self, rate: float, *, keep: int = 32) -> None:
         if rate <= 0 or keep < 1:
@@ -83,24 +86,11 @@ class LineTimes:
         """(fixed seconds, flops per second) of `line` as learned so far."""
         with self._lock:
             jobs = list(self._jobs.get(line, ()))
-        if not jobs:
-            return 0.0, self.rate
-        flops = [f for f, _ in jobs]
-        if max(flops) < self.SPREAD * min(flops):  # one size of job: its time taken as proportional to its work
-            return 0.0, statistics.median(f / s for f, s in jobs)
-        n = len(jobs)
-        mf, ms = sum(flops) / n, sum(s for _, s in jobs) / n
-        sff = sum((f - mf) ** 2 for f in flops)
-        slope = sum((f - mf) * (s - ms) for f, s in jobs) / sff  # seconds per flop
-        fixed = ms - slope * mf
-        largest = max(jobs)
-        floor = largest[1] / largest[0]  # at least as slow a flop as the largest job's, all of its time counted as work
-        if fixed < 0 or slope <= 0:  # no fixed part to be seen: proportional, through the origin
-            slope, fixed = max(sum(f * s for f, s in jobs) / sum(f * f for f in flops), 1e-300), 0.0
-        elif slope < floor / 4:  # a fit dominated by the fixed part: keep the work's share at least a quarter of the largest job's
-            slope = floor / 4
-            fixed = max(0.0, ms - slope * mf)
-        return fixed, 1.0 / slope
+        large = [(f, s) for f, s in jobs if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS]
+        small = [s for f, s in jobs if not (f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS)]
+        fixed = statistics.median(small) if small else 0.0
+        speed = statistics.median(f / max(s - fixed, s / 2) for f, s in large) if large else self.rate
+        return fixed, speed
 
     def estimate(self, line: str, flops: float, variant: str | None = None) -> float:
         """Seconds a job of `line` (of `variant`) running `flops` is expected to take."""

@@ -123,7 +123,7 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
     table = []
     for row in rows:
         others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
-        times = LineTimes(rate=1.0)  # what a server learns from the other variants' jobs of the line
+        times = LineTimes(rate=5e10)  # what a server learns from the other variants' jobs of the line (at ModelWork's default rate before)
         for r in others:
             times.add(r["line"], r["flops"], r["seconds"])
         learned = times.estimate(row["line"], row["flops"]) if others and row["flops"] > 0 else None
