@@ -37,7 +37,7 @@ def test_each_layout_is_drawn_by_its_module_through_the_same_protocol(exploratio
             picture = draw.render_query(exp, layer=layer, head="mean", query=query, scale="layer")
             assert np.asarray(picture).std() > 0
             assert draw.render_head_mosaic(exp, layer=layer, query=query, scale="layer").size[0] > 0
-        assert draw.render_rollout(exp).size == draw.render_rollout(exp).size
+        assert np.asarray(draw.render_rollout(exp)).std() > 0
         assert draw.render_distance(exp).size[0] > 0
     # a Swin's heads differ by stage, and its query indices are the pooled query and the finest patches
     assert drawers.drawer(swin).explorer_bounds(swin, 1)[1] < drawers.drawer(swin).explorer_bounds(swin)[1]

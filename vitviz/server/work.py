@@ -77,9 +77,10 @@ class LineTimes:
             with self._lock:
                 self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(seconds)))
                 if variant is not None:
-                    own = self._own.setdefault((line, variant), deque(maxlen=8))
+                    own = self._own.pop((line, variant), None) or deque(maxlen=8)
                     own.append((float(flops), float(seconds)))
-                    while len(self._own) > 64 * self.keep:  # the oldest variants' forgotten first
+                    self._own[(line, variant)] = own  # (last: the most recently run)
+                    while len(self._own) > 64 * self.keep:  # the least recently run variants forgotten first
                         del self._own[next(iter(self._own))]
 
     def parts(self, line: str) -> tuple[float, float]:
