@@ -4,9 +4,26 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Gradio's upload folder (which the app sweeps within its budget, files no caller here holds first) is
+# one per test process: the suite's processes, each with servers of its own, would sweep each other's
+# files (a test that shrinks the budget to 256 KiB removed a browser test's pictures beside it)
+# (a worker inherits the folder its controller made, and makes its own in its place)
+_UPLOADS = None
+if os.environ.get("GRADIO_TEMP_DIR") in (None, "", os.environ.get("VITVIZ_TEST_UPLOADS")):
+    import tempfile
+
+    _UPLOADS = tempfile.mkdtemp(prefix="vitviz-test-uploads-")
+    os.environ["GRADIO_TEMP_DIR"] = os.environ["VITVIZ_TEST_UPLOADS"] = _UPLOADS
 
 import pytest
 import torch
+
+
+def pytest_unconfigure(config):
+    if _UPLOADS is not None:
+        import shutil
+
+        shutil.rmtree(_UPLOADS, ignore_errors=True)
 
 
 def pytest_configure(config):
