@@ -628,7 +628,7 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
 
 @pytest.mark.parametrize("change, lacking", [
     (dict(position_embeddings=False), {"positions", "find"}),  # shapes_p16 has no text tower: Find says so as ever
-    (dict(attention="windowed"), {"explain", "find", "explorer", "tokens", "distance", "inside"}),
+    (dict(classifier=False), {"find", "inside"}),  # no class and no phrase: nothing to attribute
 ])
 def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app, example, monkeypatch, change, lacking):
     """A model without what a tab needs: the tab stays, its content hidden behind the one line
@@ -662,12 +662,9 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     positions = (out[tabs.positions.TAB.similarity_img], out[tabs.positions.TAB.filters_img])
     assert all(isinstance(p, Image.Image) for p in positions) is ("positions" not in lacking)
     assert isinstance(out[tabs.distance.TAB.distance_img], Image.Image) is ("distance" not in lacking)
-    # the rollout needs global attention too: in its place, the line saying why
+    # every layout has a rollout (its drawer's)
     rollout = out[tabs.predict.TAB.rollout_img]
-    windowed = change.get("attention") == "windowed"
-    assert rollout["visible"] is not windowed and (rollout["value"] is None) is windowed
-    reason = layout.lacks({"global_attention"}, name="shapes_p16")
-    assert (reason is not None and reason in out[tabs.predict.TAB.predict_note]) is windowed
+    assert rollout["visible"] is True and isinstance(rollout["value"], Image.Image)
     # the tabs drawn on demand and the explorer's data: drawn only for a model that meets their needs
     tokens_drawn = page.on_refresh_tab(ref, "tokens", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)
     assert (tabs.tokens.TAB.received_img in tokens_drawn) is ("tokens" not in lacking)

@@ -110,7 +110,7 @@ def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
     assert "mean of its final tokens" in out[predict.predict_note] and out[predict.discard]["interactive"] is False
     reasons = {t.id: out[t.gate.note]["value"] for t in tabs.TABS if out[t.gate.note]["visible"]}
     assert reasons.get("find") == f"{NAME} has no text tower: there is no phrase to look for"
-    assert reasons.get("tokens") == f"{NAME} has no cls token (it classifies from the mean of its patch tokens)"
+    assert reasons.get("tokens") == f"{NAME} attends within local windows, not across the whole image: there is no one token-by-token matrix per layer"
     for shown in ("predict", "explain", "explorer", "distance", "positions", "architecture"):
         assert shown not in reasons and out[tabs.TABS.by_id(shown).gate.content]["visible"] is True
     # distances: the library's, per layer, heads by stage, NaN where a layer has fewer heads
@@ -256,7 +256,7 @@ def test_hostile_values_get_clear_errors(analysed):
         with pytest.raises(gr.Error, match=words):
             explorer.on_view(ref, layer, head, query, tabs.explorer.SCALES[scale])
     assert "no layer files" in tabs.explorer.explorer_layer([ref.key, 1])["error"]
-    with pytest.raises(gr.Error, match="no cls token"):
+    with pytest.raises(gr.Error, match="attends within local windows"):
         tabs.tokens.TAB.on_tokens(ref, 0.6)
     with pytest.raises(gr.Error, match="no text tower"):
         tabs.find.TAB.on_find(ref, "a red star", "gradient")

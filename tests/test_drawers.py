@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vitviz.server import drawers, swin_views, views
-from vitviz.server.models import ModelCache
+from vitviz.server.models import ModelCache, ModelFacts
 
 IMAGE = str(Path(__file__).resolve().parent.parent / "assets" / "examples" / "star.png")
 
@@ -45,11 +45,44 @@ def test_each_layout_is_drawn_by_its_module_through_the_same_protocol(exploratio
     assert views.scale_refusal("shared") is None and "grids of their own" in swin_views.scale_refusal("shared")
 
 
+def test_what_differs_by_layout_beyond_the_explorer_comes_from_the_drawer_too(explorations, tmp_path):
+    """The drawer a model's attention names, the rollout's note and options, the explorer's file and widget, the learned
+    positions, the stages and the Explain tab's note: each from the layout's module."""
+    from vitviz.architectures import attention_of
+
+    vit, swin = explorations["shapes_p16"], explorations["shapes_swin"]
+    cache = ModelCache()
+    for exp in (vit, swin):
+        draw = drawers.drawer(exp)
+        model, facts = cache.get(exp.analysis.variant)
+        assert drawers.drawer_for(attention_of(model)) is draw and exp.analysis.layout.attention == attention_of(model)
+        assert ModelFacts.of(model).summary_rows == facts.summary_rows == exp.facts.summary_rows
+        live = draw.write_explorer(exp, key="k" * 22, folder=tmp_path)
+        assert live["mode"] != "server" and list(tmp_path.glob("k" * 22 + "*"))  # written, small enough for the browser
+        similarity, filters = draw.render_positions(exp)
+        assert filters.size[0] > 0
+    # a ViT: position embeddings, a discard ratio, no stages, its explorer sent with the analysis
+    assert views.rollout_note(vit) is None and views.DISCARD_RATIO and views.render_stages(vit) is None
+    assert views.render_positions(vit)[0] is not None and not vit.analysis.layout.position_bias
+    assert views.explorer_mode(vit) in ("stack", "layers") and views.EXPLORER_WIDGET == "global"
+    with pytest.raises(ValueError, match="not relative position bias"):
+        views.render_bias(vit, layer=1)
+    # a Swin: the pooled query's rollout explained, no discard ratio, a relative position bias per layer, its stages
+    assert "pooled query" in swin_views.rollout_note(swin) and not swin_views.DISCARD_RATIO
+    with pytest.raises(ValueError, match="discard ratio"):
+        swin_views.render_rollout(swin, discard_ratio=0.5)
+    assert swin_views.render_positions(swin)[0] is None and swin.analysis.layout.position_bias
+    assert np.asarray(swin_views.render_bias(swin, layer=2)).std() > 0
+    assert swin_views.render_stages(swin).size[0] > 0 and swin_views.EXPLORER_WIDGET == "windowed"
+    assert swin_views.explorer_mode(swin) not in ("stack", "layers")  # written after the analysis
+    assert swin_views.maps_note(swin, []) == "" and "Chefer" in swin_views.maps_note(swin, ["Chefer"])
+
+
 def test_a_module_that_lacks_part_of_the_protocol_is_refused():
     partial = types.ModuleType("partial")
     for name in drawers.PROTOCOL[:-1]:
         setattr(partial, name, lambda *a, **k: None)
-    with pytest.raises(TypeError, match="lacks scale_refusal"):
+    with pytest.raises(TypeError, match=f"lacks {drawers.PROTOCOL[-1]}, DISCARD_RATIO, EXPLORER_WIDGET$"):
         drawers.register_drawer("toy", partial)
     with pytest.raises(ValueError, match="no drawer for 'toy'"):
         drawers.drawer(types.SimpleNamespace(analysis=types.SimpleNamespace(layout=types.SimpleNamespace(attention="toy"))))

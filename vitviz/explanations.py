@@ -39,6 +39,7 @@ import torch
 from PIL import Image
 
 from vitviz.analysis import POOL, HeadFusion, Query, cls_map
+from vitviz.architectures import architecture_of
 from vitviz.explainers import method as registered
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
@@ -47,8 +48,6 @@ from vitviz.layout import TokenLayout
 from vitviz.model import ViT
 from vitviz.pipeline import layout_of, spec_of
 from vitviz.preprocess import preprocess
-from vitviz.swin import Swin
-from vitviz.swin_analysis import swin_relevance_maps
 
 __all__ = ["METHODS", "Explanation", "Recorded", "TextInput", "explain", "maps_of", "needs_gradients", "needs_layer_gradients", "record",
            "record_for", "relevance_maps", "resolve_target"]
@@ -592,8 +591,9 @@ def relevance_maps(
         classes: ({method: maps [B, gh, gw]}, targets [B] (None without a classifier), probabilities [B, C] or None);
         phrases: ({method: maps [B, T, gh, gw]}, None, similarities `logits_per_image` [B, T]).
     """
-    if isinstance(model, Swin):  # windowed attention, made global through the merges (vitviz.swin_analysis)
-        return swin_relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    own = architecture_of(model)  # a model explained its own way (a Swin: its windowed attention made global, `vitviz.swin_analysis`)
+    if own is not None:
+        return own.relevance_maps(model, x, methods=methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio)
     rec = record_for(model, x, methods, targets=targets, text=text, head_fusion=head_fusion, discard_ratio=discard_ratio, readout=readout,
                      start_layer=start_layer)
     maps = maps_of(rec, methods, head_fusion=head_fusion, discard_ratio=discard_ratio)

@@ -11,19 +11,21 @@ has them all, else the one-line reason shown in its place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["NEEDS", "TokenLayout", "check_needs"]
+__all__ = ["NEEDS", "Architecture", "TokenLayout", "check_needs", "register_architecture", "registered_architecture"]
 
 # each need, and what a model that lacks it is told
 NEEDS: dict[str, str] = {
     "cls": "has no cls token (it classifies from the mean of its patch tokens)",
     "classifier": "has no classifier (a self-supervised or feature model): there are no classes to explain",
     "position_embeddings": "has no learned position embeddings",
-    "global_attention": "attends within local windows, not across the whole image: there is no one token-by-token matrix per layer",
+    # learned positions of either kind: embeddings added to the patches, or a bias added to attention
+    "positions": "has no learned positions (neither position embeddings nor a relative position bias)",
     "text": "has no text tower: there is no phrase to look for",
+    "global_attention": "attends within local windows, not across the whole image: there is no one token-by-token matrix per layer",
     # a class or a phrase: what a method that differentiates any one score per image needs
     "target": "has no classifier and no text tower: there is no class or phrase to explain",
 }
@@ -50,6 +52,7 @@ class TokenLayout:
         pooled_query: the classifier reads the mean of the patch tokens and there is no cls token.
         classifier: the model has a classification head.
         position_embeddings: the model learned position embeddings for its patches.
+        position_bias: the model learned a relative position bias that its attention adds (Swin).
         text: the model has a text tower (image-text relevance).
     """
 
@@ -59,6 +62,7 @@ class TokenLayout:
     pooled_query: bool = False
     classifier: bool = True
     position_embeddings: bool = True
+    position_bias: bool = False
     text: bool = False
 
     def __post_init__(self) -> None:
@@ -93,6 +97,7 @@ class TokenLayout:
             "cls": "cls" in self.prefix_names,
             "classifier": self.classifier,
             "position_embeddings": self.position_embeddings,
+            "positions": self.position_embeddings or self.position_bias,
             "global_attention": self.attention == "global",
             "text": self.text,
             "target": self.classifier or self.text,
@@ -107,3 +112,49 @@ class TokenLayout:
             if need in missing:
                 return f"{name} {reason}"
         return None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one class of models whose attention is not global is analysed, explained and described
+    (registered with `register_architecture`; looked up by `vitviz.architectures.architecture_of`).
+
+    Attributes:
+        attention: the `TokenLayout.attention` of its analyses ("windowed" for a Swin).
+        analyze: (model, image) -> its analysis of one image (an image as `vitviz.load_image` takes it).
+        analyze_crop: (model, cropped PIL image) -> the same for an image already cropped to its input.
+        relevance_maps: as `vitviz.relevance_maps` (model, x, *, methods, targets, text, head_fusion,
+            discard_ratio) -> (maps, targets, probabilities).
+        methods: the explanation methods `relevance_maps` computes, in the order offered.
+        summary_rows: (model) -> its table stage by stage [[part, detail, output shape, parameters]].
+        patch_filters: (model) -> its patch embedding's filters [D, 3, P, P].
+    """
+
+    attention: str
+    analyze: Callable
+    analyze_crop: Callable
+    relevance_maps: Callable
+    methods: tuple[str, ...]
+    summary_rows: Callable
+    patch_filters: Callable
+
+
+_ARCHITECTURES: dict[type, Architecture] = {}
+
+
+def register_architecture(model_type: type, architecture: Architecture) -> None:
+    """Analyse, explain and describe models of `model_type` (and its subclasses) with `architecture`."""
+    if not isinstance(model_type, type):
+        raise TypeError(f"register an architecture for a model class, not {model_type!r}")
+    if architecture.attention == "global":
+        raise ValueError("a globally attending model needs no architecture: vitviz analyses it as a ViT")
+    _ARCHITECTURES[model_type] = architecture
+
+
+def registered_architecture(model_type: type) -> Architecture | None:
+    """The architecture registered for `model_type` or its nearest base class, or None."""
+    for cls in model_type.__mro__:
+        found = _ARCHITECTURES.get(cls)
+        if found is not None:
+            return found
+    return None

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, cls_map, mean_attention_distance
+from vitviz.architectures import architecture_of
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.imagetext import ImageTextModel
@@ -29,8 +30,6 @@ from vitviz.sources.base import VariantSpec
 
 if TYPE_CHECKING:  # vitviz.inside is imported on first use, so that `python -m vitviz.inside` runs a module not yet imported
     from vitviz.inside import Attribution, Stream, Target
-from vitviz.swin import Swin
-from vitviz.swin_analysis import analyze_swin, analyze_swin_crop
 
 __all__ = ["Analysis", "analyze", "analyze_crop", "image_tower", "layout_of", "spec_of"]
 
@@ -215,8 +214,9 @@ def analyze(
         on_layer: called with (layer, its attention [H, N, N] on the CPU) as soon as each block has
             computed it, before the next block runs (a Swin's windowed attention is not passed).
     """
-    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin_analysis.SwinAnalysis`
-        return analyze_swin(model, image)
+    own = architecture_of(model)  # a model analysed its own way (a Swin: `vitviz.swin_analysis.SwinAnalysis`)
+    if own is not None:
+        return own.analyze(model, image)
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
     return _analyze_input(model, x, cropped, labels=labels, template=template, on_layer=on_layer)
@@ -228,8 +228,9 @@ def analyze_crop(
 ) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
-    if isinstance(model, Swin):  # windowed attention: a `vitviz.swin_analysis.SwinAnalysis`
-        return analyze_swin_crop(model, cropped)
+    own = architecture_of(model)
+    if own is not None:
+        return own.analyze_crop(model, cropped)
     return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template,
                           on_layer=on_layer)
 

@@ -39,7 +39,7 @@ from vitviz.analysis import POOL, HeadFusion, fuse_heads
 from vitviz.config import VariantSpec
 from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
-from vitviz.layout import TokenLayout
+from vitviz.layout import Architecture, TokenLayout, register_architecture
 from vitviz.preprocess import preprocess, to_input
 from vitviz.swin import Swin, WindowGeometry
 
@@ -57,6 +57,7 @@ __all__ = [
     "analyze_swin_crop",
     "swin_relevance",
     "swin_relevance_maps",
+    "swin_summary_rows",
 ]
 
 # the explanation methods a Swin answers (`vitviz.explain`, `vitviz.relevance_maps`)
@@ -290,7 +291,7 @@ class SwinAnalysis:
     def __post_init__(self) -> None:
         if self.layout is None:
             self.layout = TokenLayout(prefix_names=(), grids=self.stage_grids, attention="windowed", pooled_query=True,
-                                      classifier=self.probabilities is not None, position_embeddings=False)
+                                      classifier=self.probabilities is not None, position_embeddings=False, position_bias=True)
 
     prefix_names = property(lambda self: ())
     num_prefix_tokens = property(lambda self: 0)
@@ -425,7 +426,7 @@ def _analyze_input(model: Swin, x: torch.Tensor, cropped: Image.Image) -> SwinAn
         device=str(param.device),
         model_seconds=seconds,
         layout=TokenLayout(prefix_names=(), grids=model.stage_grids(x.shape[2], x.shape[3]), attention="windowed", pooled_query=True,
-                           classifier=spec.has_head, position_embeddings=False),
+                           classifier=spec.has_head, position_embeddings=False, position_bias=True),
     )
 
 
@@ -537,3 +538,41 @@ def swin_relevance(model: Swin, image_or_x: ImageSource | torch.Tensor, target: 
         x = preprocess(load_image(image_or_x), _spec_of(model).preprocessing)[0].unsqueeze(0)
     maps, _, _ = swin_relevance_maps(model, x, methods=["gradient"], targets=[target])
     return maps["gradient"][0]
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def swin_summary_rows(model: Swin) -> list[list[str]]:
+    """A Swin stage by stage as the Architecture tab lists it (stage, layer, output shape, parameters):
+    the patch embedding, each stage's merge and blocks (heads, window, shift), the pooling and the head;
+    parameters read from the modules, shapes from the config at the spec's image size."""
+    c, spec = model.config, model.spec
+    side = spec.image_size
+    grids = c.stage_grids(spec.grid)
+    geometries = c.geometries(spec.grid)
+    rows = [["Input image", "", f"[B, 3, {side}, {side}]", "--"],
+            ["Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}, LayerNorm",
+             f"[B, {grids[0][0]}, {grids[0][1]}, {c.embed_dim}]", f"{_count(model.patch_embed) + _count(model.patch_norm):,}"]]
+    first = 0
+    for s, stage in enumerate(model.stages):
+        (gh, gw), dim = grids[s], c.dims[s]
+        if stage.merge is not None:
+            rows.append([f"Stage {s + 1}: patch merging", f"2x2 -> 1, LayerNorm, Linear {4 * c.dims[s - 1]} -> {dim}",
+                         f"[B, {gh}, {gw}, {dim}]", f"{_count(stage.merge):,}"])
+        for i, block in enumerate(stage.blocks):
+            g = geometries[first + i]
+            where = f"shifted by {g.shift[0]}x{g.shift[1]}" if g.shifted else "not shifted"
+            rows.append([f"  Stage {s + 1}, block {i + 1}", f"{c.num_heads[s]} heads, windows {g.window[0]}x{g.window[1]} "
+                         f"({g.num_windows}), {where}", f"[B, {gh}, {gw}, {dim}]", f"{_count(block):,}"])
+        first += len(stage.blocks)
+    rows.append(["Final LayerNorm, mean of the final tokens", "", f"[B, {c.dims[-1]}]", f"{_count(model.norm):,}"])
+    if c.num_classes:
+        rows.append(["Classification head", "Linear", f"[B, {c.num_classes}]", f"{_count(model.head):,}"])
+    return rows
+
+
+register_architecture(Swin, Architecture(attention="windowed", analyze=analyze_swin, analyze_crop=analyze_swin_crop,
+                                         relevance_maps=swin_relevance_maps, methods=SWIN_METHODS, summary_rows=swin_summary_rows,
+                                         patch_filters=lambda model: model.patch_embed.weight))

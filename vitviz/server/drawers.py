@@ -3,7 +3,8 @@
 Each kind of attention (`TokenLayout.attention`) has one module that draws it: "global" (one N x N
 matrix per layer and head: `vitviz.server.views`) and "windowed" (attention within windows, stage
 grids between merges: `vitviz.server.swin_views`). A page, tab or endpoint asks `drawer(exp)` for the
-module and calls the same functions of every one of them (`PROTOCOL`); a new layout registers its
+module (`drawer_for(attention)` before there is an analysis: a model's facts) and calls the same
+functions of every one of them (`PROTOCOL`, and the values `ATTRIBUTES`); a new layout registers its
 module with `register_drawer` and is drawn by every caller with no change there.
 
     drawer(exp).render_rollout(exp)
@@ -17,11 +18,12 @@ from types import ModuleType
 from vitviz.server import swin_views, views
 from vitviz.server.views import Exploration
 
-__all__ = ["PROTOCOL", "drawer", "register_drawer"]
+__all__ = ["ATTRIBUTES", "PROTOCOL", "drawer", "drawer_for", "register_drawer"]
 
 # what every drawer module offers, each taking the exploration first
 PROTOCOL: tuple[str, ...] = (
-    "render_rollout",      # (exp, *, head_fusion) -> the rollout over the image, with its colour bar
+    "render_rollout",      # (exp, *, head_fusion, discard_ratio=0, token=None) -> the rollout over the image, with its colour bar
+    "rollout_note",        # (exp) -> None, or what the page says beside the rollout (Markdown)
     "render_distance",     # (exp) -> the mean attention distance per layer and head
     "render_query",        # (exp, *, layer, head, query, scale) -> one query's attention at one layer (1-based)
     "render_head_mosaic",  # (exp, *, layer, query, scale) -> every head of one layer for the query
@@ -29,6 +31,17 @@ PROTOCOL: tuple[str, ...] = (
     "describe_query",      # (exp, query, layer=None) -> what the query index stands for, in words
     "explorer_bounds",     # (exp, layer=None) -> (layers, heads at that layer or the most of any, queries)
     "scale_refusal",       # (scale) -> None, or why this layout has no such colour scale
+    "explorer_mode",       # (exp) -> how the explorer reaches the browser: "stack" and "layers" go with the analysis; others after it
+    "write_explorer",      # (exp, *, key, folder) -> writes the explorer's files; the widget's value
+    "maps_note",           # (exp, missing) -> what the Explain tab says of the methods (titles) with no map, or ""
+    "render_positions",    # (exp) -> (the learned positions' picture or None, the patch filters' components)
+    "render_bias",         # (exp, *, layer) -> one layer's relative position bias (`TokenLayout.position_bias`)
+    "render_stages",       # (exp) -> None, or the stages over the image (grids, windows, merges)
+)
+# the values every drawer module has
+ATTRIBUTES: tuple[str, ...] = (
+    "DISCARD_RATIO",       # bool: the rollout takes a discard ratio
+    "EXPLORER_WIDGET",     # the page's explorer widget that draws this layout's `write_explorer` value
 )
 
 _DRAWERS: dict[str, ModuleType] = {}
@@ -37,6 +50,7 @@ _DRAWERS: dict[str, ModuleType] = {}
 def register_drawer(attention: str, module: ModuleType) -> None:
     """Draw analyses whose `layout.attention` is `attention` with `module` (every name of `PROTOCOL`)."""
     missing = [name for name in PROTOCOL if not callable(getattr(module, name, None))]
+    missing += [name for name in ATTRIBUTES if not hasattr(module, name)]
     if missing:
         raise TypeError(f"{module.__name__} cannot draw {attention!r} attention: it lacks {', '.join(missing)}")
     _DRAWERS[attention] = module
@@ -44,7 +58,11 @@ def register_drawer(attention: str, module: ModuleType) -> None:
 
 def drawer(exp: Exploration) -> ModuleType:
     """The module that draws `exp`, by its analysis' token layout."""
-    attention = exp.analysis.layout.attention
+    return drawer_for(exp.analysis.layout.attention)
+
+
+def drawer_for(attention: str) -> ModuleType:
+    """The module that draws analyses of `attention` (`TokenLayout.attention`)."""
     try:
         return _DRAWERS[attention]
     except KeyError:

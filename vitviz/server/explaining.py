@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import torch
 
+from vitviz.architectures import architecture_of
 from vitviz.explainers import method, methods
 from vitviz.explanations import METHODS as BUILT_IN, maps_of, record_for, relevance_maps, resolve_target
 from vitviz.faithfulness import Curves, perturbation_curves, random_maps
 from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
 from vitviz.server.views import Exploration
-from vitviz.swin_analysis import SWIN_METHODS, SwinAnalysis
 
 __all__ = ["explain_exploration", "find_phrases", "faithfulness_of", "MethodGuard", "PLUGIN_SECONDS"]
 
@@ -73,21 +73,23 @@ def explain_exploration(cache: ModelCache, exp: Exploration, *, target: str | No
     """Every registered method's map [gh, gw] for `target` (a class name; None: the top-1) on the
     analysed crop: the methods whose needs the model meets (`Method.needs`), those that explain a
     score only for a model with a classifier (a model without one, an image–text model included,
-    gets the maps that need no target: "attention" and "rollout"). A Swin: the methods of
-    `vitviz.swin_analysis.SWIN_METHODS` (its windowed attention made global, through every merge).
+    gets the maps that need no target: "attention" and "rollout"). A model of its own architecture
+    (`vitviz.architectures`; a Swin: its windowed attention made global, through every merge): the
+    methods it offers.
 
     With `guard`, a plugin method's failure or slowness stays with its own map (`MethodGuard`): it
     is left out, and `notes` (when given) gets {method: why}."""
     model, x = _input(cache, exp)
     a = exp.analysis
     has_class = a.probabilities is not None and a.layout.classifier  # an image–text model's zero-shot labels are phrases (Find)
-    if isinstance(a, SwinAnalysis):
-        wanted = [m for m in SWIN_METHODS if m in methods() and (has_class or not method(m).needs_target)]
+    own = architecture_of(model)
+    if own is not None:
+        wanted = [m for m in own.methods if m in methods() and (has_class or not method(m).needs_target)]
     else:
         wanted = [m for m in methods() if a.layout.lacks(method(m).needs) is None and (has_class or not method(m).needs_target)]
     index = resolve_target(target, a.categories, a.probabilities) if has_class else None
     targets = [index] if index is not None else None
-    if guard is None or isinstance(a, SwinAnalysis):
+    if guard is None or own is not None:  # (its maps come from its own `relevance_maps`, all together)
         maps, _, _ = relevance_maps(model, x, methods=wanted, targets=targets)
         return {m: v[0] for m, v in maps.items()}, index
     why = {m: guard.left_out(m) for m in wanted}

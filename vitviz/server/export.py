@@ -25,9 +25,8 @@ import numpy as np
 from vitviz.cost import export_plan
 from vitviz.server.gradio_io import current_caller, file_stem, secret_name
 from vitviz.server.views import Exploration
-from vitviz.swin_analysis import SwinAnalysis
 
-__all__ = ["export_npz", "export_swin_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
+__all__ = ["export_npz", "export_windowed_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
@@ -36,12 +35,12 @@ def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -
     to 1,024 tokens, the prefix tokens' rows beyond) and its map, distances, probabilities, the crop.
     `vitviz.cost.export_plan` says what an export holds and weighs before it is written.
 
-    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes. A Swin's
-    analysis is `export_swin_npz`'s.
+    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes. Windowed
+    attention (`TokenLayout.attention`) is `export_windowed_npz`'s.
     """
     a = exp.analysis
-    if isinstance(a, SwinAnalysis):
-        return export_swin_npz(exp, path, attentions=attentions)
+    if a.layout.attention != "global":
+        return _EXPORTS[a.layout.attention](exp, path, attentions=attentions)
     plan = export_plan(exp.facts.spec)
     path = Path(path)
     extra = {}
@@ -68,8 +67,8 @@ def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -
     return path
 
 
-def export_swin_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
-    """A Swin's analysis as an .npz: each layer's window attention `attention_<l>` [windows, heads,
+def export_windowed_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
+    """An analysis of windowed attention (a Swin's) as an .npz: each layer's window attention `attention_<l>` [windows, heads,
     M², M²] (optional; float32 up to 64 MB, float16 beyond) and relative position bias `bias_<l>`
     [heads, M², M²]; each layer's grid, window, shift and stage; the rollout [N_last, N_0] (mean
     fusion) and the pooled query's map on the finest grid; the distances [L, H_max] (NaN for heads a
@@ -93,6 +92,10 @@ def export_swin_npz(exp: Exploration, path: str | Path, *, attentions: bool = Tr
             windows=np.array(a.window_sizes), shifts=np.array(a.shifts), stages=np.array(a.stages), head_fusion="mean", variant=a.variant,
         )
     return path
+
+
+# the exports of the other kinds of attention, by `TokenLayout.attention`
+_EXPORTS = {"windowed": export_windowed_npz}
 
 
 def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*", room: int = 0,

@@ -13,12 +13,12 @@ import torch
 
 from vitviz import plots, steps
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
+from vitviz.architectures import architecture_of
+from vitviz.pipeline import image_tower
+from vitviz.summary import summary
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
-from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
-from vitviz.summary import summary
-from vitviz.swin import Swin
 
 __all__ = ["ModelFacts", "ModelCache", "TooLarge", "prune_hub_cache"]
 
@@ -65,37 +65,8 @@ def prune_hub_cache(repos: "OrderedDict[str, None]", *, max_bytes: int, keep: st
     return total
 
 
-def _count(module: torch.nn.Module) -> int:
+def count_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def swin_summary_rows(model: Swin) -> list[list[str]]:
-    """A Swin stage by stage as the Architecture tab lists it (stage, layer, output shape, parameters):
-    the patch embedding, each stage's merge and blocks (heads, window, shift), the pooling and the head;
-    parameters read from the modules, shapes from the config at the spec's image size."""
-    c, spec = model.config, model.spec
-    side = spec.image_size
-    grids = c.stage_grids(spec.grid)
-    geometries = c.geometries(spec.grid)
-    rows = [["Input image", "", f"[B, 3, {side}, {side}]", "--"],
-            ["Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}, LayerNorm",
-             f"[B, {grids[0][0]}, {grids[0][1]}, {c.embed_dim}]", f"{_count(model.patch_embed) + _count(model.patch_norm):,}"]]
-    first = 0
-    for s, stage in enumerate(model.stages):
-        (gh, gw), dim = grids[s], c.dims[s]
-        if stage.merge is not None:
-            rows.append([f"Stage {s + 1}: patch merging", f"2x2 -> 1, LayerNorm, Linear {4 * c.dims[s - 1]} -> {dim}",
-                         f"[B, {gh}, {gw}, {dim}]", f"{_count(stage.merge):,}"])
-        for i, block in enumerate(stage.blocks):
-            g = geometries[first + i]
-            where = f"shifted by {g.shift[0]}x{g.shift[1]}" if g.shifted else "not shifted"
-            rows.append([f"  Stage {s + 1}, block {i + 1}", f"{c.num_heads[s]} heads, windows {g.window[0]}x{g.window[1]} "
-                         f"({g.num_windows}), {where}", f"[B, {gh}, {gw}, {dim}]", f"{_count(block):,}"])
-        first += len(stage.blocks)
-    rows.append(["Final LayerNorm, mean of the final tokens", "", f"[B, {c.dims[-1]}]", f"{_count(model.norm):,}"])
-    if c.num_classes:
-        rows.append(["Classification head", "Linear", f"[B, {c.num_classes}]", f"{_count(model.head):,}"])
-    return rows
 
 
 @dataclass(frozen=True)
@@ -115,10 +86,17 @@ class ModelFacts:
     drawn: dict = field(default_factory=dict, repr=False, compare=False)  # pictures of these facts, drawn once
 
     @classmethod
-    def of(cls, model: ViT | Swin) -> "ModelFacts":
-        """The facts of a ViT, or of an image–text model's image tower (what the views show), or of a Swin."""
-        if isinstance(model, Swin):
-            return cls._of_swin(model)
+    def of(cls, model) -> "ModelFacts":
+        """The facts of a ViT, or of an image–text model's image tower (what the views show), or of a
+        model of its own architecture (`vitviz.architectures`: its filters and its stage table)."""
+        own = architecture_of(model)
+        if own is not None:
+            with torch.no_grad():
+                comps, explained = embedding_filter_components(own.patch_filters(model).detach().cpu(), k=28)
+            total = count_params(model)
+            return cls(spec=model.spec, similarity=None, components=comps, explained=explained,
+                       summary_rows=own.summary_rows(model) + [["Total", "", "", f"{total:,}"]], total_params=total,
+                       uniform_distance=None, distance_chart=None)
         spec: VariantSpec = model.spec
         tower = image_tower(model)
         c = tower.config
@@ -128,26 +106,10 @@ class ModelFacts:
             comps, explained = embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
         s = summary(tower)
         uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
-        return cls(
-            spec=spec,
-            similarity=sim,
-            components=comps,
-            explained=explained,
-            summary_rows=s.table() + [["Total", "", "", f"{s.total_params:,}"]],
-            total_params=s.total_params,
-            uniform_distance=uniform,
-            distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
-        )
-
-    @classmethod
-    def _of_swin(cls, model: Swin) -> "ModelFacts":
-        """A Swin's facts: its patch-embedding filters and its stage table (no position embeddings)."""
-        with torch.no_grad():
-            comps, explained = embedding_filter_components(model.patch_embed.weight.cpu(), k=28)
-        rows = swin_summary_rows(model)
-        total = _count(model)
-        return cls(spec=model.spec, similarity=None, components=comps, explained=explained,
-                   summary_rows=rows + [["Total", "", "", f"{total:,}"]], total_params=total, uniform_distance=None, distance_chart=None)
+        return cls(spec=spec, similarity=sim, components=comps, explained=explained,
+                   summary_rows=s.table() + [["Total", "", "", f"{s.total_params:,}"]], total_params=s.total_params,
+                   uniform_distance=uniform,
+                   distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"))
 
 
 class ModelCache:
@@ -196,7 +158,7 @@ class ModelCache:
                     return self._models[name]
             model = load_model(name, device=self.device)
             repo = _repo(model.spec)
-            count = _count(model)
+            count = count_params(model)
             if self.max_params is not None and count > self.max_params:
                 del model
                 self._fetched(repo, keep=None)  # its files count within the hub's budget, oldest first

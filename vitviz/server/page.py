@@ -14,7 +14,7 @@ import gradio as gr
 
 from vitviz.cost import price
 from vitviz.images import describe_limits
-from vitviz.server import inputs, runtime, swin_views, views
+from vitviz.server import inputs, runtime, views
 from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import GuardedBlocks, PngImage, UploadedImage
 from vitviz.server.menus import spec_line, variant_choices
@@ -119,7 +119,7 @@ def _results() -> None:
             for tab in TABS:
                 tab.page = PAGE
                 with gr.Tab(tab.label, id=tab.id):
-                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, tab.swin_needs, waits=tab.waits)
+                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, waits=tab.waits)
                     with tab.gate.content:
                         tab.build(PAGE)
     PAGE.analysis_outputs = [
@@ -397,9 +397,9 @@ def api_explain(image: str | None, variant: str, target: str, method: str) -> Ou
     with runtime.job("explain", a.variant):
         maps, index = runtime.explain_on_device(exp, target)
     if method not in maps:
-        if swin_views.is_swin(exp):
-            raise runtime.error(f"{method} cannot run on {a.variant} (windowed attention): it offers {', '.join(maps)}.")
-        raise runtime.error(f"{a.variant} has no classifier: only attention and rollout can be shown.")
+        if index is None:
+            raise runtime.error(f"{a.variant} has no classifier: only attention and rollout can be shown.")
+        raise runtime.error(f"{method} cannot run on {a.variant} ({a.layout.attention} attention): it offers {', '.join(maps)}.")
     label = a.categories[index] if index is not None else "no-class"
     return {PAGE.api_map: views.render_method_maps(exp, {method: maps[method]}, label=label)[method]}
 

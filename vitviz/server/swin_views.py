@@ -30,17 +30,52 @@ from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
 from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, tick
 
-__all__ = ["is_swin", "finest", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
-           "render_distance", "bias_tables", "render_bias", "render_filters", "render_stages", "describe_query", "head_view", "patch_at",
-           "render_compare_distance"]
+__all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
+           "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
+           "render_distance", "bias_tables", "render_bias", "render_filters", "render_stages", "describe_query", "head_view", "patch_at"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
 QUERY_COLOR = (255, 255, 255)  # the query token
 
 
-def is_swin(exp: Exploration) -> bool:
-    """Whether the exploration is a Swin's (windowed attention served window by window)."""
-    return isinstance(exp.analysis, SwinAnalysis)
+DISCARD_RATIO = False  # most of each row lies outside the window: the rollout's discard ratio is not defined
+EXPLORER_WIDGET = "windowed"  # the page's explorer widget that draws this layout (`swin_explorer.js`)
+ROLLOUT_NOTE = (
+    "**Rollout of the pooled query.** {variant} has no cls token: its classifier reads the mean of its final tokens, so "
+    "the map is the mean of their rows of the rollout, carried through every window layer (the shift undone, masked pairs "
+    "0) and every patch merge (each merged token drawing equally on its 2x2 children) onto the finest grid. The discard "
+    "ratio is not defined for windowed attention."
+)
+
+
+def rollout_note(exp: Exploration) -> str | None:
+    """What the rollout is for a model without a cls token, through windows and merges."""
+    return ROLLOUT_NOTE.format(variant=exp.analysis.variant)
+
+
+def maps_note(exp: Exploration, missing: list[str]) -> str:
+    """Why the methods `missing` (their titles) have no map, and what the maps are."""
+    if not missing:
+        return ""
+    return (f"Not for a Swin (windowed attention): {', '.join(missing)}. The maps are the pooled query's (the mean of the final "
+            "tokens' rows), through every window layer and patch merge onto the finest grid.")
+
+
+def explorer_mode(exp: Exploration) -> str:
+    """The windowed explorer's data is one file written after the analysis ("windows")."""
+    return "windows"
+
+
+def write_explorer(exp: Exploration, *, key: str, folder) -> dict:
+    """Writes the windowed explorer's file for `exp` under names made from `key`; the widget's value
+    ("stack", or "server" when too large for the browser)."""
+    return swin_explorer.write_payload(exp, key=key, folder=folder, spec=exp.facts.spec)
+
+
+def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
+    """(no position embeddings: None; the patch filters). Its learned positions are each layer's
+    relative position bias (`render_bias`)."""
+    return None, render_filters(exp)
 
 
 def finest(values: torch.Tensor | np.ndarray, grid: tuple[int, int], stage: int) -> np.ndarray:
@@ -50,9 +85,14 @@ def finest(values: torch.Tensor | np.ndarray, grid: tuple[int, int], stage: int)
     return v[rows][:, cols]
 
 
-def render_rollout(exp: Exploration, *, head_fusion: str = "mean") -> Image.Image:
+def render_rollout(exp: Exploration, *, head_fusion: str = "mean", discard_ratio: float = 0.0, token=None) -> Image.Image:
     """The pooled query's rollout through every layer and merge (the mean of the final tokens' rows),
-    over the image, with its colour bar."""
+    over the image, with its colour bar (no other query, no discard ratio: `DISCARD_RATIO`)."""
+    if discard_ratio:
+        raise ValueError("The discard ratio is not defined for windowed attention (most of each row lies outside the window): "
+                         "leave it at 0.")
+    if token is not None:
+        raise ValueError("A windowed model's rollout is its pooled query's: there is no other token to roll out.")
     heat = exp.analysis.cls_map(head_fusion=head_fusion)  # type: ignore[arg-type]
     return _heat_view(exp, heat, name=_name(exp, "rollout", "pool", head_fusion), label="rollout")
 
@@ -231,15 +271,3 @@ def render_stages(exp: Exploration) -> Image.Image:
         labels.append(f"stage {s + 1}: {g.grid[0]}x{g.grid[1]}, {where}")
     img = plots.mosaic(tiles, cols=min(len(tiles), 4), labels=labels)
     return plots.named(img, _name(exp, "stages"))
-
-
-def render_compare_distance(exps: list[Exploration]) -> Image.Image:
-    """Several variants' mean attention distance in one chart, each layer's heads its own (a Swin's
-    by stage, a ViT's all alike), each in its own input pixels."""
-    series = {}
-    for e in exps:
-        d = e.analysis.distances()
-        series[e.facts.spec.name] = list(d) if isinstance(d, list) else [row for row in d]
-    fig = plots.layer_distance_figure(series, title="Mean attention distance per head (each variant's own pixels)")
-    names = "-".join("".join(c if c.isalnum() or c in "-_." else "-" for c in e.facts.spec.name) for e in exps)
-    return plots.named(plots.figure_to_image(fig), f"compare-{names}-attention-distance.png")

@@ -26,8 +26,8 @@ from vitviz.images import ImageSource, load_image
 from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_of
 from vitviz.preprocess import crop
 from vitviz.server import explorer_data
+from vitviz.architectures import attention_of
 from vitviz.server.models import ModelCache, ModelFacts
-from vitviz.swin import Swin
 
 __all__ = [
     "DISPLAY_PX",
@@ -40,6 +40,15 @@ __all__ = [
     "describe_query",
     "explorer_bounds",
     "scale_refusal",
+    "DISCARD_RATIO",
+    "EXPLORER_WIDGET",
+    "rollout_note",
+    "maps_note",
+    "explorer_mode",
+    "write_explorer",
+    "render_positions",
+    "render_bias",
+    "render_stages",
     "parse_head",
     "render_predictions",
     "render_rollout",
@@ -104,7 +113,7 @@ def explore(cache: ModelCache, image: ImageSource, variant: str, *, stream_to: s
     `on_file` with the file's `vitviz.cost.ExplorerLayout` and path as soon as it is complete
     (as the forward's last attention is, for most models)."""
     model, facts = cache.get(variant)
-    if stream_to is None or isinstance(model, Swin):
+    if stream_to is None or attention_of(model) != "global":  # (the stack file is of N x N attention)
         return Exploration(analyze(model, image), facts)
     tower = image_tower(model)
     stream = explorer_data.StackStream(stream_to, depth=tower.config.depth, num_prefix_tokens=tower.config.num_prefix_tokens,
@@ -164,6 +173,50 @@ def explorer_bounds(exp: Exploration, layer: int | None = None) -> tuple[int, in
 
 def scale_refusal(scale: str) -> str | None:
     """Why the explorer has no such colour scale: None, it has each."""
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The rest of the drawer protocol (`vitviz.server.drawers.PROTOCOL`) for global attention
+
+DISCARD_RATIO = True  # the rollout's discard ratio applies
+EXPLORER_WIDGET = "global"  # the page's explorer widget that draws this layout (`explorer.js`)
+
+
+def rollout_note(exp: Exploration) -> str | None:
+    """What the page says beside the rollout of this layout (None: the caption says it all)."""
+    return None
+
+
+def maps_note(exp: Exploration, missing: list[str]) -> str:
+    """What the Explain tab adds about the methods (`missing`, their titles) with no map for this
+    model: here each lacks what the model does not have, which the tab's note says already."""
+    return ""
+
+
+def explorer_mode(exp: Exploration) -> str:
+    """How the explorer reaches the browser (`explorer_data.layout_of`): "stack" (one file written
+    during the forward), "layers" (a file per layer when shown) or "server" (drawn by the server)."""
+    return explorer_data.layout_of(exp.analysis).mode
+
+
+def write_explorer(exp: Exploration, *, key: str, folder) -> dict:
+    """Writes the explorer's files for `exp` under names made from `key`; the widget's value."""
+    return explorer_data.write_payload(exp, key=key, folder=folder)
+
+
+def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
+    """(the learned positions' picture: the embeddings' similarity, or None; the patch filters)."""
+    return render_position(exp)
+
+
+def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
+    """A layer's relative position bias: none here (`TokenLayout.position_bias`)."""
+    raise ValueError(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables")
+
+
+def render_stages(exp: Exploration) -> Image.Image | None:
+    """The stages over the image: one stage of one global grid, drawn as the patch grid (None)."""
     return None
 
 
@@ -293,8 +346,15 @@ _COMPARE_CHART = plots.DistanceChart(uniform=None, title="Mean attention distanc
 
 
 def render_compare_distance(exps: list[Exploration]) -> Image.Image:
-    img = _COMPARE_CHART.render({e.facts.spec.name: e.analysis.distances() for e in exps})
-    return plots.named(img, "compare-" + "-".join(_slug(e.facts.spec.name) for e in exps) + "-attention-distance.png")
+    """Several variants' mean attention distance in one chart, each in its own input pixels: one
+    [layers, heads] table each, or, when a model's layers differ in heads (a list of rows, one per
+    layer: heads by stage), each layer's heads its own."""
+    tables = {e.facts.spec.name: e.analysis.distances() for e in exps}
+    name = "compare-" + "-".join(_slug(e.facts.spec.name) for e in exps) + "-attention-distance.png"
+    if all(isinstance(t, torch.Tensor) for t in tables.values()):
+        return plots.named(_COMPARE_CHART.render(tables), name)
+    fig = plots.layer_distance_figure({k: list(t) for k, t in tables.items()}, title=_COMPARE_CHART.title)
+    return plots.named(plots.figure_to_image(fig), name)
 
 
 def rollout_density(exp: Exploration) -> torch.Tensor:

@@ -58,7 +58,6 @@ gpu = torch.cuda.is_available()
 if gpu:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
-from vitviz.server import swin_views
 from vitviz.server.drawers import drawer
 rollout = drawer(exp).render_rollout  # what the page draws
 if kind == "analyse":
@@ -69,11 +68,8 @@ elif kind == "faithfulness":
     explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
 elif kind == "export":
     Downloads().npz(exp, size=cost.kept_bytes)
-elif kind == "explorer" and swin_views.is_swin(exp):
-    from vitviz.server import swin_explorer
-    swin_explorer.write_payload(exp, key="bench", folder=Downloads().folder, spec=model.spec)
 elif kind == "explorer":
-    explorer_data.write_payload(exp, key="bench", folder=Downloads().folder)
+    drawer(exp).write_explorer(exp, key="bench", folder=Downloads().folder)
 elif kind == "view":
     rollout(exp, head_fusion="max")
 elif kind == "find":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import swin_views, views
+from vitviz.server import views
+from vitviz.server.drawers import drawer
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
@@ -33,8 +34,8 @@ class ArchitectureTab(Tab):
 
     def analysed(self, done: Analysed) -> Outputs:
         grid, table_rows = views.render_architecture(done.exp)
-        swin = swin_views.is_swin(done.exp)
-        stages = gr.update(value=swin_views.render_stages(done.exp) if swin else None, visible=swin)
+        stages = drawer(done.exp).render_stages(done.exp)  # a layout of several stages draws them
+        stages = gr.update(value=stages, visible=stages is not None)
         return {self.grid_img: grid, self.stages_img: stages, self.table: gr.skip() if done.same_model else table_rows}
 
 

@@ -1,9 +1,8 @@
 """What a tab of the results is, and the registry the page builds its tabs from.
 
 A tab is one object (a `Tab` subclass, one module each): its `id` and `label`, the `needs` of the
-analysed model it depends on (names from `vitviz.layout.NEEDS`; `swin_needs` those of its views of a
-Swin analysis, whose windowed attention the tab serves its own way), `build` (its components, inside its
-`gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
+analysed model it depends on (names from `vitviz.layout.NEEDS`, met or not by the analysis' token
+layout, whatever the model's family), `build` (its components, inside its `gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
 shown, for `on_demand` tabs), `follow_up` (a step after the analysis is on the page) and `wire`
 (its own events). The page builds and wires every registered tab in one loop, and hides the content
 of a tab whose needs the analysed model lacks behind one line saying why (`Gate`).
@@ -20,7 +19,6 @@ from gradio.components import Component
 
 from vitviz.layout import check_needs
 from vitviz.server import runtime, views
-from vitviz.server.swin_views import is_swin
 from vitviz.server.gradio_io import PngImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
@@ -38,37 +36,32 @@ class Gate:
     needs: frozenset[str]
     note: Component
     content: Component
-    swin_needs: frozenset[str] | None = None
 
     def lacks(self, exp: views.Exploration) -> str | None:
-        return lacks(exp, self.needs, self.swin_needs)
+        return lacks(exp, self.needs)
 
     def outputs(self, exp: views.Exploration) -> Outputs:
         reason = self.lacks(exp)
         return {self.note: gr.update(value=reason or "", visible=reason is not None), self.content: gr.update(visible=reason is None)}
 
 
-def lacks(exp: views.Exploration, needs: Iterable[str], swin_needs: Iterable[str] | None = None) -> str | None:
-    """None when the analysed model meets `needs` (a Swin analysis: `swin_needs`, when the content has
-    views of its own for one), else the line shown in their place."""
+def lacks(exp: views.Exploration, needs: Iterable[str]) -> str | None:
+    """None when the analysed model meets `needs`, else the line shown in their place."""
     a = exp.analysis
-    wanted = swin_needs if swin_needs is not None and is_swin(exp) else needs
-    return a.layout.lacks(wanted, name=a.variant)
+    return a.layout.lacks(needs, name=a.variant)
 
 
 # what a tab that draws an analysis says in place of its content before the first one
 NO_ANALYSIS = "No image analysed yet: upload one or click an example, and this tab shows what the model made of it."
 
 
-def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], swin_needs: Iterable[str] | None = None, *,
-         waits: bool = True) -> Gate:
+def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], *, waits: bool = True) -> Gate:
     """A note (`<elem_id>-lacks`) and a column (`<elem_id>-content`) for content that needs `needs`
-    (`swin_needs` for a Swin analysis, when it has views of its own for one; open the column with
-    `with gate.content:`); kept in `gates`, whose outputs every analysis gives. Content that `waits`
+    (open the column with `with gate.content:`); kept in `gates`, whose outputs every analysis gives. Content that `waits`
     for an analysis starts hidden behind `NO_ANALYSIS`."""
     note = gr.Markdown(NO_ANALYSIS if waits else "", visible=waits, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
     content = gr.Column(visible=not waits, elem_id=f"{elem_id}-content")
-    g = Gate(check_needs(needs), note, content, None if swin_needs is None else check_needs(swin_needs))
+    g = Gate(check_needs(needs), note, content)
     gates.append(g)
     return g
 
@@ -89,13 +82,11 @@ class Tab:
     id: str = ""
     label: str = ""
     needs: frozenset[str] = frozenset()
-    swin_needs: frozenset[str] | None = None  # the needs of its views of a Swin analysis; None: it has none (`needs` apply)
     on_demand: bool = False  # drawn when shown (`draw`), not with every analysis
     waits: bool = True  # shows nothing before the first analysis (one line says so); False: works from the image alone
 
     def __init__(self) -> None:
         self.needs = check_needs(self.needs)
-        self.swin_needs = None if self.swin_needs is None else check_needs(self.swin_needs)
         self.page = None  # set by the page before `build`
         self.gate: Gate | None = None  # set by the page: this tab's content and its one-line note
         self.draw_inputs: list[Component] = []  # what `draw` reads besides the session's analysis
@@ -103,7 +94,7 @@ class Tab:
 
     def lacks(self, exp: views.Exploration) -> str | None:
         """None when the tab can draw `exp`, else the line shown in place of its content."""
-        return lacks(exp, self.needs, self.swin_needs)
+        return lacks(exp, self.needs)
 
     def recall(self, ref: SessionRef | None) -> views.Exploration:
         """The session's analysis, when the tab can draw it; else a clear error (the line the tab shows)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.cost import price, together
-from vitviz.server import runtime, swin_views, views
+from vitviz.server import runtime, views
 from vitviz.server.menus import grouped_choices
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Tab, figure, register_tab
@@ -70,8 +70,7 @@ class CompareTab(Tab):
             return {self.compare_notice: runtime.notice_html(exc.message)}
 
     def _outputs(self, exps: list[views.Exploration], *, shared: bool) -> Outputs:
-        ragged = any(swin_views.is_swin(e) for e in exps)  # a Swin's heads differ by stage
-        distance = swin_views.render_compare_distance(exps) if ragged else views.render_compare_distance(exps)
+        distance = views.render_compare_distance(exps)  # (a model whose heads differ by stage: each layer its own)
         rollouts, ranges = views.render_compare_rollouts(exps, shared=shared)
         out: Outputs = {
             self.compare_notice: "",

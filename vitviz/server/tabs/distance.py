@@ -12,8 +12,7 @@ from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 class DistanceTab(Tab):
     id = "distance"
     label = "Distance"
-    needs = frozenset({"global_attention"})
-    swin_needs = frozenset()  # a Swin: each layer on its own stage's grid
+    needs = frozenset()  # every token layout's drawer measures its distances (windowed: each layer on its stage's grid)
 
     def build(self, page) -> None:
         gr.Markdown(

@@ -6,7 +6,8 @@ import gradio as gr
 
 from vitviz import plots
 from vitviz.explainers import method as registered_method, methods
-from vitviz.server import runtime, swin_views, views
+from vitviz.server import runtime, views
+from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
@@ -20,8 +21,7 @@ EXPLAIN_SCALES = ("each map", "shared by every map")
 class ExplainTab(Tab):
     id = "explain"
     label = "Explain"
-    needs = frozenset({"global_attention"})
-    swin_needs = frozenset()  # a Swin's maps: its windowed attention made global (`vitviz.swin_analysis`)
+    needs = frozenset()  # the methods a model's analysis offers (windowed attention: made global, `vitviz.swin_analysis`)
     on_demand = True
 
     def __init__(self) -> None:
@@ -102,9 +102,9 @@ class ExplainTab(Tab):
         else:
             note = f"Explaining **{label}** ({float(a.probabilities[index]):.1%})."
         missing = [registered_method(m).title for m in METHODS if m not in maps]
-        if swin_views.is_swin(exp) and missing:
-            note += (f" Not for a Swin (windowed attention): {', '.join(missing)}. The maps are the pooled query's (the mean of the "
-                     "final tokens' rows), through every window layer and patch merge onto the finest grid.")
+        about = drawer(exp).maps_note(exp, missing)
+        if about:
+            note += " " + about
         if left_out:
             note += " " + " ".join(left_out.values())
         faith = {self.faith_img: gr.skip(), self.faith_table: gr.skip()} if keep_faithfulness else {self.faith_img: None, self.faith_table: gr.update(value=None, visible=False)}

@@ -1,8 +1,8 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
 data (written while the analysis' forward runs, and sent with its outputs), or by the server for a
-model too large for it.
-A Swin gets the windowed explorer (`vitviz.server.swin_explorer`): a query's attention on its layer's
-stage grid, its window outlined."""
+model too large for it. Each token layout's drawer names the widget that draws it
+(`EXPLORER_WIDGET`: "global", or "windowed", `vitviz.server.swin_explorer`: a query's attention on
+its layer's stage grid, its window outlined) and writes its value (`write_explorer`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from vitviz.server import explorer_data, inputs, runtime, swin_explorer, swin_views, views
+from vitviz.server import explorer_data, inputs, runtime, swin_explorer, views
 from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import ViewImage, client_address
 from vitviz.server.menus import head_choices
@@ -44,10 +44,8 @@ def _explorer_layer(request: list) -> str:
     exp = runtime.STORE.get(key) if isinstance(key, str) else None
     if exp is None:
         raise runtime.error("This analysis is no longer kept: analyse the image again.")
-    if swin_views.is_swin(exp):  # its explorer's data is one file, written with the analysis
-        raise runtime.error("This analysis is a Swin's: its windowed explorer has no layer files.")
-    mode = explorer_data.layout_of(exp.analysis).mode
-    if mode != "layers":  # one file for the browser, written with the analysis, or no file: drawn by the server
+    mode = drawer(exp).explorer_mode(exp)
+    if mode != "layers":  # one file for the browser, written with or after the analysis, or no file: drawn by the server
         raise runtime.error(f"This analysis' explorer has no layer files (its layout is {mode!r}).")
     layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
     path = explorer_data.layer_path(runtime.EXPLORER_DIR, key, layer_value)
@@ -89,8 +87,7 @@ async def explorer_early(request: list, http: gr.Request) -> dict | None:
 class ExplorerTab(Tab):
     id = "explorer"
     label = "Explorer"
-    needs = frozenset({"global_attention"})
-    swin_needs = frozenset()  # a Swin: the windowed explorer
+    needs = frozenset()  # every token layout's drawer has an explorer (`drawers.PROTOCOL`)
 
     def build(self, page) -> None:
         gr.Markdown("What one token attends to at one layer, for one head or fused over heads, and every head beside it.",
@@ -139,6 +136,18 @@ class ExplorerTab(Tab):
     def _live_outputs(self) -> list:
         return [self.explorer_live, self.swin_live, self.global_box, self.swin_box, self.server_explorer, self.explorer_img, self.mosaic]
 
+    def _widgets(self) -> dict:
+        """{`EXPLORER_WIDGET` name: (its column, its widget)}."""
+        return {"global": (self.global_box, self.explorer_live), "windowed": (self.swin_box, self.swin_live)}
+
+    def _shown(self, kind: str | None, live: dict | None) -> Outputs:
+        """The widget `kind` shown with the value `live`, every other one hidden and emptied."""
+        out: Outputs = {}
+        for name, (box, widget) in self._widgets().items():
+            out[widget] = live if name == kind else None
+            out[box] = gr.update(visible=name == kind)
+        return out
+
     def analysed(self, done: Analysed) -> Outputs:
         exp, a = done.exp, done.exp.analysis
         depth, heads, _ = drawer(exp).explorer_bounds(exp)
@@ -154,52 +163,43 @@ class ExplorerTab(Tab):
 
     def _sent_with_analysis(self, exp: views.Exploration) -> bool:
         """Whether the browser's explorer goes with the analysis' own outputs: its file was written
-        during the forward (`runtime.run`), or its layers are written when shown. A Swin's, and the
-        server's explorer of a model too large for the browser, follow the analysis (`follow_up`)."""
-        return exp.key is not None and not swin_views.is_swin(exp) and explorer_data.layout_of(exp.analysis).mode != "server"
+        during the forward (`runtime.run`), or its layers are written when shown. Another layout's file
+        (a windowed model's), and the server's explorer of a model too large for the browser, follow
+        the analysis (`follow_up`)."""
+        return exp.key is not None and drawer(exp).explorer_mode(exp) in ("stack", "layers")
 
     def _live_now(self, exp: views.Exploration, *, same_model: bool = False) -> Outputs:
         if not self._sent_with_analysis(exp):
             return {c: gr.skip() for c in self._live_outputs()}
+        drawn = drawer(exp)
         with runtime.EXPLORER_LOCKS.hold(exp.key):  # the file is there (`runtime.run`): the pictures beside it
-            live = explorer_data.write_payload(exp, key=exp.key, folder=runtime.EXPLORER_DIR)
-        boxes = {self.global_box: gr.update(visible=True), self.swin_box: gr.update(visible=False),
-                 self.server_explorer: gr.update(visible=False)}
-        return {self.explorer_live: live, self.swin_live: None, self.explorer_img: None, self.mosaic: None,
-                **({c: gr.skip() for c in boxes} if same_model else boxes)}
+            live = drawn.write_explorer(exp, key=exp.key, folder=runtime.EXPLORER_DIR)
+        shown = {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=False)}
+        boxes = [box for box, _ in self._widgets().values()] + [self.server_explorer]
+        return {**shown, self.explorer_img: None, self.mosaic: None, **({c: gr.skip() for c in boxes} if same_model else {})}
 
     def follow_up(self, page):
         return self.on_explorer, page.state, self._live_outputs()
 
     def on_explorer(self, ref: SessionRef | None) -> Outputs:
-        """After an analysis is on the page: a Swin's data for the windowed explorer (written once per
-        analysis), or, for a model too large for the browser, the server's explorer. The browser's
+        """After an analysis is on the page: the explorer's data of a layout written after the analysis
+        (a windowed model's, once per analysis), or, for a model too large for the browser, the server's explorer. The browser's
         explorer came with the analysis (`_live_now`): nothing is sent again, and no job is taken."""
         if not isinstance(ref, SessionRef):
             return {self.explorer_live: gr.skip()}
         exp = runtime.recall(ref)
         if self.lacks(exp) is not None:  # the tab says why there is no explorer
-            return {self.explorer_live: None, self.swin_live: None, self.server_explorer: gr.update(visible=False)}
+            return {**{widget: None for _, widget in self._widgets().values()}, self.server_explorer: gr.update(visible=False)}
         if self._sent_with_analysis(exp):
             return {c: gr.skip() for c in self._live_outputs()}
-        swin = swin_views.is_swin(exp)
+        drawn = drawer(exp)
         with runtime.EXPLORER_LOCKS.hold(ref.key), runtime.job("explorer", ref.variant) as work:
             runtime.explorer_sweep(room=work.cost.kept_bytes)
-            if swin:
-                live = swin_explorer.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR, spec=exp.facts.spec)
-            else:
-                live = explorer_data.write_payload(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
+            live = drawn.write_explorer(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
         on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
-        depth = exp.analysis.num_layers if swin else exp.analysis.attentions.shape[0]
+        depth = drawn.explorer_bounds(exp)[0]
         first = self._pictures(exp, depth, "mean", 0, "layer") if on_server else {self.explorer_img: None, self.mosaic: None}
-        return {
-            self.explorer_live: None if swin else live,
-            self.swin_live: live if swin else None,
-            self.global_box: gr.update(visible=not swin),
-            self.swin_box: gr.update(visible=swin),
-            self.server_explorer: gr.update(visible=on_server),
-            **first,
-        }
+        return {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=on_server), **first}
 
     def _pictures(self, exp: views.Exploration, layer: int, head: str, query: int, scale: str) -> Outputs:
         """The server's explorer: the query's map and the layer's heads (a Swin's on its stage grid, its window outlined)."""

@@ -43,7 +43,6 @@ class FindTab(Tab):
     id = "find"
     label = "Find"
     needs = frozenset({"text", "global_attention"})
-    swin_needs = frozenset({"text"})  # what a Swin lacks first: a text tower
 
     def build(self, page) -> None:
         gr.Markdown(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import inputs, runtime, swin_views, views
+from vitviz.server import inputs, runtime
+from vitviz.server.drawers import drawer
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
@@ -15,14 +16,13 @@ FILTERS = ("the top 28 principal components of the patch-embedding filters as RG
            "share of the filters' variance it explains.")
 CAPTION = ("Left: cosine similarity between the learned position embedding of each patch (one tile per patch) and all "
            "others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: " + FILTERS)
-SWIN_CAPTION = "Below: " + FILTERS  # (a Swin has no position embeddings: no similarity on the left)
+BIAS_CAPTION = "Below: " + FILTERS  # (no position embeddings: no similarity on the left)
 
 
 class PositionsTab(Tab):
     id = "positions"
     label = "Positions"
-    needs = frozenset({"position_embeddings"})
-    swin_needs = frozenset()  # a Swin: its relative position bias
+    needs = frozenset({"positions"})  # embeddings (their similarity) or a relative position bias (its tables)
 
     def build(self, page) -> None:
         with gr.Column(visible=False, elem_id="vv-bias-box") as self.bias_box:  # a Swin's, above its filters
@@ -47,23 +47,25 @@ class PositionsTab(Tab):
         if done.same_model:  # the model's own pictures are on the page already
             return {c: gr.skip() for c in self.analysis_outputs()}
         exp = done.exp
-        if swin_views.is_swin(exp):
-            return {
-                self.similarity_img: None, self.similarity_box: gr.update(visible=False), self.filters_img: swin_views.render_filters(exp),
-                self.bias_box: gr.update(visible=True), self.bias_layer: gr.update(maximum=exp.analysis.num_layers, value=1),
-                self.bias_img: swin_views.render_bias(exp, layer=1), self.caption: SWIN_CAPTION,
-            }
-        similarity, filters = views.render_position(exp)
-        return {self.similarity_img: similarity, self.filters_img: filters, self.similarity_box: gr.update(visible=True),
-                self.bias_box: gr.update(visible=False), self.bias_layer: gr.skip(), self.bias_img: None, self.caption: CAPTION}
+        drawn = drawer(exp)
+        similarity, filters = drawn.render_positions(exp)
+        bias = exp.analysis.layout.position_bias  # each layer's relative position bias, above the filters
+        return {
+            self.similarity_img: similarity, self.similarity_box: gr.update(visible=similarity is not None), self.filters_img: filters,
+            self.bias_box: gr.update(visible=bias),
+            self.bias_layer: gr.update(maximum=drawn.explorer_bounds(exp)[0], value=1) if bias else gr.skip(),
+            self.bias_img: drawn.render_bias(exp, layer=1) if bias else None,
+            self.caption: CAPTION if similarity is not None else BIAS_CAPTION,
+        }
 
     def on_bias_layer(self, ref: SessionRef | None, layer_value: float) -> Outputs:
-        """Another layer's relative position bias tables (a Swin's)."""
+        """Another layer's relative position bias tables (a model with one: `TokenLayout.position_bias`)."""
         exp = runtime.recall(ref)
-        if not swin_views.is_swin(exp):
+        if not exp.analysis.layout.position_bias:
             raise runtime.error(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables.")
-        layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.num_layers, "layer")
-        return {self.bias_img: swin_views.render_bias(exp, layer=layer_value)}
+        drawn = drawer(exp)
+        layer_value = runtime.checked(inputs.index, layer_value, 1, drawn.explorer_bounds(exp)[0], "layer")
+        return {self.bias_img: drawn.render_bias(exp, layer=layer_value)}
 
     def wire(self, page) -> None:
         self.bias_layer.input(self.on_bias_layer, [page.state, self.bias_layer], self.bias_img, api_visibility="undocumented",

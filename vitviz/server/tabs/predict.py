@@ -5,19 +5,12 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.imagetext import DEFAULT_TEMPLATE
-from vitviz.server import inputs, runtime, swin_views, views
+from vitviz.server import inputs, runtime, views
+from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
-from vitviz.server.tabs.base import Analysed, Tab, figure, lacks, register_tab
-
-ROLLOUT_NEEDS = frozenset({"global_attention"})
-SWIN_ROLLOUT = (
-    "**Rollout of the pooled query.** {variant} has no cls token: its classifier reads the mean of its final tokens, so "
-    "the map is the mean of their rows of the rollout, carried through every window layer (the shift undone, masked pairs "
-    "0) and every patch merge (each merged token drawing equally on its 2x2 children) onto the finest grid. The discard "
-    "ratio is not defined for windowed attention."
-)
+from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 
 class PredictTab(Tab):
@@ -52,18 +45,12 @@ class PredictTab(Tab):
     def analysis_outputs(self):
         return [self.predictions, self.predict_note, self.rollout_img, self.dist_rollout_img, self.rollout_options, self.discard, self.npz]
 
-    def _rollout(self, exp: views.Exploration, head_fusion: str, discard_ratio: float):
-        """The rollout picture of an analysis (a Swin's: its pooled query's, without a discard ratio)."""
-        if swin_views.is_swin(exp):
-            return swin_views.render_rollout(exp, head_fusion=head_fusion)
-        return views.render_rollout(exp, head_fusion=head_fusion, discard_ratio=discard_ratio)
-
     def analysed(self, done: Analysed) -> Outputs:
         exp, a = done.exp, done.exp.analysis
         has_head = a.probabilities is not None
-        swin = swin_views.is_swin(exp)
-        lacking = None if swin else lacks(exp, ROLLOUT_NEEDS)  # the rollout's place: one line saying why there is none
-        distilled = lacking is None and "dist" in a.prefix_names
+        drawn = drawer(exp)  # by the token layout: every layout has a rollout
+        discards = drawn.DISCARD_RATIO
+        distilled = "dist" in a.prefix_names
         options = dict(head_fusion=done.head_fusion, discard_ratio=done.discard_ratio)
         if a.layout.text and has_head:
             notes = [f"**Zero-shot**: each of {len(a.categories)} labels put in “{DEFAULT_TEMPLATE}” and scored against the image "
@@ -73,20 +60,21 @@ class PredictTab(Tab):
                 f"**{a.variant} has no classifier** (a self-supervised or feature model): there are no class predictions. "
                 "The maps show what its tokens attend to."
             ]
-        notes += [SWIN_ROLLOUT.format(variant=a.variant)] if swin else []
+        about = drawn.rollout_note(exp)
+        notes += [about] if about else []
         predictions = views.render_predictions(exp) if has_head else None
-        rollout = self._rollout(exp, **options) if lacking is None else None
-        dist = views.render_rollout(exp, **options, token=1) if distilled else None
-        note = "\n\n".join(notes + ([f"No rollout: {lacking}."] if lacking else []))
+        rollout = drawn.render_rollout(exp, head_fusion=done.head_fusion, discard_ratio=done.discard_ratio if discards else 0.0)
+        dist = drawn.render_rollout(exp, **options, token=1) if distilled else None
+        note = "\n\n".join(notes)
         if done.same_model:  # what is shown, and how the options are, as for the last analysis: the values alone
             return {self.predictions: predictions, self.predict_note: note, self.rollout_img: rollout, self.rollout_options: gr.skip(),
-                    self.discard: 0.0 if swin else gr.skip(), self.dist_rollout_img: dist, self.npz: None}
+                    self.discard: gr.skip() if discards else 0.0, self.dist_rollout_img: dist, self.npz: None}
         return {
             self.predictions: gr.update(value=predictions, visible=has_head),
             self.predict_note: note,
-            self.rollout_img: gr.update(value=rollout, visible=lacking is None),
-            self.rollout_options: gr.update(visible=lacking is None),
-            self.discard: gr.update(value=0.0, interactive=False) if swin else gr.update(interactive=True),
+            self.rollout_img: gr.update(value=rollout, visible=True),
+            self.rollout_options: gr.update(visible=True),
+            self.discard: gr.update(interactive=True) if discards else gr.update(value=0.0, interactive=False),
             self.dist_rollout_img: gr.update(value=dist, visible=distilled),
             self.npz: None,
         }
@@ -95,18 +83,14 @@ class PredictTab(Tab):
         """Rollout options changed: drawn again from the stored attention (a rollout is model-sized work)."""
         exp = runtime.recall(ref)
         fusion, ratio = runtime.checked(inputs.fusion, head_fusion), runtime.checked(inputs.ratio, discard_ratio)
-        if swin_views.is_swin(exp):
-            if ratio:
-                raise runtime.error("The discard ratio is not defined for windowed attention (most of each row lies outside the "
-                                    "window): leave it at 0.")
-            with runtime.job("view", ref.variant):
-                return {self.rollout_img: swin_views.render_rollout(exp, head_fusion=fusion)}
-        if lacks(exp, ROLLOUT_NEEDS) is not None:
-            return {self.rollout_img: gr.skip()}
+        drawn = drawer(exp)
+        if ratio and not drawn.DISCARD_RATIO:
+            raise runtime.error("The discard ratio is not defined for windowed attention (most of each row lies outside the "
+                                "window): leave it at 0.")
         with runtime.job("view", ref.variant):
-            out: Outputs = {self.rollout_img: views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
+            out: Outputs = {self.rollout_img: drawn.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
             if "dist" in exp.analysis.prefix_names:
-                out[self.dist_rollout_img] = views.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
+                out[self.dist_rollout_img] = drawn.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
         return out
 
     def on_export(self, ref: SessionRef | None) -> Outputs:

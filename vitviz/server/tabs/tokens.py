@@ -14,7 +14,6 @@ class TokensTab(Tab):
     id = "tokens"
     label = "Tokens"
     needs = frozenset({"global_attention"})
-    swin_needs = frozenset({"cls"})  # a Swin: attention received by prefix tokens, DINO's cls heads — it has none
     on_demand = True
 
     def build(self, page) -> None:
