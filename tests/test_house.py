@@ -276,3 +276,23 @@ def test_the_app_package_is_made_of_short_pieces():
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} ({span} lines)")
     assert not long, long
     assert len((PACKAGE / "server" / "app.py").read_text().splitlines()) <= 100
+
+
+def test_no_module_asks_a_models_family_outside_the_familys_own():
+    """A family is told apart only in its own modules (`swin*`) and the source registry (`sources/`,
+    `dev/train_shapes_*`): everywhere else a model is asked through `vitviz.architectures` and an
+    analysis through its layout (`vitviz.server.drawers`), so that a new layout is drawn with no
+    change there. The check finds what it looks for in a planted line."""
+    asks = re.compile(r"\bis_swin\(|isinstance\([^)]*\bSwin\w*|\bSwin\w*\b\s*(?:==|is)\s|type\([^)]*\)\s*(?:==|is)\s*Swin")
+    own = re.compile(r"(^|/)swin[^/]*\.(py|js)$|^sources/|^dev/train_shapes_")
+    found = []
+    for path in sorted(PACKAGE.rglob("*")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if path.suffix not in (".py", ".js") or own.search(rel):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if asks.search(line):
+                found.append(f"{rel}:{n}: {line.strip()}")
+    assert found == [], found
+    assert asks.search("    if isinstance(a, SwinAnalysis):") and asks.search("ragged = any(swin_views.is_swin(e) for e in exps)")
+    assert own.search("server/swin_views.py") and not own.search("server/views.py")
