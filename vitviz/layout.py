@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 __all__ = ["NEEDS", "Architecture", "TokenLayout", "check_needs", "register_architecture", "registered_architecture"]
 
@@ -47,8 +46,11 @@ class TokenLayout:
     Attributes:
         prefix_names: the tokens before the patches, in order ("cls", "dist", "reg1", ...).
         grids: the patch grid (gh, gw) of each stage, first to last; a plain ViT has one.
-        attention: "global" (every token attends to every token: one N x N matrix per layer and head)
-            or "windowed" (attention within local windows, as in Swin).
+        attention: "global" (every token attends to every token: one N x N matrix per layer and head),
+            "windowed" (attention within local windows, as in Swin), or the name of another kind
+            that a registered `Architecture` gives its analyses (and the app draws with the drawer
+            registered for it, `vitviz.server.drawers`). Every kind but "global" lacks
+            "global_attention".
         pooled_query: the classifier reads the mean of the patch tokens and there is no cls token.
         classifier: the model has a classification head.
         position_embeddings: the model learned position embeddings for its patches.
@@ -58,7 +60,7 @@ class TokenLayout:
 
     prefix_names: tuple[str, ...]
     grids: tuple[tuple[int, int], ...]
-    attention: Literal["global", "windowed"] = "global"
+    attention: str = "global"
     pooled_query: bool = False
     classifier: bool = True
     position_embeddings: bool = True
@@ -68,8 +70,8 @@ class TokenLayout:
     def __post_init__(self) -> None:
         if not self.grids or any(len(g) != 2 or min(g) < 1 for g in self.grids):
             raise ValueError(f"grids must be one or more (gh, gw) of positive sides, got {self.grids!r}")
-        if self.attention not in ("global", "windowed"):
-            raise ValueError(f'attention must be "global" or "windowed", got {self.attention!r}')
+        if not isinstance(self.attention, str) or not self.attention.isidentifier():
+            raise ValueError(f'attention must be a name ("global", "windowed", or a registered architecture\'s), got {self.attention!r}')
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -41,7 +41,7 @@ PROTOCOL: tuple[str, ...] = (
 # the values every drawer module has
 ATTRIBUTES: tuple[str, ...] = (
     "DISCARD_RATIO",       # bool: the rollout takes a discard ratio
-    "EXPLORER_WIDGET",     # the page's explorer widget that draws this layout's `write_explorer` value
+    "EXPLORER_WIDGET",     # the page's explorer widget that draws this layout's `write_explorer` value (None: the server draws it)
 )
 
 _DRAWERS: dict[str, ModuleType] = {}
