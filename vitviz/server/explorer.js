@@ -35,7 +35,6 @@
   const RETRIES = 3;        // an explorer's data refused (the server busy): tried again after 1, 2 and 4 s
   const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
 
-  const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
 
   // a picture of `explorer_data.rgb_file` (uint32 width, uint32 height, then RGB rows) as ImageData,
   // each pixel drawn k x k times (nearest neighbour, as the server's `views.display_of`)
@@ -352,12 +351,6 @@
     return out;
   }
 
-  function ownRange(v) {
-    let lo = Infinity, hi = -Infinity;
-    for (let j = 0; j < v.length; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
-    return [lo, hi];
-  }
-
   // the colour scale of a view: "layer" one scale for the layer's maps (every head, mean and max) so
   // that the map and the mosaic share a colour bar; "shared" 0 to the query's largest weight in any
   // layer and head; "map" each map its own min..max
@@ -372,23 +365,7 @@
     return [lo, hi];
   }
 
-  function indices(v, lo, hi) {
-    const out = new Uint8Array(v.length);
-    if (!(hi > lo)) return out;
-    for (let j = 0; j < v.length; j++) out[j] = Math.min(255, Math.max(0, Math.floor((v[j] - lo) / (hi - lo) * 255 + 0.5)));
-    return out;
-  }
-
-  function blend(target, baseData, patchOf, idx) {
-    const lut = meta.lut, src = baseData.data, dst = target.data;
-    for (let p = 0, k = 0; p < patchOf.length; p++, k += 4) {
-      const c = 3 * idx[patchOf[p]];
-      dst[k] = Math.floor((2 * src[k] + 3 * lut[c] + 2) / 5);
-      dst[k + 1] = Math.floor((2 * src[k + 1] + 3 * lut[c + 1] + 2) / 5);
-      dst[k + 2] = Math.floor((2 * src[k + 2] + 3 * lut[c + 2] + 2) / 5);
-      dst[k + 3] = 255;
-    }
-  }
+  function blend(target, baseData, patchOf, idx) { blendCells(target, baseData, patchOf, idx, meta.lut); }
 
   function outline(img, query) {
     // the query patch framed as PIL's rectangle(outline, width) frames it: inside the patch's box
@@ -406,22 +383,7 @@
     }
   }
 
-  function fmt(v) {
-    if (v === 0) return "0";
-    if (Math.abs(v) < 1e-3) return v.toExponential(1).replace(/e([+-])(\d)$/, "e$10$2");
-    return String(parseFloat(v.toPrecision(3)));
-  }
-
-  function drawBar(lo, hi) {
-    const ctx = barCanvas.getContext("2d");
-    const h = barCanvas.height;
-    for (let y = 0; y < h; y++) {
-      const i = 3 * Math.round(255 * (1 - y / (h - 1)));
-      ctx.fillStyle = `rgb(${meta.lut[i]},${meta.lut[i + 1]},${meta.lut[i + 2]})`;
-      ctx.fillRect(0, y, barCanvas.width, 1);
-    }
-    ticks.innerHTML = [4, 3, 2, 1, 0].map((i) => `<span>${fmt(lo + (hi - lo) * i / 4)}</span>`).join("");
-  }
+  function drawBar(lo, hi) { paintBar(barCanvas, ticks, meta.lut, lo, hi); }
 
   let drawing = 0;          // the newest draw: one that waited for its layer is not drawn over a newer one
   // the view asked for; a layer refused (the server busy) is asked for again after 1, 2 and 4 s while
@@ -496,48 +458,9 @@
       (common ? "colours on the map's bar." : "each head on its own scale, its range beneath it.");
   }
 
-  function patchUnder(event) {
-    const rect = mapCanvas.getBoundingClientRect();
-    const x = (event.clientX - rect.left) / rect.width * mapCanvas.width;
-    const y = (event.clientY - rect.top) / rect.height * mapCanvas.height;
-    const px = meta.patch_px;
-    const r = Math.min(meta.grid[0] - 1, Math.max(0, Math.floor(y / px)));
-    const c = Math.min(meta.grid[1] - 1, Math.max(0, Math.floor(x / px)));
-    return meta.prefix.length + r * meta.grid[1] + c;
-  }
-
-  mapCanvas.addEventListener("mousemove", (event) => {
-    if (!meta || view.pinned) return;
-    const q = patchUnder(event);
-    if (q !== view.query) { view.query = q; draw(); }
-  });
-  mapCanvas.addEventListener("click", (event) => {
-    if (!meta) return;
-    const q = patchUnder(event);
-    if (view.pinned && q === view.query) { view.pinned = false; } else { Object.assign(view, { query: q, pinned: true }); }
-    draw();
-  });
-  // by keyboard: the map takes focus (Tab); arrows move the query patch, Enter pins it, Escape lets go
-  const STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
-  mapCanvas.addEventListener("keydown", (event) => {
-    if (!meta) return;
-    const p = meta.prefix.length;
-    if (event.key in STEPS) {
-      const [dr, dc] = STEPS[event.key];
-      const at = Math.max(0, view.query - p);  // a prefix token as the query: start from the first patch
-      const r = Math.min(meta.grid[0] - 1, Math.max(0, Math.floor(at / meta.grid[1]) + (view.query < p ? 0 : dr)));
-      const c = Math.min(meta.grid[1] - 1, Math.max(0, (at % meta.grid[1]) + (view.query < p ? 0 : dc)));
-      view.query = p + r * meta.grid[1] + c;
-    } else if (event.key === "Enter" || event.key === " ") {
-      view.pinned = !view.pinned;
-    } else if (event.key === "Escape") {
-      view.pinned = false;
-    } else {
-      return;
-    }
-    event.preventDefault();
-    draw();
-  });
+  // hover, click and keys on the map (`wireMap`): the patches follow the prefix tokens
+  wireMap(mapCanvas, view, { ready: () => Boolean(meta), first: () => meta.prefix.length, grid: () => meta.grid,
+                             patchPx: () => meta.patch_px, draw });
   layerInput.addEventListener("input", () => { view.layer = Number(layerInput.value); draw(); });
   headSelect.addEventListener("change", () => { view.head = Number(headSelect.value); draw(); });
   scaleSelect.addEventListener("change", () => { view.scale = scaleSelect.value; draw(); });

@@ -386,8 +386,11 @@ def write_layer(exp, *, key: str, layer: int, folder) -> str:
 
 
 def widget_files() -> dict[str, str]:
-    """The browser side: {"js": ..., "html": ..., "css": ...} (explorer.js, .html, .css of this package)."""
+    """The browser side: {"js": ..., "html": ..., "css": ...} (explorer.js after explorer_common.js, which
+    the windowed explorer loads too; explorer.html, .css of this package)."""
     from importlib import resources
 
     folder = resources.files("vitviz.server")
-    return {kind: (folder / f"explorer.{kind}").read_text() for kind in ("js", "html", "css")}
+    files = {kind: (folder / f"explorer.{kind}").read_text() for kind in ("js", "html", "css")}
+    files["js"] = (folder / "explorer_common.js").read_text() + "\n" + files["js"]
+    return files

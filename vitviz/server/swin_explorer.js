@@ -28,7 +28,6 @@
   const view = { layer: 1, head: "mean", query: 0, pinned: false, scale: scaleSelect.value };
   let loading = 0;
 
-  const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
 
   function imageData(url) {
     return new Promise((resolve, reject) => {
@@ -127,12 +126,6 @@
     return out;
   }
 
-  function ownRange(v) {
-    let lo = Infinity, hi = -Infinity;
-    for (let j = 0; j < v.length; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
-    return [lo, hi];
-  }
-
   function range(L, v, want) {
     if (want.scale === "map") return ownRange(v);
     let lo = Infinity, hi = -Infinity;
@@ -181,22 +174,7 @@
     return { cells, mine, box: [r0, c0, r1, c1] };
   }
 
-  function fmt(v) {
-    if (v === 0) return "0";
-    if (Math.abs(v) < 1e-3) return v.toExponential(1).replace(/e([+-])(\d)$/, "e$10$2");
-    return String(parseFloat(v.toPrecision(3)));
-  }
-
-  function drawBar(lo, hi) {
-    const ctx = barCanvas.getContext("2d");
-    const h = barCanvas.height;
-    for (let y = 0; y < h; y++) {
-      const i = 3 * Math.round(255 * (1 - y / (h - 1)));
-      ctx.fillStyle = `rgb(${meta.lut[i]},${meta.lut[i + 1]},${meta.lut[i + 2]})`;
-      ctx.fillRect(0, y, barCanvas.width, 1);
-    }
-    ticks.innerHTML = [4, 3, 2, 1, 0].map((i) => `<span>${fmt(lo + (hi - lo) * i / 4)}</span>`).join("");
-  }
+  function drawBar(lo, hi) { paintBar(barCanvas, ticks, meta.lut, lo, hi); }
 
   function draw() {
     if (!meta || meta.mode !== "stack" || !base) return;
@@ -206,16 +184,10 @@
     const v = headNames(L).indexOf(want.head);
     const vals = values(L, v, want.query);
     const [lo, hi] = range(L, vals, want);
-    const lut = meta.lut, src = base.data, img = new ImageData(base.width, base.height), dst = img.data;
-    const idx = new Uint8Array(L.n);
-    if (hi > lo) for (let u = 0; u < L.n; u++) idx[u] = Math.min(255, Math.max(0, Math.floor((vals[u] - lo) / (hi - lo) * 255 + 0.5)));
-    for (let p = 0, k = 0; p < pixelCell.length; p++, k += 4) {
-      const c = 3 * idx[L.stageOf[pixelCell[p]]];
-      dst[k] = Math.floor((2 * src[k] + 3 * lut[c] + 2) / 5);
-      dst[k + 1] = Math.floor((2 * src[k + 1] + 3 * lut[c + 1] + 2) / 5);
-      dst[k + 2] = Math.floor((2 * src[k + 2] + 3 * lut[c + 2] + 2) / 5);
-      dst[k + 3] = 255;
-    }
+    const img = new ImageData(base.width, base.height);
+    const idx = indices(vals, lo, hi), fine = new Uint8Array(L.stageOf.length);  // each finest cell: its stage token's colour
+    for (let f = 0; f < fine.length; f++) fine[f] = idx[L.stageOf[f]];
+    blendCells(img, base, pixelCell, fine, meta.lut);
     const t = queryToken(L, want.query);
     let cell = "", box = "";
     if (t >= 0) {
@@ -244,48 +216,10 @@
       `${meta.patch_size << L.stage} px, ${L.heads} heads, windows ${L.window[0]}x${L.window[1]}${shifted}.`;
   }
 
-  function cellUnder(event) {
-    const rect = mapCanvas.getBoundingClientRect();
-    const x = (event.clientX - rect.left) / rect.width * mapCanvas.width;
-    const y = (event.clientY - rect.top) / rect.height * mapCanvas.height;
-    const px = meta.patch_px;
-    const r = Math.min(meta.grid[0] - 1, Math.max(0, Math.floor(y / px)));
-    const c = Math.min(meta.grid[1] - 1, Math.max(0, Math.floor(x / px)));
-    return 1 + r * meta.grid[1] + c;
-  }
-
-  mapCanvas.addEventListener("mousemove", (event) => {
-    if (!meta || view.pinned || !base) return;
-    const q = cellUnder(event);
-    if (q !== view.query) { view.query = q; draw(); }
-  });
-  mapCanvas.addEventListener("click", (event) => {
-    if (!meta || !base) return;
-    const q = cellUnder(event);
-    if (view.pinned && q === view.query) { view.pinned = false; } else { Object.assign(view, { query: q, pinned: true }); }
-    draw();
-  });
-  // by keyboard: arrows move the query by one token of the layer's stage, Enter pins it, Escape lets go
-  const STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
-  mapCanvas.addEventListener("keydown", (event) => {
-    if (!meta || !base) return;
-    const [gh, gw] = meta.grid, step = 1 << layers[view.layer - 1].stage;
-    if (event.key in STEPS) {
-      const [dr, dc] = STEPS[event.key];
-      const at = Math.max(0, view.query - 1);
-      const r = Math.min(gh - 1, Math.max(0, Math.floor(at / gw) + (view.query === 0 ? 0 : dr * step)));
-      const c = Math.min(gw - 1, Math.max(0, (at % gw) + (view.query === 0 ? 0 : dc * step)));
-      view.query = 1 + r * gw + c;
-    } else if (event.key === "Enter" || event.key === " ") {
-      view.pinned = !view.pinned;
-    } else if (event.key === "Escape") {
-      view.pinned = false;
-    } else {
-      return;
-    }
-    event.preventDefault();
-    draw();
-  });
+  // hover, click and keys on the map (`wireMap`): query 0 is the pooled query, then the finest
+  // cells; an arrow moves the query by one token of the layer's stage
+  wireMap(mapCanvas, view, { ready: () => Boolean(meta && base), first: () => 1, grid: () => meta.grid, patchPx: () => meta.patch_px,
+                             step: () => 1 << layers[view.layer - 1].stage, draw });
   poolButton.addEventListener("click", () => { Object.assign(view, { query: 0, pinned: true }); draw(); });
   layerInput.addEventListener("input", () => { view.layer = Number(layerInput.value); draw(); });
   headSelect.addEventListener("change", () => { view.head = headSelect.value; draw(); });

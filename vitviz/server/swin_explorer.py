@@ -175,6 +175,9 @@ def write_payload(exp, *, key: str, folder, spec, budget: int | None = None) -> 
 
 
 def widget_files() -> dict[str, str]:
-    """The browser side: {"js": ..., "html": ..., "css": ...} (swin_explorer.js, .html, .css of this package)."""
+    """The browser side: {"js": ..., "html": ..., "css": ...} (swin_explorer.js after explorer_common.js,
+    which the global explorer loads too; swin_explorer.html, .css of this package)."""
     folder = resources.files("vitviz.server")
-    return {kind: (folder / f"swin_explorer.{kind}").read_text() for kind in ("js", "html", "css")}
+    files = {kind: (folder / f"swin_explorer.{kind}").read_text() for kind in ("js", "html", "css")}
+    files["js"] = (folder / "explorer_common.js").read_text() + "\n" + files["js"]
+    return files

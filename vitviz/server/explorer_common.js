@@ -1,0 +1,103 @@
+// What both of the page's explorers draw with: the global one (explorer.js) and the windowed one
+// (swin_explorer.js) are each loaded after this file (`explorer_data.widget_files`,
+// `swin_explorer.widget_files`). The colour rule is the server's own pictures' (`vitviz.plots.overlay`
+// on 8-bit rows), so the browser and the server give the same pixels: index = floor((v - lo) /
+// (hi - lo) * 255 + 1/2), pixel = floor((2 * image + 3 * colour + 2) / 5).
+
+// a file of Gradio's upload folder, by its path
+const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
+
+// a map's own min..max
+function ownRange(v) {
+  let lo = Infinity, hi = -Infinity;
+  for (let j = 0; j < v.length; j++) { if (v[j] < lo) lo = v[j]; if (v[j] > hi) hi = v[j]; }
+  return [lo, hi];
+}
+
+// each value's index in the colour map, lo..hi over 0..255 (all 0 for a flat map)
+function indices(v, lo, hi) {
+  const out = new Uint8Array(v.length);
+  if (!(hi > lo)) return out;
+  for (let j = 0; j < v.length; j++) out[j] = Math.min(255, Math.max(0, Math.floor((v[j] - lo) / (hi - lo) * 255 + 0.5)));
+  return out;
+}
+
+// the picture under the map blended with the colour of each pixel's cell: `cellOf[p]` the cell of
+// pixel p, `idx[cell]` its colour index, `lut` the colour map as 256 RGB triples
+function blendCells(target, baseData, cellOf, idx, lut) {
+  const src = baseData.data, dst = target.data;
+  for (let p = 0, k = 0; p < cellOf.length; p++, k += 4) {
+    const c = 3 * idx[cellOf[p]];
+    dst[k] = Math.floor((2 * src[k] + 3 * lut[c] + 2) / 5);
+    dst[k + 1] = Math.floor((2 * src[k + 1] + 3 * lut[c + 1] + 2) / 5);
+    dst[k + 2] = Math.floor((2 * src[k + 2] + 3 * lut[c + 2] + 2) / 5);
+    dst[k + 3] = 255;
+  }
+}
+
+// a number as the colour bars write it (`vitviz.plots._fmt`)
+function fmt(v) {
+  if (v === 0) return "0";
+  if (Math.abs(v) < 1e-3) return v.toExponential(1).replace(/e([+-])(\d)$/, "e$10$2");
+  return String(parseFloat(v.toPrecision(3)));
+}
+
+// the vertical colour bar from lo (bottom) to hi (top) on `canvas`, five values beside it in `ticks`
+function paintBar(canvas, ticks, lut, lo, hi) {
+  const ctx = canvas.getContext("2d");
+  const h = canvas.height;
+  for (let y = 0; y < h; y++) {
+    const i = 3 * Math.round(255 * (1 - y / (h - 1)));
+    ctx.fillStyle = `rgb(${lut[i]},${lut[i + 1]},${lut[i + 2]})`;
+    ctx.fillRect(0, y, canvas.width, 1);
+  }
+  ticks.innerHTML = [4, 3, 2, 1, 0].map((i) => `<span>${fmt(lo + (hi - lo) * i / 4)}</span>`).join("");
+}
+
+// the map's pointer and keyboard: hovering shows the patch under the pointer, a click pins it (on the
+// pinned one, lets go); with the map focused (Tab), arrows move the query `step()` patches, Enter
+// pins it and Escape lets go. `first()` is the query index of the first patch (the queries before it
+// are prefix or pooled tokens: an arrow from one starts at the first patch); nothing happens until
+// `ready()`.
+function wireMap(canvas, view, { ready, first, grid, patchPx, step = () => 1, draw }) {
+  function under(event) {
+    const rect = canvas.getBoundingClientRect();
+    const x = (event.clientX - rect.left) / rect.width * canvas.width;
+    const y = (event.clientY - rect.top) / rect.height * canvas.height;
+    const [gh, gw] = grid(), px = patchPx();
+    const r = Math.min(gh - 1, Math.max(0, Math.floor(y / px)));
+    const c = Math.min(gw - 1, Math.max(0, Math.floor(x / px)));
+    return first() + r * gw + c;
+  }
+  canvas.addEventListener("mousemove", (event) => {
+    if (!ready() || view.pinned) return;
+    const q = under(event);
+    if (q !== view.query) { view.query = q; draw(); }
+  });
+  canvas.addEventListener("click", (event) => {
+    if (!ready()) return;
+    const q = under(event);
+    if (view.pinned && q === view.query) { view.pinned = false; } else { Object.assign(view, { query: q, pinned: true }); }
+    draw();
+  });
+  const STEPS = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+  canvas.addEventListener("keydown", (event) => {
+    if (!ready()) return;
+    const p = first(), [gh, gw] = grid(), k = step();
+    if (event.key in STEPS) {
+      const [dr, dc] = STEPS[event.key];
+      const at = Math.max(0, view.query - p), patch = view.query >= p;
+      const r = Math.min(gh - 1, Math.max(0, Math.floor(at / gw) + (patch ? dr * k : 0)));
+      const c = Math.min(gw - 1, Math.max(0, (at % gw) + (patch ? dc * k : 0)));
+      view.query = p + r * gw + c;
+    } else if (event.key === "Enter" || event.key === " ") {
+      view.pinned = !view.pinned;
+    } else if (event.key === "Escape") {
+      view.pinned = false;
+    } else {
+      return;
+    }
+    event.preventDefault();
+    draw();
+  });
+}
