@@ -50,6 +50,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+@contextlib.contextmanager
+def sources_kept():
+    """The model-family registry as it was before the block, after it (a registration is per process:
+    the rest of the session must not see a family a test registered)."""
+    from vitviz.sources import base
+
+    with base._LOCK:
+        before = dict(base._SOURCES)
+    try:
+        yield
+    finally:
+        with base._LOCK:
+            base._SOURCES.clear()
+            base._SOURCES.update(before)
+            base._generation += 1  # the caches of `vitviz.sources` are made again
+
+
 def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
     """A randomly initialised torchvision ViT with a non-zero head (torchvision zero-inits it)."""
     import torchvision

@@ -18,7 +18,7 @@ from PIL import Image
 
 import vitviz
 from vitviz import Preprocessing, VariantSpec, WeightsSource
-from vitviz.sources import base as sources_base
+from conftest import sources_kept
 from vitviz.sources.base import split_size
 from vitviz.sources.embedded import shapes_swin_config
 from vitviz.swin import Swin
@@ -59,18 +59,11 @@ class _SwinTestSource(WeightsSource):
 def app():
     """The app with the test family registered (removed afterwards: sources are per process)."""
     global page, runtime, tabs, swin_views, swin_explorer
-    with sources_base._LOCK:
-        before = dict(sources_base._SOURCES)
-    vitviz.register_source(_SwinTestSource())
-    from vitviz.server import app as app_module, page, runtime, swin_explorer, swin_views, tabs
+    with sources_kept():
+        vitviz.register_source(_SwinTestSource())
+        from vitviz.server import app as app_module, page, runtime, swin_explorer, swin_views, tabs
 
-    try:
         yield app_module
-    finally:
-        with sources_base._LOCK:
-            sources_base._SOURCES.clear()
-            sources_base._SOURCES.update(before)
-            sources_base._generation += 1
 
 
 def _quiet(*args, **kwargs):

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import vitviz
+from conftest import sources_kept
 from vitviz.sources import base
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,15 +76,12 @@ def registries():
     rest of the session must not see what a test registered)."""
     from vitviz.explainers import registry as method_registry
 
-    sources, methods, loaded = dict(base._SOURCES), dict(method_registry._REGISTRY), set(method_registry._LOADED)
+    methods, loaded = dict(method_registry._REGISTRY), set(method_registry._LOADED)
     modules = set(sys.modules)
     try:
-        yield
+        with sources_kept():
+            yield
     finally:
-        with base._LOCK:
-            base._SOURCES.clear()
-            base._SOURCES.update(sources)
-            base._generation += 1  # the caches of `vitviz.sources` are made again
         with method_registry._LOCK:
             method_registry._REGISTRY.clear()
             method_registry._REGISTRY.update(methods)

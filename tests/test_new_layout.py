@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import vitviz
-from vitviz.sources import base
+from conftest import sources_kept
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,13 @@ def frames():
     from vitviz import layout
     from vitviz.server import drawers
 
-    sources, architectures, drawn = dict(base._SOURCES), dict(layout._ARCHITECTURES), dict(drawers._DRAWERS)
-    import vv_frames
-
+    architectures, drawn = dict(layout._ARCHITECTURES), dict(drawers._DRAWERS)
     try:
-        yield vv_frames
+        with sources_kept():
+            import vv_frames
+
+            yield vv_frames
     finally:
-        with base._LOCK:
-            base._SOURCES.clear()
-            base._SOURCES.update(sources)
-            base._generation += 1
         layout._ARCHITECTURES.clear()
         layout._ARCHITECTURES.update(architectures)
         drawers._DRAWERS.clear()
