@@ -22,7 +22,9 @@ import torch
 from conftest import random_torchvision_checkpoint
 import vitviz
 import vitviz.evaluate as ev
-from vitviz.evaluate import EvaluateError, EvaluateWarning, _Batches, evaluate, main, scan, summarize, wilson
+from vitviz.evaluate import EvaluateError, EvaluateWarning, evaluate, main, scan, summarize, wilson
+from vitviz.evaluate import batch as ev_batch, data as ev_data, run as ev_run
+from vitviz.evaluate.data import _Batches
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--model", "shapes_p16", "--methods", "rollout,gradient", "--steps", "4", "--batch-size", "5", "--no-compare"]
@@ -161,8 +163,8 @@ def test_a_batch_in_memory_is_scored_as_the_same_images_read_from_their_files(da
     model = vitviz.load_model("shapes_p16", device="cpu")
     items = [replace(item, index=k) for k, item in enumerate(i for i in scan(data) if i.mask)][:4]
     read = ev.EvalDataset(items, model.spec.preprocessing)
-    loaded = ev._collate([read[k] for k in range(len(items))])
-    mine = ev._batch_in_memory(loaded["x"], loaded["mask"])
+    loaded = ev_data._collate([read[k] for k in range(len(items))])
+    mine = ev_data._batch_in_memory(loaded["x"], loaded["mask"])
     assert loaded.keys() == mine.keys() and all(loaded["has_mask"]) and all(loaded["ok"])
     for key, value in loaded.items():
         if key in ("sha256", "mask_sha256"):
@@ -172,7 +174,7 @@ def test_a_batch_in_memory_is_scored_as_the_same_images_read_from_their_files(da
         else:
             assert value == mine[key], key
     options = dict(methods=("gradient",), metrics=("distance", "pointing"), steps=4)
-    want, got = ev._score(model, loaded, items, **options), ev._score(model, mine, items, **options)
+    want, got = ev_batch._score(model, loaded, items, **options), ev_batch._score(model, mine, items, **options)
     assert len(got) == len(items) and all(not row["error"] for row in got)
     for a, b in zip(want, got):
         assert {k: v for k, v in a.items() if "sha256" not in k} == {k: v for k, v in b.items() if "sha256" not in k}
@@ -351,11 +353,9 @@ def test_a_line_cut_short_at_the_end_of_a_shard_is_scored_again(finished, tmp_pa
 
 
 def test_results_that_are_not_finite_are_an_error_in_their_row(tmp_path, monkeypatch):
-    import vitviz.evaluate as ev
-
     data = tmp_path / "data"
     vitviz.shapes.write_dataset(data, 3, seed=6)
-    score = ev._score
+    score = ev_batch._score
 
     def nan_first(*args, **kwargs):
         rows = score(*args, **kwargs)
@@ -364,7 +364,7 @@ def test_results_that_are_not_finite_are_an_error_in_their_row(tmp_path, monkeyp
                 row["distance"][0][0] = float("nan")
         return rows
 
-    monkeypatch.setattr(ev, "_score", nan_first)
+    monkeypatch.setattr(ev_run, "_score", nan_first)
     out = tmp_path / "out"
     evaluate(data, out=out, **FAST)
     rows = _table(out / "per_image.csv")
@@ -500,7 +500,7 @@ def test_the_images_scored_and_failed_are_counted_printed_and_recorded(data, tmp
 
 
 def test_ctrl_c_is_one_line_exit_status_130_and_the_same_command_goes_on(tiny, tmp_path, capsys, monkeypatch):
-    score, calls = ev._score, []
+    score, calls = ev_batch._score, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -508,13 +508,13 @@ def test_ctrl_c_is_one_line_exit_status_130_and_the_same_command_goes_on(tiny, t
             raise KeyboardInterrupt
         return score(*args, **kwargs)
 
-    monkeypatch.setattr(ev, "_score", interrupted)
+    monkeypatch.setattr(ev_run, "_score", interrupted)
     out = tmp_path / "out"
     command = [tiny, "--model", "shapes_p16", "--metrics", "distance", "--batch-size", "2", "--workers", "0", "--no-compare", "--out", out]
     assert _main(*command) == 130
     err = _lines(capsys.readouterr().err)
     assert err == [f"vitviz.evaluate: stopped; the images scored so far are kept in {out / 'shards'}: run the same command again to go on"]
-    monkeypatch.setattr(ev, "_score", score)
+    monkeypatch.setattr(ev_run, "_score", score)
     assert _main(*command) == 0
     last = _lines(capsys.readouterr().out)[-1]
     assert last.startswith("1 image scored, 0 failed in ") and last.endswith(f"(all 3 images: 3 scored, 0 failed); results in {out}")
@@ -558,21 +558,19 @@ def test_passes_recorded_a_few_images_at_a_time_equal_the_whole_batchs(tiny, tmp
     """On CPU a distance pass reduces each layer's attention as many images at a time as keep it in
     cache (one forward of the batch), and a pass for maps records as many images as keep every
     layer's within `KEPT_BYTES`; the rows are those of one pass over the whole batch."""
-    import vitviz.evaluate as ev
-
     model = vitviz.load_model("shapes_p16")
     x = torch.zeros(5, 3, 96, 96)
-    assert ev._attention_part(model, x) == 5 and ev._images_in_cache(model, x) == 5  # 6 x 3 x 37 x 37: all fit
-    monkeypatch.setattr(ev, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
-    monkeypatch.setattr(ev, "KEPT_BYTES", 2 * 6 * 3 * 37 * 37 * 4)
-    assert ev._attention_part(model, x) == 2 and ev._images_in_cache(model, x) == 2
-    monkeypatch.setattr(ev, "PART_BYTES", 1)
-    assert ev._attention_part(model, x) == 1
-    monkeypatch.setattr(ev, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
+    assert ev_batch._attention_part(model, x) == 5 and ev_batch._images_in_cache(model, x) == 5  # 6 x 3 x 37 x 37: all fit
+    monkeypatch.setattr(ev_batch, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
+    monkeypatch.setattr(ev_batch, "KEPT_BYTES", 2 * 6 * 3 * 37 * 37 * 4)
+    assert ev_batch._attention_part(model, x) == 2 and ev_batch._images_in_cache(model, x) == 2
+    monkeypatch.setattr(ev_batch, "PART_BYTES", 1)
+    assert ev_batch._attention_part(model, x) == 1
+    monkeypatch.setattr(ev_batch, "PART_BYTES", 2 * 3 * 37 * 37 * 4)
     settings = dict(FAST, metrics=("distance", "pointing") if maps else ("distance",), methods=("rollout", "gradient"), batch_size=3)
     evaluate(tiny, out=tmp_path / "two", **settings)
-    monkeypatch.setattr(ev, "PART_BYTES", 10**9)
-    monkeypatch.setattr(ev, "KEPT_BYTES", 10**9)
+    monkeypatch.setattr(ev_batch, "PART_BYTES", 10**9)
+    monkeypatch.setattr(ev_batch, "KEPT_BYTES", 10**9)
     evaluate(tiny, out=tmp_path / "whole", **settings)
     for table in ("per_image.csv", "distance.csv"):  # each image's results; each layer's and head's distance over the images
         two, whole = _table(tmp_path / "two" / table), _table(tmp_path / "whole" / table)
@@ -624,7 +622,7 @@ def test_a_resume_scores_again_the_rows_whose_inputs_changed(tiny, tmp_path, cap
     assert _run_json(out)["scored_now"] == 3 and all(r["rollout_pointing"] in ("0.0", "1.0") for r in _table(out / "per_image.csv"))
     # a file that could not be read (an image, and a mask) is read again by the next run, its stamp unchanged
     items = scan(data)
-    read = ev._read
+    read = ev_data._read
 
     def denied(path):
         if path in (items[0].path, items[1].mask):
@@ -632,12 +630,12 @@ def test_a_resume_scores_again_the_rows_whose_inputs_changed(tiny, tmp_path, cap
         return read(path)
 
     fresh = tmp_path / "fresh"
-    monkeypatch.setattr(ev, "_read", denied)
+    monkeypatch.setattr(ev_data, "_read", denied)
     with pytest.warns(EvaluateWarning, match="pointing counts 1 of the 2 images scored: 1 whose mask could not be used"):
         evaluate(data, out=fresh, **FAST)
     rows = _table(fresh / "per_image.csv")
     assert "Permission denied" in rows[0]["error"] and rows[0]["sha256"] == "" and "Permission denied" in rows[1]["mask_error"]
-    monkeypatch.setattr(ev, "_read", read)
+    monkeypatch.setattr(ev_data, "_read", read)
     evaluate(data, out=fresh, **FAST)
     assert _run_json(fresh)["scored_now"] == 2
     _same_tables(_table(fresh / "per_image.csv"), _table(out / "per_image.csv"))

@@ -35,6 +35,7 @@ from torchvision.transforms.functional import to_tensor
 
 import vitviz
 import vitviz.evaluate as ev
+from vitviz.evaluate import batch as ev_batch, run as ev_run
 from vitviz.evaluate import EvaluateError, evaluate, main
 from vitviz.faithfulness import CHEFER2021_FRACTIONS, chefer2021_auc, pixel_maps, rise_auc, rise_kernel
 
@@ -233,7 +234,7 @@ def test_imagenet_folders_by_wordnet_id_are_classes():
     pytest.importorskip("timm")
     categories = vitviz.get_spec("timm:vit_base_patch16_224.orig_in21k_ft_in1k").categories
     items = [ev.Item(0, "a", "n01443537", None), ev.Item(1, "b", "goldfish", None), ev.Item(2, "c", "n99999999", None)]
-    assert ev._classes(items, categories) == {"n01443537": 1, "goldfish": 1, "n99999999": None}
+    assert ev_batch._classes(items, categories) == {"n01443537": 1, "goldfish": 1, "n99999999": None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,7 +312,7 @@ def test_the_command_runs_a_protocol_end_to_end(folder, tmp_path, capsys):
                  "--out", out) == 0
     printed = capsys.readouterr().out
     assert "| rollout | positive | 6 |" in printed and "| random | negative | 6 |" in printed
-    run = ev._previous(out)
+    run = ev_run._previous(out)
     assert (run["protocol"], run["metrics"], run["steps"]) == ("chefer2021", ["positive", "negative"], 9)
     curves = _table(out / "curves.csv")
     assert [float(r["fraction"]) for r in curves if r["method"] == "rollout" and r["metric"] == "positive"] == list(CHEFER2021_FRACTIONS)

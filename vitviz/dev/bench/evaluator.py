@@ -56,7 +56,7 @@ def evaluate_table(arch: str = "vit_b_16", *, images: int = 128, processes=(1, 2
 
 def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int = 5,
                          device: torch.device = torch.device("cpu")) -> list[tuple[str, float, float, str]]:
-    """The evaluator's own scoring of one batch in memory (`vitviz.evaluate._score`, no decoding, no
+    """The evaluator's own scoring of one batch in memory (`vitviz.evaluate.batch._score`, no decoding, no
     files), timed in turn with the plain passes it is held to, in this process: (what, median s,
     median over the rounds of the plain pass's time over its time in the same round, what the plain
     pass is). Across a whole run the machine's speed drifts between the run and its plain passes;
@@ -77,12 +77,12 @@ def evaluator_pass_table(arch: str = "vit_b_16", *, batch: int = 16, rounds: int
     mask = torch.zeros(batch, size, size, dtype=torch.bool)
     mask[:, size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = True
     items = [evaluate.Item(i, f"{i}.jpg", None, None, f"{i}.jpg", "") for i in range(batch)]
-    data = evaluate._batch_in_memory(x, mask)
+    data = evaluate.data._batch_in_memory(x, mask)
 
     rows = []
     for name, metrics, methods, backward in (("distance", ["distance"], [], False), ("pointing, gradient", ["pointing"], ["gradient"], True)):
-        times = measure({"pass": lambda: evaluate._score(model, data, items, methods=methods, metrics=metrics, steps=16),
-                         "plain": lambda: evaluate._plain_pass(model, x_on, backward=backward)}, rounds=rounds, warmup=1, sync=sync)
+        times = measure({"pass": lambda: evaluate.batch._score(model, data, items, methods=methods, metrics=metrics, steps=16),
+                         "plain": lambda: evaluate.run._plain_pass(model, x_on, backward=backward)}, rounds=rounds, warmup=1, sync=sync)
         what = "forwards + backwards" if backward else "forwards"
         paired = statistics.median(plain / mine for plain, mine in zip(times["plain"], times["pass"]))
         rows.append((name, statistics.median(times["pass"]), paired, what))
@@ -111,7 +111,7 @@ def attention_part_table(arch: str = "vit_b_16", *, batch: int = 32, rounds: int
     def reduce(a: torch.Tensor, first: int, total: int) -> None:
         mean_attention_distance(a.unsqueeze(0), patch_size=c.patch_size, num_prefix_tokens=c.num_prefix_tokens, grid=c.grid)
 
-    chosen = evaluate._attention_part(vitviz.ViT(c), torch.empty(batch, 3, c.image_size, c.image_size))
+    chosen = evaluate.batch._attention_part(vitviz.ViT(c), torch.empty(batch, 3, c.image_size, c.image_size))
     parts = sorted({chosen, 4, batch})
     candidates = {"fused attention (a plain forward's)": lambda: F.scaled_dot_product_attention(q, k, v)}
     for n in parts:

@@ -1,0 +1,118 @@
+"""The command: `python -m vitviz.evaluate` (and under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import NoReturn
+
+import torch.distributed as dist
+from vitviz.evaluate.data import EXTRA_METRICS, EvaluateError, EvaluateWarning, METRICS, PROTOCOLS, _plural
+from vitviz.evaluate.run import evaluate
+
+
+
+def _report(out: Path, run: dict) -> str:
+    """The line that ends a run: the images scored and failed now (and in all), the rate, what is left."""
+    scored, failed, scored_now, failed_now = run["scored"], run["failed"], run["scored_now"], run["failed_now"]
+    why = f"why: {out / 'per_image.csv'}, column error"
+    if scored_now + failed_now == 0:
+        return (f"Every image was already scored (in {out / 'shards'}): {scored} scored, {failed} failed"
+                f"{f' ({why})' if failed else ''}; the summary was written again.")
+    now = f"{_plural(scored_now, 'image')} scored, {failed_now} failed{f' ({why})' if failed_now else ''}"
+    everything = ""
+    if (scored, failed) != (scored_now, failed_now):
+        everything = f" (all {run['images']} images: {scored} scored, {failed} failed{f'; {why}' if failed and not failed_now else ''})"
+    left = run["images"] - scored - failed
+    todo = f"; {_plural(left, 'image')} still to score: run the same command again to go on" if left else ""
+    s = run["sessions"][-1]
+    plain = s["plain_forward_images_per_second"]
+    ratio = f"; plain batched forwards {plain:.1f} img/s, {s['images_per_second'] / plain:.3g}x" if plain else ""
+    both = s.get("plain_forward_backward_images_per_second")
+    ratio += f"; plain forwards and backwards {both:.1f} img/s, {s['images_per_second'] / both:.3g}x" if both else ""
+    return (f"{now} in {s['seconds']:.1f} s on {_plural(s['world_size'], 'process')}: {s['images_per_second']:.1f} img/s{ratio}"
+            f"{everything}; results in {out}{todo}")
+
+
+def _fail(status: int, message: str, *, every_rank: bool) -> NoReturn:
+    """One line on stderr, from the first process only unless `every_rank`; then exit with `status`."""
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    if every_rank or rank == "0":
+        where = f"rank {rank}: " if world > 1 and every_rank else ""
+        print(f"vitviz.evaluate: {where}" + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
+    raise SystemExit(status)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes one line (exit status 2) instead of the usage and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(2, f"{message} (python -m vitviz.evaluate --help lists the options)", every_rank=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vitviz.sources import WeightsUnavailableError
+
+    ap = _Parser(prog="python -m vitviz.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks)")
+    ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
+    ap.add_argument("--methods", default="rollout,gradient",
+                    help="comma-separated, of attention, rollout, gradient, grad_rollout and any a plugin registers (VITVIZ_PLUGINS)")
+    ap.add_argument("--metrics", default=None, help=f"comma-separated, of {', '.join(METRICS + EXTRA_METRICS)} (default: "
+                                                    f"{', '.join(METRICS)})")
+    ap.add_argument("--steps", type=int, default=None, help="deletion/insertion steps, 2 or more (default: 16)")
+    ap.add_argument("--protocol", default=None,
+                    help="a published protocol, its metrics and steps fixed: " + "; ".join(f"{p.name}: {p.description}" for p in PROTOCOLS.values()))
+    ap.add_argument("--text", default=None, help="image–text models: the phrase every image is explained and scored for, e.g. 'a red star'")
+    ap.add_argument("--captions", type=Path, default=None, help="image–text models: a CSV file with the columns file,text, a phrase per image")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=None, help="decoding processes per rank, 0 or more")
+    ap.add_argument("--max-images", type=int, default=None, help="stop after about this many new images (run again to go on)")
+    ap.add_argument("--out", type=Path, required=True, help="the folder for the results: one per model and settings")
+    ap.add_argument("--rescan", action="store_true",
+                    help="resume although DATA changed: score what is new or changed, drop the rows of what is gone")
+    ap.add_argument("--no-compare", action="store_true", help="skip timing plain batched forwards")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = ap.parse_args(argv)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    metrics = None if args.metrics is None else tuple(m for m in args.metrics.split(",") if m)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, EvaluateWarning):
+            print(f"vitviz.evaluate: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", EvaluateWarning)
+            default, warnings.showwarning = warnings.showwarning, show
+            summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
+                               batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
+                               compare=not args.no_compare, rescan=args.rescan, protocol=args.protocol, text=args.text,
+                               captions=args.captions)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _fail(130, f"stopped; the images scored so far are kept in {args.out / 'shards'}: run the same command again to go on",
+              every_rank=False)
+    except EvaluateError as exc:  # alike on every rank
+        if args.debug:
+            raise
+        _fail(exc.status, str(exc), every_rank=False)
+    except Exception as exc:
+        if args.debug:
+            raise
+        what = str(exc) if isinstance(exc, (WeightsUnavailableError, OSError)) and str(exc) else f"{type(exc).__name__}: {exc}"
+        _fail(1, f"{what} (--debug shows the traceback)", every_rank=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if summary is not None:
+        print((args.out / "summary.md").read_text())
+        print(_report(args.out, json.loads((args.out / "run.json").read_text())))
+
