@@ -373,7 +373,7 @@ def test_ablation_acts_only_in_the_thread_that_asked_for_it():
     with torch.no_grad():
         clean = model(x)
     seen = {}
-    with inside._ablating(model, {0: torch.ones(1, 2, dtype=torch.bool)}, "zero"):
+    with inside.ablation._ablating(model, {0: torch.ones(1, 2, dtype=torch.bool)}, "zero"):
         other = threading.Thread(target=lambda: seen.setdefault("other", model(x).detach()))
         other.start()
         other.join()

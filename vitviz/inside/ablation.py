@@ -1,0 +1,179 @@
+"""Head ablation: the forward again with some heads' outputs replaced by zeros or by their mean."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+import torch
+from torch import nn
+
+from vitviz.images import ImageSource
+from vitviz.imagetext import ImageTextModel
+from vitviz.inside.attribution import _class_index
+from vitviz.inside.lens import lens_top_k
+from vitviz.inside.stream import AblationMode, Target, _as_input, _categories, _classes, _labels, _tower
+from vitviz.model import ViT
+
+
+def _check_heads(model: ViT, heads: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    """[(layer, head), ...] -> {layer: [heads]}, each checked against the model."""
+    depth, n = model.config.depth, model.config.heads
+    out: dict[int, list[int]] = {}
+    for pair in heads:
+        layer, head = (int(v) for v in pair)
+        if not (0 <= layer < depth and 0 <= head < n):
+            raise ValueError(f"head ({layer}, {head}) is outside this model's {depth} layers x {n} heads")
+        out.setdefault(layer, []).append(head)
+    return out
+
+
+@contextmanager
+def _ablating(model: ViT, masks: dict[int, torch.Tensor], mode: AblationMode) -> Iterator[None]:
+    """Replaces, during the block and in this thread only, the heads' outputs o_h = A_h V_h (their
+    slices of the input of `attn.proj`) where masks[layer] [B, H] (or [1, H]) is True: by zeros, or
+    ("mean") by the mean of that head's output over the patch tokens of the same image and forward."""
+    if mode not in ("zero", "mean"):
+        raise ValueError(f'mode must be "zero" or "mean", got {mode!r}')
+    owner, heads, p = threading.get_ident(), model.config.heads, model.config.num_prefix_tokens
+
+    def make(mask: torch.Tensor):
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            if threading.get_ident() != owner:
+                return None
+            o = args[0].unflatten(-1, (heads, -1))  # [B, N, H, d]
+            new = torch.zeros_like(o) if mode == "zero" else o[:, p:].mean(dim=1, keepdim=True).expand_as(o)
+            return (torch.where(mask.to(o.device)[:, None, :, None], new, o).flatten(-2),) + args[1:]
+        return hook
+
+    handles = [model.blocks[layer].attn.proj.register_forward_pre_hook(make(mask)) for layer, mask in masks.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _probabilities(pair: ViT | ImageTextModel, tokens: torch.Tensor, labels: tuple[str, ...] | None, template: str | None) -> torch.Tensor:
+    """The encoded tokens [B, N, D] (after the final norm) -> probabilities [B, C] (zero-shot for an image–text model), float32."""
+    tower = _tower(pair)
+    if isinstance(pair, ImageTextModel):
+        pooled = tower.pool(tokens)
+        feats = (pooled[0] + pooled[1]) / 2 if isinstance(pooled, tuple) else pooled
+        return pair.zero_shot(pair.image_projection(feats), labels, template).float()
+    return tower.head_logits(tokens).float().softmax(dim=-1)
+
+
+@dataclass
+class Ablation:
+    """A forward with some heads switched off, beside the forward without.
+
+    Attributes:
+        heads: the (layer, head) pairs ablated.
+        mode: "zero" or "mean".
+        target, label: the class followed (default: the unablated prediction).
+        categories: class names (an image–text model's labels), or None.
+        before, probabilities: the probabilities [C] without and with the ablation.
+    """
+
+    heads: tuple[tuple[int, int], ...]
+    mode: str
+    target: int
+    label: str | None
+    categories: tuple[str, ...] | None = field(repr=False)
+    before: torch.Tensor = field(repr=False)
+    probabilities: torch.Tensor = field(repr=False)
+
+    @property
+    def target_before(self) -> float:
+        return float(self.before[self.target])
+
+    @property
+    def target_after(self) -> float:
+        return float(self.probabilities[self.target])
+
+    @property
+    def change(self) -> float:
+        """The target's probability with the ablation minus without (negative: the heads helped it)."""
+        return self.target_after - self.target_before
+
+    def predictions(self, k: int = 5, *, ablated: bool = True) -> list[tuple[str | int, float]]:
+        """The top-k (label, probability) with the ablation (`ablated=False`: without), the most likely first."""
+        return lens_top_k((self.probabilities if ablated else self.before)[None], k, self.categories)[0]
+
+
+def ablate(
+    model: ViT | ImageTextModel, image: ImageSource | torch.Tensor, heads: Sequence[tuple[int, int]], *,
+    mode: AblationMode = "zero", target: Target = None, labels: Sequence[str] | None = None, template: str | None = None,
+) -> Ablation:
+    """Runs `model` on `image` with the heads [(layer, head), ...] switched off, and once without.
+
+    Args:
+        model: a vitviz ViT with a head, or an image–text model (its image tower's heads; zero-shot
+            over `labels`, its own label set by default, through `template`).
+        image: anything `vitviz.load_image` takes (the model's preprocessing applied), or a prepared [3, S, S].
+        heads: the heads to switch off; their outputs o_h = A_h V_h (before the output projection,
+            so b_O stays) are replaced at every token.
+        mode: "zero": by zeros; "mean": by the mean of the head's output over this image's patch
+            tokens (in the same forward).
+        target: the class followed (index or name); default the unablated prediction.
+    """
+    labels = _labels(model, labels, template)
+    _classes(model, labels, template)
+    tower = _tower(model)
+    masks = {}
+    for layer, hs in _check_heads(tower, heads).items():
+        masks[layer] = torch.zeros(1, tower.config.heads, dtype=torch.bool)
+        masks[layer][0, hs] = True
+    x = _as_input(model, image)[:1]
+    with torch.inference_mode():
+        before = _probabilities(model, tower.encode(x), labels, template)[0].cpu()
+        with _ablating(tower, masks, mode):
+            after = _probabilities(model, tower.encode(x), labels, template)[0].cpu()
+    categories = _categories(model, labels)
+    t = _class_index(target, categories, before.numel(), int(before.argmax()))
+    return Ablation(heads=tuple((int(a), int(b)) for a, b in heads), mode=mode, target=t,
+                    label=categories[t] if categories is not None else None, categories=categories, before=before, probabilities=after)
+
+
+def _importance(
+    pair: ViT | ImageTextModel, x: torch.Tensor, targets: torch.Tensor | None, *, mode: AblationMode,
+    labels: tuple[str, ...] | None, template: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images [B, 3, S, S] -> (the drop of each target's probability when each head alone is
+    ablated [L, H, B], the targets [B]; default each image's prediction). Block l runs once on
+    the H copies of the stream before it (copy h with head h off), then the blocks after it."""
+    tower = _tower(pair)
+    heads, b = tower.config.heads, x.shape[0]
+    with torch.inference_mode():
+        streams = [tower.tokens(x)]
+        for block in tower.blocks:
+            streams.append(block(streams[-1]))
+        before = _probabilities(pair, tower.norm(streams[-1]), labels, template)  # [B, C]
+        targets = before.argmax(dim=-1) if targets is None else targets.to(before.device)
+        p_before = before.gather(1, targets[:, None])[:, 0]
+        mask = torch.eye(heads, dtype=torch.bool).repeat_interleave(b, dim=0)  # row h*B + i: head h off
+        drops = []
+        for layer in range(len(tower.blocks)):
+            s = streams[layer].repeat(heads, 1, 1)  # [H*B, N, D]
+            with _ablating(tower, {layer: mask}, mode):
+                for block in tower.blocks[layer:]:
+                    s = block(s)
+            after = _probabilities(pair, tower.norm(s), labels, template).unflatten(0, (heads, b))  # [H, B, C]
+            drops.append(p_before - after.gather(2, targets[None, :, None].expand(heads, b, 1))[..., 0])
+    return torch.stack(drops).cpu(), targets.cpu()
+
+
+def head_importance(
+    model: ViT | ImageTextModel, image: ImageSource | torch.Tensor, target: Target = None, *, mode: AblationMode = "zero",
+    labels: Sequence[str] | None = None, template: str | None = None,
+) -> torch.Tensor:
+    """How much the target's probability drops when each head alone is switched off (`ablate` with
+    one head) [L, H]: positive where the head helped. Batched: the H heads of a layer in one batch
+    of H copies, each run from that layer's input on."""
+    labels = _labels(model, labels, template)
+    classes = _classes(model, labels, template)
+    x = _as_input(model, image)[:1]
+    t = None if target is None else torch.tensor([_class_index(target, _categories(model, labels), classes, 0)])
+    return _importance(model, x, t, mode=mode, labels=labels, template=template)[0][..., 0]
