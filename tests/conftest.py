@@ -7,7 +7,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # Gradio's upload folder (which the app sweeps within its budget, files no caller here holds first) is
 # one per test process: the suite's processes, each with servers of its own, would sweep each other's
 # files (a test that shrinks the budget to 256 KiB removed a browser test's pictures beside it)
-# (a worker inherits the folder its controller made, and makes its own in its place)
+# (a worker inherits the folder its controller made, and makes its own in its place; a server a test
+# starts in another process is given a folder of its own by that test)
 _UPLOADS = None
 if os.environ.get("GRADIO_TEMP_DIR") in (None, "", os.environ.get("VITVIZ_TEST_UPLOADS")):
     import tempfile

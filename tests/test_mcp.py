@@ -33,7 +33,8 @@ def test_an_agent_lists_the_tools_and_analyses_an_image(tmp_path):
     from mcp.client.streamable_http import streamablehttp_client
 
     port = free_port()
-    env = dict(os.environ, VITVIZ_MCP="1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path))
+    env = dict(os.environ, VITVIZ_MCP="1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path),
+               GRADIO_TEMP_DIR=str(tmp_path / "gradio"))
     server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     url = f"{base}/gradio_api/mcp/http/"

@@ -136,6 +136,7 @@ def test_the_tab_strip_and_the_menus_by_keyboard(base, page):
 
     page.goto(base)
     page.wait_for_selector("#vv-run")
+    page.wait_for_selector("[role=tab]")  # (the tab strip is drawn after the run button on a busy machine)
     labels = [t.inner_text().strip() for t in page.get_by_role("tab").all()]
     selected = "document.querySelector('[role=tab][aria-selected=true]').innerText.trim()"
     page.get_by_role("tab", name=labels[0], exact=True).focus()

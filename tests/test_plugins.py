@@ -102,7 +102,7 @@ def test_the_app_draws_a_plugin_method_in_its_explain_tab(plugin_env, tmp_path):
     from gradio_client import Client, handle_file
 
     port = free_port()
-    env = dict(plugin_env, GRADIO_SERVER_PORT=str(port))
+    env = dict(plugin_env, GRADIO_SERVER_PORT=str(port), GRADIO_TEMP_DIR=str(tmp_path / "gradio"))
     server = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -40,7 +40,8 @@ def test_the_three_recipes_run_as_written_in_the_app(tmp_path):
     elsewhere.mkdir()
     port = free_port()
     env = dict(os.environ, VITVIZ_PLUGINS="my_methods,my_family,my_tab", PYTHONPATH=os.pathsep.join([str(plugins), str(ROOT)]),
-               GRADIO_ANALYTICS_ENABLED="False", GRADIO_SERVER_PORT=str(port), TMPDIR=str(tmp_path))
+               GRADIO_ANALYTICS_ENABLED="False", GRADIO_SERVER_PORT=str(port), TMPDIR=str(tmp_path),
+               GRADIO_TEMP_DIR=str(tmp_path / "gradio"))
     server = subprocess.Popen([sys.executable, str(ROOT / "app.py")], cwd=elsewhere, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -99,7 +99,7 @@ def test_each_mcp_caller_is_a_session_with_its_own_share(tmp_path):
     signals = tmp_path / "signals"
     signals.mkdir()
     port = free_port()
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path), VITVIZ_CLIENT_JOBS="2", VITVIZ_ADDRESS_JOBS="8",
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", TMPDIR=str(tmp_path), GRADIO_TEMP_DIR=str(tmp_path / "gradio"), VITVIZ_CLIENT_JOBS="2", VITVIZ_ADDRESS_JOBS="8",
                VITVIZ_CONCURRENCY="1")
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-c", _HELD_SERVER, str(signals), str(port)], cwd=ROOT, env=env, stdout=log,

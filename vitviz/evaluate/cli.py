@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -38,12 +39,19 @@ def _report(out: Path, run: dict) -> str:
             f"{everything}; results in {out}{todo}")
 
 
+RANK_ZERO_WAIT = 30.0  # seconds a process other than the first waits, after a mistake, for the first to say it
+
+
 def _fail(status: int, message: str, *, every_rank: bool) -> NoReturn:
     """One line on stderr, from the first process only unless `every_rank`; then exit with `status`."""
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
     if every_rank or rank == "0":
         where = f"rank {rank}: " if world > 1 and every_rank else ""
         print(f"vitviz.evaluate: {where}" + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
+    elif world > 1:
+        # the first process says it: torchrun stops every process as soon as one exits, so another
+        # that found the same mistake first waits for it (torchrun ends this one when it exits)
+        time.sleep(RANK_ZERO_WAIT)
     raise SystemExit(status)
 
 
