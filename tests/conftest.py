@@ -6,7 +6,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Gradio's upload folder (which the app sweeps within its budget, files no caller here holds first) is
 # one per test process: the suite's processes, each with servers of its own, would sweep each other's
-# files (a test that shrinks the budget to 256 KiB removed a browser test's pictures beside it)
+# files (a test shrinks the budget to 256 KiB)
 # (a worker inherits the folder its controller made, and makes its own in its place; a server a test
 # starts in another process is given a folder of its own by that test)
 _UPLOADS = None
@@ -16,8 +16,24 @@ if os.environ.get("GRADIO_TEMP_DIR") in (None, "", os.environ.get("VITVIZ_TEST_U
     _UPLOADS = tempfile.mkdtemp(prefix="vitviz-test-uploads-")
     os.environ["GRADIO_TEMP_DIR"] = os.environ["VITVIZ_TEST_UPLOADS"] = _UPLOADS
 
+import gradio.http_server  # (after GRADIO_TEMP_DIR above: Gradio reads it when imported)
 import pytest
 import torch
+
+# A server's end waited for whole. Gradio's `Server.close` waits 5 s for the server's thread, and the
+# thread's end (its lifespan) deletes every file the Blocks made; the suite launches the same Blocks
+# (`vitviz.server.app.demo`) again in the next module, and an end later than 5 s (an open connection
+# can make it) deletes the next server's first pictures (four empty figures of the page test, on an
+# idle machine, twice). Here closing waits for the end, up to a minute.
+_gradio_close = gradio.http_server.Server.close
+
+
+def _close_whole(self):
+    _gradio_close(self)
+    self.thread.join(timeout=60)
+
+
+gradio.http_server.Server.close = _close_whole
 
 
 def pytest_unconfigure(config):
