@@ -4,19 +4,7 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Gradio's upload folder (which the app sweeps within its budget, files no caller here holds first) is
-# one per test process: the suite's processes, each with servers of its own, would sweep each other's
-# files (a test shrinks the budget to 256 KiB)
-# (a worker inherits the folder its controller made, and makes its own in its place; a server a test
-# starts in another process is given a folder of its own by that test)
-_UPLOADS = None
-if os.environ.get("GRADIO_TEMP_DIR") in (None, "", os.environ.get("VITVIZ_TEST_UPLOADS")):
-    import tempfile
-
-    _UPLOADS = tempfile.mkdtemp(prefix="vitviz-test-uploads-")
-    os.environ["GRADIO_TEMP_DIR"] = os.environ["VITVIZ_TEST_UPLOADS"] = _UPLOADS
-
-import gradio.http_server  # (after GRADIO_TEMP_DIR above: Gradio reads it when imported)
+import gradio.http_server
 import pytest
 import torch
 
@@ -34,13 +22,6 @@ def _close_whole(self):
 
 
 gradio.http_server.Server.close = _close_whole
-
-
-def pytest_unconfigure(config):
-    if _UPLOADS is not None:
-        import shutil
-
-        shutil.rmtree(_UPLOADS, ignore_errors=True)
 
 
 def pytest_configure(config):
