@@ -290,8 +290,9 @@ def maps_note(exp, missing):
 
 
 def render_positions(exp):
-    f = exp.facts
-    return None, plots.filters_image(f.components, f.explained)
+    from vitviz.server.views import render_filters
+
+    return None, render_filters(exp)
 
 
 def render_bias(exp, *, layer):

@@ -28,11 +28,11 @@ from vitviz import plots
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
-from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, tick
+from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, render_filters, tick
 
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
-           "render_distance", "bias_tables", "render_bias", "render_filters", "render_stages", "describe_query", "head_view", "patch_at"]
+           "render_distance", "bias_tables", "render_bias", "render_stages", "describe_query", "head_view", "patch_at"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
 QUERY_COLOR = (255, 255, 255)  # the query token
@@ -239,14 +239,6 @@ def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
     """Layer `layer`'s (1-based) relative position bias tables, one tile per head, on one colour bar."""
     img = plots.bias_tables_image(bias_tables(exp.analysis, layer - 1))
     return plots.named(img, _name(exp, "position-bias", f"layer{layer}"))
-
-
-def render_filters(exp: Exploration) -> Image.Image:
-    """The patch-embedding filters' principal components (drawn once per loaded model)."""
-    f = exp.facts
-    if "filters" not in f.drawn:
-        f.drawn["filters"] = plots.named(plots.filters_image(f.components, f.explained), _name(exp, "filter-components"))
-    return f.drawn["filters"]
 
 
 def render_stages(exp: Exploration) -> Image.Image:

@@ -62,6 +62,7 @@ __all__ = [
     "colour_bar_html",
     "compare_table_html",
     "render_position",
+    "render_filters",
     "render_architecture",
     "render_method_maps",
     "render_dino_heads",
@@ -416,9 +417,17 @@ def render_position(exp: Exploration) -> tuple[Image.Image, Image.Image]:
     f = exp.facts
     if "position" not in f.drawn:
         sim = plots.figure_to_image(plots.position_similarity_figure(f.similarity, title=f"{f.spec.name}: position embedding similarity"))
-        filters = plots.filters_image(f.components, f.explained)
-        f.drawn["position"] = (plots.named(sim, _name(exp, "position-similarity")), plots.named(filters, _name(exp, "filter-components")))
-    return f.drawn["position"]
+        f.drawn["position"] = plots.named(sim, _name(exp, "position-similarity"))
+    return f.drawn["position"], render_filters(exp)
+
+
+def render_filters(exp: Exploration) -> Image.Image:
+    """The patch-embedding filters' principal components with the variance each explains, whatever
+    the token layout (drawn once per loaded model)."""
+    f = exp.facts
+    if "filters" not in f.drawn:
+        f.drawn["filters"] = plots.named(plots.filters_image(f.components, f.explained), _name(exp, "filter-components"))
+    return f.drawn["filters"]
 
 
 def render_architecture(exp: Exploration) -> tuple[Image.Image, list[list[str]]]:
