@@ -9,16 +9,20 @@ import pytest
 import torch
 
 # A server's end waited for whole. Gradio's `Server.close` waits 5 s for the server's thread, and the
-# thread's end (its lifespan) deletes every file the Blocks made; the suite launches the same Blocks
-# (`vitviz.server.app.demo`) again in the next module, and an end later than 5 s (an open connection
-# can make it) deletes the next server's first pictures (four empty figures of the page test, on an
-# idle machine, twice). Here closing waits for the end, up to a minute.
+# thread's end (its lifespan) deletes every file the Blocks made, uploads included; the suite launches
+# the same Blocks (`vitviz.server.app.demo`) again in the next module, so an end later than that
+# deletes the next server's files (four empty figures of the page test on an idle machine). Here
+# closing waits for the end; a server still held by an open connection after 30 s is stopped
+# without its end (uvicorn's `force_exit`: no lifespan, so no late deletion).
 _gradio_close = gradio.http_server.Server.close
 
 
 def _close_whole(self):
     _gradio_close(self)
-    self.thread.join(timeout=60)
+    self.thread.join(timeout=30)
+    if self.thread.is_alive():
+        self.force_exit = True
+        self.thread.join(timeout=30)
 
 
 gradio.http_server.Server.close = _close_whole
