@@ -103,8 +103,7 @@ def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
     assert "mean of its final tokens" in out[predict.predict_note] and out[predict.discard]["interactive"] is False
     reasons = {t.id: out[t.gate.note]["value"] for t in tabs.TABS if out[t.gate.note]["visible"]}
     assert reasons.get("find") == f"{NAME} has no text tower: there is no phrase to look for"
-    assert reasons.get("tokens") == f"{NAME} attends within local windows, not across the whole image: there is no one token-by-token matrix per layer"
-    for shown in ("predict", "explain", "explorer", "distance", "positions", "architecture"):
+    for shown in ("predict", "explain", "explorer", "distance", "positions", "architecture", "tokens"):
         assert shown not in reasons and out[tabs.TABS.by_id(shown).gate.content]["visible"] is True
     # distances: the library's, per layer, heads by stage, NaN where a layer has fewer heads
     table = swin_views.distance_table(a)
@@ -249,10 +248,44 @@ def test_hostile_values_get_clear_errors(analysed):
         with pytest.raises(gr.Error, match=words):
             explorer.on_view(ref, layer, head, query, tabs.explorer.SCALES[scale])
     assert "no layer files" in tabs.explorer.explorer_layer([ref.key, 1])["error"]
-    with pytest.raises(gr.Error, match="attends within local windows"):
-        tabs.tokens.TAB.on_tokens(ref, 0.6)
+    with pytest.raises(gr.Error, match="share"):
+        tabs.tokens.TAB.on_tokens(ref, float("nan"))
     with pytest.raises(gr.Error, match="no text tower"):
         tabs.find.TAB.on_find(ref, "a red star", "gradient")
+
+
+def test_the_tokens_tab_draws_the_librarys_norms_shares_heads_and_features(analysed):
+    from vitviz import plots
+    from vitviz.relevance import feature_components, feature_similarity, keep_mass
+
+    ref, _, exp, _, fresh = analysed
+    a, tab = exp.analysis, tabs.tokens.TAB
+    out = tab.on_tokens(ref, 0.6)
+    last_grid = fresh.stage_grids[-1]
+    for l, (got, want) in enumerate(zip(a.token_norms, fresh.token_norms)):
+        torch.testing.assert_close(got, want)
+    _map_equals(out[tab.norms_map_img], exp, fresh.token_norms[-1].reshape(last_grid))  # on the last stage's grid
+    for chart in (out[tab.received_img], out[tab.norms_img]):
+        assert np.asarray(chart).std() > 0
+    # DINO's heads: the pooled query's row of the last block (the mean of its rows), per head
+    rows = fresh.global_attention(fresh.num_layers - 1).mean(dim=1)
+    kept = keep_mass(rows, 0.6)
+    assert out[tab.dino_img].size[0] > 100 and kept.sum(dim=1).min() >= 1
+    want = swin_views.kept_heads_mosaic(exp, rows.reshape(-1, *last_grid), kept.reshape(-1, *last_grid), share=0.6)
+    assert np.array_equal(np.asarray(out[tab.dino_img]), np.asarray(want))
+    # the features: the final tokens' principal components, and a click's similarity on the last grid
+    scores, explained = feature_components(fresh.tokens, k=3)
+    assert np.array_equal(np.asarray(out[tab.features_img]), np.asarray(plots.features_image(scores, last_grid, size=exp.display_image.size[0])))
+    assert f"PC1 {100 * float(explained[0]):.1f} %" in out[tab.features_text] and f"{last_grid[0]} x {last_grid[1]} grid" in out[tab.features_text]
+    w, h = exp.display_image.size
+    clicked = tab.on_feature_click(ref, _Click(w - 1, h - 1))[tab.similarity_map_img]  # the bottom-right patch: the last token
+    want = plots.overlay(exp.display_image, feature_similarity(fresh.tokens, last_grid[0] * last_grid[1] - 1).reshape(last_grid), vmin=-1.0,
+                         vmax=1.0, cmap="RdBu_r")
+    got, want = _left(clicked, want).astype(int), np.asarray(want).astype(int)
+    cell = fresh.stage_patch_size(fresh.num_layers - 1) * exp.scale  # the clicked token's cell, outlined
+    outside = np.ones(got.shape[:2], dtype=bool)
+    outside[h - cell - 3 :, w - cell - 3 :] = False
+    assert np.array_equal(got[outside], want[outside]) and not np.array_equal(got[~outside], want[~outside])
 
 
 def test_the_explain_tab_maps_the_methods_that_apply(analysed):

@@ -7,6 +7,7 @@ endpoints answer for it, with no file of vitviz changed."""
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -78,8 +79,6 @@ def test_the_library_analyses_and_explains_it_through_its_architecture(frames, i
 
 
 def test_every_function_of_the_drawer_protocol_draws_it(frames, image):
-    import numpy as np
-
     from vitviz.server import drawers
     from vitviz.server.models import ModelCache
     from vitviz.server.views import explore
@@ -96,6 +95,10 @@ def test_every_function_of_the_drawer_protocol_draws_it(frames, image):
     for picture in (draw.render_rollout(exp), draw.render_query(exp, layer=1, head="head 2", query=query),
                     draw.render_head_mosaic(exp, layer=2, query=0), draw.render_distance(exp), draw.render_positions(exp)[1]):
         assert np.asarray(picture).std() > 0
+    norms_chart, norms_map = draw.render_token_norms(exp)
+    for picture in (draw.render_received(exp), norms_chart, norms_map, draw.render_dino_heads(exp, share=0.5), draw.render_features(exp)[0],
+                    draw.render_feature_similarity(exp, query=query)):
+        assert np.asarray(picture).std() > 0
     assert draw.render_stages(exp) is None and draw.rollout_note(exp).startswith("**Two frames")
     assert exp.facts.summary_rows[0][0] == "Two frames" and exp.facts.similarity is None
 
@@ -111,7 +114,7 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     out = page.on_analyze(str(path), NAME, "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
-    lacking = {"find": "has no text tower", "tokens": "attends within local windows", "inside": "attends within local windows"}
+    lacking = {"find": "has no text tower", "inside": "attends within local windows"}
     for tab in tabs.TABS:
         note, content = out[tab.gate.note], out[tab.gate.content]
         if tab.id in lacking:
@@ -124,6 +127,12 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     assert isinstance(out[tabs.distance.TAB.distance_img], Image.Image)
     assert out[tabs.positions.TAB.similarity_box]["visible"] is False and isinstance(out[tabs.positions.TAB.filters_img], Image.Image)
     assert out[tabs.architecture.TAB.stages_img]["visible"] is False
+    # Tokens: its drawer's pictures (norms over both frames, the cls token's heads, both frames' features)
+    tokens = page.on_refresh_tab(ref, "tokens", "red", tabs.explain.EXPLAIN_SCALES[0], 0.6)
+    for shown in (tabs.tokens.TAB.received_img, tabs.tokens.TAB.norms_img, tabs.tokens.TAB.norms_map_img, tabs.tokens.TAB.dino_img,
+                  tabs.tokens.TAB.features_img):
+        assert isinstance(tokens[shown], Image.Image) and np.asarray(tokens[shown]).std() > 0, shown
+    assert tokens[tabs.tokens.TAB.features_text].startswith("Both frames' patch features")
     # the explorer: no browser widget for this layout, so the server's, drawn after the analysis
     explorer = tabs.explorer.TAB
     follow = explorer.on_explorer(ref)

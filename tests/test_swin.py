@@ -406,6 +406,39 @@ def test_distances_equal_the_dense_mean_attention_distance_of_each_stage(kind):
         assert result.distances()[l].max() <= math.hypot(*g.window) * 4 * 2 ** result.stages[l]
 
 
+@pytest.mark.parametrize("kind", [SHIFTED, PADDED], ids=["shifted", "padded"])
+def test_attention_received_and_token_norms_equal_the_dense_matrix_and_a_forward_by_hand(kind):
+    from einops import rearrange
+
+    from vitviz.analysis import attention_received
+    from vitviz.preprocess import to_input
+
+    model = _ours(kind)
+    result = vitviz.analyze(model, (np.random.default_rng(5).random((80, 80, 3)) * 255).astype(np.uint8))
+    received = result.attention_received()
+    for l, g in enumerate(result.geometries):
+        want = attention_received(result.global_attention(l)[None]).mean(dim=1)[0]  # [N_s]: over queries, heads averaged
+        assert received[l].shape == (g.grid[0] * g.grid[1],)
+        torch.testing.assert_close(received[l], want, atol=1e-6, rtol=1e-5)
+    sums = torch.stack([r.sum() for r in received])
+    if kind is PADDED:  # a padded stage's rows give the padding a share
+        assert (sums < 1 - 1e-3).any() and (sums <= 1 + 1e-6).all()
+    else:
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+    # the norms: each block's output, from a forward written out here
+    with torch.inference_mode():
+        x = model.patch_norm(rearrange(model.patch_embed(to_input(result.image, model.spec.preprocessing)[None]), "b c h w -> b h w c"))
+        want = []
+        for stage in model.stages:
+            x = stage.merge(x) if stage.merge is not None else x
+            for block in stage.blocks:
+                x = block(x)
+                want.append(x[0].norm(dim=-1).flatten())
+    assert len(result.token_norms) == len(want) == result.num_layers
+    for got, w in zip(result.token_norms, want):
+        torch.testing.assert_close(got, w)
+
+
 # ---------------------------------------------------------------------------------------------
 # one window covering the grid: a plain ViT
 

@@ -18,12 +18,13 @@ from PIL import Image
 
 import vitviz
 from vitviz import Preprocessing, VariantSpec, ViTConfig, WeightsSource, plots
-from vitviz.analysis import attention_rollout, fuse_heads
+from vitviz.analysis import attention_received, attention_rollout, fuse_heads
 from vitviz.hooks import record_attention
 from vitviz.images import load_image
 from vitviz.layout import Architecture, TokenLayout, register_architecture
 from vitviz.model import ViT
 from vitviz.preprocess import preprocess, to_input
+from vitviz.relevance import feature_components, feature_similarity, keep_mass
 from vitviz.sources.base import split_size
 
 ATTENTION = "frames"
@@ -88,6 +89,8 @@ class FramesAnalysis:
     categories: tuple[str, ...] | None
     model_seconds: float
     layout: TokenLayout
+    tokens: torch.Tensor  # the final tokens [N, D]
+    token_norms: torch.Tensor  # each block's output norms [L, N]
     device: str = "cpu"
 
     prefix_names = property(lambda self: ("cls",))
@@ -140,13 +143,16 @@ class FramesAnalysis:
 def _analyze_input(model: FramesViT, x: torch.Tensor, cropped: Image.Image) -> FramesAnalysis:
     spec = model.spec
     start = time.perf_counter()
+    layers: list[torch.Tensor] = []
     with torch.inference_mode(), record_attention(model) as rec:
-        logits = model(x[None])
+        tokens = model.encode(x[None], layers=layers)
+        logits = model.head_logits(tokens)
     seconds = time.perf_counter() - start
     grid = spec.grid
     layout = TokenLayout(prefix_names=("cls",), grids=(grid,), attention=ATTENTION, classifier=True)
     return FramesAnalysis(variant=spec.name, image=cropped, patch_size=spec.patch_size, grid=grid, attentions=rec.attentions[:, 0].float(),
-                          probabilities=logits[0].softmax(-1), categories=spec.categories, model_seconds=seconds, layout=layout)
+                          probabilities=logits[0].softmax(-1), categories=spec.categories, model_seconds=seconds, layout=layout,
+                          tokens=tokens[0].float(), token_norms=torch.stack([h[0].norm(dim=-1) for h in layers]).float())
 
 
 def analyze(model: FramesViT, image) -> FramesAnalysis:
@@ -301,6 +307,45 @@ def render_bias(exp, *, layer):
 
 def render_stages(exp):
     return None
+
+
+def render_received(exp):
+    a = exp.analysis
+    return plots.figure_to_image(plots.received_figure(attention_received(a.attentions).mean(dim=1), prefix_names=a.prefix_names))
+
+
+def render_token_norms(exp):
+    a = exp.analysis
+    chart = plots.figure_to_image(plots.norms_figure(a.token_norms, prefix_names=a.prefix_names))
+    return chart, _over_frames(exp, a.token_norms[-1], label="norm")
+
+
+def render_dino_heads(exp, *, share=0.6):
+    a = exp.analysis
+    rows = a.attentions[-1, :, 0]  # [H, N]: the cls token's row per head
+    kept = keep_mass(rows[:, 1:], share)
+    tiles = [_over_frames(exp, row * torch.cat([torch.ones(1), k.float()]), label="") for row, k in zip(rows, kept)]
+    return plots.mosaic(tiles, labels=[f"head {h + 1}: {int(k.sum())} patches" for h, k in enumerate(kept)])
+
+
+def _frames_grid(a, values: torch.Tensor) -> torch.Tensor:
+    """Patch values in token order [FRAMES * gh * gw, k] -> [gh * FRAMES * gw, k], the frames side by side."""
+    gh, gw = a.grid
+    return values.reshape(FRAMES, gh, gw, -1).permute(1, 0, 2, 3).reshape(gh * FRAMES * gw, -1)
+
+
+def render_features(exp):
+    a = exp.analysis
+    scores, explained = feature_components(a.tokens[1:], k=3)
+    img = plots.features_image(_frames_grid(a, scores), (a.grid[0], FRAMES * a.grid[1]), size=exp.display_image.size[0])
+    return img, f"Both frames' patch features: {100 * float(explained.sum()):.1f} % of their variance."
+
+
+def render_feature_similarity(exp, *, query):
+    a = exp.analysis
+    if query == 0:
+        raise ValueError("pick a patch, not the cls token")
+    return _over_frames(exp, torch.cat([torch.zeros(1), feature_similarity(a.tokens[1:], query - 1)]), label="cosine")
 
 
 from vitviz.server.drawers import register_drawer  # noqa: E402  (the app's side of the plugin)

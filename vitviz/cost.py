@@ -384,8 +384,10 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
     stack, layer, n = attention_bytes(spec), max(l.attention for l in layers), n0
     last = layers[-1]
     biases = sum(l.heads * l.area * l.area * 4 for l in layers)
-    # what the analysis keeps (`SwinAnalysis.nbytes`): window attention, biases, final tokens, probabilities, the crop
-    kept = stack + biases + last.tokens * last.width * 4 + 4 * spec.num_classes + 3 * spec.image_size**2
+    # what the analysis keeps (`SwinAnalysis.nbytes`): window attention, biases, each block's token norms, final tokens,
+    # probabilities, the crop
+    norms = sum(l.tokens * 4 for l in layers)
+    kept = stack + biases + norms + last.tokens * last.width * 4 + 4 * spec.num_classes + 3 * spec.image_size**2
     result = last.tokens * n0 * 4  # a product through the network: [N_last, N_0]
     # taken a slice of columns at a time: the slice, scaled, its window product in and out of the windows
     slices = 5 * min(SLICE_ELEMENTS, last.tokens * n0) * 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 
 import matplotlib
 import matplotlib.text
@@ -434,18 +435,22 @@ def features_image(scores: torch.Tensor, grid: tuple[int, int], *, size: int) ->
     return Image.fromarray((rgb.reshape(gh, gw, 3) * 255).round().astype(np.uint8)).resize((size, size), Image.NEAREST)
 
 
-def received_figure(received: torch.Tensor, *, prefix_names: tuple[str, ...], title: str = "Attention received", ax=None) -> Figure:
+def received_figure(received: torch.Tensor | Sequence[torch.Tensor], *, prefix_names: tuple[str, ...], title: str = "Attention received", ax=None) -> Figure:
     """Where each layer's attention goes: one line per prefix token (cls, distillation, registers),
     and the median and largest share of a patch token, per layer.
 
     Args:
-        received: [L, N] the share of attention each token receives (`attention_received`, heads averaged).
+        received: [L, N] the share of attention each token receives (`attention_received`, heads
+            averaged), or one [N_l] per layer where the layers' token counts differ.
         prefix_names: the names of the first p tokens.
     """
     ax = ax if ax is not None else _chart_axes(fitted=True)
-    n = _token_lines(ax, received, prefix_names)
-    if n > len(prefix_names):
-        ax.axhline(1.0 / n, color="0.75", lw=0.8, label=f"uniform (1/{n})")
+    counts = _token_lines(ax, received, prefix_names)
+    if (counts > len(prefix_names)).all():
+        if (counts == counts[0]).all():
+            ax.axhline(1.0 / counts[0], color="0.75", lw=0.8, label=f"uniform (1/{counts[0]})")
+        else:  # each layer's own token count
+            ax.step(np.arange(1, len(counts) + 1), 1.0 / counts, where="mid", color="0.75", lw=0.8, label="uniform (1/N of the layer)")
     ax.set_yscale("log")
     low, high = ax.get_ylim()
     if high / low < 10:  # no power of ten in range: label the 2..9 ticks plainly rather than as 4x10^-2
@@ -466,18 +471,20 @@ def _chart_axes(*, fitted: bool = False):
     return fig.add_subplot()
 
 
-def _token_lines(ax, values: torch.Tensor, prefix_names: tuple[str, ...]) -> int:
-    """One line per prefix token over the layers, and the patch tokens' median and largest; returns N."""
-    r = values.detach().cpu().float()
-    depth, n = r.shape
-    layers = np.arange(1, depth + 1)
+def _token_lines(ax, values: torch.Tensor | Sequence[torch.Tensor], prefix_names: tuple[str, ...]) -> np.ndarray:
+    """One line per prefix token over the layers, and the patch tokens' median and largest; returns
+    each layer's token count. `values` is [L, N], or one [N_l] per layer where the layers have
+    different numbers of tokens (a model whose stages merge patches)."""
+    rows = [r.detach().cpu().float() for r in values]
+    counts = np.array([len(r) for r in rows])
+    layers = np.arange(1, len(rows) + 1)
+    p = len(prefix_names)
     for k, name in enumerate(prefix_names):
-        ax.plot(layers, r[:, k].numpy(), marker="o", ms=3, lw=1.5, label=name)
-    if n > len(prefix_names):
-        patches = r[:, len(prefix_names):]
-        ax.plot(layers, patches.median(dim=1).values.numpy(), color="0.45", ls="--", lw=1, label="patch, median")
-        ax.plot(layers, patches.amax(dim=1).numpy(), color="0.2", ls=":", lw=1, label="patch, largest")
-    return n
+        ax.plot(layers, [float(r[k]) for r in rows], marker="o", ms=3, lw=1.5, label=name)
+    if (counts > p).all():
+        ax.plot(layers, [float(r[p:].median()) for r in rows], color="0.45", ls="--", lw=1, label="patch, median")
+        ax.plot(layers, [float(r[p:].max()) for r in rows], color="0.2", ls=":", lw=1, label="patch, largest")
+    return counts
 
 
 def _finish_token_chart(ax, ylabel: str, title: str) -> None:
@@ -488,12 +495,12 @@ def _finish_token_chart(ax, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def norms_figure(norms: torch.Tensor, *, prefix_names: tuple[str, ...], title: str = "Token norms") -> Figure:
+def norms_figure(norms: torch.Tensor | Sequence[torch.Tensor], *, prefix_names: tuple[str, ...], title: str = "Token norms") -> Figure:
     """The norm of each token after each block: one line per prefix token, and the patches' median
     and largest (high-norm "artefact" patches stand out; Darcet et al. 2024).
 
     Args:
-        norms: [L, N].
+        norms: [L, N], or one [N_l] per layer where the layers' token counts differ.
     """
     ax = _chart_axes(fitted=True)
     _token_lines(ax, norms, prefix_names)

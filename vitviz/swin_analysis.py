@@ -268,6 +268,8 @@ class SwinAnalysis:
         stages: each layer's stage.
         biases: each layer's relative position bias [heads_l, M², M²] (added to the logits).
         tokens: the final tokens after the final norm [N_last, D].
+        token_norms: the L2 norm of every token after each block, before the final norm: one [N_s]
+            per layer, raster order of its stage's grid (where high-norm tokens appear).
         patch_size: P, the finest grid's patch side; stage s's tokens cover P 2^s pixels.
         device: where the model ran; model_seconds: time of the recorded forward.
         layout: the tokens and what the model offers: windowed attention, each stage's grid, a
@@ -287,6 +289,7 @@ class SwinAnalysis:
     device: str
     model_seconds: float
     layout: TokenLayout | None = None
+    token_norms: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -333,7 +336,7 @@ class SwinAnalysis:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors and the crop."""
-        tensors = [*self.attentions, *self.biases, self.tokens] + ([self.probabilities] if self.probabilities is not None else [])
+        tensors = [*self.attentions, *self.biases, *self.token_norms, self.tokens] + ([self.probabilities] if self.probabilities is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
     def predictions(self, k: int = 5) -> list[tuple[str, float]]:
@@ -373,6 +376,22 @@ class SwinAnalysis:
             out.append((per_query * real).sum(dim=(0, 2)) / (tokens >= 0).sum())
         return out
 
+    def attention_received(self) -> list[torch.Tensor]:
+        """The share of each layer's attention that each token receives, heads averaged: one [N_s]
+        per layer, raster order of its stage's grid, mean_i A[i, j] over the real queries i of the
+        stage (`vitviz.analysis.attention_received` of `global_attention`, heads averaged), summed
+        window by window without the global matrix. A padded grid's rows give the padding a share,
+        so a layer's shares then sum to less than 1."""
+        out = []
+        for a, g in zip(self.attentions, self.geometries):
+            tokens = g.window_tokens(a.device)  # [windows, M²], -1 for padding
+            real = tokens >= 0
+            per_key = (a * real[:, None, :, None].to(a.dtype)).sum(dim=2).mean(dim=1)  # [windows, M²]: over real queries, heads averaged
+            received = torch.zeros(g.grid[0] * g.grid[1], dtype=a.dtype, device=a.device)
+            received.index_add_(0, tokens[real], per_key[real])
+            out.append(received / real.sum())
+        return out
+
     def window_of(self, layer: int, row: int, col: int) -> torch.Tensor:
         """The cells of the layer's stage grid that the query at (row, col) of that grid attends to
         (its window, the shift undone, less what the mask separates): bool [gh_s, gw_s]."""
@@ -402,9 +421,12 @@ def _analyze_input(model: Swin, x: torch.Tensor, cropped: Image.Image) -> SwinAn
     spec = _spec_of(model)
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
+    norms: list[torch.Tensor] = []
     with torch.inference_mode():
         start = time.perf_counter()
-        with record_attention(model, reduce=lambda a: a.float().cpu()) as rec:
+        with record_attention(model, reduce=lambda a: a.float().cpu()) as rec, contextlib.ExitStack() as hooks:
+            for block in model.blocks:  # each block's output [B, gh, gw, C]: its tokens' norms
+                hooks.callback(block.register_forward_hook(lambda _m, _i, out: norms.append(out[0].float().norm(dim=-1).flatten().cpu())).remove)
             tokens = model.encode(x)
             logits = model.head_logits(tokens) if spec.has_head else None
         if param.device.type == "cuda":
@@ -422,6 +444,7 @@ def _analyze_input(model: Swin, x: torch.Tensor, cropped: Image.Image) -> SwinAn
         stages=model.layer_stages,
         biases=biases,
         tokens=tokens[0].float().cpu(),
+        token_norms=norms,
         patch_size=model.config.patch_size,
         device=str(param.device),
         model_seconds=seconds,

@@ -10,7 +10,11 @@ What applies, drawn here from the stored analysis (no model runs):
 - mean attention distance per layer and head in input pixels, heads by stage (`render_distance`);
 - each layer's relative position bias tables per head (`render_bias`), in place of position
   embeddings;
-- the stages: grids, windows, shifted windows and their masked regions (`render_stages`).
+- the stages: grids, windows, shifted windows and their masked regions (`render_stages`);
+- the tokens: the share of attention each receives and its norm, layer by layer over its stage's
+  tokens; the pooled query's heads at the last block and the final tokens' principal components, on
+  the last stage's grid (`render_received`, `render_token_norms`, `render_dino_heads`,
+  `render_features`, `render_feature_similarity`).
 
 The maps for a class are `vitviz.server.explaining`'s (one forward and one backward) drawn by
 `views.render_method_maps`, as for a ViT.
@@ -28,11 +32,13 @@ from vitviz import plots
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
-from vitviz.server.views import Exploration, _heat_view, _name, mosaic_tile_px, render_filters, tick
+from vitviz.relevance import feature_components, feature_similarity, keep_mass
+from vitviz.server.views import Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, render_filters, tick
 
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
-           "render_distance", "bias_tables", "render_bias", "render_stages", "describe_query", "head_view", "patch_at"]
+           "render_distance", "bias_tables", "render_bias", "render_stages", "describe_query", "head_view", "patch_at",
+           "render_received", "render_token_norms", "render_dino_heads", "render_features", "render_feature_similarity"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
 QUERY_COLOR = (255, 255, 255)  # the query token
@@ -263,3 +269,75 @@ def render_stages(exp: Exploration) -> Image.Image:
         labels.append(f"stage {s + 1}: {g.grid[0]}x{g.grid[1]}, {where}")
     img = plots.mosaic(tiles, cols=min(len(tiles), 4), labels=labels)
     return plots.named(img, _name(exp, "stages"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokens: attention received, token norms, the pooled query's heads, the final features
+
+
+def _last_stage_view(exp: Exploration, heat: torch.Tensor, *, name: str, label: str, vmin: float | None = None,
+                     vmax: float | None = None, cmap: str = plots.CMAP, cell: tuple[int, int] | None = None) -> Image.Image:
+    """A map on the last stage's grid [gh, gw] over the displayed image, `cell` (row, column of that
+    grid) outlined, with its colour bar and its download name."""
+    a = exp.analysis
+    img = plots.overlay(exp.display_image, heat, vmin=vmin, vmax=vmax, cmap=cmap)
+    lo, hi = img.info["vitviz_range"]
+    if cell is not None:
+        img = plots.mark_patch(img, patch=cell, patch_size=a.stage_patch_size(a.num_layers - 1) * exp.scale)
+    return plots.with_colorbar(plots.named(img, name), vmin=lo, vmax=hi, label=label, cmap=cmap)
+
+
+def _last_grid_note(a: SwinAnalysis) -> str:
+    gh, gw = a.stage_grids[-1]
+    return f"the last stage's {gh} x {gw} grid, {a.stage_patch_size(a.num_layers - 1)} px a token"
+
+
+def render_received(exp: Exploration) -> Image.Image:
+    """Where each layer's attention goes: the patches' median and largest share of it (heads averaged),
+    each layer over its own stage's tokens (`SwinAnalysis.attention_received`)."""
+    a = exp.analysis
+    fig = plots.received_figure(a.attention_received(), prefix_names=(), title=f"{a.variant}: attention received per layer")
+    return plots.named(plots.figure_to_image(fig), _name(exp, "attention-received"))
+
+
+def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
+    """(the patches' median and largest norm after each block, each layer over its stage's tokens; the
+    last block's norms on the last stage's grid)."""
+    a = exp.analysis
+    chart = plots.figure_to_image(plots.norms_figure(a.token_norms, prefix_names=(), title=f"{a.variant}: token norms per layer"))
+    last = a.token_norms[-1].reshape(a.stage_grids[-1])
+    return plots.named(chart, _name(exp, "token-norms")), _last_stage_view(exp, last, name=_name(exp, "token-norms-last-layer"), label="norm")
+
+
+def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
+    """DINO's figure for the pooled query: the last block's attention of the mean of the final tokens
+    (the mean of their rows) per head on the last stage's grid, the tokens holding `share` of each
+    head's mass in colour and the rest dimmed."""
+    a = exp.analysis
+    rows = a.global_attention(a.num_layers - 1).mean(dim=1)  # [heads, N_last]
+    maps, masks = rows.reshape(-1, *a.stage_grids[-1]), keep_mass(rows, share).reshape(-1, *a.stage_grids[-1])
+    return plots.named(kept_heads_mosaic(exp, maps, masks, share=share), _name(exp, "dino-heads", f"share{share:g}"))
+
+
+def render_features(exp: Exploration) -> tuple[Image.Image, str]:
+    """(the final tokens' first three principal components as RGB on the last stage's grid, the
+    variance they explain)."""
+    a = exp.analysis
+    scores, explained = feature_components(a.tokens, k=3)
+    img = plots.features_image(scores, a.stage_grids[-1], size=exp.display_image.size[0])
+    text = ", ".join(f"PC{i + 1} {100 * float(e):.1f} %" for i, e in enumerate(explained))
+    return plots.named(img, _name(exp, "feature-pca")), f"Red, green, blue: {text} of the final tokens' variance, on {_last_grid_note(a)}."
+
+
+def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
+    """Cosine similarity of the final token over patch `query` (as `patch_at` gives: a finest patch;
+    its token on the last stage's grid) to every final token."""
+    a = exp.analysis
+    if query == swin_explorer.POOL_QUERY:
+        raise ValueError("pick a patch, not the pooled query")
+    gh, gw = a.stage_grids[-1]
+    r, c = divmod(query - 1, a.grid[1])
+    cell = (min(gh - 1, r >> a.stages[-1]), min(gw - 1, c >> a.stages[-1]))
+    sim = feature_similarity(a.tokens, cell[0] * gw + cell[1]).reshape(gh, gw)
+    return _last_stage_view(exp, sim, name=_name(exp, "feature-similarity", f"token{query}"), label="cosine", vmin=-1.0, vmax=1.0,
+                            cmap="RdBu_r", cell=cell)

@@ -463,11 +463,18 @@ def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
         maps, masks = rows.reshape(-1, *a.grid), keep_mass(rows, share).reshape(-1, *a.grid)
     else:
         maps, masks = dino_head_maps(a.attentions, grid=a.grid, num_prefix_tokens=a.num_prefix_tokens, share=share, query=a.default_query)
-    tile = mosaic_tile_px(a.grid)
-    small = a.image.resize((tile, tile), Image.BILINEAR)
+    return kept_heads_mosaic(exp, maps, masks, share=share)
+
+
+def kept_heads_mosaic(exp: Exploration, maps: torch.Tensor, masks: torch.Tensor, *, share: float) -> Image.Image:
+    """One tile per head: its map [H, gh, gw] over the image, the cells of `masks` [H, gh, gw] in
+    colour and the rest dimmed, labelled with how many cells each head keeps (DINO's figure)."""
+    grid = tuple(maps.shape[1:])
+    tile = mosaic_tile_px(grid)
+    small = exp.analysis.image.resize((tile, tile), Image.BILINEAR)
     tiles = []
     for heat, mask, img in zip(maps, masks, plots.overlay_many(small, maps)):
-        keep = np.asarray(mask.numpy(), dtype=bool).repeat(tile // a.grid[0], 0).repeat(tile // a.grid[1], 1)
+        keep = np.asarray(mask.numpy(), dtype=bool).repeat(tile // grid[0], 0).repeat(tile // grid[1], 1)
         arr = np.asarray(img).copy()
         arr[~keep] = (np.asarray(small)[~keep] * 0.25).astype(np.uint8)
         tiles.append(Image.fromarray(arr))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server import inputs, runtime, views
+from vitviz.server import inputs, runtime
+from vitviz.server.drawers import drawer
 from vitviz.server.runtime import Outputs
 from vitviz.server.sessions import SessionRef
 from vitviz.server.tabs.base import Tab, figure, register_tab
@@ -13,7 +14,7 @@ from vitviz.server.tabs.base import Tab, figure, register_tab
 class TokensTab(Tab):
     id = "tokens"
     label = "Tokens"
-    needs = frozenset({"global_attention"})
+    needs = frozenset()  # every token layout's drawer draws its tokens (`drawers.PROTOCOL`)
     on_demand = True
 
     def build(self, page) -> None:
@@ -21,10 +22,12 @@ class TokensTab(Tab):
             "The tokens themselves. **Attention received**: the share of each layer's attention that goes to each "
             "prefix token (cls, distillation, registers) and to the patches. **Token norms**: where high-norm "
             "tokens appear — large models dump attention on a few such low-information patches, which registers "
-            "take over (Darcet et al. 2024). **DINO's heads**: the last block's cls attention per head, the "
-            "patches holding the chosen share of each head's mass in colour (Caron et al. 2021). **Patch "
-            "features**: the first three principal components of the last layer's patch tokens as red, green "
-            "and blue; click a patch to see how similar every other patch's feature is to it.",
+            "take over (Darcet et al. 2024). **DINO's heads**: the last block's cls attention per head (for a model "
+            "without a cls token, its pooled query's: the mean of the rows), the patches holding the chosen share of "
+            "each head's mass in colour (Caron et al. 2021). **Patch features**: the first three principal components "
+            "of the last layer's patch tokens as red, green and blue; click a patch to see how similar every other "
+            "patch's feature is to it. A model whose stages merge patches shows each layer over its own stage's "
+            "tokens, and its last stage's grid.",
             elem_classes="vv-caption",
         )
         with gr.Row(elem_classes="vv-pair"):
@@ -48,25 +51,28 @@ class TokensTab(Tab):
         """The Tokens tab: attention received, token norms, DINO's head maps and the patch features."""
         exp = self.recall(ref)
         share = runtime.checked(inputs.share, share)
-        norms_chart, norms_map = views.render_token_norms(exp)
-        features, features_caption = views.render_features(exp)
+        draw = drawer(exp)
+        norms_chart, norms_map = draw.render_token_norms(exp)
+        features, features_caption = draw.render_features(exp)
         return {
-            self.received_img: views.render_received(exp),
+            self.received_img: draw.render_received(exp),
             self.norms_img: norms_chart,
             self.norms_map_img: norms_map,
-            self.dino_img: views.render_dino_heads(exp, share=share),
+            self.dino_img: draw.render_dino_heads(exp, share=share),
             self.features_img: features,
             self.features_text: features_caption,
             self.similarity_map_img: None,
         }
 
     def on_dino_share(self, ref: SessionRef | None, share: float) -> Outputs:
-        return {self.dino_img: views.render_dino_heads(self.recall(ref), share=runtime.checked(inputs.share, share))}
+        exp = self.recall(ref)
+        return {self.dino_img: drawer(exp).render_dino_heads(exp, share=runtime.checked(inputs.share, share))}
 
     def on_feature_click(self, ref: SessionRef | None, evt: gr.SelectData) -> Outputs:
         """A click on the feature image: how similar every patch's feature is to that patch's."""
         exp = self.recall(ref)
-        return {self.similarity_map_img: views.render_feature_similarity(exp, query=views.patch_at(exp, *runtime.click_xy(evt)))}
+        draw = drawer(exp)
+        return {self.similarity_map_img: draw.render_feature_similarity(exp, query=draw.patch_at(exp, *runtime.click_xy(evt)))}
 
     def wire(self, page) -> None:
         self.dino_share.input(self.on_dino_share, [page.state, self.dino_share], self.dino_img, api_visibility="private", trigger_mode="always_last")
