@@ -171,7 +171,9 @@ def test_what_has_no_text_is_named_and_focus_follows_a_keyboard_upload(base, pag
     assert sorted(names) == [f"Analyse the example {s}" for s in stems]
     assert page.get_by_role("button", name=f"Analyse the example {stems[0]}").count() == 1
     # the upload area from the keyboard: Enter opens the file chooser
-    page.locator("#vv-image button[aria-label^='Drop an image']").focus()
+    # (the upload area may be drawn again while the page settles: focus it until it holds the focus)
+    drop = "#vv-image button[aria-label^='Drop an image']"
+    page.wait_for_function(f"(() => {{ const b = document.querySelector(\"{drop}\"); b && b.focus(); return b && document.activeElement === b; }})()")
     with page.expect_file_chooser() as chooser:
         page.keyboard.press("Enter")
     chooser.value.set_files(runtime.EXAMPLES[0])
