@@ -78,7 +78,7 @@ def test_the_library_analyses_and_explains_it_through_its_architecture(frames, i
     assert torch.allclose(one.distances()[0, 0], (places - places[gh * gw]).norm(dim=1).mean())
 
 
-def test_every_function_of_the_drawer_protocol_draws_it(frames, image):
+def test_every_function_of_the_drawer_protocol_draws_it(frames, image, tmp_path):
     from vitviz.server import drawers
     from vitviz.server.models import ModelCache
     from vitviz.server.views import explore
@@ -100,6 +100,10 @@ def test_every_function_of_the_drawer_protocol_draws_it(frames, image):
                     draw.render_feature_similarity(exp, query=query)):
         assert np.asarray(picture).std() > 0
     assert draw.render_stages(exp) is None and draw.rollout_note(exp).startswith("**Two frames")
+    from vitviz.server.export import export_npz
+
+    data = np.load(export_npz(exp, tmp_path / "frames.npz"))  # the download: its drawer's
+    assert int(data["frames"]) == 2 and np.array_equal(data["cls_map"], exp.analysis.cls_map().numpy())
     assert exp.facts.summary_rows[0][0] == "Two frames" and exp.facts.similarity is None
 
 

@@ -341,6 +341,16 @@ def render_features(exp):
     return img, f"Both frames' patch features: {100 * float(explained.sum()):.1f} % of their variance."
 
 
+def write_npz(exp, path, *, attentions=True):
+    import numpy as np
+
+    a = exp.analysis
+    extra = {"attentions": a.attentions.numpy()} if attentions else {}
+    with open(path, "wb") as f:
+        np.savez(f, **extra, rollout=a.rollout().numpy(), cls_map=a.cls_map().numpy(), frames=FRAMES, grid=np.array(a.grid), variant=a.variant)
+    return path
+
+
 def render_feature_similarity(exp, *, query):
     a = exp.analysis
     if query == 0:

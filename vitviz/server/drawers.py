@@ -42,6 +42,7 @@ PROTOCOL: tuple[str, ...] = (
     "render_dino_heads",   # (exp, *, share) -> the classifier's query per head at the last block, `share` of each kept
     "render_features",     # (exp) -> (the final tokens' first three principal components as RGB, what they explain)
     "render_feature_similarity",  # (exp, *, query) -> how like the final token at `query` (`patch_at`'s) each one is
+    "write_npz",           # (exp, path, *, attentions) -> writes the analysis as an .npz at `path` (`vitviz.cost.export_plan` weighs it)
 )
 # the values every drawer module has
 ATTRIBUTES: tuple[str, ...] = (

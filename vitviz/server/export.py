@@ -22,80 +22,18 @@ except ImportError:  # pragma: no cover - Windows: folders of earlier servers ar
 
 import numpy as np
 
-from vitviz.cost import export_plan
+from vitviz.server.drawers import drawer
 from vitviz.server.gradio_io import current_caller, file_stem, secret_name
 from vitviz.server.views import Exploration
 
-__all__ = ["export_npz", "export_windowed_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
+__all__ = ["export_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
 
 
 def export_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
-    """The analysis as an .npz: attentions (optional: L x H x N x N; float32 up to 64 MB, float16
-    beyond, relative error at most 2^-11), the cls rollout (mean fusion, no discard: all N rows up
-    to 1,024 tokens, the prefix tokens' rows beyond) and its map, distances, probabilities, the crop.
-    `vitviz.cost.export_plan` says what an export holds and weighs before it is written.
-
-    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes. Windowed
-    attention (`TokenLayout.attention`) is `export_windowed_npz`'s.
-    """
-    a = exp.analysis
-    if a.layout.attention != "global":
-        return _EXPORTS[a.layout.attention](exp, path, attentions=attentions)
-    plan = export_plan(exp.facts.spec)
-    path = Path(path)
-    extra = {}
-    if attentions:
-        extra["attentions"] = a.attentions.numpy().astype(plan["attention_dtype"], copy=False)
-    if a.probabilities is not None:
-        extra.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
-    rollout = a.rollout()
-    with open(path, "wb") as f:
-        np.savez(
-            f,
-            **extra,
-            rollout=rollout[: plan["rollout_rows"]].numpy(),
-            cls_map=a.cls_map().numpy(),
-            distances=a.distances().numpy(),
-            image=np.asarray(a.image),
-            patch_size=a.patch_size,
-            grid=np.array(a.grid),
-            prefix_tokens=np.array(a.prefix_names),
-            head_fusion="mean",
-            discard_ratio=0.0,
-            variant=a.variant,
-        )
-    return path
-
-
-def export_windowed_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
-    """An analysis of windowed attention (a Swin's) as an .npz: each layer's window attention `attention_<l>` [windows, heads,
-    M², M²] (optional; float32 up to 64 MB, float16 beyond) and relative position bias `bias_<l>`
-    [heads, M², M²]; each layer's grid, window, shift and stage; the rollout [N_last, N_0] (mean
-    fusion) and the pooled query's map on the finest grid; the distances [L, H_max] (NaN for heads a
-    layer lacks); probabilities, the crop."""
-    a = exp.analysis
-    plan = export_plan(exp.facts.spec)
-    per_layer = {f"bias_{l}": b.numpy() for l, b in enumerate(a.biases)}
-    if attentions:
-        per_layer.update({f"attention_{l}": t.numpy().astype(plan["attention_dtype"], copy=False) for l, t in enumerate(a.attentions)})
-    if a.probabilities is not None:
-        per_layer.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
-    distances = [d.numpy() for d in a.distances()]
-    table = np.full((len(distances), max(len(d) for d in distances)), np.nan, dtype=np.float32)
-    for l, d in enumerate(distances):
-        table[l, : len(d)] = d
-    path = Path(path)
-    with open(path, "wb") as f:
-        np.savez(
-            f, **per_layer, rollout=a.rollout().numpy(), cls_map=a.cls_map().numpy(), distances=table, image=np.asarray(a.image),
-            patch_size=a.patch_size, grid=np.array(a.grid), grids=np.array([g.grid for g in a.geometries]),
-            windows=np.array(a.window_sizes), shifts=np.array(a.shifts), stages=np.array(a.stages), head_fusion="mean", variant=a.variant,
-        )
-    return path
-
-
-# the exports of the other kinds of attention, by `TokenLayout.attention`
-_EXPORTS = {"windowed": export_windowed_npz}
+    """The analysis as an .npz, written by its layout's drawer (`drawers.PROTOCOL`'s `write_npz`: a
+    ViT's `views.write_npz`, a Swin's `swin_views.write_npz`). `vitviz.cost.export_plan` says what
+    an export holds and weighs before it is written."""
+    return drawer(exp).write_npz(exp, Path(path), attentions=attentions)
 
 
 def sweep(folder: str | Path, *, max_age: float, max_bytes: int | None = None, pattern: str = "*", room: int = 0,

@@ -23,12 +23,14 @@ The maps for a class are `vitviz.server.explaining`'s (one forward and one backw
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
 from vitviz import plots
+from vitviz.cost import export_plan
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
 from vitviz.server import swin_explorer
@@ -38,7 +40,7 @@ from vitviz.server.views import Exploration, _heat_view, _name, kept_heads_mosai
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
            "render_distance", "bias_tables", "render_bias", "render_stages", "describe_query", "head_view", "patch_at",
-           "render_received", "render_token_norms", "render_dino_heads", "render_features", "render_feature_similarity"]
+           "write_npz", "render_received", "render_token_norms", "render_dino_heads", "render_features", "render_feature_similarity"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
 QUERY_COLOR = (255, 255, 255)  # the query token
@@ -341,3 +343,31 @@ def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
     sim = feature_similarity(a.tokens, cell[0] * gw + cell[1]).reshape(gh, gw)
     return _last_stage_view(exp, sim, name=_name(exp, "feature-similarity", f"token{query}"), label="cosine", vmin=-1.0, vmax=1.0,
                             cmap="RdBu_r", cell=cell)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis as a download
+
+
+def write_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
+    """An analysis of windowed attention (a Swin's) as an .npz: each layer's window attention `attention_<l>` [windows, heads,
+    M², M²] (optional; float32 up to 64 MB, float16 beyond) and relative position bias `bias_<l>`
+    [heads, M², M²]; each layer's grid, window, shift and stage; the rollout [N_last, N_0] (mean
+    fusion) and the pooled query's map on the finest grid; the distances [L, H_max] (NaN for heads a
+    layer lacks); probabilities, the crop."""
+    a = exp.analysis
+    plan = export_plan(exp.facts.spec)
+    per_layer = {f"bias_{l}": b.numpy() for l, b in enumerate(a.biases)}
+    if attentions:
+        per_layer.update({f"attention_{l}": t.numpy().astype(plan["attention_dtype"], copy=False) for l, t in enumerate(a.attentions)})
+    if a.probabilities is not None:
+        per_layer.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
+    table = distance_table(a).numpy().astype(np.float32, copy=False)
+    path = Path(path)
+    with open(path, "wb") as f:
+        np.savez(
+            f, **per_layer, rollout=a.rollout().numpy(), cls_map=a.cls_map().numpy(), distances=table, image=np.asarray(a.image),
+            patch_size=a.patch_size, grid=np.array(a.grid), grids=np.array([g.grid for g in a.geometries]),
+            windows=np.array(a.window_sizes), shifts=np.array(a.shifts), stages=np.array(a.stages), head_fusion="mean", variant=a.variant,
+        )
+    return path

@@ -27,9 +27,11 @@ from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_o
 from vitviz.preprocess import crop
 from vitviz.server import explorer_data
 from vitviz.architectures import attention_of
+from vitviz.cost import export_plan
 from vitviz.server.models import ModelCache, ModelFacts
 
 __all__ = [
+    "write_npz",
     "DISPLAY_PX",
     "Exploration",
     "display_scale",
@@ -511,3 +513,42 @@ def render_feature_similarity(exp: Exploration, *, query: int) -> Image.Image:
     sim = feature_similarity(a.tokens[a.num_prefix_tokens :], query - first).reshape(a.grid)
     return _heat_view(exp, sim, name=_name(exp, "feature-similarity", f"token{query}"), label="cosine", vmin=-1.0, vmax=1.0,
                       cmap="RdBu_r", mark=query)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis as a download
+
+
+def write_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) -> Path:
+    """The analysis as an .npz: attentions (optional: L x H x N x N; float32 up to 64 MB, float16
+    beyond, relative error at most 2^-11), the cls rollout (mean fusion, no discard: all N rows up
+    to 1,024 tokens, the prefix tokens' rows beyond) and its map, distances, probabilities, the crop.
+    `vitviz.cost.export_plan` says what an export holds and weighs before it is written.
+
+    Uncompressed: zlib on a float attention stack costs far more time than it saves bytes.
+    """
+    a = exp.analysis
+    plan = export_plan(exp.facts.spec)
+    path = Path(path)
+    extra = {}
+    if attentions:
+        extra["attentions"] = a.attentions.numpy().astype(plan["attention_dtype"], copy=False)
+    if a.probabilities is not None:
+        extra.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
+    rollout = a.rollout()
+    with open(path, "wb") as f:
+        np.savez(
+            f,
+            **extra,
+            rollout=rollout[: plan["rollout_rows"]].numpy(),
+            cls_map=a.cls_map().numpy(),
+            distances=a.distances().numpy(),
+            image=np.asarray(a.image),
+            patch_size=a.patch_size,
+            grid=np.array(a.grid),
+            prefix_tokens=np.array(a.prefix_names),
+            head_fusion="mean",
+            discard_ratio=0.0,
+            variant=a.variant,
+        )
+    return path
