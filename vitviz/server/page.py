@@ -222,8 +222,7 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
             head_fusion = runtime.checked(inputs.fusion, head_fusion)
             discard_ratio = runtime.checked(inputs.ratio, discard_ratio)
             # the job lasts until every picture of the analysis is drawn; the explorer's file is written during the forward
-            with runtime.analysis_job(image, variant, explorer=True):
-                exp = runtime.run(image, variant, explorer_key=runtime.new_key(), ticket=ticket)
+            with runtime.analysing(image, variant, explorer_key=runtime.new_key(), ticket=ticket) as exp:
                 return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
         except gr.Error as exc:
             return _refused(exc, ref)
@@ -358,8 +357,7 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
         The top-5 classes with probabilities, the rollout over the image, the distance chart, and an
         .npz (rollout, cls map, distances, probabilities, the crop).
     """
-    with runtime.analysis_job(image, variant):
-        exp = runtime.run(image, variant)
+    with runtime.analysing(image, variant) as exp:
         size = price(get_spec(exp.analysis.variant), "export", attentions=False).kept_bytes
         try:
             path = runtime.DOWNLOADS.npz(exp, attentions=False, size=size)

@@ -200,34 +200,56 @@ def _requested(image: str | None, variant: object) -> str:
         raise
 
 
-def run(image: str | None, variant: str, *, explorer_key: str | None = None, ticket: str | None = None) -> views.Exploration:
-    """The analysis of `image` by `variant`; a refusal is a `gr.Error` whose `cause` says which of
-    the two was the problem ("image" or "variant"). With `explorer_key` (a new session key: see
-    `new_key`), the explorer's file for the browser is written under it while the forward runs
-    (`views.explore`), within the analysis' own job and price; with `ticket` too (one `EARLY`
-    opened), the explorer's value is published for the page as soon as the file is complete, while
-    the forward goes on (`_Early`)."""
+@contextmanager
+def analysing(image: str | None, variant: object, *, explorer_key: str | None = None, ticket: str | None = None):
+    """The analysis of `image` by `variant`, the one place a request for one is checked, priced and
+    run: yields the `views.Exploration`, its job held while the block draws its pictures (their memory
+    is in the price). A refusal is a `gr.Error` whose `cause` says which of the two was the problem
+    ("image" or "variant"; an error of the block's own keeps its cause, else "variant").
+
+    With `explorer_key` (a new session key: see `new_key`), the explorer's file for the browser is
+    written under it while the forward runs (`views.explore`), within the analysis' own job and price;
+    with `ticket` too (one `EARLY` opened), the explorer's value is published for the page as soon as
+    the file is complete, while the forward goes on (`_Early`)."""
     variant = _requested(image, variant)
     release_memory(keep=SETTINGS.heap_keep_bytes)  # what the previous requests freed, past VITVIZ_HEAP_KEEP_MB
     try:
         with priced(analysis_price(variant, explorer=explorer_key is not None)) as work:
             work.unpriced = variant not in CACHE.loaded()  # loading (or downloading) is not model speed
-            if explorer_key is None:
-                return _analyze_on_device(image, variant)
-            with EXPLORER_LOCKS.hold(explorer_key):
-                spec = get_spec(variant)
-                explorer_sweep(room=_explorer_room(spec))
-                stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
-                early = _Early(ticket, spec, explorer_key)
-                try:
-                    exp = replace(_analyze_on_device(image, variant, stream_to=str(stack), on_crop=early.on_crop,
-                                                     on_file=early.on_file), key=explorer_key)
-                except BaseException:  # the pictures written for the page before the forward go with it
-                    for name in explorer_data.PICTURES:
-                        explorer_data.picture_path(EXPLORER_DIR, explorer_key, name).unlink(missing_ok=True)
-                    raise
-                early.after(exp, stack)
-            return exp
+            exp = _run(image, variant, explorer_key=explorer_key, ticket=ticket)
+            yield exp
+    except gr.Error as exc:  # priced above this server's bounds: the variant (at its size) is the problem
+        exc.cause = getattr(exc, "cause", None) or "variant"
+        raise
+    finally:
+        release_memory(keep=SETTINGS.heap_keep_bytes)
+
+
+def run(image: str | None, variant: object, *, explorer_key: str | None = None, ticket: str | None = None) -> views.Exploration:
+    """`analysing`'s analysis, its job ended once the model has run (for a caller that draws after it)."""
+    with analysing(image, variant, explorer_key=explorer_key, ticket=ticket) as exp:
+        return exp
+
+
+def _run(image: str, variant: str, *, explorer_key: str | None, ticket: str | None) -> views.Exploration:
+    """The model run of `analysing`, inside its job; what vitviz refuses becomes a `gr.Error` with its cause."""
+    try:
+        if explorer_key is None:
+            return _analyze_on_device(image, variant)
+        with EXPLORER_LOCKS.hold(explorer_key):
+            spec = get_spec(variant)
+            explorer_sweep(room=_explorer_room(spec))
+            stack = EXPLORER_DIR / f"{explorer_key}-stack.bin"
+            early = _Early(ticket, spec, explorer_key)
+            try:
+                exp = replace(_analyze_on_device(image, variant, stream_to=str(stack), on_crop=early.on_crop,
+                                                 on_file=early.on_file), key=explorer_key)
+            except BaseException:  # the pictures written for the page before the forward go with it
+                for name in explorer_data.PICTURES:
+                    explorer_data.picture_path(EXPLORER_DIR, explorer_key, name).unlink(missing_ok=True)
+                raise
+            early.after(exp, stack)
+        return exp
     except ImageError as exc:
         refused = error(f"{file_name(image)}: {inputs.public_text(str(exc))}")
         refused.cause = "image"
@@ -236,11 +258,6 @@ def run(image: str | None, variant: str, *, explorer_key: str | None = None, tic
         refused = error(inputs.public_text(str(exc)))
         refused.cause = "variant"
         raise refused from None
-    except gr.Error as exc:  # priced above this server's bounds: the variant (at its size) is the problem
-        exc.cause = "variant"
-        raise
-    finally:
-        release_memory(keep=SETTINGS.heap_keep_bytes)
 
 
 def _explorer_room(spec) -> int:
@@ -318,19 +335,6 @@ class _Early:
 def new_key() -> str:
     """A new session key (random, unguessable): the analysis is kept under it, and its explorer's files are named by it."""
     return secrets.token_urlsafe(16)
-
-
-@contextmanager
-def analysis_job(image: str | None, variant: object, *, explorer: bool = False):
-    """The job of an analysis and its pictures (`run` inside it takes no second one); with
-    `explorer`, priced with the explorer's file written while the forward runs."""
-    name = _requested(image, variant)
-    try:
-        with priced(analysis_price(name, explorer=explorer)) as work:
-            yield work
-    except gr.Error as exc:
-        exc.cause = getattr(exc, "cause", None) or "variant"
-        raise
 
 
 def file_name(path: str | None) -> str:
