@@ -192,12 +192,12 @@ def test_compare_two_variants(app, example):
     top = max(float(d.max()) for d in dens)
     for picture, e, d in zip((out[ro1], out[ro2]), exps, dens):
         assert np.array_equal(np.asarray(picture), np.asarray(plots.overlay(e.display_image, d, vmin=0.0, vmax=top)))
-    assert out[bar1] == out[bar2] == "" and f"<span>{plots._fmt(top)}</span>" in out[t.compare_bar]  # one bar: the shared scale
+    assert out[bar1] == out[bar2] == "" and f"<span>{plots.tick_label(top)}</span>" in out[t.compare_bar]  # one bar: the shared scale
     table = out[t.compare_table]
     assert "<td>6x6</td>" in table and "<td>12x12</td>" in table and "<td>16 px</td>" in table and "<td>8 px</td>" in table
     # each its own scale: a bar under each map, none shared
     own = t.on_compare(example, ["shapes_p16", "shapes_p8"], "own")
-    assert own[t.compare_bar] == "" and f"<span>{plots._fmt(float(dens[1].max()))}</span>" in own[bar2]
+    assert own[t.compare_bar] == "" and f"<span>{plots.tick_label(float(dens[1].max()))}</span>" in own[bar2]
     assert np.array_equal(np.asarray(own[ro2]), np.asarray(plots.overlay(exps[1].display_image, dens[1], vmin=0.0, vmax=float(dens[1].max()))))
     # too few variants, or a scale not offered: only the notice changes, saying why
     out = t.on_compare(example, ["shapes_p16"])

@@ -35,7 +35,7 @@ function blendCells(target, baseData, cellOf, idx, lut) {
   }
 }
 
-// a number as the colour bars write it (`vitviz.plots._fmt`)
+// a number as the colour bars write it (`vitviz.plots.tick_label`)
 function fmt(v) {
   if (v === 0) return "0";
   if (Math.abs(v) < 1e-3) return v.toExponential(1).replace(/e([+-])(\d)$/, "e$10$2");

@@ -389,8 +389,8 @@ def colour_bar_html(lo: float, hi: float, *, label: str = COMPARE_LABEL, cmap: s
     the colour map from `lo` to `hi`, five values under it."""
     table = plots.lut(cmap)
     stops = ", ".join(f"rgb({r},{g},{b}) {i * 10}%" for i, (r, g, b) in enumerate(table[np.linspace(0, 255, 11).round().astype(int)].tolist()))
-    ticks = "".join(f"<span>{html.escape(plots._fmt(v))}</span>" for v in plots._ticks(lo, hi))
-    return (f'<div class="vv-colourbar" role="img" aria-label="{html.escape(label)}: {plots._fmt(lo)} to {plots._fmt(hi)}">'
+    ticks = "".join(f"<span>{html.escape(plots.tick_label(v))}</span>" for v in plots.tick_values(lo, hi))
+    return (f'<div class="vv-colourbar" role="img" aria-label="{html.escape(label)}: {plots.tick_label(lo)} to {plots.tick_label(hi)}">'
             f'<div class="vv-colourbar-ramp" style="background: linear-gradient(to right, {stops})"></div>'
             f'<div class="vv-colourbar-ticks">{ticks}</div><div class="vv-colourbar-label">{html.escape(label)}</div></div>')
 
