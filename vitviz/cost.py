@@ -53,7 +53,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from vitviz.explanations import LEGRAD_START_LAYER, METHODS
+from vitviz.explanations import METHODS
+from vitviz.recording import LEGRAD_START_LAYER
 from vitviz.swin_analysis import SLICE_ELEMENTS
 
 __all__ = [

@@ -8,7 +8,7 @@ over the patch grid per sample, with what it needs declared beside it.
         gh, gw = rec.grid
         ...                                  # -> maps [B, gh, gw], larger: more relevant
 
-`rec` is a `vitviz.explanations.Recorded`: the attention of every layer [L, B, H, N, N], the
+`rec` is a `vitviz.recording.Recorded`: the attention of every layer [L, B, H, N, N], the
 gradients of each sample's target logit with respect to it (for methods that need them), the
 token layout (grid, prefix tokens, the classifier's query and `rec.query_maps(matrix)` to read its
 row of an N x N matrix), the target classes and probabilities. `options` carries the caller's

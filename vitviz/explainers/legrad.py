@@ -26,7 +26,7 @@ empty prompt's map exceeds 0.8; vitviz applies the rule above to SigLIP too.
 
 Cost: ∂s_l/∂A_k is not 0 for k < l (the attention of earlier layers shapes layer l's tokens), so one
 backward of sum_l s_l would give each A_l the sum of all later layers' gradients. Each layer is
-differentiated on its own (`vitviz.explanations.record(..., layer_gradients=True)`): one call of
+differentiated on its own (`vitviz.recording.record(..., layer_gradients=True)`): one call of
 `torch.autograd.grad` a layer, each from s_l to A_l only, which runs back through block l's
 attention output, MLP and the read-out, not through earlier blocks; one [L', B, H, N, N] gradient
 stack in memory for the L' layers summed. Several phrases share the forward; each call is vectorised
