@@ -16,8 +16,10 @@ from vitviz.model import ViT
 def app():
     # the page's modules, imported with the app (which builds the page) and bound here for every test
     global gradio_io, page, runtime, tabs, views
-    from vitviz.server import app as app_module, gradio_io, page, runtime, tabs, views
+    from vitviz.server import app as app_module, page, runtime, tabs
 
+    from vitviz.server.guards import gradio_io
+    from vitviz.server.pictures import views
     return app_module
 
 
@@ -118,7 +120,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     from pathlib import Path
 
     from vitviz import cost
-    from vitviz.server import explorer_data, views
+    from vitviz.server.pictures import explorer_data, views
 
     explorer = tabs.explorer.TAB
     ref, _ = analysed  # within the budget: one file, written with the analysis
@@ -510,7 +512,7 @@ def test_shared_colour_scale_compares_layers(app, analysed):
 def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
     """"one per layer": the range is the smallest and largest value of any view of that layer (every
     head, the mean and the max, as the browser reads them), worked out here from the attention."""
-    from vitviz.server import explorer_data, views
+    from vitviz.server.pictures import explorer_data, views
 
     ref, _ = analysed
     exp = runtime.STORE.get(ref.key)

@@ -61,8 +61,9 @@ def app():
     global page, runtime, tabs, swin_views, swin_explorer
     with sources_kept():
         vitviz.register_source(_SwinTestSource())
-        from vitviz.server import app as app_module, page, runtime, swin_explorer, swin_views, tabs
+        from vitviz.server import app as app_module, page, runtime, tabs
 
+        from vitviz.server.pictures import swin_explorer, swin_views
         yield app_module
 
 
@@ -336,7 +337,7 @@ def test_the_npz_and_the_api_endpoints(analysed):
 
 
 def test_a_windowed_model_is_bounded_by_the_attention_it_holds(app):
-    from vitviz.server import inputs
+    from vitviz.server.guards import inputs
 
     spec = vitviz.get_spec(f"{NAME}@960")  # 120x120 patches: 14,400 tokens, windows of 6x6 hold 14,400 x 36 per head
     held = max(g.num_windows * g.area**2 for g in spec.config.geometries(spec.grid))

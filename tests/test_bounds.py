@@ -17,8 +17,8 @@ from PIL import Image
 
 from conftest import fn_index, join, results, run, upload
 import vitviz
-from vitviz.server.memory import release_memory, resident_bytes
-from vitviz.server.work import LineTimes
+from vitviz.server.guards.memory import release_memory, resident_bytes
+from vitviz.server.guards.work import LineTimes
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(
     """`release_memory`'s rule keeps up to `keep` bytes of growth since its last hand-back for the
     next request (no trim per request), hands everything back past that, at once with keep=0, and
     once idle after a call that kept it when no other call came."""
-    from vitviz.server.memory import HeapKeeper
+    from vitviz.server.guards.memory import HeapKeeper
 
     trims, resident, timers = [], [1000 * 2**20], _Timers()
 
@@ -127,7 +127,7 @@ def test_freed_heap_is_handed_back_once_resident_memory_grows_past_what_is_kept(
 def test_freed_heap_goes_back_to_the_system_when_the_requests_stop():
     """Real malloc (glibc) and a real timer: 200 MB of small blocks, half of them freed in a pattern
     that leaves no free top to shrink, kept by a call within its `keep`, then handed back once idle."""
-    from vitviz.server import memory
+    from vitviz.server.guards import memory
 
     keeper = memory.HeapKeeper(idle_seconds=0.2)
     if memory.resident_bytes() is None or not memory.HANDS_BACK:
@@ -150,7 +150,7 @@ def test_freed_heap_goes_back_to_the_system_when_the_requests_stop():
 
 def test_the_server_hands_back_past_its_heap_keep_setting(monkeypatch):
     from vitviz.server import runtime
-    from vitviz.server.settings import Settings, SettingsError
+    from vitviz.server.guards.settings import Settings, SettingsError
 
     monkeypatch.setenv("VITVIZ_HEAP_KEEP_MB", "0")
     assert Settings.from_env(gpu=False, menu_tokens=197).heap_keep_bytes == 0
@@ -191,7 +191,7 @@ def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, 
 
 def test_the_worst_cases_the_readme_states(app):
     from vitviz.cost import price
-    from vitviz.server.work import ModelWork
+    from vitviz.server.guards.work import ModelWork
     from vitviz.sources import get_spec
 
     assert runtime.SETTINGS.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
@@ -244,7 +244,7 @@ def test_one_budget_of_model_work_across_events(server, good, app, monkeypatch, 
 def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(server, good, app, monkeypatch):
     """Six concurrent component-server calls for one layer of a large analysis write its file once
     (with lanes enough for all of them: the lock per layer, not the budget, makes it once)."""
-    from vitviz.server import explorer_data
+    from vitviz.server.pictures import explorer_data
 
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
@@ -278,8 +278,9 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
     no memory free; one to write with no memory free is answered "busy" after its wait. Every
     refusal is a 200 answer with its reason, by raw HTTP as the page calls it."""
     from vitviz.cost import Cost
-    from vitviz.server import explorer_data, tabs
+    from vitviz.server import tabs
 
+    from vitviz.server.pictures import explorer_data
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
     assert ok

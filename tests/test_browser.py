@@ -343,7 +343,7 @@ def _same_as_server(exp, grabbed):
     """The page's map and every head's tile (`_grab`) are the server's pictures of that view of `exp`."""
     import numpy as np
 
-    from vitviz.server import views
+    from vitviz.server.pictures import views
 
     (layer, head, query, scale), got, mosaic = grabbed
     side, tile = exp.display_image.size[0], views.mosaic_tile_px(exp.analysis.grid)
@@ -479,8 +479,9 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     import numpy as np
 
     from vitviz import cost, get_spec
-    from vitviz.server import explorer_data, runtime, views
+    from vitviz.server import runtime
 
+    from vitviz.server.pictures import explorer_data, views
     asked = []  # the page's calls for a layer's file
     write_layer = explorer_data.write_layer
     monkeypatch.setattr(explorer_data, "write_layer", lambda exp, **kw: (asked.append(kw["layer"]), write_layer(exp, **kw))[1])
@@ -515,7 +516,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
 
     # a new analysis whose first layer is refused (the server busy): the explorer of the one before is
     # not shown beside its results, and the layer is asked for again until it comes
-    from vitviz.server.work import Busy
+    from vitviz.server.guards.work import Busy
 
     busy = [True]
 

@@ -1,4 +1,4 @@
-"""The pictures of an analysis are chosen by its token layout (`vitviz.server.drawers`): each kind of
+"""The pictures of an analysis are chosen by its token layout (`vitviz.server.pictures.drawers`): each kind of
 attention has one module that offers every function of the protocol, with the same bounds and
 words the explorer checks against; a module that lacks one is refused when it registers."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vitviz.server import drawers, swin_views, views
+from vitviz.server.pictures import drawers, swin_views, views
 from vitviz.server.models import ModelCache, ModelFacts
 
 IMAGE = str(Path(__file__).resolve().parent.parent / "assets" / "examples" / "star.png")

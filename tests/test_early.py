@@ -16,7 +16,7 @@ import pytest
 
 from tests.test_bounds import results
 from vitviz import cost
-from vitviz.server import explorer_data
+from vitviz.server.pictures import explorer_data
 from vitviz.server.early import Tickets
 
 T1, T2 = "A" * 22, "b-_" + "c" * 19

@@ -132,7 +132,7 @@ def test_the_page_shows_error_text_as_typed(server):
 
 
 def test_file_names_from_user_text_are_cut_by_bytes():
-    from vitviz.server.gradio_io import file_stem
+    from vitviz.server.guards.gradio_io import file_stem
 
     for text in ["星" * 200, "a" * 300, "é" * 200, "🙂" * 100, "x/../y\0z" * 40]:
         stem = file_stem(text)
@@ -160,7 +160,7 @@ def test_find_with_eighty_cjk_characters(server, good):
 
 
 def test_download_folders_left_by_earlier_processes_are_swept_at_start(tmp_path):
-    from vitviz.server.export import Downloads
+    from vitviz.server.guards.export import Downloads
 
     live = Downloads(root=tmp_path)  # another server, still running
     (live.folder / "vitviz-vit_b_16-" f"{'0' * 32}.npz").write_bytes(b"live")
@@ -224,7 +224,7 @@ def tiny_open_clip(tmp_path, monkeypatch):
 
 
 def test_the_parameter_bound_counts_every_tower_before_loading(tiny_open_clip):
-    from vitviz.server import inputs
+    from vitviz.server.guards import inputs
 
     name, image, whole, _ = tiny_open_clip
     assert image < whole
@@ -347,7 +347,7 @@ def test_a_model_that_cannot_be_fetched_is_one_sentence_and_the_advice_goes_to_t
     model (quoted, cut at 60 characters); the library's advice (what to run, which cache) is logged."""
     import logging
 
-    from vitviz.server import inputs
+    from vitviz.server.guards import inputs
     from vitviz.sources import WeightsUnavailableError
 
     def unavailable(name):

@@ -117,6 +117,24 @@ def test_the_model_and_the_maths_import_nothing_else_of_vitviz():
             assert outside <= allowed, f"{name} imports {outside - allowed}"
 
 
+def test_the_apps_pictures_stand_on_the_library_and_its_model_cache_alone():
+    """server/pictures draws from an analysis: no Gradio, and of the app only its own modules and the
+    model cache (whose facts a picture reads); the guards stand below the page and the tabs."""
+    graph = _graph()
+    pictures = [n for n in graph if n.startswith("vitviz.server.pictures")]
+    assert len(pictures) >= 5
+    for name in pictures:
+        app = {t for t in graph[name] if t.startswith("vitviz.server") and not t.startswith("vitviz.server.pictures")}
+        assert app <= {"vitviz.server", "vitviz.server.models"}, f"{name} imports {app}"
+        tree = ast.parse(_modules()[name].read_text())
+        gradio = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                  and any((a.name if isinstance(n, ast.Import) else (n.module or "")).split(".")[0] == "gradio" for a in n.names)]
+        assert not gradio, f"{name} imports gradio"
+    for name in (n for n in graph if n.startswith("vitviz.server.guards")):
+        above = {t for t in graph[name] if t in ("vitviz.server.page", "vitviz.server.runtime") or t.startswith("vitviz.server.tabs")}
+        assert not above, f"{name} imports {above}"
+
+
 def test_the_library_never_reaches_up_into_the_app():
     graph = _graph()
     for name, targets in graph.items():
@@ -284,7 +302,7 @@ def test_the_app_package_is_made_of_short_pieces():
 def test_no_module_asks_a_models_family_outside_the_familys_own():
     """A family is told apart only in its own modules (`swin*`) and the source registry (`sources/`,
     `dev/train_shapes_*`): everywhere else a model is asked through `vitviz.architectures` and an
-    analysis through its layout (`vitviz.server.drawers`), so that a new layout is drawn with no
+    analysis through its layout (`vitviz.server.pictures.drawers`), so that a new layout is drawn with no
     change there. The check finds what it looks for in a planted line."""
     asks = re.compile(r"\bis_swin\(|isinstance\([^)]*\bSwin\w*|\bSwin\w*\b\s*(?:==|is)\s|type\([^)]*\)\s*(?:==|is)\s*Swin")
     own = re.compile(r"(^|/)swin[^/]*\.(py|js)$|^sources/|^dev/train_shapes_")

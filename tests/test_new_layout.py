@@ -29,7 +29,7 @@ def frames():
     """The plugin imported (its family, architecture and drawer registered), and every registry as it
     was after the module's tests."""
     from vitviz import layout
-    from vitviz.server import drawers
+    from vitviz.server.pictures import drawers
 
     architectures, drawn = dict(layout._ARCHITECTURES), dict(drawers._DRAWERS)
     try:
@@ -79,9 +79,9 @@ def test_the_library_analyses_and_explains_it_through_its_architecture(frames, i
 
 
 def test_every_function_of_the_drawer_protocol_draws_it(frames, image, tmp_path):
-    from vitviz.server import drawers
+    from vitviz.server.pictures import drawers
     from vitviz.server.models import ModelCache
-    from vitviz.server.views import explore
+    from vitviz.server.pictures.views import explore
 
     exp = explore(ModelCache(), image, NAME)
     draw = drawers.drawer(exp)
@@ -100,7 +100,7 @@ def test_every_function_of_the_drawer_protocol_draws_it(frames, image, tmp_path)
                     draw.render_feature_similarity(exp, query=query)):
         assert np.asarray(picture).std() > 0
     assert draw.render_stages(exp) is None and draw.rollout_note(exp).startswith("**Two frames")
-    from vitviz.server.export import export_npz
+    from vitviz.server.guards.export import export_npz
 
     data = np.load(export_npz(exp, tmp_path / "frames.npz"))  # the download: its drawer's
     assert int(data["frames"]) == 2 and np.array_equal(data["cls_map"], exp.analysis.cls_map().numpy())

@@ -11,7 +11,7 @@ import vitviz
 from vitviz.explainers import registry
 from vitviz.server.explaining import MethodGuard, explain_exploration
 from vitviz.server.models import ModelCache
-from vitviz.server.views import explore
+from vitviz.server.pictures.views import explore
 
 
 @pytest.fixture

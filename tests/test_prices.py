@@ -12,7 +12,7 @@ from vitviz import cost
 from vitviz.cost import Cost, price
 from vitviz.explainers import methods as registered_methods
 from vitviz.explanations import relevance_maps
-from vitviz.server.work import LineTimes, ModelWork
+from vitviz.server.guards.work import LineTimes, ModelWork
 from vitviz.sources import get_spec
 
 

@@ -155,13 +155,13 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     import torchvision
     from gradio_client import Client, handle_file
 
-    from vitviz.server.memory import release_memory
+    from vitviz.server.guards.memory import release_memory
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("VITVIZ_OFFLINE", "1")
     random_torchvision_checkpoint(tmp_path / "torch")
     budget = 100 * 2**20  # four and a half B/16 analyses (22.4 MB each)
-    from vitviz.server.sessions import SessionStore
+    from vitviz.server.guards.sessions import SessionStore
 
     # a store of its own: what earlier tests in this process left in the app's is not these sessions'
     monkeypatch.setattr(runtime, "STORE", SessionStore(budget_bytes=budget, idle_seconds=runtime.SETTINGS.state_idle))
@@ -195,13 +195,13 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
 
 
 def _rss_mb() -> float:
-    from vitviz.server.memory import resident_bytes
+    from vitviz.server.guards.memory import resident_bytes
 
     return resident_bytes() / 1e6
 
 
 def test_the_store_keeps_the_newest_and_drops_the_oldest_and_the_idle():
-    from vitviz.server.sessions import SessionStore
+    from vitviz.server.guards.sessions import SessionStore
 
     now, dropped = [0.0], []
     store = SessionStore(budget_bytes=100, idle_seconds=60, clock=lambda: now[0], on_drop=dropped.append)
@@ -226,7 +226,7 @@ def test_the_store_keeps_the_newest_and_drops_the_oldest_and_the_idle():
 def test_the_explorer_files_stay_within_their_disk_budget(tmp_path):
     import time as clock
 
-    from vitviz.server.export import sweep
+    from vitviz.server.guards.export import sweep
 
     for i in range(6):
         (tmp_path / f"f{i}.bin").write_bytes(b"x" * 1000)

@@ -116,7 +116,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, tmp_path, 
 
 
 def _rss_mb() -> float:
-    from vitviz.server.memory import resident_bytes
+    from vitviz.server.guards.memory import resident_bytes
 
     return resident_bytes() / 1e6
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import fn_index, join, results, serving, upload
-from vitviz.server.memory import release_memory, resident_bytes
+from vitviz.server.guards.memory import release_memory, resident_bytes
 
 SMALL = dict(state_mb=96, sessions=24)  # a budget the tests cross: 24 sessions, the rest of 96 MB for analyses
 
@@ -20,7 +20,7 @@ SMALL = dict(state_mb=96, sessions=24)  # a budget the tests cross: 24 sessions,
 def small(monkeypatch_module):
     """The server's settings with a small state budget, read from the environment as the server reads its own."""
     from vitviz.server import runtime
-    from vitviz.server.settings import Settings
+    from vitviz.server.guards.settings import Settings
 
     monkeypatch_module.setenv("VITVIZ_STATE_MB", str(SMALL["state_mb"]))
     monkeypatch_module.setenv("VITVIZ_SESSIONS", str(SMALL["sessions"]))
@@ -205,8 +205,8 @@ def test_the_sessions_and_the_analyses_share_the_state_budget(small, monkeypatch
     kept for them (the rest); by default the sessions take a quarter. The app launches Gradio with that
     many sessions."""
     from vitviz.server import app, runtime
-    from vitviz.server.sessions import CROP_BYTES, SESSION_BYTES, SESSION_PRICE
-    from vitviz.server.settings import Settings, SettingsError
+    from vitviz.server.guards.sessions import CROP_BYTES, SESSION_BYTES, SESSION_PRICE
+    from vitviz.server.guards.settings import Settings, SettingsError
 
     mb = 2**20
     assert small.sessions == SMALL["sessions"]
@@ -239,7 +239,7 @@ def test_an_empty_session_costs_less_than_its_price(server, demo):
 
     from gradio.state_holder import SessionState
 
-    from vitviz.server.sessions import SESSION_BYTES
+    from vitviz.server.guards.sessions import SESSION_BYTES
 
     gc.collect()
     tracemalloc.start()
@@ -261,7 +261,7 @@ def test_a_session_keeps_a_crop_up_to_the_menus_largest_and_a_larger_one_comes_a
     import torch
 
     from vitviz.server import runtime
-    from vitviz.server.gradio_io import uploaded_path
+    from vitviz.server.guards.gradio_io import uploaded_path
 
     path = uploaded_path(upload(server, good)["path"])
     assert runtime.remember(runtime.run(path, "shapes_p16"), path).crop is not None

@@ -173,7 +173,7 @@ def test_room_is_made_from_nobodys_files_the_writers_own_and_those_of_callers_ov
     writer about to write 20: nobody's file goes first, then, oldest first, the hog's (40, over its
     share) and the writer's own until 20 fits; A's (10, within its share) stays. The writer about to
     write 40: the hog's go down to its share, A's stays, and the rest leaves no room (refused)."""
-    from vitviz.server.export import sweep
+    from vitviz.server.guards.export import sweep
 
     names = ["nobody", "hog-1", "a-1", "writer-1", "hog-2", "hog-3", "hog-4"]  # oldest first
     for age, name in enumerate(reversed(names)):
@@ -216,7 +216,7 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
 
     from vitviz.cost import price
     from vitviz.server import runtime
-    from vitviz.server.export import Downloads
+    from vitviz.server.guards.export import Downloads
 
     big = price(vitviz.get_spec("shapes_p8@192"), "export").kept_bytes
     downloads = Downloads(root=tempfile.mkdtemp(), max_bytes=3 * big)  # (where Gradio takes files from: the temporary folder)
@@ -253,7 +253,7 @@ def test_a_download_with_no_room_left_by_others_within_their_share_is_refused_cl
     is refused, saying why and what to do, and A's and C's stay."""
     from vitviz.cost import price
     from vitviz.server import runtime
-    from vitviz.server.export import Downloads
+    from vitviz.server.guards.export import Downloads
 
     big = price(vitviz.get_spec("shapes_p8@192"), "export").kept_bytes
     downloads = Downloads(root=tempfile.mkdtemp(), max_bytes=big + big // 50)

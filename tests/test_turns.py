@@ -1,4 +1,4 @@
-"""Clients take turns for the model lanes by the time they have had (`vitviz.server.work.ModelWork`):
+"""Clients take turns for the model lanes by the time they have had (`vitviz.server.guards.work.ModelWork`):
 a short request of one address runs within a step of another's long one, jobs of one address keep
 their order, a job given way keeps its memory and takes its lane back, a paused job can be stopped,
 and its pause counts neither against its time nor in the learned speed. Ordered events, not times."""
@@ -12,7 +12,7 @@ import pytest
 
 from vitviz import steps
 from vitviz.cost import Cost
-from vitviz.server.work import Cancelled, Job, ModelWork
+from vitviz.server.guards.work import Cancelled, Job, ModelWork
 
 
 def _cost(kind="analyse", nbytes=1, flops=0):

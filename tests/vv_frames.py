@@ -1,7 +1,7 @@
 """A token layout of a user's own, outside vitviz: a ViT that sees two frames of one image (the image,
 then its mirror), its patch tokens indexed (t, h, w) after the cls token. One module registers all it
 takes: the model family ("frames:tiny"), its `Architecture` (how it is analysed and explained) and
-its drawer (how the app draws it, `vitviz.server.drawers.PROTOCOL`).
+its drawer (how the app draws it, `vitviz.server.pictures.drawers.PROTOCOL`).
 
 Every map over the tokens is shown two ways: over both frames side by side (a query's attention,
 the heads of a layer), or over the image, the second frame's patches mirrored back onto the image
@@ -199,7 +199,7 @@ register_architecture(FramesViT, Architecture(attention=ATTENTION, analyze=analy
 
 
 # ------------------------------------------------------------------------------------------------
-# Its drawer: the functions of `vitviz.server.drawers.PROTOCOL`
+# Its drawer: the functions of `vitviz.server.pictures.drawers.PROTOCOL`
 
 DISCARD_RATIO = True
 EXPLORER_WIDGET = None  # no browser widget: the server draws its explorer
@@ -296,7 +296,7 @@ def maps_note(exp, missing):
 
 
 def render_positions(exp):
-    from vitviz.server.views import render_filters
+    from vitviz.server.pictures.views import render_filters
 
     return None, render_filters(exp)
 
@@ -358,6 +358,6 @@ def render_feature_similarity(exp, *, query):
     return _over_frames(exp, torch.cat([torch.zeros(1), feature_similarity(a.tokens[1:], query - 1)]), label="cosine")
 
 
-from vitviz.server.drawers import register_drawer  # noqa: E402  (the app's side of the plugin)
+from vitviz.server.pictures.drawers import register_drawer  # noqa: E402  (the app's side of the plugin)
 
 register_drawer(ATTENTION, __import__(__name__))

@@ -37,14 +37,14 @@ and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does 
 the figure). Model work is counted in multiply-adds x 2 (`forward_flops`); `tests/test_prices.py` holds
 each kind's to what the request runs (torch's FlopCounterMode) within 1.5x. The server turns work
 into seconds at the speed it learned for the request's line of work (`Cost.line`: its kind and
-family, `vitviz.server.work.ModelWork`).
+family, `vitviz.server.guards.work.ModelWork`).
 
 A windowed model (Swin: its config has `geometries`) holds each layer's attention window by window,
 `[windows, heads, M², M²]`: linear in tokens. Its requests are priced from those shapes, layer by
 layer (`_windowed_price`), with the same kinds and the same rules; its rollout and relevance through
 the merges (`_network_flops`, memory-bound: `WINDOW_PASS_FLOPS`) are priced where they are drawn,
 each its [N_last, N_0] result and the slices of columns it is taken in (`vitviz.swin_analysis.SLICE_ELEMENTS`);
-"explorer" is the size of its windowed explorer file (`vitviz.server.swin_explorer`), all layers or
+"explorer" is the size of its windowed explorer file (`vitviz.server.pictures.swin_explorer`), all layers or
 nothing.
 """
 
@@ -180,7 +180,7 @@ def explorer_layout(layers: int, heads: int, queries: int, patches: int, *, budg
     """The explorer's layout for `layers` layers of `heads` heads, a row for each of `queries` queries
     over `patches` patches, for a browser sent at most `budget` bytes at once (None: `BROWSER_BYTES`,
     as it is when called): one file when the stack fits, a file per layer when a layer does, else
-    none ("server"). The one rule the analysis (`vitviz.server.explorer_data`) and `price` go by."""
+    none ("server"). The one rule the analysis (`vitviz.server.pictures.explorer_data`) and `price` go by."""
     budget = BROWSER_BYTES if budget is None else budget
     stack = ExplorerLayout("stack", layers, heads + 2, queries, patches)
     if stack.stack_bytes <= budget:
@@ -370,7 +370,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
 
 
 def explorer_bytes(spec) -> int:
-    """The windowed explorer's file for one image (`vitviz.server.swin_explorer`): per layer, each
+    """The windowed explorer's file for one image (`vitviz.server.pictures.swin_explorer`): per layer, each
     window's tokens (int32 [windows, M²]), each token's window and mask region (int32 [N] twice),
     then per view (the heads, their mean and max) each query's row over its window (float32 maxima
     [V, N], uint8 [V, N, M²]) and the pooled query's row over the grid (float32 [V], uint8 [V, N])."""

@@ -49,7 +49,7 @@ class TokenLayout:
         attention: "global" (every token attends to every token: one N x N matrix per layer and head),
             "windowed" (attention within local windows, as in Swin), or the name of another kind
             that a registered `Architecture` gives its analyses (and the app draws with the drawer
-            registered for it, `vitviz.server.drawers`). Every kind but "global" lacks
+            registered for it, `vitviz.server.pictures.drawers`). Every kind but "global" lacks
             "global_attention".
         pooled_query: the classifier reads the mean of the patch tokens and there is no cls token.
         classifier: the model has a classification head.

@@ -3,7 +3,7 @@
 A forward calls `step()` after each block, a rollout after each layer (a windowed one after each
 layer of each slice of its columns), an explanation after each target. Outside `between_steps`
 a step does nothing; inside it, the thread's function runs there: a server stops work whose time
-is up, or lets a shorter request of another client go first (`vitviz.server.work`).
+is up, or lets a shorter request of another client go first (`vitviz.server.guards.work`).
 
     with steps.between_steps(job.check):
         vitviz.analyze(model, image)     # job.check() after every block and every rollout layer

@@ -16,7 +16,7 @@ from vitviz.explanations import METHODS as BUILT_IN, maps_of, record_for, releva
 from vitviz.faithfulness import Curves, perturbation_curves, random_maps
 from vitviz.preprocess import to_input
 from vitviz.server.models import ModelCache
-from vitviz.server.views import Exploration
+from vitviz.server.pictures.views import Exploration
 
 __all__ = ["explain_exploration", "find_phrases", "faithfulness_of", "MethodGuard", "PLUGIN_SECONDS"]
 

@@ -1,6 +1,6 @@
 // vitviz's attention explorer, drawn in the browser (gr.HTML's js_on_load: `element`, `props`,
 // `watch` and `server` are Gradio's). Every view is computed here from the 8-bit rows the server
-// writes once per analysis (vitviz/server/explorer_data.py; the layer shown first is fetched
+// writes once per analysis (vitviz/server/pictures/explorer_data.py; the layer shown first is fetched
 // before the others, or its first view comes inline: `early`), by the same rule as the server's own
 // pictures, so both give the same pixels: value = q * rowmax / 255; index = floor((v - lo) /
 // (hi - lo) * 255 + 1/2); pixel = floor((2 * image + 3 * colour + 2) / 5).

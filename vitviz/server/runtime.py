@@ -28,15 +28,17 @@ from vitviz.cost import BASE_BYTES, Cost, explorer_layout_of, price  # noqa: E40
 from vitviz.explainers import method as registered_method, methods as registered_methods  # noqa: E402
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.pipeline import layout_of  # noqa: E402
-from vitviz.server import explaining, explorer_data, inputs, views  # noqa: E402
+from vitviz.server import explaining  # noqa: E402
+from vitviz.server.guards import inputs
+from vitviz.server.pictures import explorer_data, views
 from vitviz.server.early import TICKET, Tickets  # noqa: E402
-from vitviz.server.export import Downloads, FileOwners, sweep  # noqa: E402
-from vitviz.server.gradio_io import as_text, upload_folder, uploaded_path, whose  # noqa: E402
-from vitviz.server.memory import release_memory  # noqa: E402
+from vitviz.server.guards.export import Downloads, FileOwners, sweep  # noqa: E402
+from vitviz.server.guards.gradio_io import as_text, upload_folder, uploaded_path, whose  # noqa: E402
+from vitviz.server.guards.memory import release_memory  # noqa: E402
 from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
-from vitviz.server.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
-from vitviz.server.settings import Settings  # noqa: E402
-from vitviz.server.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
+from vitviz.server.guards.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
+from vitviz.server.guards.settings import Settings  # noqa: E402
+from vitviz.server.guards.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
 from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
@@ -52,7 +54,7 @@ except ImportError:  # pragma: no cover - depends on the host
 Outputs = dict[Component, Any]
 
 MENU = list_variants()
-# every bound the server keeps, from the environment (the table in vitviz/server/settings.py)
+# every bound the server keeps, from the environment (the table in vitviz/server/guards/settings.py)
 SETTINGS = Settings.from_env(gpu=torch.cuda.is_available(), menu_tokens=max(s.num_tokens for s in MENU))
 CACHE = ModelCache(max_models=SETTINGS.max_models, hub_bytes=SETTINGS.hub_bytes, max_params=SETTINGS.max_params)
 # one budget of model work for every event and the explorer's calls: priced before, bounded while running
@@ -110,7 +112,7 @@ def error(message: str) -> gr.Error:
 
 
 def checked(check, *args, **kwargs):
-    """A client's field through its check in `vitviz.server.inputs`, or a clear error."""
+    """A client's field through its check in `vitviz.server.guards.inputs`, or a clear error."""
     try:
         return check(*args, **kwargs)
     except inputs.InputError as exc:

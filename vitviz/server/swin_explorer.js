@@ -1,6 +1,6 @@
 // vitviz's windowed explorer (a Swin), drawn in the browser (gr.HTML's js_on_load: `element`,
 // `props` and `watch` are Gradio's). Every view is computed here from the 8-bit rows the server
-// sends once per analysis (vitviz/server/swin_explorer.py), by the same rule as the server's own
+// sends once per analysis (vitviz/server/pictures/swin_explorer.py), by the same rule as the server's own
 // pictures, so both give the same pixels: value = q * rowmax / 255 on the layer's stage grid, shown
 // on the finest grid (cell (r, c) shows the stage's token (r >> s, c >> s)); index = floor((v - lo) /
 // (hi - lo) * 255 + 1/2); pixel = floor((2 * image + 3 * colour + 2) / 5); then the query's window
@@ -46,7 +46,7 @@
   }
 
   function parseLayer(buffer, info) {
-    // the layout of vitviz/server/swin_explorer.py, copied out of the buffer (typed arrays need aligned offsets)
+    // the layout of vitviz/server/pictures/swin_explorer.py, copied out of the buffer (typed arrays need aligned offsets)
     const n = info.grid[0] * info.grid[1], a = info.area, w = info.windows, v = info.heads + 2;
     let at = info.offset;
     const take = (Kind, count, bytes) => { const out = new Kind(buffer.slice(at, at + count * bytes)); at += count * bytes; return out; };

@@ -65,8 +65,10 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
 
         from gradio.state_holder import SessionState
 
-        from vitviz.server import app, explorer_data, page, runtime, views
-        from vitviz.server.memory import release_memory
+        from vitviz.server import app, page, runtime
+
+        from vitviz.server.pictures import explorer_data, views
+        from vitviz.server.guards.memory import release_memory
 
         photos = _photos(Path(home), rounds, seed=3)
         model, _ = runtime.CACHE.get(arch)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
-        print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here (vitviz.server.work.LineTimes)")
+        print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here (vitviz.server.guards.work.LineTimes)")
         print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'seconds':>10}{'ratio':>7}"
               + (f"{'GPU peak MB':>13}" if gpu else ""))
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")

@@ -19,10 +19,11 @@ import json, os, sys, time, torch
 torch.set_num_threads({threads})
 import vitviz
 from vitviz.cost import price
-from vitviz.server import explaining, explorer_data, views
-from vitviz.server.export import Downloads
+from vitviz.server import explaining
+from vitviz.server.pictures import explorer_data, views
+from vitviz.server.guards.export import Downloads
 from vitviz.server.models import ModelCache
-from vitviz.server.memory import release_memory
+from vitviz.server.guards.memory import release_memory
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
 variant, kind = {variant!r}, {kind!r}
@@ -58,7 +59,7 @@ gpu = torch.cuda.is_available()
 if gpu:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
-from vitviz.server.drawers import drawer
+from vitviz.server.pictures.drawers import drawer
 rollout = drawer(exp).render_rollout  # what the page draws
 if kind == "analyse":
     e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
@@ -114,7 +115,7 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
                 if got.get("skip"):  # a kind the model has no use for
                     continue
                 rows.append(dict(got, variant=variant, kind=kind))
-    from vitviz.server.work import LineTimes
+    from vitviz.server.guards.work import LineTimes
 
     table = []
     for row in rows:

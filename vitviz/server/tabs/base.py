@@ -18,10 +18,11 @@ import gradio as gr
 from gradio.components import Component
 
 from vitviz.layout import check_needs
-from vitviz.server import runtime, views
-from vitviz.server.gradio_io import PngImage
+from vitviz.server import runtime
+from vitviz.server.pictures import views
+from vitviz.server.guards.gradio_io import PngImage
 from vitviz.server.runtime import Outputs
-from vitviz.server.sessions import SessionRef
+from vitviz.server.guards.sessions import SessionRef
 
 def figure(kind=PngImage, **kwargs):
     """An output picture whose label sits above it, not over it."""

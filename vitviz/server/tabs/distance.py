@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from vitviz.server.drawers import drawer
+from vitviz.server.pictures.drawers import drawer
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 

@@ -1,7 +1,7 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
 data (written while the analysis' forward runs, and sent with its outputs), or by the server for a
 model too large for it. Each token layout's drawer names the widget that draws it
-(`EXPLORER_WIDGET`: "global", or "windowed", `vitviz.server.swin_explorer`: a query's attention on
+(`EXPLORER_WIDGET`: "global", or "windowed", `vitviz.server.pictures.swin_explorer`: a query's attention on
 its layer's stage grid, its window outlined) and writes its value (`write_explorer`)."""
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from pathlib import Path
 
 import gradio as gr
 
-from vitviz.server import explorer_data, inputs, runtime, swin_explorer, views
-from vitviz.server.drawers import drawer
-from vitviz.server.gradio_io import ViewImage, client_address
+from vitviz.server import runtime
+
+from vitviz.server.guards import inputs
+
+from vitviz.server.pictures import explorer_data, swin_explorer, views
+from vitviz.server.pictures.drawers import drawer
+from vitviz.server.guards.gradio_io import ViewImage, client_address
 from vitviz.server.menus import head_choices
 from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
-from vitviz.server.sessions import SessionRef
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.imagetext import DEFAULT_TEMPLATE
-from vitviz.server import inputs, runtime, views
-from vitviz.server.drawers import drawer
-from vitviz.server.gradio_io import ViewImage
+from vitviz.server import runtime
+from vitviz.server.guards import inputs
+from vitviz.server.pictures import views
+from vitviz.server.pictures.drawers import drawer
+from vitviz.server.guards.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
-from vitviz.server.sessions import SessionRef
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 

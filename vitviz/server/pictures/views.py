@@ -25,7 +25,7 @@ from vitviz.relevance import dino_head_maps, feature_components, feature_similar
 from vitviz.images import ImageSource, load_image
 from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_of
 from vitviz.preprocess import crop
-from vitviz.server import explorer_data
+from vitviz.server.pictures import explorer_data
 from vitviz.architectures import attention_of
 from vitviz.cost import export_plan
 from vitviz.server.models import ModelCache, ModelFacts
@@ -180,7 +180,7 @@ def scale_refusal(scale: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The rest of the drawer protocol (`vitviz.server.drawers.PROTOCOL`) for global attention
+# The rest of the drawer protocol (`vitviz.server.pictures.drawers.PROTOCOL`) for global attention
 
 DISCARD_RATIO = True  # the rollout's discard ratio applies
 EXPLORER_WIDGET = "global"  # the page's explorer widget that draws this layout (`explorer.js`)

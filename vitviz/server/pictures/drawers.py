@@ -1,8 +1,8 @@
 """The pictures of an analysis, chosen by its token layout rather than by the model's family.
 
 Each kind of attention (`TokenLayout.attention`) has one module that draws it: "global" (one N x N
-matrix per layer and head: `vitviz.server.views`) and "windowed" (attention within windows, stage
-grids between merges: `vitviz.server.swin_views`). A page, tab or endpoint asks `drawer(exp)` for the
+matrix per layer and head: `vitviz.server.pictures.views`) and "windowed" (attention within windows, stage
+grids between merges: `vitviz.server.pictures.swin_views`). A page, tab or endpoint asks `drawer(exp)` for the
 module (`drawer_for(attention)` before there is an analysis: a model's facts) and calls the same
 functions of every one of them (`PROTOCOL`, and the values `ATTRIBUTES`); a new layout registers its
 module with `register_drawer` and is drawn by every caller with no change there.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vitviz.server import swin_views, views
-from vitviz.server.views import Exploration
+from vitviz.server.pictures import swin_views, views
+from vitviz.server.pictures.views import Exploration
 
 __all__ = ["ATTRIBUTES", "PROTOCOL", "drawer", "drawer_for", "register_drawer"]
 

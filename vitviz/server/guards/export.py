@@ -22,9 +22,9 @@ except ImportError:  # pragma: no cover - Windows: folders of earlier servers ar
 
 import numpy as np
 
-from vitviz.server.drawers import drawer
-from vitviz.server.gradio_io import current_caller, file_stem, secret_name
-from vitviz.server.views import Exploration
+from vitviz.server.pictures.drawers import drawer
+from vitviz.server.guards.gradio_io import current_caller, file_stem, secret_name
+from vitviz.server.pictures.views import Exploration
 
 __all__ = ["export_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
 

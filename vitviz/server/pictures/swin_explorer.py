@@ -12,7 +12,7 @@ A view is drawn on the finest grid: cell (r, c) of the finest grid shows the val
 token (r >> s, c >> s); the heat is coloured and blended by the rule of `vitviz.plots.overlay`; then
 the query's window (its visible tokens) is outlined in cyan and the query token in white, by
 `vitviz.plots.outline_cells`, each outline max(1, floor(P' / 8)) px wide (P' the finest patch in
-display pixels). The server's pictures (`vitviz.server.swin_views`) and the browser's
+display pixels). The server's pictures (`vitviz.server.pictures.swin_views`) and the browser's
 (`swin_explorer.js`) do exactly this, so both give the same pixels.
 
 What the browser gets, per analysis, in one binary file (little-endian), layer after layer:
@@ -41,7 +41,7 @@ import torch
 from vitviz import cost
 from vitviz.cost import explorer_bytes
 from vitviz.plots import CMAP, lut
-from vitviz.server.explorer_data import dequantise, quantise_rows
+from vitviz.server.pictures.explorer_data import dequantise, quantise_rows
 from vitviz.swin_analysis import SwinAnalysis
 
 __all__ = ["POOL_QUERY", "view_rows", "window_rows", "pool_rows", "row_values", "visible", "query_cell", "outline_width",

@@ -13,7 +13,7 @@ __all__ = ["HANDS_BACK", "KEEP_BYTES", "HeapKeeper", "resident_bytes", "release_
 # Resident memory let grow past what the last hand-back left before the freed heap is handed back
 # again: the working set of a few ViT-B/16 analyses, kept for the next request to reuse; a request
 # that frees more (ViT-L at 384 px frees GBs) goes past it and is handed back. (The server's is
-# VITVIZ_HEAP_KEEP_MB, `vitviz.server.settings`.)
+# VITVIZ_HEAP_KEEP_MB, `vitviz.server.guards.settings`.)
 KEEP_BYTES = 256 * 2**20
 # A call that kept the freed heap hands it back after this many seconds without another call: what a
 # burst of requests kept goes back once the burst is over.

@@ -5,7 +5,7 @@
 | VITVIZ_QUEUE_SIZE | 32 | jobs waiting in Gradio's queue, all clients together |
 | VITVIZ_CLIENT_JOBS | 2 | jobs one session may have waiting, besides its first |
 | VITVIZ_ADDRESS_JOBS | 8 | jobs one network address may have waiting or running (and twice as many waits for an early explorer) |
-| VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together; clients take turns for them by the time they have had (`vitviz.server.work`) |
+| VITVIZ_CONCURRENCY | 1 on CPU, 2 on GPU | model jobs running at once, every kind of request together; clients take turns for them by the time they have had (`vitviz.server.guards.work`) |
 | VITVIZ_WORK_MB | 6144 | memory all running model jobs may take together (one job at most this) |
 | VITVIZ_REQUEST_SECONDS | 300 | one model job's time (estimated before, enforced while it runs) |
 | VITVIZ_MAX_TOKENS | the largest menu model's (ViT-H/14 at 518 px: 1,370) | tokens per image |
@@ -29,8 +29,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from vitviz.server.memory import KEEP_BYTES
-from vitviz.server.sessions import SESSION_PRICE
+from vitviz.server.guards.memory import KEEP_BYTES
+from vitviz.server.guards.sessions import SESSION_PRICE
 
 __all__ = ["Settings", "SettingsError"]
 
@@ -55,7 +55,7 @@ def _number(name: str, default: float, *, minimum: float = 0) -> float:
 @dataclass(frozen=True)
 class Settings:
     """The bounds. `state_bytes` is the analyses' share of VITVIZ_STATE_MB: what is left beside
-    `sessions` sessions of `session_bytes` each (`vitviz.server.sessions.SESSION_PRICE`)."""
+    `sessions` sessions of `session_bytes` each (`vitviz.server.guards.sessions.SESSION_PRICE`)."""
 
     queue_size: int
     client_jobs: int

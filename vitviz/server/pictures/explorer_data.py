@@ -6,7 +6,7 @@ of the patch tokens' rows, sits after the prefix tokens'), over the patch keys â
 relative to the row's own maximum:
 q8 = floor(a / max x 255 + 1/2), read back as q8 x max / 255. A view's heat is then coloured by
 `vitviz.plots.heat_indices` and blended by `vitviz.plots.overlay_many`'s integer rule. The server's
-views (`vitviz.server.views`) and the browser's (`explorer.js`) do exactly this, in float64, so the
+views (`vitviz.server.pictures.views`) and the browser's (`explorer.js`) do exactly this, in float64, so the
 two give the same pixels for the same view.
 
 What the browser gets, per analysis, in one binary file (little-endian):
@@ -19,7 +19,7 @@ What the browser gets, per analysis, in one binary file (little-endian):
 
 And two pictures, written from the crop before the forward (`write_pictures`), each as `rgb_file`:
 uint32 width, uint32 height, then uint8 RGB rows. "base" is the crop the model sees; the browser
-shows each of its pixels `scale` x `scale` times, as `vitviz.server.views.display_of` does.
+shows each of its pixels `scale` x `scale` times, as `vitviz.server.pictures.views.display_of` does.
 "tile_base" is the crop at a mosaic tile's size. Raw rows cost the server no encoding and the
 browser no decoding, on the way to the first view.
 
@@ -326,7 +326,7 @@ def pictures_bytes(image_size: int, grid: tuple[int, int]) -> int:
 
 def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key: str, folder) -> dict:
     """The explorer's two pictures, from the crop the model sees, as `rgb_file`s: "base", the crop
-    itself, shown `scale` times as wide (`vitviz.server.views.display_of`), and "tile_base", a mosaic
+    itself, shown `scale` times as wide (`vitviz.server.pictures.views.display_of`), and "tile_base", a mosaic
     tile's (`mosaic_tile_px`); written once per key. Returns their paths and `scale`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

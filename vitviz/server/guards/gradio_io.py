@@ -272,7 +272,7 @@ class GuardedBlocks(gr.Blocks):
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure becomes one readable message
             _forget_unserved(self, kwargs.get("state"), kwargs.get("session_hash"))
-            from vitviz.server.inputs import public_text
+            from vitviz.server.guards.inputs import public_text
 
             name = str(getattr(block_fn, "name", None) or "this request")
             for prefix in ("on_", "api_", "session_"):
