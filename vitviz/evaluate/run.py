@@ -10,7 +10,9 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -381,11 +383,63 @@ def evaluate(
         EvaluateWarning: on rank 0, a metric left out for some or all images (the pointing game
             without masks); run.json's "warnings" lists them too.
     """
-    from tqdm import tqdm
-
-    from vitviz.sources import get_spec, load_model
-
     data, out = Path(data), Path(out)
+    plan = _plan(data, out, model=model, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size, workers=workers,
+                 max_images=max_images, protocol=protocol, text=text, captions=captions)
+    rank, world, device = _setup()
+    plan.items = _stamped(plan.items, rank=rank, world=world)
+    for note in plan.notes if rank == 0 else ():
+        warnings.warn(note, EvaluateWarning, stacklevel=2)
+    net = _loaded(plan, device)
+    run, schema, done, sessions = _begun(plan, net.spec, rank=rank, rescan=rescan)
+    start = time.perf_counter()
+    scored_now, failed_now, waited = _score_shards(plan, net, schema, done, rank=rank, world=world, device=device, progress=progress)
+    seconds = time.perf_counter() - start
+    counts = _all_sum(torch.tensor([float(scored_now), float(failed_now), waited], dtype=torch.float64), device)
+    scored_now, failed_now, waited = int(counts[0]), int(counts[1]), float(counts[2]) / world  # waited: a rank's, on average
+    plain = plain_backward = None
+    if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
+        plain, plain_backward = _plain_rates(plan, net, world=world, device=device)
+    _barrier()
+    timing = dict(world_size=world, device=str(device), scored=scored_now, failed=failed_now, seconds=seconds,
+                  images_per_second=(scored_now + failed_now) / max(1e-9, seconds), data_wait_seconds=waited,
+                  plain_forward_images_per_second=plain, plain_forward_backward_images_per_second=plain_backward)
+    return _finished(plan, net.spec, run, schema, sessions, timing, rank=rank, device=device)
+
+
+@dataclass
+class _Plan:
+    """A run's arguments once checked, and what was read for it before any process started."""
+
+    data: Path
+    out: Path
+    model: str
+    methods: tuple[str, ...]
+    metrics: tuple[str, ...]
+    steps: int
+    batch_size: int
+    workers: int | None
+    max_images: int | None
+    protocol: str | None
+    chosen: object | None  # the protocol's `PROTOCOLS` entry
+    text: str | None
+    phrases: dict[str, str] | None  # each image's phrase (an image–text model)
+    digest: str | None  # the captions file's
+    items: list[Item]
+    classes: dict[str, int | None]
+    notes: list[str] = field(default_factory=list)  # what is left out, said as a warning and kept in run.json
+
+    @property
+    def shards(self) -> Path:
+        return self.out / "shards"
+
+
+def _plan(data: Path, out: Path, *, model: str, methods, metrics, steps, batch_size, workers, max_images, protocol, text,
+          captions) -> _Plan:
+    """Every check that needs no process group and no model: the arguments, the model's spec, the
+    images and their labels, masks and phrases; an `EvaluateError` before anything is written."""
+    from vitviz.sources import get_spec
+
     _check_arguments(data, out, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size, workers=workers,
                      max_images=max_images, protocol=protocol, text=text, captions=captions)
     chosen = PROTOCOLS[protocol] if protocol is not None else None
@@ -426,46 +480,64 @@ def evaluate(
             raise EvaluateError(f"the pointing game needs object masks and {data} has none ({where}): add them, or ask for "
                                 f"other --metrics")
         notes.append(f"pointing skipped: it needs object masks and {data} has none ({where}); scoring {', '.join(others)}")
-    rank, world, device = _setup()
-    items = _stamped(items, rank=rank, world=world)
-    for note in notes if rank == 0 else ():
-        warnings.warn(note, EvaluateWarning, stacklevel=2)
-    shards = out / "shards"
-    net = load_model(model, device=device)
+    return _Plan(data=data, out=out, model=model, methods=tuple(methods), metrics=tuple(metrics), steps=steps, batch_size=batch_size,
+                 workers=workers, max_images=max_images, protocol=protocol, chosen=chosen, text=text, phrases=phrases, digest=digest,
+                 items=items, classes=classes, notes=notes)
+
+
+def _loaded(plan: _Plan, device: torch.device):
+    """The model on this process' device, refused where the run's metrics or phrases do not fit it."""
+    from vitviz.sources import load_model
+
+    net = load_model(plan.model, device=device)
     spec = net.spec
-    if "inside" in metrics and not isinstance(net, ViT):
+    if "inside" in plan.metrics and not isinstance(net, ViT):
         raise EvaluateError(f"--metrics inside reads the residual stream of a plain ViT's blocks; {spec.name} is a "
                             f"{type(net).__name__}: leave out inside")
-    if phrased and not isinstance(net, ImageTextModel):
-        raise EvaluateError(f"{'--text' if text is not None else '--captions'} needs an image–text model (shapes_clip, "
+    if plan.phrases is not None and not isinstance(net, ImageTextModel):
+        raise EvaluateError(f"{'--text' if plan.text is not None else '--captions'} needs an image–text model (shapes_clip, "
                             f"hf:openai/clip-vit-base-patch16, ...); {spec.name} is not one: explain its classes without a phrase")
-    run = dict(format=FORMAT, data=str(data), model=model, protocol=protocol, methods=list(methods), metrics=list(metrics),
-               steps=steps, batch_size=batch_size, text=text, captions=digest, images=len(items),
-               files={item.file: item.stamp for item in items})
-    schema = _row_schema(methods, metrics, steps=steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes,
-                         protocol=protocol, text=phrased)
-    before = _previous(out)
-    _check_previous(out, before, run, rescan=rescan)  # on every rank: all refuse alike
-    done = _done(_read_shards(shards, schema), items)  # a line that is not a row refuses the run before anything is written
+    return net
+
+
+def _begun(plan: _Plan, spec, *, rank: int, rescan: bool) -> tuple[dict, tuple, dict, list[dict]]:
+    """The run's record, its rows' schema, the rows already scored and the sessions that scored them;
+    a run in `out` this one cannot resume is refused on every rank alike, then rank 0 writes first."""
+    run = dict(format=FORMAT, data=str(plan.data), model=plan.model, protocol=plan.protocol, methods=list(plan.methods),
+               metrics=list(plan.metrics), steps=plan.steps, batch_size=plan.batch_size, text=plan.text, captions=plan.digest,
+               images=len(plan.items), files={item.file: item.stamp for item in plan.items})
+    schema = _row_schema(plan.methods, plan.metrics, steps=plan.steps, depth=spec.depth, heads=spec.heads, classes=spec.num_classes,
+                         protocol=plan.protocol, text=plan.phrases is not None)
+    before = _previous(plan.out)
+    _check_previous(plan.out, before, run, rescan=rescan)  # on every rank: all refuse alike
+    done = _done(_read_shards(plan.shards, schema), plan.items)  # a line that is not a row refuses the run before anything is written
     sessions = list(before.get("sessions", [])) if before else []  # the timing of the sessions that scored the rows kept
     _barrier()
     if rank == 0:  # every check passed: the first write of the run
-        shards.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "run.json", dict(run, sessions=sessions, **_totals(sessions)))
+        plan.shards.mkdir(parents=True, exist_ok=True)
+        _write_json(plan.out / "run.json", dict(run, sessions=sessions, **_totals(sessions)))
     _barrier()
-    plans = [_Batches(len(items), batch_size, r, world, done, max_images) for r in range(world)]  # every rank's, to count them all
-    sampler = plans[rank]
+    return run, schema, done, sessions
+
+
+def _score_shards(plan: _Plan, net, schema, done, *, rank: int, world: int, device: torch.device, progress: bool) -> tuple[int, int, float]:
+    """This rank's share of the images not yet scored, a row each into a shard of its own; returns
+    (scored, failed, seconds spent waiting for decoded images)."""
+    from tqdm import tqdm
+
+    spec = net.spec
+    plans = [_Batches(len(plan.items), plan.batch_size, r, world, done, plan.max_images) for r in range(world)]  # every rank's, to count them all
     rounds = max(len(p) for p in plans)
-    workers = workers if workers is not None else max(0, min(4, (os.cpu_count() or 1) // world - 1))
+    workers = plan.workers if plan.workers is not None else max(0, min(4, (os.cpu_count() or 1) // world - 1))
+    chosen = plan.chosen
     loader = torch.utils.data.DataLoader(
-        EvalDataset(items, chosen.preprocessing(spec.preprocessing) if chosen is not None else spec.preprocessing,
+        EvalDataset(plan.items, chosen.preprocessing(spec.preprocessing) if chosen is not None else spec.preprocessing,
                     as_their_scripts=chosen is not None),
-        batch_sampler=sampler, num_workers=workers,
+        batch_sampler=plans[rank], num_workers=workers,
         collate_fn=_collate, persistent_workers=False,
     )
-    shard = shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
-    start = time.perf_counter()
-    scored_now = failed_now = 0
+    shard = plan.shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
+    scored = failed = 0
     waited = 0.0
     bar = tqdm(total=sum(len(b) for p in plans for b in p.batches), unit="img", disable=not (progress and rank == 0), file=sys.stderr)
     with bar, open(shard, "x") as f:  # the bar closed (its line ended) also when stopped
@@ -476,51 +548,58 @@ def evaluate(
             waited += time.perf_counter() - asked  # the model idle, waiting for decoded images
             n = 0
             if batch is not None:
-                for row in _score(net, batch, items, methods=methods, metrics=metrics, steps=steps, classes=classes,
-                                  protocol=protocol, phrases=phrases):
+                for row in _score(net, batch, plan.items, methods=plan.methods, metrics=plan.metrics, steps=plan.steps,
+                                  classes=plan.classes, protocol=plan.protocol, phrases=plan.phrases):
                     problem = _row_problem(row, schema)
                     if problem:  # e.g. non-finite outputs: an error row, so that every line written passes the merge's check
                         row = {key: row[key] for key in schema[0]} | {"error": f"the results are not usable: {problem}"}
                     f.write(json.dumps(row) + "\n")
                     if row["error"]:
-                        failed_now += 1
+                        failed += 1
                     else:
-                        scored_now += 1
+                        scored += 1
                 f.flush()
                 n = len(batch["index"])
             bar.update(int(_all_sum(torch.tensor([float(n)], dtype=torch.float64), device)[0]))
-    seconds = time.perf_counter() - start
-    counts = _all_sum(torch.tensor([float(scored_now), float(failed_now), waited], dtype=torch.float64), device)
-    scored_now, failed_now, waited = int(counts[0]), int(counts[1]), float(counts[2]) / world  # waited: a rank's, on average
-    plain = plain_backward = None
-    if compare and scored_now > 0:  # the same decision on every rank: the timing is collective
-        x = torch.randn(min(batch_size, len(items)), 3, spec.image_size, spec.image_size)
-        batches = max(1, min(8, math.ceil(len(items) / batch_size / world)))
-        plain = _plain_rate(_tower(net), x, batches=batches, device=device)
-        if _differentiates(methods, metrics, protocol):
-            plain_backward = _plain_rate(_tower(net), x, batches=batches, device=device, backward=True)
-    _barrier()
-    summary, message = None, f"none of the {_plural(len(items), 'image')} could be scored"
+    return scored, failed, waited
+
+
+def _plain_rates(plan: _Plan, net, *, world: int, device: torch.device) -> tuple[float, float | None]:
+    """The plain forward's rate (images per second) of the model at the run's batch size, and the
+    forward and backward's where the run differentiates: what the run's own rate is compared to."""
+    spec = net.spec
+    x = torch.randn(min(plan.batch_size, len(plan.items)), 3, spec.image_size, spec.image_size)
+    batches = max(1, min(8, math.ceil(len(plan.items) / plan.batch_size / world)))
+    plain = _plain_rate(_tower(net), x, batches=batches, device=device)
+    backward = None
+    if _differentiates(plan.methods, plan.metrics, plan.protocol):
+        backward = _plain_rate(_tower(net), x, batches=batches, device=device, backward=True)
+    return plain, backward
+
+
+def _finished(plan: _Plan, spec, run: dict, schema, sessions: list[dict], timing: dict, *, rank: int, device: torch.device) -> list[dict] | None:
+    """Rank 0 merges the shards in file order (the same figures for any number of ranks), writes the
+    outputs and run.json; every rank then learns whether any image could be scored."""
+    summary, message = None, f"none of the {_plural(len(plan.items), 'image')} could be scored"
     verdict = torch.zeros(2, dtype=torch.float64)  # (images scored, whether every image has a row), from rank 0
-    if rank == 0:  # the dataset figures from the merged rows in file order: the same for any number of ranks
-        rows = [row for _, row in sorted(_current(_read_shards(shards, schema), items).items())]
-        summary = _write_outputs(out, rows, run, spec)
+    if rank == 0:
+        rows = [row for _, row in sorted(_current(_read_shards(plan.shards, schema), plan.items).items())]
+        summary = _write_outputs(plan.out, rows, run, spec)
         scored = sum(1 for row in rows if not row["error"])
-        if scored_now + failed_now:  # a run that found everything scored keeps the timing of those that scored it
-            sessions.append(dict(world_size=world, device=str(device), scored=scored_now, failed=failed_now, seconds=seconds,
-                                 images_per_second=(scored_now + failed_now) / max(1e-9, seconds), data_wait_seconds=waited,
-                                 plain_forward_images_per_second=plain, plain_forward_backward_images_per_second=plain_backward))
-        if "pointing" in metrics and any(item.mask for item in items):
-            note = _pointing_note(rows, data)
+        if timing["scored"] + timing["failed"]:  # a run that found everything scored keeps the timing of those that scored it
+            sessions.append(timing)
+        notes = plan.notes
+        if "pointing" in plan.metrics and any(item.mask for item in plan.items):
+            note = _pointing_note(rows, plan.data)
             if note:
-                warnings.warn(note, EvaluateWarning, stacklevel=2)
+                warnings.warn(note, EvaluateWarning, stacklevel=3)
                 notes.append(note)
-        run.update(scored=scored, failed=len(rows) - scored, scored_now=scored_now, failed_now=failed_now, warnings=notes,
+        run.update(scored=scored, failed=len(rows) - scored, scored_now=timing["scored"], failed_now=timing["failed"], warnings=notes,
                    sessions=sessions, **_totals(sessions))
-        _write_json(out / "run.json", run)
-        verdict = torch.tensor([float(scored), float(len(rows) == len(items))], dtype=torch.float64)
+        _write_json(plan.out / "run.json", run)
+        verdict = torch.tensor([float(scored), float(len(rows) == len(plan.items))], dtype=torch.float64)
         if rows and not scored:
-            message += f" (e.g. {rows[0]['file']}: {rows[0]['error']}); each one's error is in {out / 'per_image.csv'}, column error"
+            message += f" (e.g. {rows[0]['file']}: {rows[0]['error']}); each one's error is in {plan.out / 'per_image.csv'}, column error"
     verdict = _all_sum(verdict, device)  # also the barrier after rank 0's writing
     if verdict[1] and not verdict[0]:
         raise EvaluateError(message, status=1)

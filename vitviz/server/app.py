@@ -18,7 +18,7 @@ from starlette.middleware import Middleware  # noqa: E402
 
 from vitviz.images import MAX_BYTES  # noqa: E402
 from vitviz.server import page, runtime  # noqa: E402
-from vitviz.server.guards.gradio_io import BodyLimit, KnownEvents, SessionHashes, UploadLimit  # noqa: E402
+from vitviz.server.guards.asgi import BodyLimit, KnownEvents, SessionHashes, UploadLimit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CSS = (HERE / "app.css").read_text()

@@ -20,10 +20,8 @@ try:
 except ImportError:  # pragma: no cover - Windows: folders of earlier servers are judged by age
     fcntl = None
 
-import numpy as np
-
-from vitviz.server.pictures.drawers import drawer
 from vitviz.server.guards.gradio_io import current_caller, file_stem, secret_name
+from vitviz.server.pictures.drawers import drawer
 from vitviz.server.pictures.views import Exploration
 
 __all__ = ["export_npz", "Downloads", "FileOwners", "NoRoom", "sweep", "sweep_old_downloads"]
