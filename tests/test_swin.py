@@ -357,7 +357,7 @@ def _dense_through(attn, grads, geometries, stages, *, rule):
 def test_rollout_and_relevance_equal_the_dense_products(kind, slice_elements, monkeypatch):
     # "sliced": Q's columns go through the layers in slices of one or two columns, a step after each
     # layer of each slice, and the products are the same
-    monkeypatch.setattr(vitviz.swin_analysis, "SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(vitviz.swin_global, "SLICE_ELEMENTS", slice_elements)
     stepped = []
     model = _ours(kind, classes=5, seed=3)
     with torch.no_grad():

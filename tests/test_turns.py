@@ -258,8 +258,8 @@ def test_a_victims_analysis_is_not_held_behind_another_addresss_flood(server, go
     # (the lane time 127.0.0.1 had in earlier tests of this process would count against the victim)
     monkeypatch.setattr(runtime.WORK, "_used", {})
     in_rollout = threading.Event()
-    through = vitviz.swin_analysis._window_right
-    monkeypatch.setattr(vitviz.swin_analysis, "_window_right", lambda *a, **k: (in_rollout.set(), through(*a, **k))[1])
+    through = vitviz.swin_global._window_right
+    monkeypatch.setattr(vitviz.swin_global, "_window_right", lambda *a, **k: (in_rollout.set(), through(*a, **k))[1])
 
     flooder, victim = "127.0.0.2", "127.0.0.1"
     image = upload(server, good, address=flooder)

@@ -43,7 +43,7 @@ A windowed model (Swin: its config has `geometries`) holds each layer's attentio
 `[windows, heads, M², M²]`: linear in tokens. Its requests are priced from those shapes, layer by
 layer (`_windowed_price`), with the same kinds and the same rules; its rollout and relevance through
 the merges (`_network_flops`, memory-bound: `WINDOW_PASS_FLOPS`) are priced where they are drawn,
-each its [N_last, N_0] result and the slices of columns it is taken in (`vitviz.swin_analysis.SLICE_ELEMENTS`);
+each its [N_last, N_0] result and the slices of columns it is taken in (`vitviz.swin_global.SLICE_ELEMENTS`);
 "explorer" is the size of its windowed explorer file (`vitviz.server.pictures.swin_explorer`), all layers or
 nothing.
 """
@@ -55,7 +55,7 @@ from typing import Literal
 
 from vitviz.explanations import METHODS
 from vitviz.recording import LEGRAD_START_LAYER
-from vitviz.swin_analysis import SLICE_ELEMENTS
+from vitviz.swin_global import SLICE_ELEMENTS
 
 __all__ = [
     "Kind",
@@ -86,7 +86,7 @@ FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
 BROWSER_BYTES = 24 * 2**20  # the explorer's data a browser is sent at once
 FAITHFULNESS_ORDERS = len(METHODS) + 1  # the built-in methods' maps and a random order (`price(orders=)` counts plugins' too)
 LEGRAD_LAYERS = -LEGRAD_START_LAYER  # the layers LeGrad differentiates by default (the last two)
-# A windowed model's product through the network (rollout, relevance; `vitviz.swin_analysis._through_network`)
+# A windowed model's product through the network (rollout, relevance; `vitviz.swin_global._through_network`)
 # moves each element of its [N_s, N_last] rows several times a layer (an index copy in, the window
 # product, an index copy out, a division and a sum): memory-bound work, counted in flops at what an
 # element cost beside a forward's multiply-adds on the 2-core test machine (shapes_swin@1824: a rollout
@@ -440,7 +440,7 @@ def _perturbed_bytes(spec, orders: int, steps: int) -> int:
 
 
 def _network_flops(layers: list[_Layer]) -> float:
-    """One product through a windowed network (`vitviz.swin_analysis._through_network`): per layer, the final
+    """One product through a windowed network (`vitviz.swin_global._through_network`): per layer, the final
     tokens' rows over its tokens' places, each window's M² x M² product (2 M² flops an element) and
     the element's passes through memory (`WINDOW_PASS_FLOPS`)."""
     rows = layers[-1].tokens
