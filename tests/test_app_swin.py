@@ -255,37 +255,51 @@ def test_hostile_values_get_clear_errors(analysed):
         tabs.find.TAB.on_find(ref, "a red star", "gradient")
 
 
-def test_the_tokens_tab_draws_the_librarys_norms_shares_heads_and_features(analysed):
+@pytest.mark.parametrize("name", [NAME, f"{NAME}@80"])  # at 80 px the grids are 10, 5 and 3: the last stage's padded
+def test_the_tokens_tab_draws_the_librarys_norms_shares_heads_and_features(app, name):
     from vitviz import plots
     from vitviz.relevance import feature_components, feature_similarity, keep_mass
 
-    ref, _, exp, _, fresh = analysed
+    analysed = page.on_analyze(runtime.EXAMPLES[-2], name, "mean", 0.0, progress=_quiet)
+    ref = analysed[page.PAGE.state]
+    exp = runtime.STORE.get(ref.key)
+    fresh = vitviz.analyze(runtime.CACHE.get(name)[0], exp.analysis.image)
     a, tab = exp.analysis, tabs.tokens.TAB
     out = tab.on_tokens(ref, 0.6)
-    last_grid = fresh.stage_grids[-1]
+    last_grid, s = fresh.stage_grids[-1], fresh.stages[-1]
+    rows, cols = np.arange(a.grid[0]) // 2**s, np.arange(a.grid[1]) // 2**s  # each finest patch's token of the last stage
+
+    def on_finest(values: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values)[rows][:, cols])
+
     for l, (got, want) in enumerate(zip(a.token_norms, fresh.token_norms)):
         torch.testing.assert_close(got, want)
-    _map_equals(out[tab.norms_map_img], exp, fresh.token_norms[-1].reshape(last_grid))  # on the last stage's grid
+    _map_equals(out[tab.norms_map_img], exp, on_finest(fresh.token_norms[-1].reshape(last_grid)))
     for chart in (out[tab.received_img], out[tab.norms_img]):
         assert np.asarray(chart).std() > 0
     # DINO's heads: the pooled query's row of the last block (the mean of its rows), per head
-    rows = fresh.global_attention(fresh.num_layers - 1).mean(dim=1)
-    kept = keep_mass(rows, 0.6)
-    assert out[tab.dino_img].size[0] > 100 and kept.sum(dim=1).min() >= 1
-    want = swin_views.kept_heads_mosaic(exp, rows.reshape(-1, *last_grid), kept.reshape(-1, *last_grid), share=0.6)
+    heads = fresh.global_attention(fresh.num_layers - 1).mean(dim=1)
+    kept = keep_mass(heads, 0.6)
+    assert kept.sum(dim=1).min() >= 1
+    maps = torch.stack([on_finest(m) for m in heads.reshape(-1, *last_grid)])
+    masks = torch.stack([on_finest(m) for m in kept.reshape(-1, *last_grid)])
+    labels = [f"head {h + 1}: {int(k.sum())} token{'' if int(k.sum()) == 1 else 's'}" for h, k in enumerate(kept)]
+    want = swin_views.kept_heads_mosaic(exp, maps, masks, share=0.6, labels=labels)
     assert np.array_equal(np.asarray(out[tab.dino_img]), np.asarray(want))
     # the features: the final tokens' principal components, and a click's similarity on the last grid
     scores, explained = feature_components(fresh.tokens, k=3)
-    assert np.array_equal(np.asarray(out[tab.features_img]), np.asarray(plots.features_image(scores, last_grid, size=exp.display_image.size[0])))
+    want = plots.features_image(on_finest(scores.reshape(*last_grid, 3)).reshape(-1, 3), a.grid, size=exp.display_image.size[0])
+    assert np.array_equal(np.asarray(out[tab.features_img]), np.asarray(want))
     assert f"PC1 {100 * float(explained[0]):.1f} %" in out[tab.features_text] and f"{last_grid[0]} x {last_grid[1]} grid" in out[tab.features_text]
     w, h = exp.display_image.size
     clicked = tab.on_feature_click(ref, _Click(w - 1, h - 1))[tab.similarity_map_img]  # the bottom-right patch: the last token
-    want = plots.overlay(exp.display_image, feature_similarity(fresh.tokens, last_grid[0] * last_grid[1] - 1).reshape(last_grid), vmin=-1.0,
-                         vmax=1.0, cmap="RdBu_r")
+    similarity = feature_similarity(fresh.tokens, last_grid[0] * last_grid[1] - 1).reshape(last_grid)
+    want = plots.overlay(exp.display_image, on_finest(similarity), vmin=-1.0, vmax=1.0, cmap="RdBu_r")
     got, want = _left(clicked, want).astype(int), np.asarray(want).astype(int)
-    cell = fresh.stage_patch_size(fresh.num_layers - 1) * exp.scale  # the clicked token's cell, outlined
+    cell = fresh.stage_patch_size(fresh.num_layers - 1) * exp.scale  # the clicked token's cell, outlined from its top left
+    top, left = (last_grid[0] - 1) * cell, (last_grid[1] - 1) * cell
     outside = np.ones(got.shape[:2], dtype=bool)
-    outside[h - cell - 3 :, w - cell - 3 :] = False
+    outside[max(0, top - 3) : top + cell + 3, max(0, left - 3) : left + cell + 3] = False
     assert np.array_equal(got[outside], want[outside]) and not np.array_equal(got[~outside], want[~outside])
 
 

@@ -91,7 +91,7 @@ LEGRAD_LAYERS = -LEGRAD_START_LAYER  # the layers LeGrad differentiates by defau
 # product, an index copy out, a division and a sum): memory-bound work, counted in flops at what an
 # element cost beside a forward's multiply-adds on the 2-core test machine (shapes_swin@1824: a rollout
 # of 2.7e8 elements took 22.8 s where the forward's 1.43e10 flops took 1.0 s; `python -m
-# vitviz.dev.prices`, docs/serving.md).
+# vitviz.dev.bench --serving`, docs/serving.md).
 WINDOW_PASS_FLOPS = 1024
 
 

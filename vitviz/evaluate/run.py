@@ -392,9 +392,7 @@ def evaluate(
         warnings.warn(note, EvaluateWarning, stacklevel=2)
     net = _loaded(plan, device)
     run, schema, done, sessions = _begun(plan, net.spec, rank=rank, rescan=rescan)
-    start = time.perf_counter()
-    scored_now, failed_now, waited = _score_shards(plan, net, schema, done, rank=rank, world=world, device=device, progress=progress)
-    seconds = time.perf_counter() - start
+    scored_now, failed_now, waited, seconds = _score_shards(plan, net, schema, done, rank=rank, world=world, device=device, progress=progress)
     counts = _all_sum(torch.tensor([float(scored_now), float(failed_now), waited], dtype=torch.float64), device)
     scored_now, failed_now, waited = int(counts[0]), int(counts[1]), float(counts[2]) / world  # waited: a rank's, on average
     plain = plain_backward = None
@@ -520,9 +518,10 @@ def _begun(plan: _Plan, spec, *, rank: int, rescan: bool) -> tuple[dict, tuple, 
     return run, schema, done, sessions
 
 
-def _score_shards(plan: _Plan, net, schema, done, *, rank: int, world: int, device: torch.device, progress: bool) -> tuple[int, int, float]:
+def _score_shards(plan: _Plan, net, schema, done, *, rank: int, world: int, device: torch.device,
+                  progress: bool) -> tuple[int, int, float, float]:
     """This rank's share of the images not yet scored, a row each into a shard of its own; returns
-    (scored, failed, seconds spent waiting for decoded images)."""
+    (scored, failed, seconds spent waiting for decoded images, seconds of the scoring loop)."""
     from tqdm import tqdm
 
     spec = net.spec
@@ -537,6 +536,7 @@ def _score_shards(plan: _Plan, net, schema, done, *, rank: int, world: int, devi
         collate_fn=_collate, persistent_workers=False,
     )
     shard = plan.shards / f"rank{rank:03d}-of-{world:03d}-{_unique()}.jsonl"
+    start = time.perf_counter()
     scored = failed = 0
     waited = 0.0
     bar = tqdm(total=sum(len(b) for p in plans for b in p.batches), unit="img", disable=not (progress and rank == 0), file=sys.stderr)
@@ -561,7 +561,7 @@ def _score_shards(plan: _Plan, net, schema, done, *, rank: int, world: int, devi
                 f.flush()
                 n = len(batch["index"])
             bar.update(int(_all_sum(torch.tensor([float(n)], dtype=torch.float64), device)[0]))
-    return scored, failed, waited
+    return scored, failed, waited, time.perf_counter() - start
 
 
 def _plain_rates(plan: _Plan, net, *, world: int, device: torch.device) -> tuple[float, float | None]:

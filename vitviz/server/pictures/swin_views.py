@@ -279,10 +279,12 @@ def render_stages(exp: Exploration) -> Image.Image:
 
 def _last_stage_view(exp: Exploration, heat: torch.Tensor, *, name: str, label: str, vmin: float | None = None,
                      vmax: float | None = None, cmap: str = plots.CMAP, cell: tuple[int, int] | None = None) -> Image.Image:
-    """A map on the last stage's grid [gh, gw] over the displayed image, `cell` (row, column of that
-    grid) outlined, with its colour bar and its download name."""
+    """A map on the last stage's grid [gh, gw] over the displayed image, each token over the finest
+    patches it covers (P 2^s pixels a side, the padding's share cut off at the bottom and right:
+    `finest`), `cell` (row, column of that grid) outlined, with its colour bar and its download name."""
     a = exp.analysis
-    img = plots.overlay(exp.display_image, heat, vmin=vmin, vmax=vmax, cmap=cmap)
+    stage = a.stages[-1]
+    img = plots.overlay(exp.display_image, torch.from_numpy(finest(heat, a.grid, stage)), vmin=vmin, vmax=vmax, cmap=cmap)
     lo, hi = img.info["vitviz_range"]
     if cell is not None:
         img = plots.mark_patch(img, patch=cell, patch_size=a.stage_patch_size(a.num_layers - 1) * exp.scale)
@@ -313,20 +315,26 @@ def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
     """DINO's figure for the pooled query: the last block's attention of the mean of the final tokens
-    (the mean of their rows) per head on the last stage's grid, the tokens holding `share` of each
-    head's mass in colour and the rest dimmed."""
+    (the mean of their rows) per head on the last stage's grid, each token over the finest patches it
+    covers, the tokens holding `share` of each head's mass in colour and the rest dimmed."""
     a = exp.analysis
+    stage = a.stages[-1]
     rows = a.global_attention(a.num_layers - 1).mean(dim=1)  # [heads, N_last]
     maps, masks = rows.reshape(-1, *a.stage_grids[-1]), keep_mass(rows, share).reshape(-1, *a.stage_grids[-1])
-    return plots.named(kept_heads_mosaic(exp, maps, masks, share=share), _name(exp, "dino-heads", f"share{share:g}"))
+    counts = [int(m.sum()) for m in masks]
+    labels = [f"head {h + 1}: {n} token{'' if n == 1 else 's'}" for h, n in enumerate(counts)]
+    on_finest = torch.from_numpy(np.stack([finest(m, a.grid, stage) for m in maps.numpy()]))
+    kept = torch.from_numpy(np.stack([finest(m, a.grid, stage) for m in masks.numpy()]))
+    return kept_heads_mosaic(exp, on_finest, kept, share=share, labels=labels)
 
 
 def render_features(exp: Exploration) -> tuple[Image.Image, str]:
-    """(the final tokens' first three principal components as RGB on the last stage's grid, the
-    variance they explain)."""
+    """(the final tokens' first three principal components as RGB on the last stage's grid, each
+    token over the finest patches it covers, the variance they explain)."""
     a = exp.analysis
     scores, explained = feature_components(a.tokens, k=3)
-    img = plots.features_image(scores, a.stage_grids[-1], size=exp.display_image.size[0])
+    on_finest = finest(scores.reshape(*a.stage_grids[-1], 3).numpy(), a.grid, a.stages[-1]).reshape(-1, 3)
+    img = plots.features_image(torch.from_numpy(on_finest), a.grid, size=exp.display_image.size[0])
     text = ", ".join(f"PC{i + 1} {100 * float(e):.1f} %" for i, e in enumerate(explained))
     return plots.named(img, _name(exp, "feature-pca")), f"Red, green, blue: {text} of the final tokens' variance, on {_last_grid_note(a)}."
 

@@ -468,9 +468,11 @@ def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:
     return kept_heads_mosaic(exp, maps, masks, share=share)
 
 
-def kept_heads_mosaic(exp: Exploration, maps: torch.Tensor, masks: torch.Tensor, *, share: float) -> Image.Image:
-    """One tile per head: its map [H, gh, gw] over the image, the cells of `masks` [H, gh, gw] in
-    colour and the rest dimmed, labelled with how many cells each head keeps (DINO's figure)."""
+def kept_heads_mosaic(exp: Exploration, maps: torch.Tensor, masks: torch.Tensor, *, share: float,
+                      labels: list[str] | None = None) -> Image.Image:
+    """One tile per head: its map [H, gh, gw] over the image (a grid that divides it: the patch
+    grid), the cells of `masks` [H, gh, gw] in colour and the rest dimmed, labelled with how many
+    cells each head keeps, or with `labels` (DINO's figure)."""
     grid = tuple(maps.shape[1:])
     tile = mosaic_tile_px(grid)
     small = exp.analysis.image.resize((tile, tile), Image.BILINEAR)
@@ -480,7 +482,8 @@ def kept_heads_mosaic(exp: Exploration, maps: torch.Tensor, masks: torch.Tensor,
         arr = np.asarray(img).copy()
         arr[~keep] = (np.asarray(small)[~keep] * 0.25).astype(np.uint8)
         tiles.append(Image.fromarray(arr))
-    labels = [f"head {h + 1}: {int(m.sum())} patch{'' if int(m.sum()) == 1 else 'es'}" for h, m in enumerate(masks)]
+    if labels is None:
+        labels = [f"head {h + 1}: {int(m.sum())} patch{'' if int(m.sum()) == 1 else 'es'}" for h, m in enumerate(masks)]
     img = plots.mosaic(tiles, cols=math.ceil(math.sqrt(len(tiles))), labels=labels)
     return plots.named(img, _name(exp, "dino-heads", f"share{share:g}"))
 
