@@ -304,7 +304,7 @@ def test_no_module_asks_a_models_family_outside_the_familys_own():
     `dev/train_shapes_*`): everywhere else a model is asked through `vitviz.architectures` and an
     analysis through its layout (`vitviz.server.pictures.drawers`), so that a new layout is drawn with no
     change there. The check finds what it looks for in a planted line."""
-    asks = re.compile(r"\bis_swin\(|isinstance\([^)]*\bSwin\w*|\bSwin\w*\b\s*(?:==|is)\s|type\([^)]*\)\s*(?:==|is)\s*Swin")
+    asks = re.compile(r"\bis_swin\(|isinstance\([^)]*\bSwin\w*|\bSwin\w*\b\s*(?:==|is)\s|type\([^)]*\)\s*(?:==|is)\s*Swin|hasattr\([^)]*\"geometries\"")
     own = re.compile(r"(^|/)swin[^/]*\.(py|js)$|^sources/|^dev/train_shapes_")
     found = []
     for path in sorted(PACKAGE.rglob("*")):
@@ -316,4 +316,5 @@ def test_no_module_asks_a_models_family_outside_the_familys_own():
                 found.append(f"{rel}:{n}: {line.strip()}")
     assert found == [], found
     assert asks.search("    if isinstance(a, SwinAnalysis):") and asks.search("ragged = any(swin_views.is_swin(e) for e in exps)")
+    assert asks.search('if hasattr(spec.config, "geometries"):')
     assert own.search("server/swin_views.py") and not own.search("server/views.py")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 __all__ = [
     "ViTConfig",
@@ -67,6 +67,8 @@ class ViTConfig:
         pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
             does; Hugging Face does not, which matters when shrinking the grid).
     """
+
+    attention: ClassVar[str] = "global"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): one N x N matrix a layer
 
     image_size: int
     patch_size: int

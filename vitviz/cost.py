@@ -203,7 +203,8 @@ def _shape(spec) -> tuple[int, int, int, int, int]:
 
 
 def _windowed(spec) -> bool:
-    return hasattr(spec.config, "geometries")
+    """Whether the config's tokens attend within windows (priced window by window, `_windowed_price`)."""
+    return spec.config.attention == "windowed"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,8 @@ class SwinConfig:
         pad_before_shift: pad a stage's grid to whole windows before rolling it (Hugging Face) rather
             than after (timm, the original code); the same when no padding is needed.
     """
+
+    attention: ClassVar[str] = "windowed"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): within windows
 
     image_size: int = 224
     patch_size: int = 4

@@ -275,7 +275,7 @@ def analysis_price(variant: str, *, explorer: bool = False) -> Cost:
     goes to disk). A Swin's explorer is written after the analysis, priced on its own."""
     spec = get_spec(variant)
     cost = price(spec, "analyse", budget=WORK.budget_bytes)
-    if not explorer or hasattr(spec.config, "geometries") or explorer_layout_of(spec).mode != "stack":
+    if not explorer or spec.config.attention != "global" or explorer_layout_of(spec).mode != "stack":
         return cost  # (only a file of the whole stack is written while the forward runs)
     file = price(spec, "explorer")
     return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)

@@ -46,7 +46,7 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
     if max_params is not None and (params := source_of(spec).num_params(spec)) > max_params:
         raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "
                          f"{max_params:,} (VITVIZ_MAX_PARAMS).")
-    if max_tokens is not None and hasattr(spec.config, "geometries"):  # windowed attention: linear in tokens
+    if max_tokens is not None and spec.config.attention == "windowed":  # windowed attention: linear in tokens
         held = max(g.num_windows * g.area**2 for g in spec.config.geometries(spec.grid))  # weights per head of its largest layer
         if held > max_tokens**2:
             raise InputError(
