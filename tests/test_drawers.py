@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vitviz.server.pictures import drawers, swin_views, views
 from vitviz.server.models import ModelCache, ModelFacts
+from vitviz.server.pictures import drawers, swin_views, views
 
 IMAGE = str(Path(__file__).resolve().parent.parent / "assets" / "examples" / "star.png")
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.test_bounds import results
 from vitviz import cost
-from vitviz.server.pictures import explorer_data
 from vitviz.server.early import Tickets
+from vitviz.server.pictures import explorer_data
 
 T1, T2 = "A" * 22, "b-_" + "c" * 19
 

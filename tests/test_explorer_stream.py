@@ -13,8 +13,8 @@ from PIL import Image
 import vitviz
 from vitviz.model import Attention
 from vitviz.pipeline import image_tower
-from vitviz.server.pictures import explorer_data, views
 from vitviz.server.models import ModelFacts
+from vitviz.server.pictures import explorer_data, views
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (90, 70, 3), dtype=np.uint8)
 

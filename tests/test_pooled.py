@@ -14,8 +14,8 @@ from vitviz.analysis import attention_rollout, cls_map, pooled_row, query_row, w
 from vitviz.explanations import METHODS, explain, maps_of, record, relevance_maps
 from vitviz.faithfulness import perturbation_curves
 from vitviz.relevance import dino_head_maps, gradient_relevance, gradient_rollout
-from vitviz.server.pictures import explorer_data, views
 from vitviz.server.models import ModelFacts
+from vitviz.server.pictures import explorer_data, views
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (80, 72, 3), dtype=np.uint8)
 

@@ -14,11 +14,11 @@ import torch
 from vitviz import plots, steps
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
 from vitviz.architectures import architecture_of
-from vitviz.pipeline import image_tower
-from vitviz.summary import summary
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
+from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
+from vitviz.summary import summary
 
 __all__ = ["ModelFacts", "ModelCache", "TooLarge", "prune_hub_cache"]
 

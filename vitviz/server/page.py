@@ -16,12 +16,12 @@ from vitviz.cost import price
 from vitviz.images import describe_limits
 from vitviz.server import runtime
 from vitviz.server.guards import inputs
+from vitviz.server.guards.gradio_io import GuardedBlocks, PngImage, UploadedImage
+from vitviz.server.guards.sessions import SessionRef
+from vitviz.server.menus import spec_line, variant_choices
 from vitviz.server.pictures import views
 from vitviz.server.pictures.drawers import drawer
-from vitviz.server.guards.gradio_io import GuardedBlocks, PngImage, UploadedImage
-from vitviz.server.menus import spec_line, variant_choices
 from vitviz.server.runtime import EXAMPLES, Outputs
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs import TABS, Analysed, Tab
 from vitviz.server.tabs.base import gate
 from vitviz.server.tabs.explain import METHODS

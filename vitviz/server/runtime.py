@@ -29,16 +29,16 @@ from vitviz.explainers import method as registered_method, methods as registered
 from vitviz.images import ImageError  # noqa: E402
 from vitviz.pipeline import layout_of  # noqa: E402
 from vitviz.server import explaining  # noqa: E402
-from vitviz.server.guards import inputs
-from vitviz.server.pictures import explorer_data, views
 from vitviz.server.early import TICKET, Tickets  # noqa: E402
+from vitviz.server.guards import inputs  # noqa: E402
 from vitviz.server.guards.export import Downloads, FileOwners, sweep  # noqa: E402
 from vitviz.server.guards.gradio_io import as_text, upload_folder, uploaded_path, whose  # noqa: E402
 from vitviz.server.guards.memory import release_memory  # noqa: E402
-from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
 from vitviz.server.guards.sessions import SessionRef, SessionStore, crop_to_keep  # noqa: E402
 from vitviz.server.guards.settings import Settings  # noqa: E402
 from vitviz.server.guards.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
+from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
+from vitviz.server.pictures import explorer_data, views  # noqa: E402
 from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere

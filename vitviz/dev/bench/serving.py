@@ -20,10 +20,10 @@ torch.set_num_threads({threads})
 import vitviz
 from vitviz.cost import price
 from vitviz.server import explaining
-from vitviz.server.pictures import explorer_data, views
 from vitviz.server.guards.export import Downloads
-from vitviz.server.models import ModelCache
 from vitviz.server.guards.memory import release_memory
+from vitviz.server.models import ModelCache
+from vitviz.server.pictures import explorer_data, views
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
 variant, kind = {variant!r}, {kind!r}

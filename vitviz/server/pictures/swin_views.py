@@ -31,11 +31,11 @@ from PIL import Image
 
 from vitviz import plots
 from vitviz.cost import export_plan
+from vitviz.relevance import feature_components, feature_similarity, keep_mass
+from vitviz.server.pictures import swin_explorer
+from vitviz.server.pictures.views import Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, render_filters, tick
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
-from vitviz.server.pictures import swin_explorer
-from vitviz.relevance import feature_components, feature_similarity, keep_mass
-from vitviz.server.pictures.views import Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, render_filters, tick
 
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",

@@ -19,16 +19,16 @@ import torch
 from PIL import Image
 
 from vitviz import plots
-from vitviz.explainers import method as registered_method
 from vitviz.analysis import POOL, Query, attention_received
-from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
+from vitviz.architectures import attention_of
+from vitviz.cost import export_plan
+from vitviz.explainers import method as registered_method
 from vitviz.images import ImageSource, load_image
 from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_of
 from vitviz.preprocess import crop
-from vitviz.server.pictures import explorer_data
-from vitviz.architectures import attention_of
-from vitviz.cost import export_plan
+from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
 from vitviz.server.models import ModelCache, ModelFacts
+from vitviz.server.pictures import explorer_data
 
 __all__ = [
     "write_npz",

@@ -19,10 +19,10 @@ from gradio.components import Component
 
 from vitviz.layout import check_needs
 from vitviz.server import runtime
-from vitviz.server.pictures import views
 from vitviz.server.guards.gradio_io import PngImage
-from vitviz.server.runtime import Outputs
 from vitviz.server.guards.sessions import SessionRef
+from vitviz.server.pictures import views
+from vitviz.server.runtime import Outputs
 
 def figure(kind=PngImage, **kwargs):
     """An output picture whose label sits above it, not over it."""

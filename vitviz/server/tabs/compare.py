@@ -6,8 +6,8 @@ import gradio as gr
 
 from vitviz.cost import price, together
 from vitviz.server import runtime
-from vitviz.server.pictures import views
 from vitviz.server.menus import grouped_choices
+from vitviz.server.pictures import views
 from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Tab, figure, register_tab
 from vitviz.sources import get_spec

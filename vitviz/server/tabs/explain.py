@@ -7,11 +7,11 @@ import gradio as gr
 from vitviz import plots
 from vitviz.explainers import method as registered_method, methods
 from vitviz.server import runtime
+from vitviz.server.guards.gradio_io import ViewImage
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import views
 from vitviz.server.pictures.drawers import drawer
-from vitviz.server.guards.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 # the maps: every registered method that explains a class or none (plugins loaded now)

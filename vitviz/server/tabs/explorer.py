@@ -11,15 +11,13 @@ from pathlib import Path
 import gradio as gr
 
 from vitviz.server import runtime
-
 from vitviz.server.guards import inputs
-
+from vitviz.server.guards.gradio_io import ViewImage, client_address
+from vitviz.server.guards.sessions import SessionRef
+from vitviz.server.menus import head_choices
 from vitviz.server.pictures import explorer_data, swin_explorer, views
 from vitviz.server.pictures.drawers import drawer
-from vitviz.server.guards.gradio_io import ViewImage, client_address
-from vitviz.server.menus import head_choices
 from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"

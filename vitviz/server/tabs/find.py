@@ -12,10 +12,10 @@ import gradio as gr
 from vitviz.explainers import method as registered_method, methods
 from vitviz.imagetext import DEFAULT_TEMPLATE
 from vitviz.server import runtime
-from vitviz.server.pictures import views
 from vitviz.server.guards.gradio_io import ViewImage
-from vitviz.server.runtime import Outputs
 from vitviz.server.guards.sessions import SessionRef
+from vitviz.server.pictures import views
+from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Tab, figure, register_tab
 
 MAX_PHRASES = 4

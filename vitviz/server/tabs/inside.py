@@ -16,9 +16,9 @@ import torch
 from vitviz import plots
 from vitviz.inside import ablate, head_importance
 from vitviz.server import runtime
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import views
 from vitviz.server.runtime import Outputs, gpu
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Tab, figure, register_tab
 
 MAX_OFF = 64  # heads switched off at once

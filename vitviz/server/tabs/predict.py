@@ -7,11 +7,11 @@ import gradio as gr
 from vitviz.imagetext import DEFAULT_TEMPLATE
 from vitviz.server import runtime
 from vitviz.server.guards import inputs
+from vitviz.server.guards.gradio_io import ViewImage
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import views
 from vitviz.server.pictures.drawers import drawer
-from vitviz.server.guards.gradio_io import ViewImage
 from vitviz.server.runtime import Outputs
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 

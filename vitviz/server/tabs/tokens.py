@@ -5,11 +5,10 @@ from __future__ import annotations
 import gradio as gr
 
 from vitviz.server import runtime
-
 from vitviz.server.guards import inputs
+from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures.drawers import drawer
 from vitviz.server.runtime import Outputs
-from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.tabs.base import Tab, figure, register_tab
 
 
