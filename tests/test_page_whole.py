@@ -171,11 +171,21 @@ def test_what_has_no_text_is_named_and_focus_follows_a_keyboard_upload(base, pag
     assert sorted(names) == [f"Analyse the example {s}" for s in stems]
     assert page.get_by_role("button", name=f"Analyse the example {stems[0]}").count() == 1
     # the upload area from the keyboard: Enter opens the file chooser
-    # (the upload area may be drawn again while the page settles: focus it until it holds the focus)
+    # (the upload area may be drawn again while the page settles, taking the focus with it: focus it
+    # until it holds the focus, press Enter, and try again if the area was redrawn in between)
     drop = "#vv-image button[aria-label^='Drop an image']"
-    page.wait_for_function(f"(() => {{ const b = document.querySelector(\"{drop}\"); b && b.focus(); return b && document.activeElement === b; }})()")
-    with page.expect_file_chooser() as chooser:
-        page.keyboard.press("Enter")
+    focused = f"(() => {{ const b = document.querySelector(\"{drop}\"); b && b.focus(); return b && document.activeElement === b; }})()"
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(6):
+        page.wait_for_function(focused)
+        try:
+            with page.expect_file_chooser(timeout=10_000) as chooser:
+                page.keyboard.press("Enter")
+            break
+        except PlaywrightTimeout:
+            if attempt == 5:
+                raise
     chooser.value.set_files(runtime.EXAMPLES[0])
     screens.analysed(page, "shapes_p16")
     page.wait_for_function("document.activeElement && document.activeElement.id === 'vv-status'")
