@@ -26,6 +26,7 @@ NAMES = [
     "vit_small_patch8_224.dino",
     "vit_small_patch14_reg4_dinov2.lvd142m",
     "vit_base_patch16_clip_224.openai",
+    "vit_base_patch16_siglip_224.webli",  # attention pooling ("map"), no prefix token
 ]
 
 
@@ -74,10 +75,65 @@ def test_from_timm_gives_timms_outputs_and_attention(name):
         assert spec.prefix_names == ("cls", "dist") and ours.head_dist is not None
     if "reg4" in name:
         assert spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and spec.config.pos_embed_prefix == 0
-    if name.endswith((".dino", ".lvd142m", ".openai")):
+    if name.endswith(".webli"):
+        assert spec.prefix_names == () and spec.config.pool == "map"
+    if name.endswith((".dino", ".lvd142m", ".openai", ".webli")):
         assert spec.categories is None  # features only: DINO has no head, CLIP's head is a projection
     else:
         assert len(spec.categories) == 1000 and spec.categories[0].startswith("tench")
+
+
+def _random_vit(**kwargs) -> torch.nn.Module:
+    """A small timm VisionTransformer, every weight random (its norms' too: a conversion that drops
+    a LayerNorm's weight cannot pass)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=64, patch_size=16, embed_dim=96, depth=2, num_heads=4, num_classes=10, **kwargs).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kwargs", [dict(qk_norm=True), dict(global_pool="map", class_token=False),
+                                    dict(global_pool="map", class_token=False, qk_norm=True, init_values=0.5)],
+                         ids=["qk_norm", "map", "map+qk_norm+layerscale"])
+def test_normalised_queries_and_keys_and_attention_pooling_match_timm(kwargs):
+    """timm's `qk_norm=True` (a LayerNorm over each head's queries and keys) and its attention-pooling
+    head (`global_pool="map"`, `AttentionPoolLatent`: SigLIP's): the same logits, every block's
+    attention, and the probe's attention as computed here from timm's own modules."""
+    torch.manual_seed(0)
+    model = _random_vit(**kwargs)
+    ours = vitviz.ViT.from_timm(model)
+    assert ours.config.qk_norm == kwargs.get("qk_norm", False) and ours.config.pool == kwargs.get("global_pool", "token")
+    x = torch.randn(2, 3, 64, 64)
+    seen = {}
+    hook = model.attn_pool.register_forward_pre_hook(lambda m, args: seen.update(tokens=args[0])) if model.attn_pool else None
+    with torch.inference_mode():
+        want = model(x)
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x)
+    if hook is not None:
+        hook.remove()
+    assert _relative(got, want) < 1e-5
+    torch.testing.assert_close(rec.attentions, _timm_attention(model, x), atol=1e-5, rtol=0)
+    if model.attn_pool is not None:  # the probe's softmax, written out from timm's modules
+        pool, h = model.attn_pool, model.attn_pool.num_heads
+        with torch.inference_mode():
+            q = pool.q(pool.latent).reshape(1, 1, h, -1).transpose(1, 2)
+            k = pool.kv(seen["tokens"]).reshape(2, -1, 2, h, q.shape[-1]).permute(2, 0, 3, 1, 4)[0]
+            probe = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(-1)
+        torch.testing.assert_close(rec.pool_attention, probe[:, :, 0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(global_pool="map", class_token=False, reg_tokens=2), "attention pooling over the patches alone beside prefix tokens"),
+    (dict(global_pool="map", class_token=False, fc_norm=True), "a norm after attention pooling"),
+    (dict(qk_norm=True, scale_attn_norm=True), "a norm after the attention"),
+])
+def test_what_vitviz_does_not_model_of_timms_pooling_and_norms_is_named(kwargs, reason):
+    with pytest.raises(NotImplementedError, match=reason):
+        vitviz.ViT.from_timm(_random_vit(**kwargs))
 
 
 @pytest.mark.slow
@@ -144,9 +200,13 @@ def test_a_size_must_be_a_multiple_of_the_patch_size():
 
 
 def test_what_vitviz_does_not_model_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="qk_norm"):
-        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", qk_norm=True, pretrained=False))
-    with pytest.raises(NotImplementedError, match="global_pool='map'"):
+    from timm.layers import SwiGLUPacked
+
+    with pytest.raises(NotImplementedError, match="an MLP of type GluMlp"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, pretrained=False))
+    with pytest.raises(NotImplementedError, match="global_pool='avgmax'"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="avgmax", pretrained=False))
+    with pytest.raises(NotImplementedError, match="attention pooling over the patches alone beside prefix tokens"):
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="map", pretrained=False))
     with pytest.raises(TypeError, match="timm VisionTransformer"):
         vitviz.ViT.from_timm(torch.nn.Linear(2, 2))
@@ -300,3 +360,12 @@ def test_a_model_with_random_weights_claims_no_pretrained_tag():
     untrained = vitviz.get_spec("timm:vit_base_patch16_gap_224")  # timm's default tag for it is "untrained"
     assert "(Hugging Face hub)" not in untrained.weights and "no pretrained weights" in untrained.weights
     assert "no pretrained weights" in untrained.description
+
+
+def test_the_stage_table_names_the_attention_pool_and_counts_every_parameter():
+    model = vitviz.ViT.from_timm(_random_vit(global_pool="map", class_token=False, qk_norm=True))
+    s = vitviz.summary(model)
+    stages = [r.stage for r in s.rows]
+    assert any(stage.startswith("Attention pooling") for stage in stages) and not any("cls token" in stage for stage in stages)
+    assert "q/k LayerNorm" in s.rows[stages.index("Encoder block 1")].layer
+    assert sum(r.params for r in s.rows) == s.total_params == sum(p.numel() for p in model.parameters())

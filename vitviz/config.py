@@ -56,6 +56,8 @@ class ViTConfig:
         layer_scale: initial LayerScale value (a learned per-channel scale on each residual
             branch), or None for none.
         qkv_bias, proj_bias, mlp_bias, patch_bias: whether those projections have biases.
+        qk_norm: each head's queries and keys through a LayerNorm of their own (over the head's
+            d = D / H channels, with `eps`) before q·kᵀ (Dehghani et al. 2023; timm's `qk_norm=True`).
         norm_pre: a LayerNorm before the first block (CLIP).
         final_norm: a LayerNorm after the last block.
         pool: "token" (the cls token), "avg" (the mean of the patch tokens) or "map" (multi-head
@@ -86,6 +88,7 @@ class ViTConfig:
     proj_bias: bool = True
     mlp_bias: bool = True
     patch_bias: bool = True
+    qk_norm: bool = False
     norm_pre: bool = False
     final_norm: bool = True
     pool: Literal["token", "avg", "map"] = "token"

@@ -107,13 +107,17 @@ class Attention(nn.Module):
     Set `fused = False` to always take the explicit path.
     """
 
-    def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True) -> None:
+    def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True, qk_norm: bool = False,
+                 eps: float = 1e-6) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}")
         self.heads = heads
         self.scale = (width // heads) ** -0.5
         self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
+        # normalised queries and keys: each head's through a LayerNorm over its own channels
+        self.q_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
         self.attend = nn.Softmax(dim=-1)
         self.proj = nn.Linear(width, width, bias=proj_bias)
         self.fused = True
@@ -129,6 +133,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, D] -> [B, N, D]."""
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        q, k = self.q_norm(q), self.k_norm(k)
         parts = _part_reducer(self) if recording_in_this_thread() else None
         if parts is not None:
             out = self._by_parts(q, k, v, *parts)
@@ -226,7 +231,7 @@ class EncoderBlock(nn.Module):
         super().__init__()
         c = config
         self.norm1 = nn.LayerNorm(c.width, eps=c.eps)
-        self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias)
+        self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
         self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
         self.mlp = nn.Sequential(

@@ -89,7 +89,7 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
                            (b, n, d), _count(model.pos_embed)))
     if c.norm_pre:
         rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
-    ls = ", LayerScale" if c.layer_scale is not None else ""
+    ls = (", q/k LayerNorm" if c.qk_norm else "") + (", LayerScale" if c.layer_scale is not None else "")
     for i, block in enumerate(model.blocks):
         rows.append(SummaryRow(f"Encoder block {i + 1}", f"{c.heads} heads, MLP {c.mlp_dim}{ls}", (b, n, d), _count(block)))
         if expand_blocks:
@@ -99,6 +99,9 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         rows.append(SummaryRow("Final LayerNorm", "", (b, n, d), _count(model.norm)))
     if c.pool == "avg":
         rows.append(SummaryRow("Mean of the patch tokens" + (" + LayerNorm" if c.fc_norm else ""), "", (b, d), _count(model.fc_norm)))
+    elif c.pool == "map":
+        rows.append(SummaryRow("Attention pooling: a learned probe attends over every token, + LayerNorm + MLP",
+                               f"{c.heads} heads, MLP {c.mlp_dim}", (b, d), _count(model.attn_pool)))
     elif c.distill_token:
         rows.append(SummaryRow("Take cls and distillation tokens", "", (b, 2, d), 0))
     else:

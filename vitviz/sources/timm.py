@@ -117,25 +117,35 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         problems.append("a patch embedding other than one Conv2d")
     if getattr(model, "pos_embed", None) is None:
         problems.append("no learned position embedding")
-    if getattr(model, "attn_pool", None) is not None or model.global_pool not in ("token", "avg"):
-        problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token' and 'avg')")
-    if getattr(model, "pool_include_prefix", False):
+    if model.global_pool not in ("token", "avg", "map"):
+        problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token', 'avg' and 'map')")
+    elif model.global_pool == "map":
+        problems += _pool_problems(model)
+    include_prefix = getattr(model, "pool_include_prefix", False)
+    if model.global_pool == "avg" and include_prefix:
         problems.append("pooling over the prefix tokens")
+    if model.global_pool == "map" and model.num_prefix_tokens and not include_prefix:
+        problems.append("attention pooling over the patches alone beside prefix tokens (vitviz's probe attends to every token)")
     if getattr(pe, "dynamic_img_pad", False):
         problems.append("dynamic image padding")
     img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
     if img_size[0] != img_size[1] or patch_size[0] != patch_size[1]:
         problems.append(f"non-square images or patches ({img_size}, {patch_size})")
     block = model.blocks[0]
-    acts = set()
+    acts, qk_norms = set(), set()
     for b in model.blocks:
         attn, mlp = b.attn, b.mlp
         if type(b).__name__ != "Block" or not hasattr(attn, "qkv"):
             problems.append(f"blocks of type {type(b).__name__}")
             break
-        if not all(isinstance(getattr(attn, n, nn.Identity()), nn.Identity) for n in ("q_norm", "k_norm", "norm")):
-            problems.append("normalised queries and keys (qk_norm)")
+        if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
+            problems.append("a norm after the attention (scale_norm)")
             break
+        qk = [getattr(attn, n, nn.Identity()) for n in ("q_norm", "k_norm")]
+        if not (all(isinstance(n, nn.Identity) for n in qk) or all(_is_layer_norm(n, b.norm1.eps) for n in qk)):
+            problems.append("queries and keys normalised otherwise than by a LayerNorm each (qk_norm)")
+            break
+        qk_norms.add(not isinstance(qk[0], nn.Identity))
         if getattr(attn, "gate", None) is not None or getattr(attn, "attn_dim", model.embed_dim) != model.embed_dim:
             problems.append("gated or resized attention")
             break
@@ -145,6 +155,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         acts.add(_act_name(mlp.act))
     if problems:
         raise NotImplementedError(f"{type(model).__name__} has " + "; ".join(dict.fromkeys(problems)) + ", which vitviz does not model")
+    if len(qk_norms) > 1:
+        raise NotImplementedError("normalised queries and keys (qk_norm) in some blocks only, which vitviz does not model")
     if len(acts) != 1 or None in acts:
         raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU")
     distilled = getattr(model, "dist_token", None) is not None
@@ -168,6 +180,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         proj_bias=block.attn.proj.bias is not None,
         mlp_bias=block.mlp.fc1.bias is not None,
         patch_bias=pe.proj.bias is not None,
+        qk_norm=qk_norms.pop(),
         norm_pre=not isinstance(model.norm_pre, nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
@@ -175,6 +188,37 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         act=acts.pop(),
         eps=block.norm1.eps,
     )
+
+
+def _is_layer_norm(norm: nn.Module, eps: float) -> bool:
+    """A LayerNorm with a weight and a bias and the blocks' epsilon (what vitviz builds)."""
+    return (type(norm) is nn.LayerNorm or type(norm).__name__ == "LayerNorm") and norm.elementwise_affine \
+        and norm.bias is not None and norm.eps == eps
+
+
+def _pool_problems(model: nn.Module) -> list[str]:
+    """What a timm attention-pooling head ("map") has that vitviz's `AttentionPool` does not: vitviz
+    models one learned query (the probe) with biased q, kv and output projections, no position
+    embedding or normalised queries and keys of its own, then a LayerNorm and an MLP (the blocks'
+    width and activation) with a residual."""
+    pool = getattr(model, "attn_pool", None)
+    if type(pool).__name__ != "AttentionPoolLatent":
+        return [f"an attention pool of type {type(pool).__name__}"]
+    block, problems = model.blocks[0], []
+    if pool.latent_len != 1 or pool.pool != "token":
+        problems.append(f"attention pooling with {pool.latent_len} queries read by {pool.pool!r}")
+    if pool.pos_embed is not None or not all(isinstance(getattr(pool, n), nn.Identity) for n in ("q_norm", "k_norm")):
+        problems.append("attention pooling with its own position embedding or normalised queries and keys")
+    linear = [getattr(pool, n) for n in ("q", "kv", "proj")]
+    if not all(isinstance(m, nn.Linear) and m.bias is not None for m in linear) or pool.num_heads != block.attn.num_heads:
+        problems.append("attention pooling without biased q, kv and output projections, or with other heads than the blocks'")
+    mlp = pool.mlp
+    if mlp is None or type(mlp).__name__ != "Mlp" or mlp.fc1.out_features != block.mlp.fc1.out_features \
+            or _act_name(mlp.act) != _act_name(block.mlp.act) or not _is_layer_norm(pool.norm, block.norm1.eps):
+        problems.append("attention pooling without the blocks' LayerNorm and MLP after it")
+    if not isinstance(model.fc_norm, nn.Identity):
+        problems.append("a norm after attention pooling")
+    return problems
 
 
 def _act_name(act: nn.Module) -> str | None:
@@ -188,8 +232,12 @@ def _act_name(act: nn.Module) -> str | None:
 
 
 def convert_timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """timm's names -> vitviz's: the same but for the MLP's layers (fc1, fc2 -> 0, 2)."""
-    return {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
+    """timm's names -> vitviz's: the same but for the MLPs' layers (fc1, fc2 -> 0, 2) and the
+    attention pool's learned query (latent -> probe)."""
+    out = {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
+    if "attn_pool.latent" in out:
+        out["attn_pool.probe"] = out.pop("attn_pool.latent")
+    return out
 
 
 def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
