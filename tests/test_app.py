@@ -60,7 +60,7 @@ def test_analyze_fills_every_section(app, analysed):
     # 384 px maps (the 96 px crop at 4x) with a colour bar beside them
     assert rollout.size[1] == 384 and 384 < rollout.size[0] < 480
     # the explorer is the browser's: its data written once, the server's own explorer hidden and not drawn
-    live = out[tabs.explorer.TAB.explorer_live]
+    live = out[tabs.explorer.TAB.live["global"]]
     assert live["mode"] == "stack" and live["id"] == ref.key and out[tabs.explorer.TAB.server_explorer]["visible"] is False
     assert explorer is None and mosaic is None
     from pathlib import Path
@@ -81,8 +81,9 @@ def test_analyze_fills_every_section(app, analysed):
 
 
 def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
+    from vitviz.server.app import SERVER
     ref = analysed[0]
-    exp = runtime.STORE.get(ref.key)
+    exp = SERVER.store.get(ref.key)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model was called for a view change")
@@ -96,7 +97,7 @@ def test_view_changes_never_call_the_model(app, analysed, monkeypatch):
     r1 = tabs.predict.TAB.on_rollout_options(ref, "min", 0.5)[tabs.predict.TAB.rollout_img]
     r2 = tabs.predict.TAB.on_rollout_options(ref, "mean", 0.0)[tabs.predict.TAB.rollout_img]
     assert np.abs(np.asarray(r1, dtype=float) - np.asarray(r2, dtype=float)).sum() > 0
-    assert runtime.STORE.get(ref.key) is exp  # drawing leaves the stored analysis as it was
+    assert SERVER.store.get(ref.key) is exp  # drawing leaves the stored analysis as it was
     out = tabs.explorer.TAB.on_click(ref, 6, "mean", tabs.explorer.SCALES[0], _Click(383, 0))  # top-right patch
     assert out[tabs.explorer.TAB.query] == 1 + 5 and "row 1, column 6" in out[tabs.explorer.TAB.query_text]
     assert set(out) == {tabs.explorer.TAB.query, tabs.explorer.TAB.query_text, tabs.explorer.TAB.prefix_query, tabs.explorer.TAB.explorer_img, tabs.explorer.TAB.mosaic}
@@ -117,6 +118,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     is the stack file's shared maxima and that layer's block. With not even one, the server draws the
     explorer. `explorer_layer` refuses the two layouts that have no layer files, and writes nothing:
     its refusals are answers, {"error": why, "busy": False}, not errors."""
+    from vitviz.server.app import SERVER
     from pathlib import Path
 
     from vitviz import cost
@@ -128,11 +130,11 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     layer, head = 5 * 37 * (4 + 36), 4 * 37
     monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer)
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
-    near, live = out[page.PAGE.state], out[explorer.explorer_live]
+    near, live = out[page.PAGE.state], out[explorer.live["global"]]
     assert live["mode"] == "layers" and "data" not in live and out[explorer.server_explorer]["visible"] is False
     assert all(v == gr.skip() for v in explorer.on_explorer(near).values())
-    assert not list(runtime.EXPLORER_DIR.glob(f"{near.key}-*.bin"))
-    whole = explorer_data.stack_file(runtime.STORE.get(near.key).analysis, range(6))
+    assert not list(SERVER.explorer_dir.glob(f"{near.key}-*.bin"))
+    whole = explorer_data.stack_file(SERVER.store.get(near.key).analysis, range(6))
     for n in (6, 2):
         got = Path(tabs.explorer.explorer_layer([near.key, n])).read_bytes()
         assert got == whole[:head] + whole[head + (n - 1) * layer : head + n * layer]
@@ -142,29 +144,29 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
         assert _refused(tabs.explorer.explorer_layer(bad))
 
     # the analysis replaced on its page: its files go with it (its pictures, the layers written)
-    assert len(list(runtime.EXPLORER_DIR.glob(f"{near.key}-*"))) == 4
+    assert len(list(SERVER.explorer_dir.glob(f"{near.key}-*"))) == 4
     other = next(e for e in runtime.EXAMPLES if e != example)
     out = page.on_analyze(other, "shapes_p16", "mean", 0.0, near, progress=_quiet)
-    assert not list(runtime.EXPLORER_DIR.glob(f"{near.key}-*")) and runtime.STORE.get(near.key) is None
+    assert not list(SERVER.explorer_dir.glob(f"{near.key}-*")) and SERVER.store.get(near.key) is None
     near = out[page.PAGE.state]
-    assert len(list(runtime.EXPLORER_DIR.glob(f"{near.key}-*"))) == 2  # its pictures
+    assert len(list(SERVER.explorer_dir.glob(f"{near.key}-*"))) == 2  # its pictures
 
     monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer - 1)
-    kept = sorted(runtime.EXPLORER_DIR.glob("*"))  # the disk's cap reached: an explorer that writes nothing sweeps nothing
-    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, explorer_bytes=sum(f.stat().st_size for f in kept)))
+    kept = sorted(SERVER.explorer_dir.glob("*"))  # the disk's cap reached: an explorer that writes nothing sweeps nothing
+    monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, explorer_bytes=sum(f.stat().st_size for f in kept)))
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert sorted(runtime.EXPLORER_DIR.glob("*")) == kept
+    assert sorted(SERVER.explorer_dir.glob("*")) == kept
     far = out[page.PAGE.state]
-    assert out[explorer.explorer_live] == gr.skip()  # the step after the analysis says what the explorer is
+    assert out[explorer.live["global"]] == gr.skip()  # the step after the analysis says what the explorer is
     shown = explorer.on_explorer(far)
-    live = shown[explorer.explorer_live]
+    live = shown[explorer.live["global"]]
     assert live["mode"] == "server" and "too large" in live["note"] and "data" not in live and "base" not in live
-    assert shown[explorer.server_explorer]["visible"] is True and shown[explorer.global_box]["visible"] is True
-    exp = runtime.STORE.get(far.key)
+    assert shown[explorer.server_explorer]["visible"] is True and shown[explorer.boxes["global"]]["visible"] is True
+    exp = SERVER.store.get(far.key)
     assert np.array_equal(np.asarray(shown[explorer.explorer_img]), np.asarray(views.render_query(exp, layer=6, head="mean", query=0, scale="layer")))
     assert np.array_equal(np.asarray(shown[explorer.mosaic]), np.asarray(views.render_head_mosaic(exp, layer=6, query=0, scale="layer")))
     assert "no layer files" in _refused(tabs.explorer.explorer_layer([far.key, 1]))
-    assert not list(runtime.EXPLORER_DIR.glob(f"{far.key}-*"))  # not even the pictures
+    assert not list(SERVER.explorer_dir.glob(f"{far.key}-*"))  # not even the pictures
 
 
 def _refused(answer) -> str:
@@ -177,6 +179,7 @@ def test_compare_two_variants(app, example):
     """Two variants side by side: their rollouts as densities on one colour scale by default (a colour
     means the same density in both maps, the page's colour bar says which), each its own on asking;
     their grids and sizes in one table."""
+    from vitviz.server.app import SERVER
     from vitviz import plots
 
     t = tabs.compare.TAB
@@ -186,7 +189,7 @@ def test_compare_two_variants(app, example):
     assert "shapes_p16" in out[md1] and "shapes_p8" in out[md2]
     assert out[ro1].size[1] == 384 and out[ro2].size[1] == 384
     assert out[t.compare_notice] == "" and out[t.compare_distance].size[0] > 300
-    exps = [runtime.run(example, name) for name in ("shapes_p16", "shapes_p8")]
+    exps = [SERVER.run(example, name) for name in ("shapes_p16", "shapes_p8")]
     for e in exps:  # a density: each patch's weight times the patch count, so its mean is the query's share on the patches
         a = e.analysis
         assert torch.allclose(views.rollout_density(e).mean(), a.rollout()[0, a.num_prefix_tokens:].sum(), atol=1e-6)
@@ -244,6 +247,7 @@ def test_hostile_view_values_get_clear_errors(app, analysed):
 
 
 def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(app, example, tmp_path, monkeypatch):
+    from vitviz.server.app import SERVER
     import urllib.error
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
@@ -263,7 +267,7 @@ def test_unavailable_weights_are_shown_as_text_and_other_variants_keep_working(a
     text = shown.removeprefix('<div class="vv-error">').removesuffix("</div>")
     assert "<" not in text and ">" not in text
     out = page.on_analyze(example, "shapes_p8", "mean", 0.0, progress=_quiet)
-    assert runtime.STORE.get(out[page.PAGE.state].key).analysis.variant == "shapes_p8"
+    assert SERVER.store.get(out[page.PAGE.state].key).analysis.variant == "shapes_p8"
 
 
 def test_variant_menu_says_which_are_ready(app, tmp_path, monkeypatch):
@@ -376,13 +380,14 @@ def test_timm_models_through_the_app(app, example, offline_hub, name):
     """A timm model named in the other-model box, loaded from the hub cache offline: every section
     fills, a feature model says it has no classifier, DeiT shows its distillation map, and the
     registers are prefix tokens of their own."""
+    from vitviz.server.app import SERVER
     timm_name = name.split("@")[0]
     out = page.on_other_model(f"timm:{name}", [])
     assert out[page.PAGE.notice] == "" and out[page.PAGE.variant]["value"] == f"timm:{name}"
     assert f"timm:{name}" in [v for _, v in out[tabs.compare.TAB.compare_pick]["choices"]]
     out = page.on_analyze(example, f"timm:{name}", "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
-    exp = runtime.STORE.get(out[page.PAGE.state].key)
+    exp = SERVER.store.get(out[page.PAGE.state].key)
     a = exp.analysis
     # the model the app ran is the cached one: the same features as timm's own forward
     model = offline_hub[timm_name]
@@ -404,7 +409,7 @@ def test_timm_models_through_the_app(app, example, offline_hub, name):
     distilled = "distilled" in name
     assert out[tabs.predict.TAB.dist_rollout_img]["visible"] is distilled
     assert out[tabs.explorer.TAB.prefix_query]["choices"] == list(spec.prefix_names)
-    assert out[tabs.explorer.TAB.explorer_live]["prefix"] == list(spec.prefix_names)
+    assert out[tabs.explorer.TAB.live["global"]]["prefix"] == list(spec.prefix_names)
     tokens = tabs.tokens.TAB.on_tokens(out[page.PAGE.state], 0.6)
     assert tokens[tabs.tokens.TAB.received_img].size[0] > 300 and tokens[tabs.tokens.TAB.norms_img].size[0] > 300
     if "reg4" in name:
@@ -512,10 +517,11 @@ def test_shared_colour_scale_compares_layers(app, analysed):
 def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
     """"one per layer": the range is the smallest and largest value of any view of that layer (every
     head, the mean and the max, as the browser reads them), worked out here from the attention."""
+    from vitviz.server.app import SERVER
     from vitviz.server.pictures import explorer_data, views
 
     ref, _ = analysed
-    exp = runtime.STORE.get(ref.key)
+    exp = SERVER.store.get(ref.key)
     a = exp.analysis
     attn = a.attentions[2, :, 7, a.num_prefix_tokens :].float()  # layer 3, query token 7: [H, M]
     rows = torch.cat([attn, attn.mean(0, keepdim=True), attn.amax(0, keepdim=True)])
@@ -535,13 +541,14 @@ def test_one_colour_scale_per_layer_serves_map_and_mosaic(app, analysed):
 
 
 def test_results_say_which_image_and_variant_they_belong_to(app, example, tmp_path):
+    from vitviz.server.app import SERVER
     from pathlib import Path
 
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
     assert ref.image == Path(example).name and Path(example).stem in out[page.PAGE.status] and "**shapes_p16**" in out[page.PAGE.status]
     assert out[page.PAGE.results_box]["elem_classes"] == ["vv-results"]
-    assert out[page.PAGE.result_thumb] is runtime.STORE.get(ref.key).analysis.image  # the thumbnail is the crop this analysis saw
+    assert out[page.PAGE.result_thumb] is SERVER.store.get(ref.key).analysis.image  # the thumbnail is the crop this analysis saw
     # a variant that cannot be analysed: the menu goes back, the results are marked as those of their image and variant
     failed = page.on_analyze(example, "shapes_p16@4096", "mean", 0.0, ref, progress=_quiet)
     assert failed[page.PAGE.variant]["value"] == "shapes_p16" and "vv-stale" in failed[page.PAGE.results_box]["elem_classes"]
@@ -612,6 +619,7 @@ def test_a_clipped_label_is_found():
 def test_a_class_picked_during_the_analysis_chain_stays(app, example):
     """The chain after an analysis draws the Explain tab for the class it read when the analysis began;
     a class picked for that analysis meanwhile is newer and stays on the page."""
+    from vitviz.server.app import SERVER
     ref = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
 
     class _Pick:
@@ -622,7 +630,7 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
     assert list(page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)) == [tabs.explain.TAB.explain_note]  # a skip
     fresh = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
     drawn = page.on_refresh_tab(fresh, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)  # a new analysis: drawn
-    gh, gw = runtime.STORE.get(fresh.key).analysis.grid
+    gh, gw = SERVER.store.get(fresh.key).analysis.grid
     for m in tabs.explain.METHODS:
         picture = drawn[tabs.explain.TAB.explain_imgs[m]]["value"]
         assert isinstance(picture, Image.Image) and picture.size[1] >= gh * 8, (m, picture)  # a map drawn, not a placeholder
@@ -635,6 +643,7 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
 def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app, example, monkeypatch, change, lacking):
     """A model without what a tab needs: the tab stays, its content hidden behind the one line
     `layout.lacks` gives; every other tab draws as ever."""
+    from vitviz.server.app import SERVER
     import dataclasses
 
     explore = runtime.views.explore
@@ -648,7 +657,7 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
-    layout = runtime.STORE.get(ref.key).analysis.layout
+    layout = SERVER.store.get(ref.key).analysis.layout
     assert [t.id for t in tabs.TABS][:9] == ["predict", "explain", "find", "explorer", "tokens", "distance", "positions", "architecture", "compare"]
     for tab in tabs.TABS:
         note, content = out[tab.gate.note], out[tab.gate.content]
@@ -673,22 +682,23 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     explained = page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)
     assert (tabs.explain.TAB.explain_imgs["gradient"] in explained) is ("explain" not in lacking)
     if "explorer" in lacking:  # the step after the analysis clears the explorer
-        assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.explorer_live] is None
+        assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.live["global"]] is None
     else:  # the analysis brought it
-        assert out[tabs.explorer.TAB.explorer_live]["id"] == ref.key
+        assert out[tabs.explorer.TAB.live["global"]]["id"] == ref.key
 
 
 def test_the_find_tab_maps_each_phrase_as_the_library_does(app, example):
     """shapes_clip: two phrases give two maps, each the library's own map for that phrase on the
     analysed crop (the same numbers drawn), titled by the phrase and its similarity; the other slots
     hidden. A plain ViT gets the reason instead, and the handler refuses it alike."""
+    from vitviz.server.app import SERVER
     find = tabs.find.TAB
     out = page.on_analyze(example, "shapes_clip", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
     assert out[find.gate.note]["visible"] is False and out[find.gate.content]["visible"] is True
     got = find.on_find(ref, " a red star ,a blue circle, ", "gradient")
-    model = runtime.CACHE.get("shapes_clip")[0]
-    crop = runtime.STORE.get(ref.key).analysis.image
+    model = SERVER.cache.get("shapes_clip")[0]
+    crop = SERVER.store.get(ref.key).analysis.image
     want = vitviz.explain(model, crop, method="gradient", text=["a red star", "a blue circle"])
     for k, e in enumerate(want):
         slot = got[find.maps[k]]
@@ -712,11 +722,12 @@ def test_an_image_text_model_predicts_zero_shot_and_a_click_on_a_label_finds_it(
     """shapes_clip's Predict tab shows the zero-shot top-5 over the shapes classes (the library's
     numbers); a click on a label finds its prompt in the Find tab, and the Explain tab stays out of it.
     A classifier's click goes to the Explain tab as before, and the Find tab stays out of that."""
+    from vitviz.server.app import SERVER
     find, explain, predict = tabs.find.TAB, tabs.explain.TAB, tabs.predict.TAB
     out = page.on_analyze(example, "shapes_clip", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
-    model = runtime.CACHE.get("shapes_clip")[0]
-    want = vitviz.analyze(model, runtime.STORE.get(ref.key).analysis.image).predictions(5)
+    model = SERVER.cache.get("shapes_clip")[0]
+    want = vitviz.analyze(model, SERVER.store.get(ref.key).analysis.image).predictions(5)
     shown = out[predict.predictions]["value"]
     assert len(want) == 5 and shown == dict(want)
     assert "Zero-shot" in out[predict.predict_note] and "a photo of a {}" in out[predict.predict_note]
@@ -725,7 +736,7 @@ def test_an_image_text_model_predicts_zero_shot_and_a_click_on_a_label_finds_it(
     assert explain.on_pick_class(ref, tabs.explain.EXPLAIN_SCALES[0], click) == gr.skip()
     got = find.on_pick_label(ref, "gradient", click)
     assert got[find.phrases] == f"a photo of a {label}" and got[page.PAGE.current_tab] == "find"
-    e = vitviz.explain(model, runtime.STORE.get(ref.key).analysis.image, method="gradient", text=f"a photo of a {label}")
+    e = vitviz.explain(model, SERVER.store.get(ref.key).analysis.image, method="gradient", text=f"a photo of a {label}")
     assert got[find.maps[0]]["label"] == f"“a photo of a {label}” — similarity {e.similarity:.2f}"
     plain = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
     assert find.on_pick_label(plain, "gradient", click) == gr.skip()
@@ -734,9 +745,10 @@ def test_an_image_text_model_predicts_zero_shot_and_a_click_on_a_label_finds_it(
 
 def views_heat(runtime, ref, heat):
     """The picture the views draw for a map of the session's analysis, on its own range."""
+    from vitviz.server.app import SERVER
     from vitviz import plots
 
-    exp = runtime.STORE.get(ref.key)
+    exp = SERVER.store.get(ref.key)
     return plots.overlay(exp.display_image, heat)
 
 
@@ -790,3 +802,34 @@ def test_an_image_text_models_explain_tab_has_no_empty_frame_and_no_faithfulness
     assert out[explain.faith_table]["visible"] is False  # a table shows with its rows, once measured
     got = explain.on_explain(out[page.PAGE.state], "star")
     assert all(got[explain.explain_imgs[m]]["visible"] for m in tabs.explain.METHODS)
+
+
+def test_a_copy_of_the_pages_config_keeps_the_one_server(app, analysed):
+    """Gradio deep-copies the page's config for every /config request and each new session's
+    stateful components, with what they hold (bound methods of the tabs and the server, such as the
+    state's `delete_callback`): the copy shares the server, its models and the analyses kept, rather
+    than copying them (16 clients at once each waited 9 s for /config that way)."""
+    import copy
+
+    from vitviz.server.app import SERVER
+
+    assert len(SERVER.store) > 0  # an analysis kept: a copy of the store would copy it
+    memo: dict = {}
+    copy.deepcopy(app.demo.config, memo)
+    assert id(SERVER.store) not in memo and id(SERVER.cache) not in memo
+    callback = copy.deepcopy({"delete_callback": page.PAGE.state.delete_callback})["delete_callback"]
+    assert callback.__self__ is SERVER
+    assert copy.deepcopy(SERVER) is SERVER and copy.copy(SERVER) is SERVER
+
+
+def test_the_explorer_tab_builds_every_registered_widget(app):
+    """One column and widget for each registered explorer widget, with its element id and script;
+    only a widget that calls the server has the server's functions."""
+    from vitviz.server.pictures import drawers
+
+    explorer = tabs.explorer.TAB
+    assert list(explorer.live) == list(explorer.boxes) == [w.name for w in drawers.widgets()]
+    for w in drawers.widgets():
+        live = explorer.live[w.name]
+        assert live.elem_id == w.elem_id and live.js_on_load == w.files["js"]
+        assert sorted(f.__name__ for f in live.server_fns) == (["explorer_early", "explorer_layer"] if w.server_calls else [])

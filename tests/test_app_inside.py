@@ -24,9 +24,10 @@ def _quiet(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def analysed(app):
+    from vitviz.server.app import SERVER
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
-    return ref, runtime.STORE.get(ref.key), runtime.CACHE.get("shapes_p16")[0]
+    return ref, SERVER.store.get(ref.key), SERVER.cache.get("shapes_p16")[0]
 
 
 class _Click:
@@ -98,11 +99,12 @@ def test_junk_is_refused_with_a_clear_message(analysed, off, mode, target, match
 
 
 def test_an_image_text_model_gets_its_zero_shot_lens_and_a_windowed_one_the_reason(app):
+    from vitviz.server.app import SERVER
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_clip", "mean", 0.0, progress=_quiet)
     ref = out[page.PAGE.state]
     tab = tabs.inside.TAB
     drawn = tab.on_inside(ref, None, [], "zero")
-    a = runtime.STORE.get(ref.key).analysis
+    a = SERVER.store.get(ref.key).analysis
     assert drawn[tab.target]["choices"] == list(vitviz.shapes.CLASSES)
     torch.testing.assert_close(a.logit_lens()[-1], a.probabilities, atol=1e-5, rtol=1e-4)
     assert drawn[tab.lens_img] is not None

@@ -73,11 +73,12 @@ def _quiet(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def analysed(app):
+    from vitviz.server.app import SERVER
     out = page.on_analyze(runtime.EXAMPLES[-2], NAME, "mean", 0.0, progress=_quiet)  # star.png
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
-    exp = runtime.STORE.get(ref.key)
-    model = runtime.CACHE.get(NAME)[0]
+    exp = SERVER.store.get(ref.key)
+    model = SERVER.cache.get(NAME)[0]
     fresh = vitviz.analyze(model, exp.analysis.image)  # the library's own analysis of the same crop
     return ref, out, exp, model, fresh
 
@@ -96,6 +97,7 @@ def _map_equals(picture: Image.Image, exp, heat: torch.Tensor) -> None:
 
 
 def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
+    from vitviz.server.app import SERVER
     ref, out, exp, model, fresh = analysed
     a = exp.analysis
     predict = tabs.predict.TAB
@@ -114,7 +116,7 @@ def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
     # the stored analysis is priced as it is held
     spec = vitviz.get_spec(NAME)
     assert a.nbytes == vitviz.cost.price(spec, "analyse").kept_bytes
-    assert runtime.STORE._entries[ref.key][1] == a.nbytes
+    assert SERVER.store._entries[ref.key][1] == a.nbytes
 
 
 def test_rollout_options_and_the_discard_ratio(analysed):
@@ -161,12 +163,13 @@ def test_the_explorer_data_is_the_layers_window_attention(analysed, name, grid):
     """The browser's file, read by its documented layout: each query's row over its window is the
     layer's global attention row (to 8 bits), zero outside the window; each token's window and
     region give exactly the library's `window_of`; the pooled row is the mean of the rows."""
+    from vitviz.server.app import SERVER
     ref = analysed[0] if name == NAME else page.on_analyze(runtime.EXAMPLES[-2], name, "mean", 0.0, progress=_quiet)[page.PAGE.state]
-    exp = runtime.STORE.get(ref.key)
+    exp = SERVER.store.get(ref.key)
     a = exp.analysis
     live = tabs.explorer.TAB.on_explorer(ref)
-    value = live[tabs.explorer.TAB.swin_live]
-    assert live[tabs.explorer.TAB.explorer_live] is None and live[tabs.explorer.TAB.swin_box]["visible"] is True
+    value = live[tabs.explorer.TAB.live["windowed"]]
+    assert live[tabs.explorer.TAB.live["global"]] is None and live[tabs.explorer.TAB.boxes["windowed"]]["visible"] is True
     assert value["mode"] == "stack" and value["grid"] == [grid, grid] and value["outline"] == value["patch_px"] // 8
     data = open(value["data"], "rb").read()
     spec = vitviz.get_spec(name)
@@ -201,7 +204,7 @@ def test_the_explorer_data_is_the_layers_window_attention(analysed, name, grid):
     if name != NAME:
         assert any((g.padded != g.grid) and g.shifted for g in a.geometries)  # padding and a shift in one layer
     # too large for the browser: a note, and the server draws the explorer
-    far = swin_explorer.write_payload(exp, key="x", folder=runtime.EXPLORER_DIR, spec=spec, budget=len(data) - 1)
+    far = swin_explorer.write_payload(exp, key="x", folder=SERVER.explorer_dir, spec=spec, budget=len(data) - 1)
     assert far["mode"] == "server" and "too large" in far["note"] and "data" not in far
 
 
@@ -257,13 +260,14 @@ def test_hostile_values_get_clear_errors(analysed):
 
 @pytest.mark.parametrize("name", [NAME, f"{NAME}@80"])  # at 80 px the grids are 10, 5 and 3: the last stage's padded
 def test_the_tokens_tab_draws_the_librarys_norms_shares_heads_and_features(app, name):
+    from vitviz.server.app import SERVER
     from vitviz import plots
     from vitviz.relevance import feature_components, feature_similarity, keep_mass
 
     analysed = page.on_analyze(runtime.EXAMPLES[-2], name, "mean", 0.0, progress=_quiet)
     ref = analysed[page.PAGE.state]
-    exp = runtime.STORE.get(ref.key)
-    fresh = vitviz.analyze(runtime.CACHE.get(name)[0], exp.analysis.image)
+    exp = SERVER.store.get(ref.key)
+    fresh = vitviz.analyze(SERVER.cache.get(name)[0], exp.analysis.image)
     a, tab = exp.analysis, tabs.tokens.TAB
     out = tab.on_tokens(ref, 0.6)
     last_grid, s = fresh.stage_grids[-1], fresh.stages[-1]
@@ -366,6 +370,7 @@ def test_a_windowed_model_is_bounded_by_the_attention_it_holds(app):
 def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
     """Through the running app: a Swin session's view, bias, rollout and explorer-layer calls with
     junk values are refused with a message, never a bare "Error"."""
+    from vitviz.server.app import SERVER
     import httpx
 
     from conftest import fn_index, results, upload
@@ -394,14 +399,14 @@ def test_raw_http_junk_to_the_swin_endpoints_is_refused(app):
             assert "input values" not in error, (name, error)  # refused by vitviz's checks, not by the request's shape
         ok, out = run(base, "session_bias", [None, 3], session=session)  # a sound value still works
         assert ok, out
-        (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == NAME][-1:]
+        (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if e.analysis.variant == NAME][-1:]
         config = httpx.get(f"{base}/config").json()
         component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
         body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 1]}
         answer = httpx.post(f"{base}/gradio_api/component_server", json=body, timeout=60)
         # refused, with its reason, and nothing written
         assert answer.status_code == 200 and "no layer files" in answer.json()["error"], answer.text
-        assert answer.json()["busy"] is False and not list(runtime.EXPLORER_DIR.glob(f"{key}-layer*"))
+        assert answer.json()["busy"] is False and not list(SERVER.explorer_dir.glob(f"{key}-layer*"))
     finally:
         app.demo.close()
 
@@ -435,6 +440,7 @@ def test_hovering_moves_the_window_outline_in_the_browser(app):
 
 
 def _hover_two_windows(page_, url, _analysed, _canvas):
+    from vitviz.server.app import SERVER
     page_.goto(url)
     page_.locator("#vv-image input[type=file]").set_input_files(runtime.EXAMPLES[-2])
     _analysed(page_, "shapes_p16")
@@ -444,7 +450,7 @@ def _hover_two_windows(page_, url, _analysed, _canvas):
     page_.get_by_role("tab", name="Explorer").click()
     page_.wait_for_function("document.querySelector('#vv-swin-explorer .vvw') && document.querySelector('#vv-swin-explorer .vvw').dataset.analysis")
     key = page_.locator("#vv-swin-explorer .vvw").get_attribute("data-analysis")
-    exp = runtime.STORE.get(key)
+    exp = SERVER.store.get(key)
     a = exp.analysis
     layer = page_.locator("#vv-swin-explorer .vvw-layer")
     layer.focus()
@@ -495,6 +501,6 @@ def test_the_embedded_shapes_swin_through_the_app(app):
     ref = out[page.PAGE.state]
     preds = out[tabs.predict.TAB.predictions]["value"]
     assert max(preds, key=preds.get) == "star"
-    assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.swin_live]["mode"] == "stack"
+    assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.live["windowed"]]["mode"] == "stack"
     got = tabs.explain.TAB.on_explain(ref, "star")
     assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]]["value"], Image.Image) for m in vitviz.swin_analysis.SWIN_METHODS)

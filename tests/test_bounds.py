@@ -149,6 +149,7 @@ def test_freed_heap_goes_back_to_the_system_when_the_requests_stop():
 
 
 def test_the_server_hands_back_past_its_heap_keep_setting(monkeypatch):
+    from vitviz.server.app import SERVER
     from vitviz.server import runtime
     from vitviz.server.guards.settings import Settings, SettingsError
 
@@ -160,16 +161,17 @@ def test_the_server_hands_back_past_its_heap_keep_setting(monkeypatch):
     monkeypatch.delenv("VITVIZ_HEAP_KEEP_MB")
     assert Settings.from_env(gpu=False, menu_tokens=197).heap_keep_bytes == 256 * 2**20
     calls = []
-    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, heap_keep_bytes=12345))
+    monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, heap_keep_bytes=12345))
     monkeypatch.setattr(runtime, "release_memory", lambda **kw: calls.append(kw))
-    runtime.run(runtime.EXAMPLES[0], "shapes_p16")
+    SERVER.run(runtime.EXAMPLES[0], "shapes_p16")
     assert calls == [{"keep": 12345}] * 2  # before the analysis and after it
 
 
 def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, app, steady):
+    from vitviz.server.app import SERVER
     calls = []
-    original = runtime.CACHE.get
-    runtime.CACHE.get = lambda name: (calls.append(name), original(name))[1]
+    original = SERVER.cache.get
+    SERVER.cache.get = lambda name: (calls.append(name), original(name))[1]
     try:
         image = upload(server, good)
         for name in ["shapes_p16@1024", "shapes_p16@4096", "shapes_p8@1536"]:
@@ -186,16 +188,17 @@ def test_sizes_beyond_the_token_bound_are_refused_before_any_work(server, good, 
         ok, out = run(server, "analyze", [image, "shapes_p16@384"])  # 577 tokens: within the bound
         assert ok and out[0]["label"]
     finally:
-        runtime.CACHE.get = original
+        SERVER.cache.get = original
 
 
 def test_the_worst_cases_the_readme_states(app):
+    from vitviz.server.app import SERVER
     from vitviz.cost import price
     from vitviz.server.guards.work import ModelWork
     from vitviz.sources import get_spec
 
-    assert runtime.SETTINGS.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
-    work = ModelWork(budget_bytes=runtime.SETTINGS.work_bytes, lanes=1, seconds=runtime.SETTINGS.request_seconds)  # not yet timed
+    assert SERVER.settings.max_tokens == 1370  # ViT-H/14 at 518 px, the menu's largest
+    work = ModelWork(budget_bytes=SERVER.settings.work_bytes, lanes=1, seconds=SERVER.settings.request_seconds)  # not yet timed
     h14 = get_spec("vit_h_14")
     assert work.refusal(price(h14, "analyse")) is None  # every menu model can be analysed: 5.0 GiB at most
     assert "VITVIZ_WORK_MB" in work.refusal(price(h14, "explain"))  # its explanation needs more than 6 GiB
@@ -244,17 +247,18 @@ def test_one_budget_of_model_work_across_events(server, good, app, monkeypatch, 
 def test_an_explorer_layer_is_computed_once_whatever_the_number_of_callers(server, good, app, monkeypatch):
     """Six concurrent component-server calls for one layer of a large analysis write its file once
     (with lanes enough for all of them: the lock per layer, not the budget, makes it once)."""
+    from vitviz.server.app import SERVER
     from vitviz.server.pictures import explorer_data
 
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
     assert ok
-    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
+    (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
     written = []
     original = explorer_data.stack_file
     monkeypatch.setattr(explorer_data, "stack_file", lambda a, layers: (written.append(list(layers)), time.sleep(0.3), original(a, layers))[2])
-    monkeypatch.setattr(runtime.WORK, "lanes", 6)
-    monkeypatch.setattr(runtime, "EXPLORER_CALLS", threading.BoundedSemaphore(6))
+    monkeypatch.setattr(SERVER.work, "lanes", 6)
+    monkeypatch.setattr(SERVER, "explorer_calls", threading.BoundedSemaphore(6))
     config = httpx.get(f"{server}/config").json()
     component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
     body = {"session_hash": session, "component_id": component, "fn_name": "explorer_layer", "data": [key, 3]}
@@ -277,6 +281,7 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
     lane it is still written (its memory free); one written already is answered at once even with
     no memory free; one to write with no memory free is answered "busy" after its wait. Every
     refusal is a 200 answer with its reason, by raw HTTP as the page calls it."""
+    from vitviz.server.app import SERVER
     from vitviz.cost import Cost
     from vitviz.server import tabs
 
@@ -284,7 +289,7 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@288", "mean", 0.0, None], session=session)
     assert ok
-    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
+    (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if e.analysis.variant == "shapes_p8@288"][-1:]
     config = httpx.get(f"{server}/config").json()
     component = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "vv-explorer-live")
 
@@ -299,7 +304,7 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
         started, release = threading.Event(), threading.Event()
 
         def hold():
-            with runtime.WORK.job(Cost("faithfulness", "other", 1, nbytes, 0, 0.0), session="other"):
+            with SERVER.work.job(Cost("faithfulness", "other", 1, nbytes, 0, 0.0), session="other"):
                 started.set()
                 release.wait(60)
 
@@ -311,23 +316,23 @@ def test_an_explorer_layer_takes_no_lane_and_one_written_takes_no_job(server, go
     monkeypatch.setattr(tabs.explorer, "LAYER_WAIT", 1.0)
     thread, release = holding(1)  # the lane taken, the memory free
     try:
-        assert runtime.WORK.lanes == 1 and len(runtime.WORK.running()) == 1
+        assert SERVER.work.lanes == 1 and len(SERVER.work.running()) == 1
         path, _ = layer([key, 3])  # written beside the job that holds the lane (waiting for it would answer "busy")
-        assert path == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 3)), path
+        assert path == str(explorer_data.layer_path(SERVER.explorer_dir, key, 3)), path
     finally:
         release.set()
         thread.join()
-    thread, release = holding(runtime.WORK.budget_bytes)  # the lane and every byte taken
+    thread, release = holding(SERVER.work.budget_bytes)  # the lane and every byte taken
     try:
         assert layer([key, 3])[0] == path  # written already: no job
         busy, _ = layer([key, 4])
         assert busy["busy"] is True and "busy" in busy["error"], busy
-        assert not explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4).exists()
+        assert not explorer_data.layer_path(SERVER.explorer_dir, key, 4).exists()
     finally:
         release.set()
         thread.join()
-    assert layer([key, 4])[0] == str(explorer_data.layer_path(runtime.EXPLORER_DIR, key, 4))
-    monkeypatch.setattr(runtime.WORK, "budget_bytes", 2**20)  # a layer's file that can never fit: asking again would not help
+    assert layer([key, 4])[0] == str(explorer_data.layer_path(SERVER.explorer_dir, key, 4))
+    monkeypatch.setattr(SERVER.work, "budget_bytes", 2**20)  # a layer's file that can never fit: asking again would not help
     never, _ = layer([key, 5])
     assert never["busy"] is False and "VITVIZ_WORK_MB" in never["error"], never
     for bad, words in (([key, 99], "layer"), (["x" * 22, 1], "no longer kept"), ("junk", "takes [key, layer]"), (None, "takes")):
@@ -340,6 +345,7 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
     told to wait their turn; another client's analysis, joined after them all, runs next (sessions take
     turns, within an address too), and every admitted job completes. The first analysis is held until the test lets it go,
     so nothing here depends on how fast anything runs."""
+    from vitviz.server.app import SERVER
     original = runtime.views.explore
     started, release, order = threading.Event(), threading.Event(), []
 
@@ -361,12 +367,12 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
             r = join(server, "analyze", [image, "shapes_p8@192"], hog)
             codes.append(r.status_code)
             texts.append(r.text)
-        jobs = runtime.SETTINGS.client_jobs
+        jobs = SERVER.settings.client_jobs
         assert codes.count(200) == jobs and codes.count(503) == 32 - jobs, codes
         assert "One at a time, please" in texts[-1]
         assert join(server, "analyze", [image, "shapes_p16"], victim).status_code == 200
         deadline = time.monotonic() + 60  # (its event handed on at once: it waits for its turn with the hog's)
-        while not any(j.session == victim for j in runtime.WORK._waiting) and time.monotonic() < deadline:
+        while not any(j.session == victim for j in SERVER.work._waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         release.set()
@@ -377,21 +383,22 @@ def test_one_client_cannot_fill_the_queue(server, good, app, monkeypatch, steady
 
 
 def test_faithfulness_is_bounded_in_time_and_can_be_stopped(server, good, app, monkeypatch):
+    from vitviz.server.app import SERVER
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p8@192", "mean", 0.0, None], session=session)
     assert ok
-    monkeypatch.setattr(runtime.WORK, "seconds", 0.5)
-    monkeypatch.setattr(runtime.WORK, "times", LineTimes(5e10))  # no line's time learned yet: every estimate at the rate
+    monkeypatch.setattr(SERVER.work, "seconds", 0.5)
+    monkeypatch.setattr(SERVER.work, "times", LineTimes(5e10))  # no line's time learned yet: every estimate at the rate
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)  # priced: about 4 s here
     assert not ok and "would take about" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(runtime.WORK, "times", LineTimes(1e15))  # an estimate that lets it start: the deadline stops it
+    monkeypatch.setattr(SERVER.work, "times", LineTimes(1e15))  # an estimate that lets it start: the deadline stops it
     ok, message = run(server, "session_faithfulness", [None, "star"], session=session)
     assert not ok and "ran out of time" in message and "VITVIZ_REQUEST_SECONDS" in message, message
-    monkeypatch.setattr(runtime.WORK, "times", LineTimes(5e10))
-    monkeypatch.setattr(runtime.WORK, "seconds", 300.0)
+    monkeypatch.setattr(SERVER.work, "times", LineTimes(5e10))
+    monkeypatch.setattr(SERVER.work, "seconds", 300.0)
     assert join(server, "session_faithfulness", [None, "star"], session).status_code == 200
     deadline = time.monotonic() + 30
-    while not runtime.WORK.running() and time.monotonic() < deadline:
+    while not SERVER.work.running() and time.monotonic() < deadline:
         time.sleep(0.02)
     stop = httpx.post(f"{server}/gradio_api/run/on_stop", timeout=30, json={"data": [], "session_hash": session})
     assert stop.status_code == 200, stop.text
@@ -413,6 +420,7 @@ def test_request_bodies_are_bounded_before_they_are_read(server, good, steady):
 
 
 def test_uploads_that_are_not_images_are_dropped_at_the_door_and_volume_is_bounded(server, good, app, monkeypatch, tmp_path):
+    from vitviz.server.app import SERVER
     folder = runtime.upload_folder()
     before = {p for p in folder.rglob("*") if p.is_file()}
     for _ in range(5):
@@ -421,17 +429,18 @@ def test_uploads_that_are_not_images_are_dropped_at_the_door_and_volume_is_bound
     assert not [p for p in folder.rglob("*") if p.is_file() and p not in before and p.stat().st_size > 2**20]
     # an address's volume per minute
     middleware = next(m for m in app.LAUNCH_KWARGS["app_kwargs"]["middleware"] if m.cls.__name__ == "UploadLimit")
-    assert middleware.kwargs["per_minute"] == runtime.SETTINGS.upload_bytes_per_minute
+    assert middleware.kwargs["per_minute"] == SERVER.settings.upload_bytes_per_minute
     big = tmp_path / "noise.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (1800, 1800, 3), dtype=np.uint8)).save(big, compress_level=0)
     statuses = []
-    for _ in range(runtime.SETTINGS.upload_bytes_per_minute // big.stat().st_size + 2):
+    for _ in range(SERVER.settings.upload_bytes_per_minute // big.stat().st_size + 2):
         with open(big, "rb") as f:
             statuses.append(httpx.post(f"{server}/gradio_api/upload", files=[("files", ("n.png", f.read()))], timeout=60).status_code)
     assert statuses[0] == 200 and statuses[-1] == 429
 
 
 def test_model_names_are_names_and_refusals_name_no_server_path(server, good, app, monkeypatch, steady):
+    from vitviz.server.app import SERVER
     image = upload(server, good)
     messages = {}
     for name in ["hf:/etc/passwd", "hf:/etc", "hf:/nonexistent/x", "hf:../../etc", "hf:./models", "hf:~/x"]:
@@ -444,7 +453,7 @@ def test_model_names_are_names_and_refusals_name_no_server_path(server, good, ap
     for name in ["timm:local-dir:/etc", "timm:hf-hub:timm/vit_tiny_patch16_224.augreg_in21k"]:
         ok, message = run(server, "analyze", [image, name])
         assert not ok and "/etc" not in message, message
-    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, open_models=False))
+    monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, open_models=False))
     ok, message = run(server, "analyze", [image, "timm:vit_tiny_patch16_224"])
     assert not ok and "VITVIZ_OPEN_MODELS" in message
     ok, _ = run(server, "analyze", [image, "shapes_p8"])
@@ -492,35 +501,36 @@ def test_disk_stays_within_its_budgets_after_many_writes(server, good, app, monk
     """100 exports under a budget of five, one too large for a smaller budget refused, the
     explorer's files under 8 MB, uploads and Gradio's copies of pictures and downloads under 256 kB
     (examples aside)."""
+    from vitviz.server.app import SERVER
     from vitviz.cost import price
 
     session = uuid.uuid4().hex
     ok, _ = run(server, "session_analyze", [upload(server, good), "shapes_p16", "mean", 0.0, None], session=session)
     assert ok
     size = price(vitviz.get_spec("shapes_p16"), "export").kept_bytes
-    monkeypatch.setattr(runtime.DOWNLOADS, "max_bytes", 5 * size)
+    monkeypatch.setattr(SERVER.downloads, "max_bytes", 5 * size)
     sizes = []
     for _ in range(100):
         ok, out = run(server, "on_export", [None], session=session)
         assert ok, out
-        sizes.append(sum(p.stat().st_size for p in runtime.DOWNLOADS.folder.glob("*.npz")))
+        sizes.append(sum(p.stat().st_size for p in SERVER.downloads.folder.glob("*.npz")))
     assert max(sizes) <= 5 * size and len(sizes) * min(sizes) > 5 * size  # the budget was crossed, and held
-    monkeypatch.setattr(runtime.DOWNLOADS, "max_bytes", size // 2)
+    monkeypatch.setattr(SERVER.downloads, "max_bytes", size // 2)
     ok, message = run(server, "on_export", [None], session=session)
     assert not ok and "VITVIZ_DOWNLOADS_MB" in message
-    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))
+    monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, explorer_bytes=8 * 2**20, files_bytes=256 * 1024))
     monkeypatch.setattr(app.demo, "after_every", 0.0)  # the app sweeps after every event, not every 5 s
     for i in range(12):
         ok, out = run(server, "session_analyze", [upload(server, good), f"shapes_p8@{96 + 16 * (i % 4)}", "mean", 0.0, None], session=session)
         assert ok and "vv-error" not in json.dumps(out), out
         ok, _ = run(server, "on_explorer", [None], session=session)
-        explorer = sum(p.stat().st_size for p in runtime.EXPLORER_DIR.glob("*"))
+        explorer = sum(p.stat().st_size for p in SERVER.explorer_dir.glob("*"))
         assert explorer <= 8 * 2**20
     time.sleep(0.5)  # the last sweep runs beside the event that triggered it
-    files = [p for p in runtime.upload_folder().rglob("*") if p.is_file() and runtime.EXPLORER_DIR not in p.parents and not runtime.is_example(p)]
+    files = [p for p in runtime.upload_folder().rglob("*") if p.is_file() and SERVER.explorer_dir not in p.parents and not runtime.is_example(p)]
     assert sum(p.stat().st_size for p in files) <= 256 * 1024, len(files)
     # explorer files of analyses no longer written to (a process before this one's) go by age after any event
-    stale = runtime.EXPLORER_DIR / "AAAAAAAAAAAAAAAAAAAAAA-layer1.bin"
+    stale = SERVER.explorer_dir / "AAAAAAAAAAAAAAAAAAAAAA-layer1.bin"
     stale.write_bytes(b"x")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     run(server, "session_view", [None, 1, "mean", 0, "one per layer"], session=session)  # any event

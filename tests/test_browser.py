@@ -360,6 +360,7 @@ def _same_as_server(exp, grabbed):
 def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     """Hover, click-to-pin, keyboard layer steps, a head and the colour scale, each drawn in the
     browser, are the pictures the server draws for the same view (map and every head's tile)."""
+    from vitviz.server.app import SERVER
     from vitviz.server import runtime
 
     base, example = url
@@ -367,7 +368,7 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     page.goto(base)
     page.locator("#vv-image input[type=file]").set_input_files(example)
     key = _explorer(page, "shapes_p16")
-    exp = runtime.STORE.get(key)
+    exp = SERVER.store.get(key)
 
     def grab(*view):
         return _grab(page, *view)
@@ -400,14 +401,14 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     # a new image with the explorer on the page: its explorer comes as soon as the forward has
     # written it, before the analysis' outputs (`vitviz.server.early`), and draws the same pixels
     page.locator("#vv-explorer-live .vvx-scale").select_option(value="layer")
-    publish = runtime.EARLY.publish
+    publish = SERVER.early.publish
 
     def publish_then_hold(ticket, step, value):  # the outputs held back a while: on a busy machine a small
         publish(ticket, step, value)  # model's outputs can overtake the early explorer (then the page takes
         if step == "explorer":  # them, as it should); here the early path itself is under test
             time.sleep(3)
 
-    monkeypatch.setattr(runtime.EARLY, "publish", publish_then_hold)
+    monkeypatch.setattr(SERVER.early, "publish", publish_then_hold)
     page.mouse.move(0, 0)  # off the map: the first view is token 0's
     held = []  # the new explorer file's range requests, held until the first views are checked
 
@@ -439,11 +440,11 @@ def test_the_browser_draws_the_servers_pixels(url, page, monkeypatch):
     page.mouse.move(box["x"] + box["width"] * 0.7 + 2, box["y"] + box["height"] * 0.3)
     hovered = grab(6, "mean", 1 + 1 * 6 + 4, "layer")
     deadline = time.monotonic() + 60
-    while runtime.STORE.get(new_key) is None and time.monotonic() < deadline:  # the outputs, after the hold
+    while SERVER.store.get(new_key) is None and time.monotonic() < deadline:  # the outputs, after the hold
         time.sleep(0.1)
     _analysed(page, "shapes_p16")
-    exp = runtime.STORE.get(new_key)
-    assert exp is not None and runtime.STORE.get(key) is None  # the page's analysis now: the one before is let go
+    exp = SERVER.store.get(new_key)
+    assert exp is not None and SERVER.store.get(key) is None  # the page's analysis now: the one before is let go
     same_as_server(grabbed=first_view)
     same_as_server(grabbed=pinned)
     same_as_server(grabbed=hovered)
@@ -476,6 +477,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     the page first shows it, and the page draws the server's pixels from it. With not even one layer
     within the budget (set smaller here), the explorer says so and the server draws its views, which
     follow a click on them."""
+    from vitviz.server.app import SERVER
     import numpy as np
 
     from vitviz import cost, get_spec
@@ -487,11 +489,11 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     monkeypatch.setattr(explorer_data, "write_layer", lambda exp, **kw: (asked.append(kw["layer"]), write_layer(exp, **kw))[1])
     _other_model(page, url, "shapes_p8@288")
     key = _explorer(page, "shapes_p8@288")
-    exp = runtime.STORE.get(key)
+    exp = SERVER.store.get(key)
     assert explorer_data.layout_of(exp.analysis).mode == "layers"
 
     def files():
-        return sorted(p.name.removeprefix(key + "-") for p in runtime.EXPLORER_DIR.glob(f"{key}-*.bin"))
+        return sorted(p.name.removeprefix(key + "-") for p in SERVER.explorer_dir.glob(f"{key}-*.bin"))
 
     _same_as_server(exp, _grab(page, 6, "mean", 0, "layer"))
     assert files() == ["layer6.bin"]  # the layer shown first, and no file of the whole stack
@@ -542,7 +544,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     root = "document.querySelector('#vv-explorer-live .vvx').dataset"
     page.wait_for_function(f"{root}.analysis && {root}.analysis !== {key!r}")
     assert "vvx-off" not in page.locator("#vv-explorer-live .vvx").get_attribute("class")
-    again = runtime.STORE.get(page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis"))
+    again = SERVER.store.get(page.locator("#vv-explorer-live .vvx").get_attribute("data-analysis"))
     _same_as_server(again, _grab(page, 6, "mean", 0, "shared"))  # (the colour scale chosen stays)
     assert asked[3:-1] and set(asked[3:]) == {6}  # refused, then asked again
     # a layer refused while browsing is asked for again while the view stays on it
@@ -580,9 +582,9 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     page.get_by_role("tab", name="Explorer").click()
     _says(page, "#vv-explorer-live", "too large to hold in the browser")
     assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
-    (key,) = [k for k, (e, _, _) in runtime.STORE._entries.items() if e.analysis.variant == "shapes_p16"][-1:]
-    exp = runtime.STORE.get(key)
-    assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(runtime.EXPLORER_DIR.glob(f"{key}-*"))
+    (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if e.analysis.variant == "shapes_p16"][-1:]
+    exp = SERVER.store.get(key)
+    assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(SERVER.explorer_dir.glob(f"{key}-*"))
 
     def near(got, query):
         """Mean difference from the server's picture of `query` (the page's is a JPEG of it)."""

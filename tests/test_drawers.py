@@ -86,3 +86,30 @@ def test_a_module_that_lacks_part_of_the_protocol_is_refused():
         drawers.register_drawer("toy", partial)
     with pytest.raises(ValueError, match="no drawer for 'toy'"):
         drawers.drawer(types.SimpleNamespace(analysis=types.SimpleNamespace(layout=types.SimpleNamespace(attention="toy"))))
+
+
+def test_explorer_widgets_are_registered_and_a_drawer_names_one_of_them(monkeypatch):
+    """The widgets the Explorer tab builds: the global one (which calls the server for layers and the
+    early explorer) and the windowed one; a drawer naming no registered widget, or a widget without
+    its files, is refused; a new one is built beside them."""
+    names = [w.name for w in drawers.widgets()]
+    assert names[:2] == ["global", "windowed"]
+    by_name = {w.name: w for w in drawers.widgets()}
+    assert by_name["global"].server_calls and not by_name["windowed"].server_calls
+    common = by_name["global"].files["js"].split("\n", 1)[0]
+    assert by_name["windowed"].files["js"].startswith(common) and "Swin" in by_name["windowed"].caption
+    with pytest.raises(TypeError, match="lacks its css, html"):
+        drawers.register_widget(drawers.Widget("toy", {"js": ""}, elem_id="vv-toy"))
+    with pytest.raises(ValueError, match="another explorer widget's"):
+        drawers.register_widget(drawers.Widget("toy", {"js": "", "html": "", "css": ""}, elem_id="vv-swin-explorer"))
+    complete = types.ModuleType("complete")
+    for name in drawers.PROTOCOL:
+        setattr(complete, name, lambda *a, **k: None)
+    complete.DISCARD_RATIO, complete.EXPLORER_WIDGET = False, "frames"
+    with pytest.raises(ValueError, match="names the explorer widget 'frames', which is not registered"):
+        drawers.register_drawer("toy", complete)
+    monkeypatch.setattr(drawers, "_WIDGETS", dict(drawers._WIDGETS))
+    monkeypatch.setattr(drawers, "_DRAWERS", dict(drawers._DRAWERS))
+    drawers.register_widget(drawers.Widget("frames", {"js": "", "html": "", "css": ""}, elem_id="vv-frames"))
+    drawers.register_drawer("toy", complete)
+    assert [w.name for w in drawers.widgets()][-1] == "frames" and drawers.drawer_for("toy") is complete

@@ -177,7 +177,7 @@ def server():
 
 
 def _early(base: str, session: str, data) -> httpx.Response:
-    body = {"session_hash": session, "component_id": tabs.explorer.TAB.explorer_live._id, "fn_name": "explorer_early", "data": data}
+    body = {"session_hash": session, "component_id": tabs.explorer.TAB.live["global"]._id, "fn_name": "explorer_early", "data": data}
     return httpx.post(f"{base}/gradio_api/component_server", json=body, timeout=90)
 
 
@@ -222,7 +222,7 @@ def test_the_pages_analysis_publishes_its_explorer_before_its_outputs(server):
     assert set(pictures) == {"base", "tile_base", "scale"} and all(Path(pictures[p]).exists() for p in explorer_data.PICTURES)
     first = value.pop("first")
     # the value the outputs bring, with the pictures published before the forward
-    index = page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)
+    index = page.PAGE.analysis_outputs.index(tabs.explorer.TAB.live["global"])
     assert value == outputs[index] and all(value[k] == pictures[k] for k in pictures)
     # inline, as in the file: the shared maxima, the last layer's row maxima, and its rows of token 0
     data = Path(value["data"]).read_bytes()
@@ -248,6 +248,7 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
     """shapes_p16 over a smaller budget: its explorer comes a layer at a time with the outputs
     ("layers": its pictures written before the forward, for them), or the server draws it ("server":
     no file at all). Either way both of the page's waits are answered None as the crop is made."""
+    from vitviz.server.app import SERVER
     layer, head = 5 * 37 * (4 + 36), 4 * 37
     monkeypatch.setattr(cost, "BROWSER_BYTES", head + layer - (mode == "server"))
     crops = []
@@ -255,13 +256,13 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
     monkeypatch.setattr(runtime._Early, "on_crop", lambda self, cropped: (on_crop(self, cropped), crops.append(time.perf_counter())))
     forward = runtime.views.analyze_crop  # the forward made to last a second: the answers come before it ends
     monkeypatch.setattr(runtime.views, "analyze_crop", lambda *a, **k: (time.sleep(1.0), forward(*a, **k))[1])
-    before = set(runtime.EXPLORER_DIR.glob("*"))
+    before = set(SERVER.explorer_dir.glob("*"))
     session, ticket = uuid.uuid4().hex, "Tm" + uuid.uuid4().hex[:20]
     outputs, done, got = _analyse_while_waiting(server, session, ticket)
     assert got["pictures"][0].json() is None and got["explorer"][0].json() is None
     assert len(crops) == 1 and max(got["pictures"][1], got["explorer"][1]) < crops[0] + 0.5 < crops[0] + 1.0 < done
-    live = outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_live)]
-    new = {p.name for p in set(runtime.EXPLORER_DIR.glob("*")) - before}
+    live = outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.live["global"])]
+    new = {p.name for p in set(SERVER.explorer_dir.glob("*")) - before}
     if mode == "layers":
         assert live["mode"] == "layers" and "data" not in live
         assert new == {Path(live[p]).name for p in explorer_data.PICTURES}  # the pictures, written once; no layer yet
@@ -273,21 +274,23 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
 @pytest.mark.parametrize("data", [None, "x", ["A" * 22], ["A" * 22, "explorer", 3], [["A" * 22], "explorer"], ["A" * 22, "pictures"],
                                   ["A" * 9000, "explorer"], {"ticket": "A" * 22}, 12])
 def test_junk_early_calls_are_answered_none_and_the_server_serves_on(server, data, monkeypatch):
-    monkeypatch.setattr(runtime.EARLY, "wait_seconds", 1.0)  # a ticket never opened: answered None at the limit
+    from vitviz.server.app import SERVER
+    monkeypatch.setattr(SERVER.early, "wait_seconds", 1.0)  # a ticket never opened: answered None at the limit
     r = _early(server, uuid.uuid4().hex, data)
     assert r.status_code == 200 and r.json() is None
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=lambda *a, **k: None)
-    assert out[page.PAGE.notice] == "" and runtime.EARLY._count == 0
+    assert out[page.PAGE.notice] == "" and SERVER.early._count == 0
 
 
 def test_one_client_cannot_hold_every_pages_early_explorer(server, monkeypatch):
     """80 waits from one address on tickets no analysis opens, each dropped by its client (after 8 s; a
     loaded machine answers the others well within it): at most its share is held, and only while its
     callers are there; then a page's analysis gets its explorer early."""
-    monkeypatch.setattr(runtime.EARLY, "per_owner", 4)
-    monkeypatch.setattr(runtime.EARLY, "poll_seconds", 0.1)
+    from vitviz.server.app import SERVER
+    monkeypatch.setattr(SERVER.early, "per_owner", 4)
+    monkeypatch.setattr(SERVER.early, "poll_seconds", 0.1)
     session = uuid.uuid4().hex
-    body = lambda i: {"session_hash": session, "component_id": tabs.explorer.TAB.explorer_live._id, "fn_name": "explorer_early",
+    body = lambda i: {"session_hash": session, "component_id": tabs.explorer.TAB.live["global"]._id, "fn_name": "explorer_early",
                       "data": [f"Hg{i:020d}", "explorer"]}
 
     async def hog():
@@ -299,8 +302,8 @@ def test_one_client_cannot_hold_every_pages_early_explorer(server, monkeypatch):
     held, answered = asyncio.run(hog())
     assert held == 4 and answered == [None] * 76  # the rest answered at once
     deadline = time.monotonic() + 5
-    while runtime.EARLY._count and time.monotonic() < deadline:  # its callers gone: their places given back
+    while SERVER.early._count and time.monotonic() < deadline:  # its callers gone: their places given back
         time.sleep(0.05)
-    assert runtime.EARLY._count == 0 and runtime.EARLY._owners == {}
+    assert SERVER.early._count == 0 and SERVER.early._owners == {}
     outputs, done, got = _analyse_while_waiting(server, uuid.uuid4().hex, "Tn" + uuid.uuid4().hex[:20])
     assert got["explorer"][0].json()["id"] and got["explorer"][1] < done

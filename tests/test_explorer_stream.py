@@ -250,13 +250,14 @@ def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, mod
     """`runtime._Early`: the pictures before the forward, then the explorer's value, made from the spec
     and the crop while the forward runs, equal to `write_payload`'s from the finished analysis; for
     every model but a probe-weighted pooled one, published before the head runs."""
+    from vitviz.server.app import SERVER
     import asyncio
 
-    monkeypatch.setattr(runtime, "EXPLORER_DIR", tmp_path)
+    monkeypatch.setattr(SERVER, "explorer_dir", tmp_path)
 
     def published(ticket, step):
         try:
-            return asyncio.run(asyncio.wait_for(runtime.EARLY.wait(ticket, step), 0.05))
+            return asyncio.run(asyncio.wait_for(SERVER.early.wait(ticket, step), 0.05))
         except asyncio.TimeoutError:
             return None
 
@@ -264,8 +265,8 @@ def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, mod
     handle = image_tower(model).head.register_forward_hook(lambda *args: seen.append(published(ticket, "explorer")))
     key = runtime.new_key()
     try:
-        with runtime.EARLY.opened(runtime.new_key()) as ticket:
-            early = runtime._Early(ticket, model.spec, key)
+        with SERVER.early.opened(runtime.new_key()) as ticket:
+            early = runtime._Early(SERVER.name, ticket, model.spec, key)
             path = tmp_path / f"{key}-stack.bin"
             exp = views.explore(_Cache(model), IMAGE, model.spec.name, stream_to=path, on_crop=early.on_crop, on_file=early.on_file)
             early.after(exp, path)
@@ -282,50 +283,53 @@ def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, mod
 def test_callbacks_that_never_reach_the_server_still_give_the_page_its_explorer(app, monkeypatch):
     """As on ZeroGPU, where the analysis runs in a worker process and its calls to `on_crop` and
     `on_file` publish nothing here: the explorer is published from the finished analysis."""
+    from vitviz.server.app import SERVER
     import asyncio
 
     original = runtime._analyze_on_device
-    monkeypatch.setattr(runtime, "_analyze_on_device", lambda image, variant, stream_to=None, on_crop=None, on_file=None:
-                        original(image, variant, stream_to=stream_to))
+    monkeypatch.setattr(runtime, "_analyze_on_device", lambda server, image, variant, stream_to=None, on_crop=None, on_file=None:
+                        original(server, image, variant, stream_to=stream_to))
     key = runtime.new_key()
-    with runtime.EARLY.opened(runtime.new_key()) as ticket:
-        exp = runtime.run(runtime.EXAMPLES[3], "shapes_p16", explorer_key=key, ticket=ticket)
-        pictures, value = (asyncio.run(asyncio.wait_for(runtime.EARLY.wait(ticket, step), 1.0)) for step in ("pictures", "explorer"))
+    with SERVER.early.opened(runtime.new_key()) as ticket:
+        exp = SERVER.run(runtime.EXAMPLES[3], "shapes_p16", explorer_key=key, ticket=ticket)
+        pictures, value = (asyncio.run(asyncio.wait_for(SERVER.early.wait(ticket, step), 1.0)) for step in ("pictures", "explorer"))
     first = value.pop("first")
-    assert value == explorer_data.write_payload(exp, key=key, folder=runtime.EXPLORER_DIR) and first == explorer_data.first_shown(value)
+    assert value == explorer_data.write_payload(exp, key=key, folder=SERVER.explorer_dir) and first == explorer_data.first_shown(value)
     assert pictures == {k: value[k] for k in pictures} and set(pictures) == {*explorer_data.PICTURES, "scale"}
 
 
 def test_an_analysis_that_fails_after_its_file_removes_the_files_it_published(app, monkeypatch):
     """A failure in the head, after the explorer's value went to the page: the stack file and the
     pictures go with the analysis, whose job ends; the server goes on."""
-    model, _ = runtime.CACHE.get("shapes_p16")
+    from vitviz.server.app import SERVER
+    model, _ = SERVER.cache.get("shapes_p16")
 
     def fail(*args):
         raise RuntimeError("out of memory in the head")
 
-    before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
+    before = set(SERVER.explorer_dir.glob("*")) if SERVER.explorer_dir.exists() else set()
     handle = model.head.register_forward_hook(fail)
     try:
-        with runtime.EARLY.opened(runtime.new_key()) as ticket, pytest.raises(RuntimeError, match="the head"):
-            runtime.run(runtime.EXAMPLES[2], "shapes_p16", explorer_key=runtime.new_key(), ticket=ticket)
+        with SERVER.early.opened(runtime.new_key()) as ticket, pytest.raises(RuntimeError, match="the head"):
+            SERVER.run(runtime.EXAMPLES[2], "shapes_p16", explorer_key=runtime.new_key(), ticket=ticket)
     finally:
         handle.remove()
-    assert set(runtime.EXPLORER_DIR.glob("*")) == before and runtime.WORK.running() == []
+    assert set(SERVER.explorer_dir.glob("*")) == before and SERVER.work.running() == []
     out = page.on_analyze(runtime.EXAMPLES[2], "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()
+    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.live["global"]]["data"]).exists()
 
 
 def test_the_analysis_sends_the_explorer_with_its_outputs(app):
+    from vitviz.server.app import SERVER
     out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
     ref, explorer = out[page.PAGE.state], tabs.explorer.TAB
-    live = out[explorer.explorer_live]
+    live = out[explorer.live["global"]]
     assert live["mode"] == "stack" and live["id"] == ref.key
     data = Path(live["data"])
-    assert data.name == f"{ref.key}-stack.bin" and data.parent == runtime.EXPLORER_DIR
-    exp = runtime.recall(ref)
+    assert data.name == f"{ref.key}-stack.bin" and data.parent == SERVER.explorer_dir
+    exp = SERVER.recall(ref)
     assert exp.key == ref.key and data.read_bytes() == explorer_data.stack_file(exp.analysis, range(exp.analysis.attentions.shape[0]))
-    assert out[explorer.server_explorer]["visible"] is False and out[explorer.global_box]["visible"] is True
+    assert out[explorer.server_explorer]["visible"] is False and out[explorer.boxes["global"]]["visible"] is True
     # its pictures: the crop the model sees, which the page shows `scale` times as wide, pixel for pixel
     # the server's views' image (`views.display_of`), and the crop at a mosaic tile's size
     base = np.asarray(explorer_data.read_rgb_file(Path(live["base"]).read_bytes()))
@@ -337,19 +341,20 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
     assert np.array_equal(np.asarray(tile_base), np.asarray(exp.analysis.image.convert("RGB").resize((tile, tile), Image.BILINEAR)))
     # the step after the analysis sends nothing again and takes no job
     before, jobs = data.stat().st_mtime_ns, []
-    original = runtime.job
+    original = SERVER.job
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(runtime, "job", lambda *args, **kwargs: jobs.append(args) or original(*args, **kwargs))
+        m.setattr(SERVER, "job", lambda *args, **kwargs: jobs.append(args) or original(*args, **kwargs))
         assert all(v == {"__type__": "update"} for v in explorer.on_explorer(ref).values())
     assert jobs == [] and data.stat().st_mtime_ns == before
     # priced with the file: the analysis' job holds one layer's rows beside the forward
-    plain, streamed = runtime.analysis_price("shapes_p16"), runtime.analysis_price("shapes_p16", explorer=True)
+    plain, streamed = SERVER.analysis_price("shapes_p16"), SERVER.analysis_price("shapes_p16", explorer=True)
     assert streamed.bytes > plain.bytes and streamed.kept_bytes == plain.kept_bytes and streamed.flops == plain.flops
     # an explorer a layer at a time writes nothing while the forward runs: priced as the analysis alone
-    assert runtime.analysis_price("shapes_p8@288", explorer=True) == runtime.analysis_price("shapes_p8@288")
+    assert SERVER.analysis_price("shapes_p8@288", explorer=True) == SERVER.analysis_price("shapes_p8@288")
 
 
 def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):
+    from vitviz.server.app import SERVER
     calls = []
     original = explorer_data._block_parts  # each layer's block as the forward writes it
 
@@ -360,11 +365,11 @@ def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, m
         return original(rows, p)
 
     monkeypatch.setattr(explorer_data, "_block_parts", failing)
-    before = set(runtime.EXPLORER_DIR.glob("*")) if runtime.EXPLORER_DIR.exists() else set()
+    before = set(SERVER.explorer_dir.glob("*")) if SERVER.explorer_dir.exists() else set()
     with pytest.raises(RuntimeError, match="disk is full"):
         page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert set(runtime.EXPLORER_DIR.glob("*")) == before  # nothing written, nothing half written
-    assert runtime.WORK.running() == []  # its job is over
+    assert set(SERVER.explorer_dir.glob("*")) == before  # nothing written, nothing half written
+    assert SERVER.work.running() == []  # its job is over
     monkeypatch.setattr(explorer_data, "_block_parts", original)
     out = page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, progress=_quiet)
-    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.explorer_live]["data"]).exists()
+    assert out[page.PAGE.notice] == "" and Path(out[tabs.explorer.TAB.live["global"]]["data"]).exists()

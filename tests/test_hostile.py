@@ -237,6 +237,7 @@ def test_the_parameter_bound_counts_every_tower_before_loading(tiny_open_clip):
 def test_the_parameter_bound_holds_for_a_loaded_model_its_name_could_not_count(monkeypatch, good):
     """shapes_clip's spec counts its image tower: the loaded model (with its text tower) is counted
     again, and the server refuses it as it refuses any variant, saying why."""
+    from vitviz.server.app import SERVER
     import gradio as gr
 
     from vitviz.server import runtime
@@ -249,9 +250,9 @@ def test_the_parameter_bound_holds_for_a_loaded_model_its_name_could_not_count(m
     with pytest.raises(TooLarge, match="VITVIZ_MAX_PARAMS"):
         cache.get("shapes_clip")
     assert cache.loaded() == []
-    monkeypatch.setattr(runtime, "CACHE", cache)
+    monkeypatch.setattr(SERVER, "cache", cache)
     with pytest.raises(gr.Error, match=f"{whole:,} parameters.*VITVIZ_MAX_PARAMS") as refused:
-        runtime.run(str(good), "shapes_clip")
+        SERVER.run(str(good), "shapes_clip")
     assert refused.value.cause == "variant"
     assert ModelCache(max_models=2, max_params=whole, device="cpu").get("shapes_clip")[0] is not None
 

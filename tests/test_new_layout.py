@@ -108,6 +108,7 @@ def test_every_function_of_the_drawer_protocol_draws_it(frames, image, tmp_path)
 
 
 def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_not(frames, image, tmp_path):
+    from vitviz.server.app import SERVER
     import importlib
 
     importlib.import_module("vitviz.server.app")  # the page built
@@ -140,7 +141,7 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     # the explorer: no browser widget for this layout, so the server's, drawn after the analysis
     explorer = tabs.explorer.TAB
     follow = explorer.on_explorer(ref)
-    assert follow[explorer.server_explorer]["visible"] is True and follow[explorer.explorer_live] is None
+    assert follow[explorer.server_explorer]["visible"] is True and follow[explorer.live["global"]] is None
     assert isinstance(follow[explorer.explorer_img], Image.Image) and isinstance(follow[explorer.mosaic], Image.Image)
     shown = explorer.on_view(ref, 1, "head 1", 1 + 2 * 16 - 1, tabs.explorer.SCALES[0])  # the last patch of the second frame
     assert isinstance(shown[explorer.explorer_img], Image.Image)
@@ -150,6 +151,6 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     assert {m for m in imgs if explained[imgs[m]]["visible"]} == set(frames.METHODS)
     assert "Not for two frames" in explained[tabs.explain.TAB.explain_note]
     # Compare beside a ViT; the API's endpoints
-    compared = tabs.compare.TAB._outputs([runtime.run(str(path), NAME), runtime.run(str(path), "shapes_p16")], shared=True)
+    compared = tabs.compare.TAB._outputs([SERVER.run(str(path), NAME), SERVER.run(str(path), "shapes_p16")], shared=True)
     assert isinstance(compared[tabs.compare.TAB.compare_distance], Image.Image) and "frames:" in compared[tabs.compare.TAB.compare_table]
     assert isinstance(page.api_attention(str(path), NAME, 2, "mean", 0)[page.PAGE.api_map], Image.Image)

@@ -152,6 +152,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     """30 sessions of ViT-B/16 (random weights through the real loading path): the analyses kept
     for them stay within the configured bound, and a session whose analysis was dropped gets the
     same pictures, computed again."""
+    from vitviz.server.app import SERVER
     import torchvision
     from gradio_client import Client, handle_file
 
@@ -164,8 +165,8 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     from vitviz.server.guards.sessions import SessionStore
 
     # a store of its own: what earlier tests in this process left in the app's is not these sessions'
-    monkeypatch.setattr(runtime, "STORE", SessionStore(budget_bytes=budget, idle_seconds=runtime.SETTINGS.state_idle))
-    before = runtime.STORE.nbytes
+    monkeypatch.setattr(SERVER, "store", SessionStore(budget_bytes=budget, idle_seconds=SERVER.settings.state_idle))
+    before = SERVER.store.nbytes
     photo = tmp_path / "photo.jpg"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (240, 320, 3), dtype=np.uint8)).save(photo)
 
@@ -173,7 +174,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     for i in range(30):
         client = Client(server, verbose=False, download_files=i == 0)
         client.predict(handle_file(str(photo if i else good)), "vit_b_16", "mean", 0.0, api_name="/session_analyze")
-        peak = max(peak, runtime.STORE.nbytes)
+        peak = max(peak, SERVER.store.nbytes)
         if i == 0:
             first = client
             want = np.asarray(Image.open(client.predict(3, "head 2", 17, "each map its own", api_name="/session_view")[0]))
@@ -185,7 +186,7 @@ def test_thirty_b16_sessions_stay_within_the_state_budget(app, server, tmp_path,
     release_memory(keep=0)
     growth = _rss_mb() - rss5
     print(f"\nstate held: peak {peak / 2**20:.0f} MB for 30 sessions (budget {budget / 2**20:.0f} MB, "
-          f"{runtime.STORE.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")
+          f"{SERVER.store.evictions} evictions); resident memory grew {growth:.0f} MB over the last 25")
     assert before <= budget and peak <= budget
     assert growth < 150  # kept whole, 25 more B/16 analyses would hold 560 MB
     # the first session's analysis was dropped long ago: its view is computed again, identically

@@ -122,6 +122,7 @@ def _rss_mb() -> float:
 
 
 def test_soak_memory_stays_flat_and_no_figure_stays_open(server, tmp_path, monkeypatch):
+    from vitviz.server.app import SERVER
     import dataclasses
 
     from matplotlib._pylab_helpers import Gcf
@@ -129,7 +130,7 @@ def test_soak_memory_stays_flat_and_no_figure_stays_open(server, tmp_path, monke
     from vitviz.server import runtime
 
     # freed heap handed back past 16 MB of growth (VITVIZ_HEAP_KEEP_MB), within the bound checked below
-    monkeypatch.setattr(runtime, "SETTINGS", dataclasses.replace(runtime.SETTINGS, heap_keep_bytes=16 * 2**20))
+    monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, heap_keep_bytes=16 * 2**20))
     client = _client(server)
     paths = []
     for i in range(10):

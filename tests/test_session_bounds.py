@@ -19,12 +19,13 @@ SMALL = dict(state_mb=96, sessions=24)  # a budget the tests cross: 24 sessions,
 @pytest.fixture(scope="module")
 def small(monkeypatch_module):
     """The server's settings with a small state budget, read from the environment as the server reads its own."""
+    from vitviz.server.app import SERVER
     from vitviz.server import runtime
     from vitviz.server.guards.settings import Settings
 
     monkeypatch_module.setenv("VITVIZ_STATE_MB", str(SMALL["state_mb"]))
     monkeypatch_module.setenv("VITVIZ_SESSIONS", str(SMALL["sessions"]))
-    settings = Settings.from_env(gpu=False, menu_tokens=runtime.SETTINGS.max_tokens, session_bytes=runtime.SETTINGS.session_bytes)
+    settings = Settings.from_env(gpu=False, menu_tokens=SERVER.settings.max_tokens, session_bytes=SERVER.settings.session_bytes)
     monkeypatch_module.delenv("VITVIZ_STATE_MB")
     monkeypatch_module.delenv("VITVIZ_SESSIONS")
     return settings
@@ -40,9 +41,10 @@ def monkeypatch_module():
 def server(small, monkeypatch_module):
     """The app as `python app.py` launches it, with the small budget: Gradio keeps `small.sessions`
     sessions, the store the rest."""
+    from vitviz.server.app import SERVER
     from vitviz.server import app, runtime
 
-    monkeypatch_module.setattr(runtime.STORE, "budget_bytes", small.state_bytes)
+    monkeypatch_module.setattr(SERVER.store, "budget_bytes", small.state_bytes)
     with serving(app.demo, **{**app.LAUNCH_KWARGS, "state_session_capacity": small.sessions}) as base:
         yield base
 
@@ -204,6 +206,7 @@ def test_the_sessions_and_the_analyses_share_the_state_budget(small, monkeypatch
     """VITVIZ_STATE_MB holds Gradio's sessions (VITVIZ_SESSIONS of them at their price) and the analyses
     kept for them (the rest); by default the sessions take a quarter. The app launches Gradio with that
     many sessions."""
+    from vitviz.server.app import SERVER
     from vitviz.server import app, runtime
     from vitviz.server.guards.sessions import CROP_BYTES, SESSION_BYTES, SESSION_PRICE
     from vitviz.server.guards.settings import Settings, SettingsError
@@ -227,8 +230,8 @@ def test_the_sessions_and_the_analyses_share_the_state_budget(small, monkeypatch
     with pytest.raises(SettingsError, match="VITVIZ_SESSIONS"):
         Settings.from_env(gpu=False, menu_tokens=197, session_bytes=price)
     monkeypatch.delenv("VITVIZ_SESSIONS")
-    assert runtime.SETTINGS.session_bytes == price and Settings.from_env(gpu=False, menu_tokens=197).session_bytes == price
-    assert app.LAUNCH_KWARGS["state_session_capacity"] == runtime.SETTINGS.sessions
+    assert SERVER.settings.session_bytes == price and Settings.from_env(gpu=False, menu_tokens=197).session_bytes == price
+    assert app.LAUNCH_KWARGS["state_session_capacity"] == SERVER.settings.sessions
 
 
 def test_an_empty_session_costs_less_than_its_price(server, demo):
@@ -256,6 +259,7 @@ def test_a_session_keeps_a_crop_up_to_the_menus_largest_and_a_larger_one_comes_a
     """A crop over `CROP_BYTES` (a model named at a size beyond the menu's) is not kept by the session:
     once the store has dropped its analysis, the analysis is computed again from the upload, the same;
     with the upload gone too, the session is told to analyse again."""
+    from vitviz.server.app import SERVER
     import os
 
     import torch
@@ -264,17 +268,17 @@ def test_a_session_keeps_a_crop_up_to_the_menus_largest_and_a_larger_one_comes_a
     from vitviz.server.guards.gradio_io import uploaded_path
 
     path = uploaded_path(upload(server, good)["path"])
-    assert runtime.remember(runtime.run(path, "shapes_p16"), path).crop is not None
-    large = runtime.run(path, "shapes_p16@528")  # 528 px: 836 kB of crop, past the 805 kB of ViT-H/14's 518 px
-    ref = runtime.remember(large, path)
+    assert SERVER.remember(SERVER.run(path, "shapes_p16"), path).crop is not None
+    large = SERVER.run(path, "shapes_p16@528")  # 528 px: 836 kB of crop, past the 805 kB of ViT-H/14's 518 px
+    ref = SERVER.remember(large, path)
     assert ref.crop is None
-    runtime.STORE.drop(ref.key)
-    again = runtime.recall(ref)
+    SERVER.store.drop(ref.key)
+    again = SERVER.recall(ref)
     assert again.analysis.image.size == (528, 528) and torch.equal(again.analysis.attentions, large.analysis.attentions)
-    runtime.STORE.drop(ref.key)
+    SERVER.store.drop(ref.key)
     os.remove(path)
     with pytest.raises(Exception, match="analyse it again"):
-        runtime.recall(ref)
+        SERVER.recall(ref)
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ def held(cache, image, variant, **kwargs):
 
 def report():  # the jobs waiting for the model's lane (events are handed to threads before their turn)
     while True:
-        (signals / "waiting.part").write_text(str(sum(1 for j in runtime.WORK._waiting if j.lane)))
+        (signals / "waiting.part").write_text(str(sum(1 for j in app.SERVER.work._waiting if j.lane)))
         (signals / "waiting.part").replace(signals / "waiting")
         time.sleep(0.02)
 
@@ -212,6 +212,7 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
     the downloads folder (3 of its exports) and of the upload folder (which holds Gradio's copies of
     what events sent). B makes room from its own files; A's upload, and A's export, are still there
     and served, and each folder is within its cap once swept."""
+    from vitviz.server.app import SERVER
     from dataclasses import replace
 
     from vitviz.cost import price
@@ -220,8 +221,8 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
 
     big = price(vitviz.get_spec("shapes_p8@192"), "export").kept_bytes
     downloads = Downloads(root=tempfile.mkdtemp(), max_bytes=3 * big)  # (where Gradio takes files from: the temporary folder)
-    monkeypatch.setattr(runtime, "DOWNLOADS", downloads)
-    monkeypatch.setattr(runtime, "SETTINGS", replace(runtime.SETTINGS, files_bytes=128 * 2**20))
+    monkeypatch.setattr(SERVER, "downloads", downloads)
+    monkeypatch.setattr(SERVER, "settings", replace(SERVER.settings, files_bytes=128 * 2**20))
     monkeypatch.setattr(app.demo, "after_every", 0.0)  # the app sweeps after every event, not every 5 s
 
     a, b = "share-a", "share-b"
@@ -235,29 +236,30 @@ def test_one_sessions_downloads_never_remove_anothers_upload_or_download(server,
 
     _analysed(server, other, "shapes_p8@192", b)
     written = 0
-    while written <= 2 * runtime.SETTINGS.files_bytes:
+    while written <= 2 * SERVER.settings.files_bytes:
         ok, out = run(server, "on_export", [None], session=b)
         assert ok, out  # room made from B's own files: never refused
         written += big
-    runtime.files_sweep()  # (as after every event: the last one may still be running beside this test)
+    SERVER.files_sweep()  # (as after every event: the last one may still be running beside this test)
     assert served(server, out[0]["path"])  # B's newest
     assert original.exists() and served(server, export) == first and served(server, mine["path"])
     assert sum(p.stat().st_size for p in downloads.folder.glob("*.npz")) <= 3 * big
     folder = runtime.upload_folder()
-    held = [p for p in folder.rglob("*") if p.is_file() and runtime.EXPLORER_DIR not in p.parents and not runtime.is_example(p)]
-    assert sum(p.stat().st_size for p in held) <= runtime.SETTINGS.files_bytes
+    held = [p for p in folder.rglob("*") if p.is_file() and SERVER.explorer_dir not in p.parents and not runtime.is_example(p)]
+    assert sum(p.stat().st_size for p in held) <= SERVER.settings.files_bytes
 
 
 def test_a_download_with_no_room_left_by_others_within_their_share_is_refused_clearly(server, app, good, monkeypatch):
     """A and C hold small downloads, within their shares; B's is larger than the room they leave: B
     is refused, saying why and what to do, and A's and C's stay."""
+    from vitviz.server.app import SERVER
     from vitviz.cost import price
     from vitviz.server import runtime
     from vitviz.server.guards.export import Downloads
 
     big = price(vitviz.get_spec("shapes_p8@192"), "export").kept_bytes
     downloads = Downloads(root=tempfile.mkdtemp(), max_bytes=big + big // 50)
-    monkeypatch.setattr(runtime, "DOWNLOADS", downloads)
+    monkeypatch.setattr(SERVER, "downloads", downloads)
     kept = []
     for session, variant in (("room-a", "shapes_p16"), ("room-c", "shapes_p8")):
         _analysed(server, good, variant, session)

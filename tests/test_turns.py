@@ -248,6 +248,7 @@ def test_a_victims_analysis_is_not_held_behind_another_addresss_flood(server, go
     a thread at once (the model group dispatches one address's share and a lane more) and takes the
     lane at the flood's next step: it ends before any job of the flood. (Before: after the flood's
     first job, at best.)"""
+    from vitviz.server.app import SERVER
     import uuid
 
     from conftest import join, results, upload
@@ -256,14 +257,14 @@ def test_a_victims_analysis_is_not_held_behind_another_addresss_flood(server, go
     from vitviz.server import runtime
 
     # (the lane time 127.0.0.1 had in earlier tests of this process would count against the victim)
-    monkeypatch.setattr(runtime.WORK, "_used", {})
+    monkeypatch.setattr(SERVER.work, "_used", {})
     in_rollout = threading.Event()
     through = vitviz.swin_global._window_right
     monkeypatch.setattr(vitviz.swin_global, "_window_right", lambda *a, **k: (in_rollout.set(), through(*a, **k))[1])
 
     flooder, victim = "127.0.0.2", "127.0.0.1"
     image = upload(server, good, address=flooder)
-    sessions = [uuid.uuid4().hex for _ in range(runtime.SETTINGS.address_jobs // 2)]
+    sessions = [uuid.uuid4().hex for _ in range(SERVER.settings.address_jobs // 2)]
     for session in sessions:
         for _ in range(2):
             r = join(server, "session_analyze", [image, "shapes_swin@1152", "mean", 0.0, None], session, address=flooder)
@@ -301,6 +302,6 @@ def test_a_victims_analysis_is_not_held_behind_another_addresss_flood(server, go
     deadline = time.monotonic() + 120
     while flood_left() and time.monotonic() < deadline:  # Stop the rest of the flood, as the page's Stop does
         for session in sessions:
-            runtime.WORK.cancel(session)
+            SERVER.work.cancel(session)
         time.sleep(0.1)
-    assert not flood_left() and not runtime.WORK.running()
+    assert not flood_left() and not SERVER.work.running()

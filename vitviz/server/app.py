@@ -1,7 +1,8 @@
 """vitviz in the browser: upload an image, pick a ViT, see what it predicts and how it got there.
 
-This module builds the page (`vitviz.server.page`, its tabs in `vitviz.server.tabs`, what they share in
-`vitviz.server.runtime`), sets its queue and launches it; everything computed lives in `vitviz`. Started
+This module builds the server's state from the settings (`SERVER`, a `vitviz.server.runtime.Server`),
+the page on it (`vitviz.server.page`, its tabs in `vitviz.server.tabs`), sets its queue and launches it;
+everything computed lives in `vitviz`. Started
 by `python app.py` in the repository (and as a Hugging Face Space), or by the `vitviz-app` command that
 `pip install vitviz[app]` installs.
 """
@@ -29,13 +30,15 @@ THEME = gr.themes.Soft().set(
     checkbox_label_background_fill_selected="*primary_600", body_text_color_subdued="*neutral_600",
 )
 
-demo = page.build()
+SETTINGS = runtime.settings_from_env()
+SERVER = runtime.Server(SETTINGS)
+demo = page.build(SERVER)
 # api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
 # client's share holds however it calls
-demo.after_event = runtime.files_sweep  # Gradio's copies of pictures and downloads are written by every kind of event
-demo.claim_files = runtime.FILES.claim  # whose they are, and whose uploads an event reads: each caller its share of the disk
-demo.queue(max_size=runtime.SETTINGS.queue_size, default_concurrency_limit=runtime.SETTINGS.concurrency, api_open=False,
-           client_jobs=runtime.SETTINGS.client_jobs, address_jobs=runtime.SETTINGS.address_jobs)
+demo.after_event = SERVER.files_sweep  # Gradio's copies of pictures and downloads are written by every kind of event
+demo.claim_files = SERVER.files.claim  # whose they are, and whose uploads an event reads: each caller its share of the disk
+demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency, api_open=False,
+           client_jobs=SETTINGS.client_jobs, address_jobs=SETTINGS.address_jobs)
 
 LAUNCH_KWARGS = dict(
     css=CSS,
@@ -45,15 +48,15 @@ LAUNCH_KWARGS = dict(
     max_file_size=MAX_BYTES,
     # Gradio's sessions, the least recently used dropped first: as many as their price lets beside the
     # analyses kept for them in VITVIZ_STATE_MB (`Settings.sessions`, docs/serving.md)
-    state_session_capacity=runtime.SETTINGS.sessions,
+    state_session_capacity=SETTINGS.sessions,
     ssr_mode=False,
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
-        Middleware(BodyLimit, max_bytes=runtime.SETTINGS.body_bytes),
+        Middleware(BodyLimit, max_bytes=SETTINGS.body_bytes),
         Middleware(SessionHashes, blocks=demo),  # a session hash of 1 to 64 [A-Za-z0-9_-], or 400 before Gradio keeps it
         Middleware(KnownEvents, blocks=demo),  # an unknown API name, event or session: 404 and why, not a 500
-        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=runtime.SETTINGS.upload_bytes_per_minute, after=demo.after_any,
-                   claim=runtime.FILES.claim),
+        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=demo.after_any,
+                   claim=SERVER.files.claim),
     ]},
 )
 

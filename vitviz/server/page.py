@@ -36,7 +36,9 @@ NAME_ANALYSIS = "(...values) => [...values.slice(0, 5), window.vitvizTicket ? wi
 
 
 class Page:
-    """The page's own components (set by `build`), and what the tabs add to it."""
+    """The page's own components (set by `build`), the server it runs on (`server`), and what the tabs add to it."""
+
+    server: runtime.Server
 
     def __init__(self) -> None:
         self.gates = []  # every content that needs something of the model (`tabs.base.gate`)
@@ -45,7 +47,7 @@ class Page:
         # everything that runs a model or builds analysis data shares one concurrency group, handed to
         # threads as soon as one address' share allows; inside it the work budget (which the explorer's
         # component-server calls take too) runs the lanes by turns
-        self.model = dict(concurrency_id="model", concurrency_limit=runtime.SETTINGS.dispatched)
+        self.model: dict = {}
 
     @staticmethod
     def tab(tab_id: str) -> Tab:
@@ -67,11 +69,13 @@ class Page:
 PAGE = Page()
 
 
-def build() -> gr.Blocks:
-    """The whole page, wired (once: the components are `PAGE`'s and the tabs')."""
+def build(server: runtime.Server) -> gr.Blocks:
+    """The whole page on `server`, wired (once in a process: the components are `PAGE`'s and the tabs')."""
+    PAGE.server = server
+    PAGE.model = dict(concurrency_id="model", concurrency_limit=server.settings.dispatched)
     with GuardedBlocks(title="vitviz — look inside Vision Transformers", delete_cache=(600, 1800)) as demo:
-        # the session's reference to its analysis (the analysis itself is in runtime.STORE)
-        PAGE.state = gr.State(None, time_to_live=3600, delete_callback=runtime.forget)
+        # the session's reference to its analysis (the analysis itself is in the server's store)
+        PAGE.state = gr.State(None, time_to_live=3600, delete_callback=server.forget)
         PAGE.custom_models = gr.State([])  # timm / Hugging Face names this session added to the menus
         PAGE.current_tab = gr.State(TABS.tabs[0].id)
         gr.Markdown(
@@ -216,7 +220,7 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
     The tabs drawn on demand are drawn when shown (`on_tab`). `ticket` is the page's name for this
     analysis: its explorer goes to the page as soon as the forward has written it (`vitviz.server.early`).
     """
-    with runtime.EARLY.opened(ticket) as ticket:  # closed however the handler ends: the page's wait never outlasts it
+    with PAGE.server.early.opened(ticket) as ticket:  # closed however the handler ends: the page's wait never outlasts it
         if isinstance(ref, SessionRef) and image == ref.source and isinstance(variant, str) and variant.strip() == ref.variant:
             return {PAGE.results_box: gr.update(elem_classes=["vv-results"])}  # what is shown is this very analysis
         progress(0, desc=f"Loading {variant} (a first use may download its weights)")
@@ -224,7 +228,7 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
             head_fusion = runtime.checked(inputs.fusion, head_fusion)
             discard_ratio = runtime.checked(inputs.ratio, discard_ratio)
             # the job lasts until every picture of the analysis is drawn; the explorer's file is written during the forward
-            with runtime.analysing(image, variant, explorer_key=runtime.new_key(), ticket=ticket) as exp:
+            with PAGE.server.analysing(image, variant, explorer_key=runtime.new_key(), ticket=ticket) as exp:
                 return analysis_outputs(exp, image, ref, head_fusion, discard_ratio)
         except gr.Error as exc:
             return _refused(exc, ref)
@@ -235,11 +239,11 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
     """Everything an analysis draws: the page's own outputs, every gate (shown, or the line saying
     what the model lacks) and each tab whose needs the model meets (the others are left as they are)."""
     same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
-    runtime.forget(ref)
+    PAGE.server.forget(ref)
     a = exp.analysis
     done = Analysed(exp, same_model=same_model, head_fusion=head_fusion, discard_ratio=discard_ratio)
     out: Outputs = {
-        PAGE.state: runtime.remember(exp, image),
+        PAGE.state: PAGE.server.remember(exp, image),
         PAGE.notice: "",
         PAGE.results_box: gr.update(elem_classes=["vv-results"]),
         PAGE.result_thumb: a.image,
@@ -303,7 +307,7 @@ def _draw_tab(ref: SessionRef | None, tab_id: str, values: tuple) -> Outputs:
     start = 0
     for tab in PAGE.on_demand:
         mine, start = values[start : start + len(tab.draw_inputs)], start + len(tab.draw_inputs)
-        if tab.id == tab_id and isinstance(ref, SessionRef) and tab.lacks(runtime.recall(ref)) is None:
+        if tab.id == tab_id and isinstance(ref, SessionRef) and tab.lacks(PAGE.server.recall(ref)) is None:
             return tab.draw(ref, *mine)
     return _nothing()
 
@@ -321,7 +325,7 @@ def on_other_model(name: str, custom: list[str] | None) -> Outputs:
     (choosing it runs the analysis)."""
     custom = [c for c in (custom or []) if isinstance(c, str)][-8:]
     try:
-        name = runtime.variant_name(name)
+        name = PAGE.server.variant_name(name)
     except gr.Error as exc:
         gr.Warning(exc.message)
         return {PAGE.notice: runtime.notice_html(exc.message)}
@@ -338,7 +342,7 @@ def on_other_model(name: str, custom: list[str] | None) -> Outputs:
 
 def on_variant_info(variant: str) -> Outputs:
     try:
-        return {PAGE.variant_info: spec_line(runtime.variant_name(variant))}
+        return {PAGE.variant_info: spec_line(PAGE.server.variant_name(variant))}
     except gr.Error as exc:
         return {PAGE.variant_info: runtime.md(exc.message)}
 
@@ -359,10 +363,10 @@ def api_analyze(image: str | None, variant: str) -> Outputs:
         The top-5 classes with probabilities, the rollout over the image, the distance chart, and an
         .npz (rollout, cls map, distances, probabilities, the crop).
     """
-    with runtime.analysing(image, variant) as exp:
+    with PAGE.server.analysing(image, variant) as exp:
         size = price(get_spec(exp.analysis.variant), "export", attentions=False).kept_bytes
         try:
-            path = runtime.DOWNLOADS.npz(exp, attentions=False, size=size)
+            path = PAGE.server.downloads.npz(exp, attentions=False, size=size)
         except ValueError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
         drawn = drawer(exp)  # by its token layout (a Swin's rollout and distances are its own)
@@ -389,13 +393,13 @@ def api_explain(image: str | None, variant: str, target: str, method: str) -> Ou
     """
     if method not in METHODS:
         raise runtime.error(f"The method must be one of {', '.join(METHODS)}.")
-    exp = runtime.run(image, variant)
+    exp = PAGE.server.run(image, variant)
     a = exp.analysis
     target = target or None
     if target is not None and (a.categories is None or target not in a.categories):
         raise runtime.error(f"{a.variant} has no class {target!r}: leave it empty for the top-1, or name one of its classes.")
-    with runtime.job("explain", a.variant):
-        maps, index = runtime.explain_on_device(exp, target)
+    with PAGE.server.job("explain", a.variant):
+        maps, index = PAGE.server.explain(exp, target)
     if method not in maps:
         if index is None:
             raise runtime.error(f"{a.variant} has no classifier: only attention and rollout can be shown.")
@@ -420,7 +424,7 @@ def api_attention(image: str | None, variant: str, layer: float, head: str, quer
     Returns:
         The query's attention over the patches, drawn on the image.
     """
-    exp = runtime.run(image, variant)
+    exp = PAGE.server.run(image, variant)
     draw = drawer(exp)  # a windowed model's: on its layer's stage grid, its window outlined
     depth, _, _ = draw.explorer_bounds(exp)
     layer = runtime.checked(inputs.index, layer, 1, depth, "layer")

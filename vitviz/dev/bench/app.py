@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import statistics
@@ -50,11 +51,11 @@ def _echo_app():
 
 def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str, float, float]]:
     """A new analysis in the app's handler, without a browser: (what, median ms, ratio to the plain
-    forward) for the plain forward, the analysis as the page asks for it (`runtime.run` with a ticket:
+    forward) for the plain forward, the analysis as the page asks for it (`Server.run` with a ticket:
     the explorer's pictures before the forward, its file during it), until its explorer's value is
     published for the page and until it returns; the explorer's two pictures on their own, and as PNG
     files for comparison; the analysis without the file, and again with the freed heap handed back to
-    the system before and after it (`release_memory(keep=0)`); drawing every output of the analysis for a
+    the system before and after it (VITVIZ_HEAP_KEEP_MB=0); drawing every output of the analysis for a
     new image on the model shown (`page.analysis_outputs`) and Gradio's postprocessing of those
     outputs. New 640x480 JPEGs; random weights through the real path."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -68,10 +69,9 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
         from vitviz.server import app, page, runtime
 
         from vitviz.server.pictures import explorer_data, views
-        from vitviz.server.guards.memory import release_memory
 
         photos = _photos(Path(home), rounds, seed=3)
-        model, _ = runtime.CACHE.get(arch)
+        model, _ = app.SERVER.cache.get(arch)
         device = next(model.parameters()).device  # the app's: CUDA when there is a GPU
         x = torch.randn(1, 3, model.spec.image_size, model.spec.image_size, device=device)
         sync = _sync_of(device)
@@ -82,7 +82,7 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
                                                          "analysis alone, the freed heap handed back before and after",
                                                          "the analysis' outputs drawn", "Gradio's postprocessing of them")}
         event = next(f for f in app.demo.fns.values() if f.name == "on_analyze")
-        ref = page.analysis_outputs(runtime.run(photos[0], arch), photos[0], None)[page.PAGE.state]  # warm-up
+        ref = page.analysis_outputs(app.SERVER.run(photos[0], arch), photos[0], None)[page.PAGE.state]  # warm-up
         for photo in photos:
             start = time.perf_counter()
             with torch.inference_mode():
@@ -90,11 +90,11 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             sync()
             times["plain forward"].append(time.perf_counter() - start)
             start, published = time.perf_counter(), []
-            with runtime.EARLY.opened(runtime.new_key()) as ticket:  # as the page names its analyses: pictures before the forward
-                waiting = threading.Thread(target=lambda: published.append((asyncio.run(runtime.EARLY.wait(ticket, "explorer")),
+            with app.SERVER.early.opened(runtime.new_key()) as ticket:  # as the page names its analyses: pictures before the forward
+                waiting = threading.Thread(target=lambda: published.append((asyncio.run(app.SERVER.early.wait(ticket, "explorer")),
                                                                              time.perf_counter())))
                 waiting.start()  # as the page waits for the explorer (`vitviz.server.early`)
-                exp = runtime.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
+                exp = app.SERVER.run(photo, arch, explorer_key=runtime.new_key(), ticket=ticket)
             times["analysis, explorer file written during the forward"].append(time.perf_counter() - start)
             waiting.join()
             if published[0][0] is None:
@@ -118,17 +118,18 @@ def handler_table(arch: str = "vit_b_16", *, rounds: int = 8) -> list[tuple[str,
             # the analysis alone, and with the freed heap handed back before and after it, in turns
             # (what that hands back is faulted in again, by an untimed analysis, before the next one)
             for handed_back in ((False, True) if len(times["analysis alone"]) % 2 == 0 else (True, False)):
-                if handed_back:
-                    runtime.release_memory = lambda **_: release_memory(keep=0)  # as every analysis did before VITVIZ_HEAP_KEEP_MB
+                settings = app.SERVER.settings
+                if handed_back:  # as every analysis did before VITVIZ_HEAP_KEEP_MB
+                    app.SERVER.settings = dataclasses.replace(settings, heap_keep_bytes=0)
                 try:
                     start = time.perf_counter()
-                    runtime.run(photo, arch)
+                    app.SERVER.run(photo, arch)
                     times["analysis alone, the freed heap handed back before and after" if handed_back else "analysis alone"].append(
                         time.perf_counter() - start)
                 finally:
-                    runtime.release_memory = release_memory
+                    app.SERVER.settings = settings
                 if handed_back:
-                    runtime.run(photo, arch)
+                    app.SERVER.run(photo, arch)
     base = statistics.median(times["plain forward"])
     return [(k, statistics.median(v) * 1e3, statistics.median(v) / base) for k, v in times.items()]
 
@@ -151,7 +152,7 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
     device = vitviz.default_device()  # the app's: the reference forward runs where the app's does
     tv = _random_torchvision_checkpoints([arch, second])[arch].to(device)
     sync = _sync_of(device)
-    from vitviz.server import app, page, runtime, tabs
+    from vitviz.server import app, page, tabs
     from gradio_client import Client, handle_file
 
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
@@ -174,8 +175,8 @@ def _app_table(arch: str, second: str, *, rounds: int, torch_home: str) -> list[
         base = statistics.median(times["torchvision forward"])
 
         ref = page.on_analyze(str(paths[0]), arch, "mean", 0.0, progress=lambda *a, **k: None)[page.PAGE.state]
-        layers = runtime.STORE.get(ref.key).analysis.attentions.shape[0]
-        tokens = runtime.STORE.get(ref.key).analysis.attentions.shape[-1]
+        layers = app.SERVER.store.get(ref.key).analysis.attentions.shape[0]
+        tokens = app.SERVER.store.get(ref.key).analysis.attentions.shape[-1]
         # two sessions with an analysis each: one fetches the output images as the client does by
         # default, the other leaves them on the server (a page fetches them itself, in parallel)
         client.predict(handle_file(str(paths[0])), arch, "mean", 0.0, api_name="/session_analyze")

@@ -153,7 +153,7 @@ def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: in
     with _private_weights():
         if vitviz.get_spec(victim).source == "torchvision":
             _random_torchvision_checkpoints([victim])
-        from vitviz.server import app, runtime
+        from vitviz.server import app
 
         app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True, **app.LAUNCH_KWARGS)
         base = app.demo.local_url.rstrip("/")
@@ -205,7 +205,7 @@ def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: in
                 name, variant, text = FLOODS[flood]
                 theirs = client("127.0.0.2")
                 their_picture = upload(theirs)
-                sessions = [uuid.uuid4().hex for _ in range(runtime.SETTINGS.address_jobs // 2)]
+                sessions = [uuid.uuid4().hex for _ in range(app.SETTINGS.address_jobs // 2)]
                 if text is not None:  # (each session's analysis first, its flood of phrases after)
                     for session in sessions:
                         call(theirs, "session_analyze", [their_picture, variant, "mean", 0.0, None], session)
@@ -225,12 +225,12 @@ def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: in
                 for t in threads:
                     t.start()
                 deadline = time.monotonic() + 120
-                while not any(j.owner == "127.0.0.2" for j in runtime.WORK.running()) and time.monotonic() < deadline:
+                while not any(j.owner == "127.0.0.2" for j in app.SERVER.work.running()) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 during = victim_seconds()
                 stop.set()
                 for session in sessions:
-                    runtime.WORK.cancel(session)
+                    app.SERVER.work.cancel(session)
                 for t in threads:
                     t.join(600)
                 rows.append((flood, alone, during, taken[0]))

@@ -7,18 +7,23 @@ module (`drawer_for(attention)` before there is an analysis: a model's facts) an
 functions of every one of them (`PROTOCOL`, and the values `ATTRIBUTES`); a new layout registers its
 module with `register_drawer` and is drawn by every caller with no change there.
 
+The browser widgets that draw an explorer's value (`write_explorer`) are registered beside them
+(`register_widget`): the Explorer tab builds one of each, and shows the one the analysis' drawer names
+(`EXPLORER_WIDGET`); a layout with a widget of its own registers it, with no change to the tab.
+
     drawer(exp).render_rollout(exp)
     depth, heads, queries = drawer(exp).explorer_bounds(exp, layer=3)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
-from vitviz.server.pictures import swin_views, views
+from vitviz.server.pictures import explorer_data, swin_explorer, swin_views, views
 from vitviz.server.pictures.views import Exploration
 
-__all__ = ["ATTRIBUTES", "PROTOCOL", "drawer", "drawer_for", "register_drawer"]
+__all__ = ["ATTRIBUTES", "PROTOCOL", "Widget", "drawer", "drawer_for", "register_drawer", "register_widget", "widgets"]
 
 # what every drawer module offers, each taking the exploration first
 PROTOCOL: tuple[str, ...] = (
@@ -53,12 +58,57 @@ ATTRIBUTES: tuple[str, ...] = (
 _DRAWERS: dict[str, ModuleType] = {}
 
 
+@dataclass(frozen=True)
+class Widget:
+    """A browser widget that draws the explorer value of the layouts whose drawer names it
+    (`EXPLORER_WIDGET`).
+
+    Attributes:
+        name: what a drawer's `EXPLORER_WIDGET` says.
+        files: {"js": ..., "html": ..., "css": ...}, a Gradio `gr.HTML`'s templates and its script.
+        elem_id: the widget's element id on the page.
+        caption: Markdown under the widget, or "".
+        server_calls: the widget asks the server for a layer's file and for the explorer of an
+            analysis on its way (`explorer_layer`, `explorer_early` of the Explorer tab): they are
+            attached to it (only to a widget that calls them: each is reachable by raw HTTP).
+    """
+
+    name: str
+    files: dict[str, str]
+    elem_id: str
+    caption: str = ""
+    server_calls: bool = False
+
+
+_WIDGETS: dict[str, Widget] = {}
+
+
+def register_widget(widget: Widget) -> Widget:
+    """A widget the Explorer tab builds (in the order registered; the first is shown before any analysis)."""
+    missing = sorted({"js", "html", "css"} - set(widget.files))
+    if missing:
+        raise TypeError(f"the explorer widget {widget.name!r} lacks its {', '.join(missing)}")
+    if any(w.elem_id == widget.elem_id for w in _WIDGETS.values() if w.name != widget.name):
+        raise ValueError(f"the element id {widget.elem_id!r} is another explorer widget's")
+    _WIDGETS[widget.name] = widget
+    return widget
+
+
+def widgets() -> list[Widget]:
+    """Every registered explorer widget, in order."""
+    return list(_WIDGETS.values())
+
+
 def register_drawer(attention: str, module: ModuleType) -> None:
-    """Draw analyses whose `layout.attention` is `attention` with `module` (every name of `PROTOCOL`)."""
+    """Draw analyses whose `layout.attention` is `attention` with `module` (every name of `PROTOCOL`;
+    its `EXPLORER_WIDGET` a registered widget's name, or None where the server draws its explorer)."""
     missing = [name for name in PROTOCOL if not callable(getattr(module, name, None))]
     missing += [name for name in ATTRIBUTES if not hasattr(module, name)]
     if missing:
         raise TypeError(f"{module.__name__} cannot draw {attention!r} attention: it lacks {', '.join(missing)}")
+    if module.EXPLORER_WIDGET is not None and module.EXPLORER_WIDGET not in _WIDGETS:
+        raise ValueError(f"{module.__name__} names the explorer widget {module.EXPLORER_WIDGET!r}, which is not registered "
+                         f"(registered: {', '.join(_WIDGETS)}; `register_widget` first)")
     _DRAWERS[attention] = module
 
 
@@ -75,5 +125,7 @@ def drawer_for(attention: str) -> ModuleType:
         raise ValueError(f"no drawer for {attention!r} attention (registered: {', '.join(_DRAWERS)})") from None
 
 
+register_widget(Widget("global", explorer_data.widget_files(), elem_id="vv-explorer-live", server_calls=True))
+register_widget(Widget("windowed", swin_explorer.widget_files(), elem_id="vv-swin-explorer", caption=swin_explorer.CAPTION))
 register_drawer("global", views)
 register_drawer("windowed", swin_views)

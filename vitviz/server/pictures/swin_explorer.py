@@ -174,6 +174,15 @@ def write_payload(exp, *, key: str, folder, spec, budget: int | None = None) -> 
     return value
 
 
+# what the page says under the widget
+CAPTION = (
+    "A Swin attends inside windows: at each layer a token's row is nonzero only over its window (cyan), on that "
+    "layer's stage grid (each merge halves the grid: a token there covers 2x2 of the stage before). Every second "
+    "layer shifts the windows by half a window; a window that wraps round the border is cut by the mask into "
+    "regions, and a token attends within its own. **pool** is the classifier's query: the mean of the tokens' rows."
+)
+
+
 def widget_files() -> dict[str, str]:
     """The browser side: {"js": ..., "html": ..., "css": ...} (swin_explorer.js after explorer_common.js,
     which the global explorer loads too; swin_explorer.html, .css of this package)."""

@@ -84,7 +84,7 @@ class Exploration:
 
     analysis: Analysis
     facts: ModelFacts
-    key: str | None = None  # the session key chosen before the forward (`runtime.run`): the explorer's files are named by it
+    key: str | None = None  # the session key chosen before the forward (`Server.run`): the explorer's files are named by it
 
     @property
     def scale(self) -> int:

@@ -93,13 +93,18 @@ class Tab:
         self.draw_inputs: list[Component] = []  # what `draw` reads besides the session's analysis
         self.draw_outputs: list[Component] = []  # what `draw` fills
 
+    @property
+    def server(self) -> runtime.Server:
+        """The server the page runs on (its models, budget and the analyses kept for sessions)."""
+        return self.page.server
+
     def lacks(self, exp: views.Exploration) -> str | None:
         """None when the tab can draw `exp`, else the line shown in place of its content."""
         return lacks(exp, self.needs)
 
     def recall(self, ref: SessionRef | None) -> views.Exploration:
         """The session's analysis, when the tab can draw it; else a clear error (the line the tab shows)."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         reason = self.lacks(exp)
         if reason is not None:
             raise runtime.error(f"{reason}.")

@@ -63,9 +63,9 @@ class CompareTab(Tab):
                 raise runtime.error("The colour scale is one for all (shared) or each model's own (own).")
             if not 2 <= len(variants) <= MAX_COMPARE:
                 raise runtime.error(f"Pick two or three variants to compare (you picked {len(variants)}).")
-            names = [runtime.variant_name(v) for v in variants]
-            with runtime.priced(together([price(get_spec(v), "analyse") for v in names])):  # held together, until drawn
-                return self._outputs([runtime.run(image, v) for v in names], shared=scale == "shared")
+            names = [self.server.variant_name(v) for v in variants]
+            with self.server.priced(together([price(get_spec(v), "analyse") for v in names])):  # held together, until drawn
+                return self._outputs([self.server.run(image, v) for v in names], shared=scale == "shared")
         except gr.Error as exc:
             gr.Warning(exc.message)
             return {self.compare_notice: runtime.notice_html(exc.message)}

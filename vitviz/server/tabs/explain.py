@@ -86,14 +86,14 @@ class ExplainTab(Tab):
     def on_explain(self, ref: SessionRef | None, target: str | None, scale_value: str = EXPLAIN_SCALES[0],
                    request: gr.Request = None, *, keep_faithfulness: bool = False) -> Outputs:
         """The Explain tab: every method's map for the chosen class (one forward and one backward)."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         a = exp.analysis
         if a.layout.classifier and a.categories is not None and target not in a.categories:
             raise runtime.error("Pick one of the model's classes to explain.")
         scale = runtime.scale_of(scale_value, EXPLAIN_SCALES)
         left_out: dict[str, str] = {}
-        with runtime.job("explain", a.variant, request):
-            maps, index = runtime.explain_on_device(exp, target, left_out)
+        with self.server.job("explain", a.variant, request):
+            maps, index = self.server.explain(exp, target, left_out)
         label = a.categories[index] if index is not None else "no-class"
         pictures = views.render_method_maps(exp, maps, label=label, scale=scale)
         if index is None:
@@ -120,16 +120,16 @@ class ExplainTab(Tab):
 
     def on_faithfulness(self, ref: SessionRef | None, target: str | None, progress=gr.Progress(), request: gr.Request = None) -> Outputs:
         """Deletion and insertion curves of every method for the chosen class, with a random order beside."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         a = exp.analysis
         if a.categories is None or not a.layout.classifier:
             raise runtime.error(f"{a.variant} has no classifier: deletion and insertion measure the probability of a class.")
         if target not in a.categories:
             raise runtime.error("Pick one of the model's classes first.")
         progress(0, desc="Deleting and inserting patches (every method, 17 steps each)")
-        with runtime.job("faithfulness", a.variant, request) as work:
-            maps, index = runtime.explain_on_device(exp, target)
-            curves = runtime.faithfulness_on_device(exp, maps, index, work.cost.batch, work.check)
+        with self.server.job("faithfulness", a.variant, request) as work:
+            maps, index = self.server.explain(exp, target)
+            curves = self.server.faithfulness(exp, maps, index, work.cost.batch, work.check)
         figure_ = plots.faithfulness_figure(curves, title=f"{a.variant}: {target}")
         rows = [[name, f"{float(c.deletion_auc[0]):.3f}", f"{float(c.insertion_auc[0]):.3f}"] for name, c in curves.items()]
         return {self.faith_img: plots.named(plots.figure_to_image(figure_), views._name(exp, "faithfulness", target)),
@@ -137,16 +137,16 @@ class ExplainTab(Tab):
 
     def on_stop(self, request: gr.Request = None) -> Outputs:
         """Stops this session's running model work (the faithfulness curves)."""
-        stopped = runtime.WORK.cancel(getattr(request, "session_hash", None))
+        stopped = self.server.work.cancel(getattr(request, "session_hash", None))
         return {self.explain_note: "Stopped." if stopped else gr.skip()}
 
     def on_pick_class(self, ref: SessionRef | None, scale_value: str, evt: gr.SelectData) -> Outputs:
         """A click on a prediction: that class, explained, in the Explain tab."""
         label = evt.value if isinstance(evt.value, str) else (evt.value or {}).get("label") if isinstance(evt.value, dict) else None
-        if isinstance(ref, SessionRef) and runtime.recall(ref).analysis.layout.text:
+        if isinstance(ref, SessionRef) and self.server.recall(ref).analysis.layout.text:
             return gr.skip()  # a zero-shot label: the Find tab looks for it
         shown = {self.target_class: label, self.page.tabs: gr.Tabs(selected=self.id), self.page.current_tab: self.id}
-        if isinstance(ref, SessionRef) and self.lacks(runtime.recall(ref)) is not None:
+        if isinstance(ref, SessionRef) and self.lacks(self.server.recall(ref)) is not None:
             return shown  # the tab says why it has nothing to show
         return {**shown, **self.on_explain(ref, label, scale_value)}
 

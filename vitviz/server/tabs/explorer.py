@@ -1,8 +1,9 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
 data (written while the analysis' forward runs, and sent with its outputs), or by the server for a
-model too large for it. Each token layout's drawer names the widget that draws it
-(`EXPLORER_WIDGET`: "global", or "windowed", `vitviz.server.pictures.swin_explorer`: a query's attention on
-its layer's stage grid, its window outlined) and writes its value (`write_explorer`)."""
+model too large for it. The tab builds every registered browser widget (`drawers.widgets()`: "global",
+`explorer.js`; "windowed", `swin_explorer.js`, a query's attention on its layer's stage grid, its
+window outlined) and shows the one the analysis' drawer names (`EXPLORER_WIDGET`) with the value it
+writes (`write_explorer`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ from vitviz.server.guards import inputs
 from vitviz.server.guards.gradio_io import ViewImage, client_address
 from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.menus import head_choices
-from vitviz.server.pictures import explorer_data, swin_explorer, views
-from vitviz.server.pictures.drawers import drawer
-from vitviz.server.runtime import EXPLORER_WIDGET, Outputs
+from vitviz.server.pictures import explorer_data, views
+from vitviz.server.pictures.drawers import drawer, widgets
+from vitviz.server.runtime import Outputs
 from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 SCALES = ("one per layer", "each map its own", "all layers and heads")  # as `views` names them: "layer", "map", "shared"
-SWIN_WIDGET = swin_explorer.widget_files()
 LAYER_WAIT = 10.0  # seconds a layer's file waits for its memory before it is answered "busy"
 
 
@@ -43,28 +43,28 @@ def _explorer_layer(request: list) -> str:
         key, layer_value = request
     except (TypeError, ValueError):
         raise runtime.error("explorer_layer takes [key, layer].") from None
-    exp = runtime.STORE.get(key) if isinstance(key, str) else None
+    exp = TAB.server.store.get(key) if isinstance(key, str) else None
     if exp is None:
         raise runtime.error("This analysis is no longer kept: analyse the image again.")
     mode = drawer(exp).explorer_mode(exp)
     if mode != "layers":  # one file for the browser, written with or after the analysis, or no file: drawn by the server
         raise runtime.error(f"This analysis' explorer has no layer files (its layout is {mode!r}).")
     layer_value = runtime.checked(inputs.index, layer_value, 1, exp.analysis.attentions.shape[0], "layer")
-    path = explorer_data.layer_path(runtime.EXPLORER_DIR, key, layer_value)
+    path = explorer_data.layer_path(TAB.server.explorer_dir, key, layer_value)
     if path.exists():  # (written whole under a temporary name, then renamed)
         return str(path)
     # outside the queue, on Gradio's shared thread pool: a few at a time, none waiting long
-    calls = runtime.EXPLORER_CALLS
+    calls = TAB.server.explorer_calls
     if not calls.acquire(blocking=False):
         refused = runtime.error("The server is busy (too many layers asked for at once): ask again in a moment.")
         refused.busy = True
         raise refused
     try:  # (a refusal of the job says whether it was busy: no memory free in its wait)
-        with runtime.EXPLORER_LOCKS.hold((key, layer_value)), \
-                runtime.job("explorer_layer", exp.analysis.variant, wait=LAYER_WAIT, lane=False) as work:
-            runtime.explorer_sweep(room=work.cost.kept_bytes)
-            written = explorer_data.write_layer(exp, key=key, layer=layer_value, folder=runtime.EXPLORER_DIR)
-        if key not in runtime.STORE:  # dropped while it was written: its files went before this one was complete
+        with TAB.server.explorer_locks.hold((key, layer_value)), \
+                TAB.server.job("explorer_layer", exp.analysis.variant, wait=LAYER_WAIT, lane=False) as work:
+            TAB.server.explorer_sweep(room=work.cost.kept_bytes)
+            written = explorer_data.write_layer(exp, key=key, layer=layer_value, folder=TAB.server.explorer_dir)
+        if key not in TAB.server.store:  # dropped while it was written: its files went before this one was complete
             Path(written).unlink(missing_ok=True)
             raise runtime.error("This analysis is no longer kept: analyse the image again.")
         return written
@@ -83,7 +83,7 @@ async def explorer_early(request: list, http: gr.Request) -> dict | None:
     except (TypeError, ValueError):
         return None
     gone = getattr(http, "is_disconnected", None)
-    return await runtime.EARLY.wait(ticket, step, owner=client_address(http), gone=gone if callable(gone) else None)
+    return await TAB.server.early.wait(ticket, step, owner=client_address(http), gone=gone if callable(gone) else None)
 
 
 class ExplorerTab(Tab):
@@ -94,21 +94,15 @@ class ExplorerTab(Tab):
     def build(self, page) -> None:
         gr.Markdown("What one token attends to at one layer, for one head or fused over heads, and every head beside it.",
                     elem_classes="vv-caption")
-        with gr.Column() as self.global_box:
-            self.explorer_live = gr.HTML(
-                value=None, html_template=EXPLORER_WIDGET["html"], css_template=EXPLORER_WIDGET["css"],
-                js_on_load=EXPLORER_WIDGET["js"], server_functions=[explorer_layer, explorer_early], elem_id="vv-explorer-live",
-            )
-        with gr.Column(visible=False) as self.swin_box:
-            self.swin_live = gr.HTML(value=None, html_template=SWIN_WIDGET["html"], css_template=SWIN_WIDGET["css"],
-                                     js_on_load=SWIN_WIDGET["js"], elem_id="vv-swin-explorer")
-            gr.Markdown(
-                "A Swin attends inside windows: at each layer a token's row is nonzero only over its window (cyan), on that "
-                "layer's stage grid (each merge halves the grid: a token there covers 2x2 of the stage before). Every second "
-                "layer shifts the windows by half a window; a window that wraps round the border is cut by the mask into "
-                "regions, and a token attends within its own. **pool** is the classifier's query: the mean of the tokens' rows.",
-                elem_classes="vv-caption",
-            )
+        self.boxes: dict[str, gr.Column] = {}  # each registered widget (`drawers.widgets()`) in its column, by name
+        self.live: dict[str, gr.HTML] = {}
+        for i, widget in enumerate(widgets()):
+            with gr.Column(visible=i == 0) as self.boxes[widget.name]:
+                calls = [explorer_layer, explorer_early] if widget.server_calls else []
+                self.live[widget.name] = gr.HTML(value=None, html_template=widget.files["html"], css_template=widget.files["css"],
+                                                 js_on_load=widget.files["js"], server_functions=calls, elem_id=widget.elem_id)
+                if widget.caption:
+                    gr.Markdown(widget.caption, elem_classes="vv-caption")
         # the server's explorer: the API's, and the page's for models too large for the browser
         with gr.Group(visible=False) as self.server_explorer:
             with gr.Row():
@@ -136,18 +130,14 @@ class ExplorerTab(Tab):
         return [self.prefix_query, self.layer, self.head, self.query, self.query_text, *self._live_outputs()]
 
     def _live_outputs(self) -> list:
-        return [self.explorer_live, self.swin_live, self.global_box, self.swin_box, self.server_explorer, self.explorer_img, self.mosaic]
-
-    def _widgets(self) -> dict:
-        """{`EXPLORER_WIDGET` name: (its column, its widget)}."""
-        return {"global": (self.global_box, self.explorer_live), "windowed": (self.swin_box, self.swin_live)}
+        return [*self.live.values(), *self.boxes.values(), self.server_explorer, self.explorer_img, self.mosaic]
 
     def _shown(self, kind: str | None, live: dict | None) -> Outputs:
         """The widget `kind` shown with the value `live`, every other one hidden and emptied."""
         out: Outputs = {}
-        for name, (box, widget) in self._widgets().items():
+        for name, widget in self.live.items():
             out[widget] = live if name == kind else None
-            out[box] = gr.update(visible=name == kind)
+            out[self.boxes[name]] = gr.update(visible=name == kind)
         return out
 
     def analysed(self, done: Analysed) -> Outputs:
@@ -165,7 +155,7 @@ class ExplorerTab(Tab):
 
     def _sent_with_analysis(self, exp: views.Exploration) -> bool:
         """Whether the browser's explorer goes with the analysis' own outputs: its file was written
-        during the forward (`runtime.run`), or its layers are written when shown. Another layout's file
+        during the forward (`Server.run`), or its layers are written when shown. Another layout's file
         (a windowed model's), and the server's explorer of a model too large for the browser, follow
         the analysis (`follow_up`)."""
         return exp.key is not None and drawer(exp).explorer_mode(exp) in ("stack", "layers")
@@ -174,10 +164,10 @@ class ExplorerTab(Tab):
         if not self._sent_with_analysis(exp):
             return {c: gr.skip() for c in self._live_outputs()}
         drawn = drawer(exp)
-        with runtime.EXPLORER_LOCKS.hold(exp.key):  # the file is there (`runtime.run`): the pictures beside it
-            live = drawn.write_explorer(exp, key=exp.key, folder=runtime.EXPLORER_DIR)
+        with self.server.explorer_locks.hold(exp.key):  # the file is there (`Server.run`): the pictures beside it
+            live = drawn.write_explorer(exp, key=exp.key, folder=self.server.explorer_dir)
         shown = {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=False)}
-        boxes = [box for box, _ in self._widgets().values()] + [self.server_explorer]
+        boxes = [*self.boxes.values(), self.server_explorer]
         return {**shown, self.explorer_img: None, self.mosaic: None, **({c: gr.skip() for c in boxes} if same_model else {})}
 
     def follow_up(self, page):
@@ -188,16 +178,16 @@ class ExplorerTab(Tab):
         (a windowed model's, once per analysis), or, for a model too large for the browser, the server's explorer. The browser's
         explorer came with the analysis (`_live_now`): nothing is sent again, and no job is taken."""
         if not isinstance(ref, SessionRef):
-            return {self.explorer_live: gr.skip()}
-        exp = runtime.recall(ref)
+            return {widget: gr.skip() for widget in self.live.values()}
+        exp = self.server.recall(ref)
         if self.lacks(exp) is not None:  # the tab says why there is no explorer
-            return {**{widget: None for _, widget in self._widgets().values()}, self.server_explorer: gr.update(visible=False)}
+            return {**{widget: None for widget in self.live.values()}, self.server_explorer: gr.update(visible=False)}
         if self._sent_with_analysis(exp):
             return {c: gr.skip() for c in self._live_outputs()}
         drawn = drawer(exp)
-        with runtime.EXPLORER_LOCKS.hold(ref.key), runtime.job("explorer", ref.variant) as work:
-            runtime.explorer_sweep(room=work.cost.kept_bytes)
-            live = drawn.write_explorer(exp, key=ref.key, folder=runtime.EXPLORER_DIR)
+        with self.server.explorer_locks.hold(ref.key), self.server.job("explorer", ref.variant) as work:
+            self.server.explorer_sweep(room=work.cost.kept_bytes)
+            live = drawn.write_explorer(exp, key=ref.key, folder=self.server.explorer_dir)
         on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
         depth = drawn.explorer_bounds(exp)[0]
         first = self._pictures(exp, depth, "mean", 0, "layer") if on_server else {self.explorer_img: None, self.mosaic: None}
@@ -211,7 +201,7 @@ class ExplorerTab(Tab):
 
     def on_view(self, ref: SessionRef | None, layer_value: float, head_value: str, query_value: float, scale_value: str = SCALES[0]) -> Outputs:
         """Layer, head, query or colour scale changed: the explorer drawn again from the stored attention."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         draw = drawer(exp)
         depth, _, _ = draw.explorer_bounds(exp)
         layer_value = runtime.checked(inputs.index, layer_value, 1, depth, "layer")
@@ -226,7 +216,7 @@ class ExplorerTab(Tab):
 
     def on_click(self, ref: SessionRef | None, layer_value: float, head_value: str, scale_value: str, evt: gr.SelectData) -> Outputs:
         """A click on the explorer image picks that patch as the query."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         x, y = runtime.click_xy(evt)
         draw = drawer(exp)
         query_value = draw.patch_at(exp, x, y)
@@ -237,7 +227,7 @@ class ExplorerTab(Tab):
     def on_prefix_query(self, ref: SessionRef | None, layer_value: float, head_value: str, name: str | None,
                         scale_value: str = SCALES[0]) -> Outputs:
         """A prefix token (cls, distillation, a register) or a mean-pooled model's "pool" as the query."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         names = exp.analysis.query_names
         if name not in names:
             raise runtime.error(f"The query token must be one of {', '.join(names)}.")

@@ -74,7 +74,7 @@ class FindTab(Tab):
 
     def on_find(self, ref: SessionRef | None, text: str, method_name: str, request: gr.Request = None) -> Outputs:
         """Each phrase's map for the session's analysis, side by side, with its similarity."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         a = exp.analysis
         why = self.lacks(exp)
         if why:
@@ -83,8 +83,8 @@ class FindTab(Tab):
         if method_name not in PHRASE_METHODS:
             raise runtime.error(f"The method must be one of {', '.join(PHRASE_METHODS)}.")
         layer_gradients = registered_method(method_name).needs_layer_gradients
-        with runtime.job("explain", a.variant, request, layer_gradients=layer_gradients, phrases=len(phrases)):
-            maps, similarities = runtime.find_on_device(exp, phrases, method_name)
+        with self.server.job("explain", a.variant, request, layer_gradients=layer_gradients, phrases=len(phrases)):
+            maps, similarities = self.server.find(exp, phrases, method_name)
         pictures = views.render_phrase_maps(exp, maps, phrases, method=method_name)
         out: Outputs = {}
         for k, slot in enumerate(self.maps):
@@ -100,7 +100,7 @@ class FindTab(Tab):
     def on_pick_label(self, ref: SessionRef | None, method_name: str, evt: gr.SelectData, request: gr.Request = None) -> Outputs:
         """A click on a zero-shot prediction: its prompt, found in the image, in this tab."""
         label = evt.value if isinstance(evt.value, str) else (evt.value or {}).get("label") if isinstance(evt.value, dict) else None
-        if not isinstance(ref, SessionRef) or not runtime.recall(ref).analysis.layout.text or not isinstance(label, str):
+        if not isinstance(ref, SessionRef) or not self.server.recall(ref).analysis.layout.text or not isinstance(label, str):
             return gr.skip()  # a class of a classifier: the Explain tab explains it
         phrase = DEFAULT_TEMPLATE.replace("{}", label)[:MAX_PHRASE_CHARS].replace(",", " ")
         shown = {self.phrases: phrase, self.page.tabs: gr.Tabs(selected=self.id), self.page.current_tab: self.id}

@@ -55,14 +55,14 @@ def _labels(a) -> dict:
 
 
 @gpu
-def ablate_on_device(exp: views.Exploration, heads: list[tuple[int, int]], mode: str, target: int):
-    model, _ = runtime.CACHE.get(exp.analysis.variant)
+def ablate_on_device(server: str, exp: views.Exploration, heads: list[tuple[int, int]], mode: str, target: int):
+    model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
     return ablate(model, exp.analysis.image, heads, mode=mode, target=target, **_labels(exp.analysis))
 
 
 @gpu
-def importance_on_device(exp: views.Exploration, mode: str, target: int) -> torch.Tensor:
-    model, _ = runtime.CACHE.get(exp.analysis.variant)
+def importance_on_device(server: str, exp: views.Exploration, mode: str, target: int) -> torch.Tensor:
+    model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
     return head_importance(model, exp.analysis.image, target=target, mode=mode, **_labels(exp.analysis))
 
 
@@ -115,7 +115,7 @@ class InsideTab(Tab):
 
     def _followed(self, ref: SessionRef | None) -> views.Exploration:
         """The session's analysis, when the tab can follow a class of it; else a `gr.Error` saying why not."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         why = self._why_not(exp)
         if why:
             raise runtime.error(why)
@@ -170,8 +170,8 @@ class InsideTab(Tab):
         mode = self._checked_mode(mode)
         if not pairs:
             return {self.ablated: gr.update(value=None, visible=False), self.ablation_note: "No head is switched off: click one in the map."}
-        with runtime.job("ablate", exp.analysis.variant, request):
-            result = ablate_on_device(exp, pairs, mode, t)
+        with self.server.job("ablate", exp.analysis.variant, request):
+            result = ablate_on_device(self.server.name, exp, pairs, mode, t)
         return {
             self.ablated: gr.update(value={str(label): p for label, p in result.predictions(5)}, visible=True),
             self.ablation_note: (f"With {len(pairs)} head{'s' if len(pairs) > 1 else ''} off ({mode}): "
@@ -181,7 +181,7 @@ class InsideTab(Tab):
     def on_click(self, ref: SessionRef | None, target: str | None, off: list | None, mode: str, evt: gr.SelectData,
                  request: gr.Request = None) -> Outputs:
         """A click on the heads x layers map: that head off (or on again), and everything redrawn."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         a = exp.analysis
         if self._why_not(exp):
             return gr.skip()
@@ -205,8 +205,8 @@ class InsideTab(Tab):
         a = exp.analysis
         mode = self._checked_mode(mode)
         t = self._target(a, target)
-        with runtime.job("importance", a.variant, request):
-            drop = importance_on_device(exp, mode, t)
+        with self.server.job("importance", a.variant, request):
+            drop = importance_on_device(self.server.name, exp, mode, t)
         img, _ = plots.head_grid_image(drop, label="probability drop")
         order = drop.flatten().argsort(descending=True)[:5].tolist()
         heads = drop.shape[1]

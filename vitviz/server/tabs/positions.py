@@ -61,7 +61,7 @@ class PositionsTab(Tab):
 
     def on_bias_layer(self, ref: SessionRef | None, layer_value: float) -> Outputs:
         """Another layer's relative position bias tables (a model with one: `TokenLayout.position_bias`)."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         if not exp.analysis.layout.position_bias:
             raise runtime.error(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables.")
         drawn = drawer(exp)

@@ -83,13 +83,13 @@ class PredictTab(Tab):
 
     def on_rollout_options(self, ref: SessionRef | None, head_fusion: str, discard_ratio: float) -> Outputs:
         """Rollout options changed: drawn again from the stored attention (a rollout is model-sized work)."""
-        exp = runtime.recall(ref)
+        exp = self.server.recall(ref)
         fusion, ratio = runtime.checked(inputs.fusion, head_fusion), runtime.checked(inputs.ratio, discard_ratio)
         drawn = drawer(exp)
         if ratio and not drawn.DISCARD_RATIO:
             raise runtime.error("The discard ratio is not defined for windowed attention (most of each row lies outside the "
                                 "window): leave it at 0.")
-        with runtime.job("view", ref.variant):
+        with self.server.job("view", ref.variant):
             out: Outputs = {self.rollout_img: drawn.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio)}
             if "dist" in exp.analysis.prefix_names:
                 out[self.dist_rollout_img] = drawn.render_rollout(exp, head_fusion=fusion, discard_ratio=ratio, token=1)
@@ -97,10 +97,10 @@ class PredictTab(Tab):
 
     def on_export(self, ref: SessionRef | None) -> Outputs:
         """The analysis as .npz, written when asked for (within VITVIZ_DOWNLOADS_MB on disk)."""
-        exp = runtime.recall(ref)
-        with runtime.job("export", ref.variant) as work:
+        exp = self.server.recall(ref)
+        with self.server.job("export", ref.variant) as work:
             try:
-                return {self.npz: runtime.DOWNLOADS.npz(exp, size=work.cost.kept_bytes)}
+                return {self.npz: self.server.downloads.npz(exp, size=work.cost.kept_bytes)}
             except ValueError as exc:
                 raise runtime.error(inputs.public_text(str(exc))) from None
 
