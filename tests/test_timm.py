@@ -88,7 +88,7 @@ def _random_vit(**kwargs) -> torch.nn.Module:
     a LayerNorm's weight cannot pass)."""
     from timm.models.vision_transformer import VisionTransformer
 
-    model = VisionTransformer(img_size=64, patch_size=16, embed_dim=96, depth=2, num_heads=4, num_classes=10, **kwargs).eval()
+    model = VisionTransformer(**{**dict(img_size=64, patch_size=16, embed_dim=96, depth=2, num_heads=4, num_classes=10), **kwargs}).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -126,14 +126,71 @@ def test_normalised_queries_and_keys_and_attention_pooling_match_timm(kwargs):
         torch.testing.assert_close(rec.pool_attention, probe[:, :, 0], atol=1e-6, rtol=0)
 
 
+def _gated(kind: str):
+    from functools import partial
+
+    from timm.layers import GluMlp, SwiGLU, SwiGLUPacked
+
+    return {"packed": SwiGLUPacked, "split": SwiGLU, "gate last": partial(GluMlp, act_layer=torch.nn.SiLU, gate_last=True)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["packed", "split", "gate last"])
+def test_gated_mlps_match_timm(kind):
+    """timm's SwiGLU MLPs (GluMlp packed as DINOv2-g's, SwiGLU with two input projections, a GluMlp
+    gating with its second half) as vitviz's `GatedMLP`: the same logits and attention, and the
+    parameters the config counts before any weight exists."""
+    torch.manual_seed(0)
+    model = _random_vit(mlp_layer=_gated(kind), act_layer=torch.nn.SiLU, mlp_ratio=8 / 3, qk_norm=kind == "split")
+    ours = vitviz.ViT.from_timm(model)
+    assert ours.config.mlp == "gated" and ours.config.act == "silu" and ours.config.mlp_dim == model.blocks[0].mlp.fc2.in_features
+    assert ours.config.num_params == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in model.parameters())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        want = model(x)
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x)
+    assert _relative(got, want) < 1e-5
+    torch.testing.assert_close(rec.attentions, _timm_attention(model, x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_dinov2_giant_with_registers_converts_exactly():
+    """DINOv2-g/14 with registers (a packed SwiGLU, LayerScale, registers without position
+    embeddings), two of its blocks at 112 px: its features as timm's."""
+    torch.manual_seed(0)
+    model = random_timm("vit_giant_patch14_reg4_dinov2.lvd142m", depth=2, img_size=112)
+    ours = vitviz.ViT.from_timm(model)
+    assert ours.config.mlp == "gated" and ours.spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4")
+    x = torch.randn(1, 3, 112, 112)
+    with torch.inference_mode():
+        assert _relative(ours(x), model(x)) < 1e-5
+
+
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(global_pool="map", class_token=False, reg_tokens=2), "attention pooling over the patches alone beside prefix tokens"),
     (dict(global_pool="map", class_token=False, fc_norm=True), "a norm after attention pooling"),
     (dict(qk_norm=True, scale_attn_norm=True), "a norm after the attention"),
+    (dict(mlp_layer="norm gated"), "an MLP of type GluMlp with a norm inside"),
+    (dict(img_size=60), "not a multiple of its patch \\(16 px\\): its patch embedding leaves the last 12 px out"),
 ])
 def test_what_vitviz_does_not_model_of_timms_pooling_and_norms_is_named(kwargs, reason):
+    if kwargs.get("mlp_layer") == "norm gated":
+        from timm.layers import SwiGLUPacked
+
+        kwargs = dict(mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU, scale_mlp_norm=True)
     with pytest.raises(NotImplementedError, match=reason):
         vitviz.ViT.from_timm(_random_vit(**kwargs))
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("vit_tiny_r_s16_p8_224", "a hybrid patch embedding"),
+    ("vit_small_patch16_18x2_224", "blocks of type ParallelThingsBlock"),
+    ("vit_base_patch16_xp_224", "blocks of type ParallelScalingBlock"),
+    ("vit_dwee_patch16_reg1_gap_256", "attention of type DiffAttention"),
+])
+def test_timms_hybrids_parallel_blocks_and_differential_attention_are_named(name, reason):
+    with pytest.raises(NotImplementedError, match=reason):
+        vitviz.ViT.from_timm(timm.create_model(name, pretrained=False, depth=2))
 
 
 @pytest.mark.slow
@@ -178,6 +235,7 @@ def test_timm_takes_model_names_only_checked_before_timm_sees_them(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("timm was asked")
 
+    vitviz.list_variants()  # the menu's own timm models described first, as the app does when it starts
     monkeypatch.setattr(timm, "create_model", never)
     monkeypatch.setattr(vitviz.sources.timm, "_meta_model", never)
     messages = set()
@@ -202,7 +260,10 @@ def test_a_size_must_be_a_multiple_of_the_patch_size():
 def test_what_vitviz_does_not_model_is_refused_clearly():
     from timm.layers import SwiGLUPacked
 
-    with pytest.raises(NotImplementedError, match="an MLP of type GluMlp"):
+    with pytest.raises(NotImplementedError, match="an MLP of type GluMlp with a norm inside"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU,
+                                               scale_mlp_norm=True, pretrained=False))
+    with pytest.raises(NotImplementedError, match="the MLP activation \\(GELU\\)"):  # a gated MLP gates with SiLU
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, pretrained=False))
     with pytest.raises(NotImplementedError, match="global_pool='avgmax'"):
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="avgmax", pretrained=False))

@@ -64,7 +64,11 @@ class ViTConfig:
             attention pooling: one learned query, the probe, attends over every token, then an MLP
             with its own residual; SigLIP's head, Zhai et al. 2023).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
-        act: the MLP's activation: "gelu", "gelu_tanh" or "quick_gelu" (x sigmoid(1.702 x), CLIP).
+        act: the MLP's activation: "gelu", "gelu_tanh", "quick_gelu" (x sigmoid(1.702 x), CLIP) or
+            "silu" (x sigmoid(x), SwiGLU's).
+        mlp: "plain" (Linear, act, Linear) or "gated": act(x W_g) ⊙ (x W_v), then W_2 (SwiGLU with
+            "silu", Shazeer 2020; DINOv2-g, EVA-02); `mlp_dim` is the width after the gate (the input
+            projection has twice as many outputs: the gate's, then the value's).
         eps: LayerNorm epsilon.
         pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
             does; Hugging Face does not, which matters when shrinking the grid).
@@ -93,7 +97,8 @@ class ViTConfig:
     final_norm: bool = True
     pool: Literal["token", "avg", "map"] = "token"
     fc_norm: bool = False
-    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"
+    act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu"] = "gelu"
+    mlp: Literal["plain", "gated"] = "plain"
     eps: float = 1e-6
     pos_embed_antialias: bool = True
 
@@ -110,8 +115,10 @@ class ViTConfig:
             raise ValueError(f'pool must be "token", "avg" or "map", got {self.pool!r}')
         if self.fc_norm and self.pool != "avg":
             raise ValueError('fc_norm is the norm after "avg" pooling')
-        if self.act not in ("gelu", "gelu_tanh", "quick_gelu"):
-            raise ValueError(f'act must be "gelu", "gelu_tanh" or "quick_gelu", got {self.act!r}')
+        if self.act not in ("gelu", "gelu_tanh", "quick_gelu", "silu"):
+            raise ValueError(f'act must be "gelu", "gelu_tanh", "quick_gelu" or "silu", got {self.act!r}')
+        if self.mlp not in ("plain", "gated"):
+            raise ValueError(f'mlp must be "plain" or "gated", got {self.mlp!r}')
         if self.pos_embed_prefix is None:
             object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens)
         if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
@@ -163,8 +170,9 @@ class ViTConfig:
             2 * norm
             + 3 * d * d + (3 * d if self.qkv_bias else 0)
             + d * d + (d if self.proj_bias else 0)
-            + 2 * d * m + ((m + d) if self.mlp_bias else 0)
+            + (3 if self.mlp == "gated" else 2) * d * m + (((2 if self.mlp == "gated" else 1) * m + d) if self.mlp_bias else 0)
             + (2 * d if self.layer_scale is not None else 0)
+            + (4 * (d // self.heads) if self.qk_norm else 0)
         )
         norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
         heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0

@@ -198,8 +198,11 @@ def explorer_layout_of(spec, *, budget: int | None = None) -> ExplorerLayout:
 
 
 def _shape(spec) -> tuple[int, int, int, int, int]:
+    """(L, H, N, D, M), M the MLP's width as a plain MLP's: a gated MLP of width m (weights and
+    multiply-adds 3 D m, activations 3 N m per layer) counts as a plain one of 1.5 m."""
     c = spec.config
-    return c.depth, c.heads, spec.num_tokens, c.width, c.mlp_dim
+    mlp = c.mlp_dim if getattr(c, "mlp", "plain") == "plain" else (3 * c.mlp_dim + 1) // 2
+    return c.depth, c.heads, spec.num_tokens, c.width, mlp
 
 
 def _windowed(spec) -> bool:

@@ -220,7 +220,34 @@ class QuickGELU(nn.Module):
 
 
 def _activation(name: str) -> nn.Module:
-    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "quick_gelu": QuickGELU()}[name]
+    return {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "quick_gelu": QuickGELU(), "silu": nn.SiLU()}[name]
+
+
+class GatedMLP(nn.Module):
+    """A gated MLP (GLU family; SwiGLU with SiLU, Shazeer 2020): act(x W_g) ⊙ (x W_v), then W_2.
+
+    The input projection is one Linear, "0", [2 M, D]: its first M outputs the gate's, the next M
+    the value's; "2" is W_2 [D, M] (the names of the plain MLP's layers, so that a block's MLP is
+    `mlp.0`, `mlp.2` in either kind).
+    """
+
+    def __init__(self, width: int, hidden: int, act: str, bias: bool = True) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.add_module("0", nn.Linear(width, 2 * hidden, bias=bias))
+        self.act = _activation(act)
+        self.add_module("2", nn.Linear(hidden, width, bias=bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = getattr(self, "0")(x).split(self.hidden, dim=-1)
+        return getattr(self, "2")(self.act(gate) * value)
+
+
+def mlp_of(c: ViTConfig) -> nn.Module:
+    """A block's MLP for `c`: plain (Linear, act, Linear) or gated (`GatedMLP`)."""
+    if c.mlp == "gated":
+        return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias)
+    return nn.Sequential(nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), _activation(c.act), nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias))
 
 
 class EncoderBlock(nn.Module):
@@ -234,9 +261,7 @@ class EncoderBlock(nn.Module):
         self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
         self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
-        self.mlp = nn.Sequential(
-            nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), _activation(c.act), nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias)
-        )
+        self.mlp = mlp_of(c)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

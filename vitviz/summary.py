@@ -89,9 +89,10 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
                            (b, n, d), _count(model.pos_embed)))
     if c.norm_pre:
         rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
+    mlp = "gated MLP" if c.mlp == "gated" else "MLP"
     ls = (", q/k LayerNorm" if c.qk_norm else "") + (", LayerScale" if c.layer_scale is not None else "")
     for i, block in enumerate(model.blocks):
-        rows.append(SummaryRow(f"Encoder block {i + 1}", f"{c.heads} heads, MLP {c.mlp_dim}{ls}", (b, n, d), _count(block)))
+        rows.append(SummaryRow(f"Encoder block {i + 1}", f"{c.heads} heads, {mlp} {c.mlp_dim}{ls}", (b, n, d), _count(block)))
         if expand_blocks:
             rows.append(SummaryRow("LayerNorm + multi-head attention", "", (b, n, d), _count(block.norm1, block.attn, block.ls1), 1))
             rows.append(SummaryRow(f"LayerNorm + MLP ({c.act})", "", (b, n, d), _count(block.norm2, block.mlp, block.ls2), 1))

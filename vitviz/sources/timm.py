@@ -113,7 +113,9 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         raise TypeError(f"expected a timm VisionTransformer, got {type(model).__name__}")
     pe = model.patch_embed
     problems = []
-    if not isinstance(getattr(pe, "proj", None), nn.Conv2d) or not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity):
+    if getattr(pe, "backbone", None) is not None:
+        problems.append(f"a hybrid patch embedding (a {type(pe.backbone).__name__} stem before the patches)")
+    elif not isinstance(getattr(pe, "proj", None), nn.Conv2d) or not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity):
         problems.append("a patch embedding other than one Conv2d")
     if getattr(model, "pos_embed", None) is None:
         problems.append("no learned position embedding")
@@ -131,12 +133,18 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
     if img_size[0] != img_size[1] or patch_size[0] != patch_size[1]:
         problems.append(f"non-square images or patches ({img_size}, {patch_size})")
+    elif img_size[0] % patch_size[0]:
+        problems.append(f"an image size ({img_size[0]} px) that is not a multiple of its patch ({patch_size[0]} px): its patch "
+                        f"embedding leaves the last {img_size[0] % patch_size[0]} px out")
     block = model.blocks[0]
-    acts, qk_norms = set(), set()
+    acts, qk_norms, mlps = set(), set(), set()
     for b in model.blocks:
-        attn, mlp = b.attn, b.mlp
-        if type(b).__name__ != "Block" or not hasattr(attn, "qkv"):
+        if type(b).__name__ != "Block":
             problems.append(f"blocks of type {type(b).__name__}")
+            break
+        attn, mlp = b.attn, b.mlp
+        if type(attn).__name__ != "Attention" or not isinstance(getattr(attn, "qkv", None), nn.Linear):
+            problems.append(f"attention of type {type(attn).__name__}")
             break
         if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
             problems.append("a norm after the attention (scale_norm)")
@@ -149,16 +157,23 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         if getattr(attn, "gate", None) is not None or getattr(attn, "attn_dim", model.embed_dim) != model.embed_dim:
             problems.append("gated or resized attention")
             break
-        if type(mlp).__name__ != "Mlp" or not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-            problems.append(f"an MLP of type {type(mlp).__name__} (vitviz models timm's plain Mlp, not SwiGLU and friends)")
+        kind = _mlp_kind(mlp)
+        if kind is None:
+            problems.append(f"an MLP of type {type(mlp).__name__}{_mlp_detail(mlp)} (vitviz models timm's Mlp, and GluMlp and SwiGLU "
+                            "without a norm inside)")
             break
+        mlps.add((kind, _hidden(mlp)))
         acts.add(_act_name(mlp.act))
     if problems:
         raise NotImplementedError(f"{type(model).__name__} has " + "; ".join(dict.fromkeys(problems)) + ", which vitviz does not model")
     if len(qk_norms) > 1:
         raise NotImplementedError("normalised queries and keys (qk_norm) in some blocks only, which vitviz does not model")
-    if len(acts) != 1 or None in acts:
-        raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU")
+    if len(mlps) > 1:
+        raise NotImplementedError("MLPs of more than one kind or width across the blocks, which vitviz does not model")
+    kind, hidden = mlps.pop()
+    if len(acts) != 1 or None in acts or (acts == {"silu"}) != (kind == "gated"):
+        raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU "
+                                  "(for a plain MLP) or SiLU (for a gated one)")
     distilled = getattr(model, "dist_token", None) is not None
     registers = model.reg_token.shape[1] if getattr(model, "reg_token", None) is not None else 0
     prefix = int(model.cls_token is not None) + int(distilled) + registers
@@ -169,7 +184,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         width=model.embed_dim,
         depth=len(model.blocks),
         heads=block.attn.num_heads,
-        mlp_dim=block.mlp.fc1.out_features,
+        mlp_dim=hidden,
+        mlp=kind,
         num_classes=model.num_classes,
         class_token=model.cls_token is not None,
         distill_token=distilled,
@@ -178,7 +194,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         layer_scale=None if isinstance(ls, nn.Identity) else 1.0,
         qkv_bias=block.attn.qkv.bias is not None,
         proj_bias=block.attn.proj.bias is not None,
-        mlp_bias=block.mlp.fc1.bias is not None,
+        mlp_bias=block.mlp.fc2.bias is not None,
         patch_bias=pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
         norm_pre=not isinstance(model.norm_pre, nn.Identity),
@@ -221,6 +237,42 @@ def _pool_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def _mlp_kind(mlp: nn.Module) -> str | None:
+    """"plain" (timm's Mlp), "gated" (GluMlp, SwiGLU), or None for what vitviz does not model (a
+    norm inside the MLP, a convolution)."""
+    name = type(mlp).__name__
+    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
+        return None
+    if name == "Mlp" and isinstance(mlp.fc1, nn.Linear):
+        return "plain"
+    if name == "GluMlp" and isinstance(mlp.fc1, nn.Linear) and (mlp.fc1.bias is None) == (mlp.fc2.bias is None):
+        return "gated"
+    if name == "SwiGLU" and (mlp.fc1_g.bias is None) == (mlp.fc1_x.bias is None) == (mlp.fc2.bias is None):
+        return "gated"
+    return None
+
+
+def _gates_first(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GluMlp that gates with the second half of its input projection (`gate_last`) has the halves
+    swapped, as vitviz's `GatedMLP` reads the gate first."""
+    for i, block in enumerate(model.blocks):
+        if type(block.mlp).__name__ == "GluMlp" and block.mlp.gate_last:
+            for name in ("weight", "bias"):
+                key = f"blocks.{i}.mlp.0.{name}"
+                if key in sd:
+                    sd[key] = torch.cat(sd[key].chunk(2, dim=0)[::-1])
+    return sd
+
+
+def _mlp_detail(mlp: nn.Module) -> str:
+    return " with a norm inside" if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity) else ""
+
+
+def _hidden(mlp: nn.Module) -> int:
+    """The MLP's width (a gated one's after the gate)."""
+    return mlp.fc2.in_features
+
+
 def _act_name(act: nn.Module) -> str | None:
     if isinstance(act, nn.GELU):
         return "gelu" if act.approximate == "none" else "gelu_tanh"
@@ -228,6 +280,8 @@ def _act_name(act: nn.Module) -> str | None:
         return "quick_gelu"
     if type(act).__name__ == "GELUTanh":
         return "gelu_tanh"
+    if isinstance(act, nn.SiLU):
+        return "silu"
     return None
 
 
@@ -235,6 +289,8 @@ def convert_timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """timm's names -> vitviz's: the same but for the MLPs' layers (fc1, fc2 -> 0, 2) and the
     attention pool's learned query (latent -> probe)."""
     out = {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
+    for key in [k for k in out if ".mlp.fc1_g." in k]:  # SwiGLU's two input projections: one, the gate's first
+        out[key.replace(".mlp.fc1_g.", ".mlp.0.")] = torch.cat([out.pop(key), out.pop(key.replace(".fc1_g.", ".fc1_x."))])
     if "attn_pool.latent" in out:
         out["attn_pool.probe"] = out.pop("attn_pool.latent")
     return out
@@ -350,7 +406,7 @@ def from_timm(model: nn.Module) -> ViT:
         ours = swin_from_timm(model)
     else:
         ours = ViT(config_from_timm(model))
-        ours.load_state_dict(convert_timm_state_dict(model.state_dict()))
+        ours.load_state_dict(_gates_first(model, convert_timm_state_dict(model.state_dict())))
     config = ours.config
     cfg = getattr(model, "pretrained_cfg", None) or {}
     arch = cfg.get("architecture") or type(model).__name__
