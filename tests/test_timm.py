@@ -430,3 +430,19 @@ def test_the_stage_table_names_the_attention_pool_and_counts_every_parameter():
     assert any(stage.startswith("Attention pooling") for stage in stages) and not any("cls token" in stage for stage in stages)
     assert "q/k LayerNorm" in s.rows[stages.index("Encoder block 1")].layer
     assert sum(r.params for r in s.rows) == s.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
+    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and a Swin exact, an EVA refused in
+    one sentence, and the table's counts."""
+    from vitviz.dev import zoo
+
+    table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
+             zoo.check("vision_transformer", "vit_so150m_patch16_reg4_map_256")]
+    assert [r.status for r in table] == ["exact", "refused", "refused"]
+    assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail
+    assert table[1].detail == "timm's Eva (rotary position embeddings: EVA-02, DINOv3, Perception Encoder, the vit_*_rope_* models) " \
+                              "is not modelled by vitviz"
+    assert "attention pooling over the patches alone" in table[2].detail
+    page = zoo.markdown(table)
+    assert "| all | 3 | 1 | 2 | 0 |" in page and "| `eva` | 1 | 0 | 1 | 0 |" in page

@@ -103,6 +103,16 @@ def _split(name: str) -> tuple[str, int | None]:
     return model, split_size(name)[1]
 
 
+# timm's other ViT-family classes, and the part of each that vitviz does not model
+_NOT_YET = {
+    "Eva": "rotary position embeddings: EVA-02, DINOv3, Perception Encoder, the vit_*_rope_* models",
+    "NaFlexVit": "NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex",
+    "Beit": "BEiT's relative position bias per block",
+    "VisionTransformerRelPos": "a relative position bias (or MLP) per block",
+    "VisionTransformerSAM": "windowed blocks with decomposed relative positions: SAM's image encoder",
+}
+
+
 def _is_instance(model: nn.Module, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(model).__mro__)
 
@@ -110,7 +120,10 @@ def _is_instance(model: nn.Module, class_name: str) -> bool:
 def config_from_timm(model: nn.Module) -> ViTConfig:
     """The `ViTConfig` of a timm `VisionTransformer`, or a clear error for what vitviz does not model."""
     if not _is_instance(model, "VisionTransformer"):
-        raise TypeError(f"expected a timm VisionTransformer, got {type(model).__name__}")
+        name = type(model).__name__
+        if name in _NOT_YET:
+            raise NotImplementedError(f"timm's {name} ({_NOT_YET[name]}) is not modelled by vitviz")
+        raise TypeError(f"expected a timm VisionTransformer, got {name}")
     pe = model.patch_embed
     problems = []
     if getattr(pe, "backbone", None) is not None:
@@ -137,6 +150,12 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         problems.append(f"an image size ({img_size[0]} px) that is not a multiple of its patch ({patch_size[0]} px): its patch "
                         f"embedding leaves the last {img_size[0] % patch_size[0]} px out")
     block = model.blocks[0]
+    eps = getattr(getattr(block, "norm1", None), "eps", None)
+    norms = [getattr(b, n, None) for b in model.blocks for n in ("norm1", "norm2")]
+    norms += [m for m in (model.norm_pre, model.norm, model.fc_norm) if not isinstance(m, nn.Identity)]
+    if not all(isinstance(n, nn.Module) and _is_layer_norm(n, eps) for n in norms):
+        odd = next(n for n in norms if not (isinstance(n, nn.Module) and _is_layer_norm(n, eps)))
+        problems.append(f"norms other than one kind of LayerNorm with a weight and a bias (a {type(odd).__name__})")
     acts, qk_norms, mlps = set(), set(), set()
     for b in model.blocks:
         if type(b).__name__ != "Block":

@@ -1,0 +1,181 @@
+"""Every ViT-family architecture timm knows, through `vitviz.from_timm`: exact, or refused with the
+part vitviz does not model. Writes docs/models.md's table.
+
+    python -m vitviz.dev.zoo                      # the table on stdout
+    python -m vitviz.dev.zoo --out docs/models.md # the page, with the date, timm's version and the machine
+
+Each architecture (one timm model function) is built with random weights, two blocks deep where its
+constructor takes a depth (a Swin at full depth), offline: no weight is downloaded. Its LayerScale
+and head are moved off their inits, so that a conversion dropping either cannot pass. "exact": the
+converted model's outputs within 1e-4 of timm's (relative to the largest) and, for a
+`VisionTransformer`, every block's attention within 1e-5 of timm's own softmax (`AttentionExtract`,
+fused attention off), at the architecture's own input size. "refused": `from_timm` raised
+`NotImplementedError` before any weight was read, its sentence quoted. "differs" and "error" are
+bugs; "timm cannot build it" is timm's own failure at that depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# timm's modules of the ViT family, in the order the table shows them
+MODULES = ("vision_transformer", "deit", "vision_transformer_hybrid", "vision_transformer_relpos", "eva", "naflexvit", "beit",
+           "swin_transformer", "swin_transformer_v2")
+LOGIT_TOLERANCE = 1e-4
+ATTENTION_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class Row:
+    module: str
+    name: str
+    cls: str
+    status: str  # "exact", "refused", "differs", "error", "timm cannot build it"
+    detail: str = ""
+
+
+def _build(name: str) -> torch.nn.Module:
+    """timm's `name`, random weights, two blocks where its constructor takes `depth`."""
+    import timm
+
+    try:
+        model = timm.create_model(name, pretrained=False, depth=2)
+    except TypeError:  # (a Swin takes depths per stage: built whole)
+        model = timm.create_model(name, pretrained=False)
+    model.eval()
+    with torch.no_grad():
+        for module in model.modules():
+            gamma = getattr(module, "gamma", None)
+            if type(module).__name__ == "LayerScale" and isinstance(gamma, torch.Tensor):
+                gamma.normal_(1.0, 0.2)
+        head = getattr(model, "head", None)
+        head = getattr(head, "fc", head)
+        if isinstance(head, torch.nn.Linear):
+            head.weight.normal_(std=0.02)
+            if head.bias is not None:
+                head.bias.normal_(std=0.02)
+    return model
+
+
+def _timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from timm.utils import AttentionExtract
+
+    for block in model.blocks:
+        block.attn.fused_attn = False
+    with torch.inference_mode():
+        out = AttentionExtract(model, method="hook")(x)
+    return torch.stack(list(out.values()))
+
+
+def check(module: str, name: str) -> Row:
+    """One architecture's row."""
+    import vitviz
+
+    try:
+        model = _build(name)
+    except Exception as exc:  # timm's own failure (an assertion at two blocks, a missing dependency)
+        return Row(module, name, "", "timm cannot build it", f"{type(exc).__name__}: {str(exc)[:120]}")
+    cls = type(model).__name__
+    try:
+        ours = vitviz.from_timm(model).eval()
+    except NotImplementedError as exc:
+        return Row(module, name, cls, "refused", str(exc))
+    except Exception as exc:
+        return Row(module, name, cls, "error", f"{type(exc).__name__}: {str(exc)[:200]}")
+    size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-2:]
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, *size)
+    try:
+        with torch.inference_mode():
+            want = model(x)
+            with vitviz.record_attention(ours) as rec:
+                got = ours(x)
+        logits = ((got - want).abs().max() / want.abs().max()).item()
+        if logits > LOGIT_TOLERANCE:
+            return Row(module, name, cls, "differs", f"outputs {logits:.1e} off")
+        if cls in ("VisionTransformer", "VisionTransformerDistilled"):
+            attention = (rec.attentions - _timm_attention(model, x)).abs().max().item()
+            if attention > ATTENTION_TOLERANCE:
+                return Row(module, name, cls, "differs", f"attention {attention:.1e} off")
+            return Row(module, name, cls, "exact", f"outputs {logits:.0e}, attention {attention:.0e}")
+        return Row(module, name, cls, "exact", f"outputs {logits:.0e}")
+    except Exception as exc:
+        return Row(module, name, cls, "error", f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def rows(modules: tuple[str, ...] = MODULES, pattern: str = "*") -> list[Row]:
+    import timm
+
+    out = []
+    for module in modules:
+        for name in timm.list_models(pattern, module=module):
+            out.append(check(module, name))
+            print(f"{len(out):4d} {name}: {out[-1].status}", file=sys.stderr, flush=True)
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(table: list[Row]) -> str:
+    """The per-module summary, then every architecture."""
+    lines = ["| timm module | architectures | exact | refused | other |", "|---|---:|---:|---:|---:|"]
+    for module in dict.fromkeys(r.module for r in table):
+        mine = [r for r in table if r.module == module]
+        exact = sum(r.status == "exact" for r in mine)
+        refused = sum(r.status == "refused" for r in mine)
+        lines.append(f"| `{module}` | {len(mine)} | {exact} | {refused} | {len(mine) - exact - refused} |")
+    exact = sum(r.status == "exact" for r in table)
+    refused = sum(r.status == "refused" for r in table)
+    lines.append(f"| all | {len(table)} | {exact} | {refused} | {len(table) - exact - refused} |")
+    lines += ["", "| architecture | timm class | status | |", "|---|---|---|---|"]
+    lines += [f"| `{r.name}` | {r.cls} | {r.status} | {_cell(r.detail)} |" for r in table]
+    return "\n".join(lines) + "\n"
+
+
+PAGE = """# Models: timm's ViT family through vitviz
+
+Every architecture timm {timm} lists in its ViT-family modules, through `vitviz.from_timm` (and so
+`timm:<name>`): **exact** (outputs within {logits:g} of timm's, relative to the largest, and every
+block's attention within {attention:g} of timm's own softmax), or **refused** before any weight is
+read, with the sentence `from_timm` gives. Random weights, two blocks deep where the constructor takes
+a depth, each at its own input size; nothing downloaded (`vitviz/dev/zoo.py` says how each is built).
+
+Measured {date} on {machine}, torch {torch}:
+
+    python -m vitviz.dev.zoo --out docs/models.md
+
+{table}"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m vitviz.dev.zoo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the page here (docs/models.md) instead of the table to stdout")
+    ap.add_argument("--modules", nargs="*", default=list(MODULES), help="timm modules (default: the ViT family)")
+    ap.add_argument("--pattern", default="*", help="only names matching this pattern (timm.list_models's)")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    table = markdown(rows(tuple(args.modules), args.pattern))
+    if args.out is None:
+        print(table, end="")
+        return
+    import timm
+
+    machine = f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), {platform.system()}"
+    page = PAGE.format(timm=timm.__version__, logits=LOGIT_TOLERANCE, attention=ATTENTION_TOLERANCE,
+                       date=datetime.date.today().isoformat(), machine=machine, torch=torch.__version__, table=table)
+    with open(args.out, "w") as f:
+        f.write(page)
+
+
+if __name__ == "__main__":
+    main()
