@@ -96,12 +96,16 @@ def _random_vit(**kwargs) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("kwargs", [dict(qk_norm=True), dict(global_pool="map", class_token=False),
-                                    dict(global_pool="map", class_token=False, qk_norm=True, init_values=0.5)],
-                         ids=["qk_norm", "map", "map+qk_norm+layerscale"])
+                                    dict(global_pool="map", class_token=False, qk_norm=True, init_values=0.5),
+                                    dict(global_pool="map", class_token=False, reg_tokens=2),
+                                    dict(global_pool="map", reg_tokens=1, pool_include_prefix=True)],
+                         ids=["qk_norm", "map", "map+qk_norm+layerscale", "map over the patches beside registers",
+                              "map over every token"])
 def test_normalised_queries_and_keys_and_attention_pooling_match_timm(kwargs):
     """timm's `qk_norm=True` (a LayerNorm over each head's queries and keys) and its attention-pooling
-    head (`global_pool="map"`, `AttentionPoolLatent`: SigLIP's): the same logits, every block's
-    attention, and the probe's attention as computed here from timm's own modules."""
+    head (`global_pool="map"`, `AttentionPoolLatent`: SigLIP's; beside prefix tokens it pools the
+    patches alone unless `pool_include_prefix`): the same logits, every block's attention, and the
+    probe's attention as computed here from timm's own modules (0 on a prefix token it leaves out)."""
     torch.manual_seed(0)
     model = _random_vit(**kwargs)
     ours = vitviz.ViT.from_timm(model)
@@ -123,7 +127,11 @@ def test_normalised_queries_and_keys_and_attention_pooling_match_timm(kwargs):
             q = pool.q(pool.latent).reshape(1, 1, h, -1).transpose(1, 2)
             k = pool.kv(seen["tokens"]).reshape(2, -1, 2, h, q.shape[-1]).permute(2, 0, 3, 1, 4)[0]
             probe = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(-1)
-        torch.testing.assert_close(rec.pool_attention, probe[:, :, 0], atol=1e-6, rtol=0)
+        skip = rec.pool_attention.shape[-1] - probe.shape[-1]  # the prefix tokens timm's pool did not see
+        assert skip == (0 if kwargs.get("pool_include_prefix") else model.num_prefix_tokens)
+        assert ours.config.pool_prefix == (skip == 0 or not model.num_prefix_tokens)
+        torch.testing.assert_close(rec.pool_attention[..., skip:], probe[:, :, 0], atol=1e-6, rtol=0)
+        assert (rec.pool_attention[..., :skip] == 0).all()
 
 
 def _gated(kind: str):
@@ -167,7 +175,6 @@ def test_dinov2_giant_with_registers_converts_exactly():
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    (dict(global_pool="map", class_token=False, reg_tokens=2), "attention pooling over the patches alone beside prefix tokens"),
     (dict(global_pool="map", class_token=False, fc_norm=True), "a norm after attention pooling"),
     (dict(qk_norm=True, scale_attn_norm=True), "a norm after the attention"),
     (dict(mlp_layer="norm gated"), "an MLP of type GluMlp with a norm inside"),
@@ -267,8 +274,6 @@ def test_what_vitviz_does_not_model_is_refused_clearly():
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, pretrained=False))
     with pytest.raises(NotImplementedError, match="global_pool='avgmax'"):
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="avgmax", pretrained=False))
-    with pytest.raises(NotImplementedError, match="attention pooling over the patches alone beside prefix tokens"):
-        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", global_pool="map", pretrained=False))
     with pytest.raises(TypeError, match="timm VisionTransformer"):
         vitviz.ViT.from_timm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="timm knows no model"):
@@ -438,11 +443,11 @@ def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
     from vitviz.dev import zoo
 
     table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
-             zoo.check("vision_transformer", "vit_so150m_patch16_reg4_map_256")]
+             zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
     assert [r.status for r in table] == ["exact", "refused", "refused"]
     assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail
     assert table[1].detail == "timm's Eva (rotary position embeddings: EVA-02, DINOv3, Perception Encoder, the vit_*_rope_* models) " \
                               "is not modelled by vitviz"
-    assert "attention pooling over the patches alone" in table[2].detail
+    assert table[2].detail == "VisionTransformer has blocks of type ResPostBlock, which vitviz does not model"
     page = zoo.markdown(table)
     assert "| all | 3 | 1 | 2 | 0 |" in page and "| `eva` | 1 | 0 | 1 | 0 |" in page

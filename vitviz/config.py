@@ -63,6 +63,9 @@ class ViTConfig:
         pool: "token" (the cls token), "avg" (the mean of the patch tokens) or "map" (multi-head
             attention pooling: one learned query, the probe, attends over every token, then an MLP
             with its own residual; SigLIP's head, Zhai et al. 2023).
+        pool_prefix: with "map", the probe attends to the prefix tokens too (SigLIP has none; timm's
+            attention pool leaves them out by default, `pool_include_prefix=False`: their share of the
+            probe's attention is then 0).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
         act: the MLP's activation: "gelu", "gelu_tanh", "quick_gelu" (x sigmoid(1.702 x), CLIP) or
             "silu" (x sigmoid(x), SwiGLU's).
@@ -96,6 +99,7 @@ class ViTConfig:
     norm_pre: bool = False
     final_norm: bool = True
     pool: Literal["token", "avg", "map"] = "token"
+    pool_prefix: bool = True
     fc_norm: bool = False
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu"] = "gelu"
     mlp: Literal["plain", "gated"] = "plain"
@@ -113,6 +117,8 @@ class ViTConfig:
             raise ValueError('pool="token" needs a cls token; use pool="avg"')
         if self.pool not in ("token", "avg", "map"):
             raise ValueError(f'pool must be "token", "avg" or "map", got {self.pool!r}')
+        if not self.pool_prefix and self.pool != "map":
+            raise ValueError('pool_prefix=False is for attention pooling (pool="map")')
         if self.fc_norm and self.pool != "avg":
             raise ValueError('fc_norm is the norm after "avg" pooling')
         if self.act not in ("gelu", "gelu_tanh", "quick_gelu", "silu"):

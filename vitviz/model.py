@@ -168,7 +168,8 @@ class Attention(nn.Module):
 
 class AttentionPool(nn.Module):
     """Multi-head attention pooling ("MAP"; SigLIP's head, Zhai et al. 2023): one learned query, the
-    probe, attends over every token; an MLP with its own residual follows.
+    probe, attends over every token (or the patches alone: `ViTConfig.pool_prefix`); an MLP with its
+    own residual follows.
 
         a = softmax(q(probe) k(x)^T / sqrt(D / H))     [B, H, 1, N], the probe's attention
         y = proj(a v(x));  out = y + MLP(LN(y))         [B, D]
@@ -183,6 +184,7 @@ class AttentionPool(nn.Module):
         c = config
         self.heads = c.heads
         self.scale = (c.width // c.heads) ** -0.5
+        self.skip = 0 if c.pool_prefix else c.num_prefix_tokens  # leading tokens the probe does not attend to
         self.probe = nn.Parameter(torch.zeros(1, 1, c.width))
         self.q = nn.Linear(c.width, c.width)
         self.kv = nn.Linear(c.width, 2 * c.width)
@@ -196,7 +198,10 @@ class AttentionPool(nn.Module):
         """[B, N, D] -> [B, D]."""
         q = rearrange(self.q(self.probe), "one m (h d) -> one h m d", h=self.heads)  # [1, H, 1, d]
         k, v = rearrange(self.kv(tokens), "b n (two h d) -> two b h n d", two=2, h=self.heads)
-        attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)  # [B, H, 1, N], rows sum to 1
+        logits = (q @ k.transpose(-2, -1)) * self.scale
+        if self.skip:  # the prefix tokens left out: a softmax over the patches alone, the prefix's share 0
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) < self.skip, float("-inf"))
+        attn = self.attend(logits)  # [B, H, 1, N], rows sum to 1
         y = self.proj(rearrange(attn @ v, "b h m d -> b m (h d)"))[:, 0]
         return y + self.mlp(self.norm(y))
 

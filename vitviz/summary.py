@@ -101,7 +101,8 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
     if c.pool == "avg":
         rows.append(SummaryRow("Mean of the patch tokens" + (" + LayerNorm" if c.fc_norm else ""), "", (b, d), _count(model.fc_norm)))
     elif c.pool == "map":
-        rows.append(SummaryRow("Attention pooling: a learned probe attends over every token, + LayerNorm + MLP",
+        over = "every token" if c.pool_prefix or not c.num_prefix_tokens else "the patch tokens"
+        rows.append(SummaryRow(f"Attention pooling: a learned probe attends over {over}, + LayerNorm + MLP",
                                f"{c.heads} heads, MLP {c.mlp_dim}", (b, d), _count(model.attn_pool)))
     elif c.distill_token:
         rows.append(SummaryRow("Take cls and distillation tokens", "", (b, 2, d), 0))

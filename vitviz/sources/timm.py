@@ -139,8 +139,6 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     include_prefix = getattr(model, "pool_include_prefix", False)
     if model.global_pool == "avg" and include_prefix:
         problems.append("pooling over the prefix tokens")
-    if model.global_pool == "map" and model.num_prefix_tokens and not include_prefix:
-        problems.append("attention pooling over the patches alone beside prefix tokens (vitviz's probe attends to every token)")
     if getattr(pe, "dynamic_img_pad", False):
         problems.append("dynamic image padding")
     img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
@@ -219,6 +217,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         norm_pre=not isinstance(model.norm_pre, nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
+        pool_prefix=model.global_pool != "map" or include_prefix or not model.num_prefix_tokens,
         fc_norm=not isinstance(model.fc_norm, nn.Identity),
         act=acts.pop(),
         eps=block.norm1.eps,
