@@ -35,19 +35,9 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """timm's own softmax outputs, taken by timm's own extractor with fused attention off: [L, B, H, N, N]."""
-    from timm.utils import AttentionExtract
+    from vitviz.dev.zoo import timm_attention
 
-    for block in model.blocks:
-        block.attn.fused_attn = False
-    try:
-        with torch.inference_mode():
-            out = AttentionExtract(model, method="hook")(x)
-    finally:
-        for block in model.blocks:
-            block.attn.fused_attn = True
-    assert len(out) == len(model.blocks)
-    return torch.stack(list(out.values()))
+    return timm_attention(model, x)
 
 
 @pytest.mark.slow

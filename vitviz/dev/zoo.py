@@ -64,13 +64,21 @@ def _build(name: str) -> torch.nn.Module:
     return model
 
 
-def _timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's own softmax outputs, taken by timm's own extractor with fused attention off (then on
+    again): [L, B, H, N, N]."""
     from timm.utils import AttentionExtract
 
     for block in model.blocks:
         block.attn.fused_attn = False
-    with torch.inference_mode():
-        out = AttentionExtract(model, method="hook")(x)
+    try:
+        with torch.inference_mode():
+            out = AttentionExtract(model, method="hook")(x)
+    finally:
+        for block in model.blocks:
+            block.attn.fused_attn = True
+    if len(out) != len(model.blocks):
+        raise RuntimeError(f"timm's extractor found {len(out)} attention maps in {len(model.blocks)} blocks")
     return torch.stack(list(out.values()))
 
 
@@ -101,7 +109,7 @@ def check(module: str, name: str) -> Row:
         if logits > LOGIT_TOLERANCE:
             return Row(module, name, cls, "differs", f"outputs {logits:.1e} off")
         if cls in ("VisionTransformer", "VisionTransformerDistilled"):
-            attention = (rec.attentions - _timm_attention(model, x)).abs().max().item()
+            attention = (rec.attentions - timm_attention(model, x)).abs().max().item()
             if attention > ATTENTION_TOLERANCE:
                 return Row(module, name, cls, "differs", f"attention {attention:.1e} off")
             return Row(module, name, cls, "exact", f"outputs {logits:.0e}, attention {attention:.0e}")
@@ -163,7 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pattern", default="*", help="only names matching this pattern (timm.list_models's)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     table = markdown(rows(tuple(args.modules), args.pattern))
     if args.out is None:
         print(table, end="")
