@@ -113,20 +113,14 @@ def write_hub_cache(root, repo: str, files: dict[str, bytes]):
 
 
 def random_timm(name: str, **kwargs) -> torch.nn.Module:
-    """A timm model with random weights, its LayerScale and head moved away from their inits (1e-5
-    and zeros), so that a conversion that drops either cannot pass."""
+    """A timm model with random weights, those that start at a constant (LayerScale, heads, an Eva's
+    q and v biases) moved off it (`vitviz.dev.zoo.randomise`), so that a conversion that drops any
+    cannot pass."""
     import timm
 
-    model = timm.create_model(name, pretrained=False, **kwargs).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "LayerScale":
-                module.gamma.normal_(1.0, 0.2)
-        for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
-            if isinstance(head, torch.nn.Linear):
-                head.weight.normal_(std=0.02)
-                head.bias.normal_(std=0.02)
-    return model
+    from vitviz.dev.zoo import randomise
+
+    return randomise(timm.create_model(name, pretrained=False, **kwargs).eval())
 
 
 def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, bytes]:

@@ -166,17 +166,81 @@ def test_dinov2_giant_with_registers_converts_exactly():
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(global_pool="map", class_token=False, fc_norm=True), "a norm after attention pooling"),
-    (dict(qk_norm=True, scale_attn_norm=True), "a norm after the attention"),
-    (dict(mlp_layer="norm gated"), "an MLP of type GluMlp with a norm inside"),
     (dict(img_size=60), "not a multiple of its patch \\(16 px\\): its patch embedding leaves the last 12 px out"),
 ])
 def test_what_vitviz_does_not_model_of_timms_pooling_and_norms_is_named(kwargs, reason):
-    if kwargs.get("mlp_layer") == "norm gated":
-        from timm.layers import SwiGLUPacked
-
-        kwargs = dict(mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU, scale_mlp_norm=True)
     with pytest.raises(NotImplementedError, match=reason):
         vitviz.ViT.from_timm(_random_vit(**kwargs))
+
+
+@pytest.mark.parametrize("kind", ["norm after the attention", "norm inside a gated MLP", "norm inside an MLP"])
+def test_norms_inside_the_attention_and_the_mlp_match_timm(kind):
+    """timm's `scale_attn_norm` (a LayerNorm over the heads' outputs before W_O) and `scale_mlp_norm`
+    (a LayerNorm after the activation, or the gating): the same logits and attention."""
+    from timm.layers import SwiGLUPacked
+
+    kwargs = {"norm after the attention": dict(qk_norm=True, scale_attn_norm=True),
+              "norm inside a gated MLP": dict(mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU, scale_mlp_norm=True),
+              "norm inside an MLP": dict(scale_mlp_norm=True)}[kind]
+    torch.manual_seed(0)
+    model = _random_vit(**kwargs)
+    ours = vitviz.ViT.from_timm(model)
+    assert ours.config.attn_norm == (kind == "norm after the attention") and ours.config.mlp_norm == (kind != "norm after the attention")
+    x = torch.randn(1, 3, 64, 64)
+    with torch.inference_mode():
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x)
+        assert _relative(got, model(x)) < 1e-5
+    torch.testing.assert_close(rec.attentions, _timm_attention(model, x), atol=1e-5, rtol=0)
+
+
+# timm's Eva class, one of each kind: EVA-02 (rotary, separate q/k/v, SwiGLU with a norm inside; its CLIP
+# tower with a norm after the attention), DINOv3 (no position table, 4 registers, centred rotary, half
+# pairs; S+ with SwiGLU), RoPE-ViT (axial and learned "mixed" frequencies, with and without a table),
+# Perception Encoder (a norm before the blocks, an attention pool of 8 heads over 12, offset and
+# rescaled coordinates, x first)
+EVA_NAMES = ["eva02_tiny_patch14_224", "eva02_base_patch14_224", "eva02_base_patch16_clip_224", "vit_small_patch16_dinov3",
+             "vit_small_plus_patch16_dinov3_qkvb", "vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_ape_224",
+             "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256"]
+
+
+@pytest.mark.parametrize("name", EVA_NAMES)
+def test_timms_rotary_families_give_timms_outputs_and_attention(name):
+    """float32: logits within 1e-4 of the largest and every block's attention within 1e-5 of timm's
+    own softmax; bfloat16 (both models cast): logits within 2e-2 and attention within 1e-3."""
+    torch.manual_seed(0)
+    model = random_timm(name, depth=2)
+    ours = vitviz.ViT.from_timm(model)
+    size = model.pretrained_cfg["input_size"][-2:]
+    x = torch.randn(2, 3, *size)
+    for dtype, logits, attention in ((torch.float32, 1e-4, 1e-5), (torch.bfloat16, 2e-2, 1e-3)):
+        model, ours = model.to(dtype), ours.to(dtype)
+        with torch.inference_mode():
+            want = model(x.to(dtype)).float()
+            with vitviz.record_attention(ours) as rec:
+                got = ours(x.to(dtype)).float()
+        assert want.abs().max() > 1e-3 and got.shape == want.shape and _relative(got, want) < logits, dtype
+        torch.testing.assert_close(rec.attentions.float(), _timm_attention(model, x.to(dtype)).float(), atol=attention, rtol=0)
+    c = ours.config
+    assert c.rope is not None or name.startswith("eva_")
+    if "dinov3" in name:
+        assert ours.spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and ours.pos_embed is None and c.rope == "dinov3"
+    if "pe_core" in name:
+        assert c.pool == "map" and c.pool_heads == 8 and c.norm_pre and c.rope_axes == "xy" and c.rope_offset == 1.0
+
+
+def test_dinov3_at_any_aspect_ratio_matches_timm():
+    """DINOv3 (timm's `dynamic_img_size`) on a 2:1 image: the same features and attention on an 8 x 16 grid."""
+    torch.manual_seed(0)
+    model = random_timm("vit_small_patch16_dinov3", depth=2)
+    ours = vitviz.ViT.from_timm(model)
+    x = torch.randn(1, 3, 128, 256)
+    with torch.inference_mode():
+        want = model(x)
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x)
+    assert _relative(got, want) < 1e-4 and rec.attentions.shape[-1] == 5 + 8 * 16
+    torch.testing.assert_close(rec.attentions, _timm_attention(model, x), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name, reason", [
@@ -257,9 +321,8 @@ def test_a_size_must_be_a_multiple_of_the_patch_size():
 def test_what_vitviz_does_not_model_is_refused_clearly():
     from timm.layers import SwiGLUPacked
 
-    with pytest.raises(NotImplementedError, match="an MLP of type GluMlp with a norm inside"):
-        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU,
-                                               scale_mlp_norm=True, pretrained=False))
+    with pytest.raises(NotImplementedError, match="blocks of type EvaBlockPostNorm"):
+        vitviz.ViT.from_timm(timm.create_model("eva02_enormous_patch14_clip_224", depth=2, pretrained=False))
     with pytest.raises(NotImplementedError, match="the MLP activation \\(GELU\\)"):  # a gated MLP gates with SiLU
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, pretrained=False))
     with pytest.raises(NotImplementedError, match="global_pool='avgmax'"):
@@ -428,16 +491,15 @@ def test_the_stage_table_names_the_attention_pool_and_counts_every_parameter():
 
 
 def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
-    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and a Swin exact, an EVA refused in
-    one sentence, and the table's counts."""
+    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and an EVA-02 exact, a BEiT refused
+    in one sentence, and the table's counts."""
     from vitviz.dev import zoo
 
     table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
-             zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
-    assert [r.status for r in table] == ["exact", "refused", "refused"]
-    assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail
-    assert table[1].detail == "timm's Eva (rotary position embeddings: EVA-02, DINOv3, Perception Encoder, the vit_*_rope_* models) " \
-                              "is not modelled by vitviz"
-    assert table[2].detail == "VisionTransformer has blocks of type ResPostBlock, which vitviz does not model"
+             zoo.check("beit", "beit_base_patch16_224"), zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
+    assert [r.status for r in table] == ["exact", "exact", "refused", "refused"]
+    assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail and "attention" in table[1].detail
+    assert table[2].detail == "timm's Beit (BEiT's relative position bias per block) is not modelled by vitviz"
+    assert table[3].detail == "VisionTransformer has blocks of type ResPostBlock, which vitviz does not model"
     page = zoo.markdown(table)
-    assert "| all | 3 | 1 | 2 | 0 |" in page and "| `eva` | 1 | 0 | 1 | 0 |" in page
+    assert "| all | 4 | 2 | 2 | 0 |" in page and "| `eva` | 1 | 1 | 0 | 0 |" in page

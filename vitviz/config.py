@@ -66,12 +66,36 @@ class ViTConfig:
         pool_prefix: with "map", the probe attends to the prefix tokens too (SigLIP has none; timm's
             attention pool leaves them out by default, `pool_include_prefix=False`: their share of the
             probe's attention is then 0).
+        pool_heads: with "map", the probe's heads (None: `heads`; Perception Encoder's pool has 8
+            over blocks of 12 or 16).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
         act: the MLP's activation: "gelu", "gelu_tanh", "quick_gelu" (x sigmoid(1.702 x), CLIP) or
             "silu" (x sigmoid(x), SwiGLU's).
         mlp: "plain" (Linear, act, Linear) or "gated": act(x W_g) ⊙ (x W_v), then W_2 (SwiGLU with
             "silu", Shazeer 2020; DINOv2-g, EVA-02); `mlp_dim` is the width after the gate (the input
             projection has twice as many outputs: the gate's, then the value's).
+        attn_norm: a LayerNorm over the heads' concatenated outputs before the attention's output
+            projection (EVA-02 CLIP's and BEiT-3's "scale_attn_inner"/"scale_norm"; NormFormer's).
+        mlp_norm: a LayerNorm inside the MLP, after the activation (after the gating in a gated MLP),
+            before the output projection (EVA-02's "scale_mlp", NormFormer's).
+        abs_pos_embed: a learned position embedding is added to the tokens (False: positions come from
+            the rotary embedding alone, as in DINOv3 and timm's vit_*_rope_* models).
+        rope: rotary position embeddings (Su et al. 2021) in 2D, applied to each head's queries and
+            keys of the patches (never the prefix tokens'), after the q/k norms: the pair of channels
+            (a_j, b_j) is rotated by the angle θ_j = y·f_y,j + x·f_x,j of the patch at (y, x). None, or:
+            "axial": y, x are the patch's row and column (+ `rope_offset`), rescaled to `rope_ref_grid`
+            when given; d/4 frequencies f_k = T^(-k/(d/4)) (T = `rope_temperature`, d the head's
+            width), one half of the pairs turned by y, the other by x (timm's EVA-02, Perception
+            Encoder and vit_*_rope_* models). "dinov3": y, x are the patch centres mapped to [-1, 1]
+            on each axis ((i + 0.5 + offset) / n · 2 − 1); frequencies 2π / T^(k/(d/4)) (DINOv3,
+            T = 100). "mixed": learned frequencies of their own per layer and head, each pair turned by
+            both y and x (RoPE-Mixed, Heo et al. 2024; the model's parameter `rotary.freqs`).
+        rope_temperature, rope_offset, rope_ref_grid: T, the offset added to the coordinates, and the
+            grid (gh, gw) the "axial" coordinates are rescaled to (EVA's rule for other sizes).
+        rope_axes: "yx": the first half of the pairs turns with the row, the second with the column;
+            "xy": the other way round.
+        rope_pairs: which channels are turned together: "interleaved" (0 with 1, 2 with 3, ...) or
+            "half" (j with j + d/2).
         eps: LayerNorm epsilon.
         pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
             does; Hugging Face does not, which matters when shrinking the grid).
@@ -100,9 +124,19 @@ class ViTConfig:
     final_norm: bool = True
     pool: Literal["token", "avg", "map"] = "token"
     pool_prefix: bool = True
+    pool_heads: int | None = None
     fc_norm: bool = False
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu"] = "gelu"
     mlp: Literal["plain", "gated"] = "plain"
+    mlp_norm: bool = False
+    attn_norm: bool = False
+    abs_pos_embed: bool = True
+    rope: Literal["axial", "dinov3", "mixed"] | None = None
+    rope_temperature: float = 10000.0
+    rope_offset: float = 0.0
+    rope_ref_grid: tuple[int, int] | None = None
+    rope_axes: Literal["yx", "xy"] = "yx"
+    rope_pairs: Literal["interleaved", "half"] = "interleaved"
     eps: float = 1e-6
     pos_embed_antialias: bool = True
 
@@ -119,14 +153,30 @@ class ViTConfig:
             raise ValueError(f'pool must be "token", "avg" or "map", got {self.pool!r}')
         if not self.pool_prefix and self.pool != "map":
             raise ValueError('pool_prefix=False is for attention pooling (pool="map")')
+        if self.pool_heads is not None and (self.pool != "map" or self.width % self.pool_heads):
+            raise ValueError(f'pool_heads is for attention pooling (pool="map") and must divide width {self.width}')
         if self.fc_norm and self.pool != "avg":
             raise ValueError('fc_norm is the norm after "avg" pooling')
         if self.act not in ("gelu", "gelu_tanh", "quick_gelu", "silu"):
             raise ValueError(f'act must be "gelu", "gelu_tanh", "quick_gelu" or "silu", got {self.act!r}')
         if self.mlp not in ("plain", "gated"):
             raise ValueError(f'mlp must be "plain" or "gated", got {self.mlp!r}')
+        if self.rope not in (None, "axial", "dinov3", "mixed"):
+            raise ValueError(f'rope must be None, "axial", "dinov3" or "mixed", got {self.rope!r}')
+        if self.rope is not None:
+            if (self.width // self.heads) % 4:
+                raise ValueError(f"rotary positions need a head width divisible by 4, got {self.width // self.heads}")
+            if self.rope_axes not in ("yx", "xy") or self.rope_pairs not in ("interleaved", "half"):
+                raise ValueError(f'rope_axes must be "yx" or "xy" and rope_pairs "interleaved" or "half", got '
+                                 f"{self.rope_axes!r}, {self.rope_pairs!r}")
+            if self.rope == "mixed" and self.rope_pairs != "interleaved":
+                raise ValueError('rope="mixed" turns interleaved pairs')
+            if self.rope_ref_grid is not None:
+                object.__setattr__(self, "rope_ref_grid", tuple(int(g) for g in self.rope_ref_grid))
         if self.pos_embed_prefix is None:
-            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens)
+            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens if self.abs_pos_embed else 0)
+        if not self.abs_pos_embed and self.pos_embed_prefix:
+            raise ValueError("pos_embed_prefix must be 0 without a learned position embedding (abs_pos_embed=False)")
         if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
             raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
 
@@ -171,7 +221,7 @@ class ViTConfig:
         d, m, c = self.width, self.mlp_dim, self.num_classes
         norm = 2 * d
         patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0)
-        tokens = d * self.num_prefix_tokens + d * (self.pos_embed_prefix + self.grid[0] * self.grid[1])
+        tokens = d * self.num_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
         block = (
             2 * norm
             + 3 * d * d + (3 * d if self.qkv_bias else 0)
@@ -179,6 +229,9 @@ class ViTConfig:
             + (3 if self.mlp == "gated" else 2) * d * m + (((2 if self.mlp == "gated" else 1) * m + d) if self.mlp_bias else 0)
             + (2 * d if self.layer_scale is not None else 0)
             + (4 * (d // self.heads) if self.qk_norm else 0)
+            + (2 * m if self.mlp_norm else 0)
+            + (norm if self.attn_norm else 0)
+            + (d if self.rope == "mixed" else 0)  # learned frequencies: 2 axes x H x (D/H)/2
         )
         norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
         heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0
@@ -188,7 +241,7 @@ class ViTConfig:
 
     def replace(self, **changes: Any) -> "ViTConfig":
         """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
-        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == self.num_prefix_tokens:
+        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == (self.num_prefix_tokens if self.abs_pos_embed else 0):
             changes["pos_embed_prefix"] = None
         return replace(self, **changes)
 

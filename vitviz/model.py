@@ -6,7 +6,8 @@ blocks and QuickGELU (Radford et al. 2021), mean pooling, models without a head.
 
 image [B, 3, H, W]
   -> patch embedding (Conv2d, kernel = stride = P)            [B, gh*gw, D]
-  -> add position embeddings (resampled when the grid is not the trained one)
+  -> add position embeddings (resampled when the grid is not the trained one; none when the
+     positions are rotary)
   -> prepend the prefix tokens: cls, distillation, registers   [B, N, D],  N = p + gh*gw
   -> (optional LayerNorm)
   -> L pre-norm encoder blocks: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x)))
@@ -14,6 +15,9 @@ image [B, 3, H, W]
   -> linear head                                               [B, classes]
 
 Attention is softmax(q k^T / sqrt(D / H)) — the scale is applied to the logits before the softmax.
+With rotary positions (`ViTConfig.rope`), each patch's queries and keys are first turned, pair of
+channels by pair, by angles that grow with its row and column (`Rotary`), so that q·k depends on
+the offset between two patches; the prefix tokens are not turned.
 The softmax is its own module (`Attention.attend`), so a forward hook on it sees each layer's
 attention `[B, H, N, N]`. When nobody observes it, a fused `scaled_dot_product_attention` runs
 instead; both paths give the same output (tests hold them to it).
@@ -27,6 +31,7 @@ register themselves as `ViT.from_<library>` when `vitviz.sources` imports them.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -48,6 +53,7 @@ __all__ = [
     "PatchEmbedding",
     "LayerScale",
     "QuickGELU",
+    "Rotary",
     "recording_in_this_thread",
     "resample_pos_embed",
 ]
@@ -100,6 +106,87 @@ class PatchEmbedding(nn.Module):
         return self.flatten(self.proj(images))
 
 
+class Rotary(nn.Module):
+    """Rotary position embeddings in 2D (`ViTConfig.rope`): for a patch grid, the cosines and sines of
+    the angles θ_j = y·f_y,j + x·f_x,j by which each pair j of a head's query and key channels is
+    turned (Su et al. 2021's rotation, with one angle per pair made of the patch's row y and column
+    x).
+
+        rotate(q)_pair j = [[cos θ_j, −sin θ_j], [sin θ_j, cos θ_j]] · (q_a, q_b)
+
+    so that q_m·k_n after rotation depends on the positions only through y_m − y_n and x_m − x_n
+    (the coordinates are linear in the patch indices). `frequencies()` gives (f_y, f_x) [2, d/2]: fixed
+    for "axial" and "dinov3" (computed in float32 whatever the model's dtype), learned per layer and
+    head for "mixed" (the parameter `freqs` [L, H, 2, d/2]).
+    """
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        d = c.width // c.heads
+        if c.rope == "mixed":
+            self.freqs = nn.Parameter(torch.zeros(c.depth, c.heads, 2, d // 2))
+        else:  # fixed: computed in float32 when used, whatever the model's dtype
+            self.register_buffer("anchor", torch.zeros(0), persistent=False)  # (follows the model's device)
+
+    def frequencies(self) -> torch.Tensor:
+        """(f_y, f_x): [2, d/2], or [L, H, 2, d/2] for "mixed"; float32."""
+        c = self.config
+        if c.rope == "mixed":
+            return self.freqs.float()
+        n = c.width // c.heads // 4
+        k = torch.arange(n, dtype=torch.float32, device=self.anchor.device) / n
+        bands = c.rope_temperature ** -k if c.rope == "axial" else 2 * torch.pi / c.rope_temperature**k
+        zeros = torch.zeros_like(bands)
+        first, second = torch.cat([bands, zeros]), torch.cat([zeros, bands])  # the first half of the pairs, then the second
+        fy, fx = (first, second) if c.rope_axes == "yx" else (second, first)
+        return torch.stack([fy, fx])
+
+    def coordinates(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The (y, x) of each patch of `grid`, row by row: [gh*gw, 2], float32."""
+        c, (gh, gw) = self.config, grid
+        device = self.freqs.device if c.rope == "mixed" else self.anchor.device
+        if c.rope == "dinov3":  # patch centres, each axis mapped to [-1, 1]
+            axes = [((torch.arange(g, device=device, dtype=torch.float32) + 0.5 + c.rope_offset) / g) * 2 - 1 for g in (gh, gw)]
+        else:
+            axes = [torch.arange(g, device=device, dtype=torch.float32) + c.rope_offset for g in (gh, gw)]
+            if c.rope_ref_grid is not None:  # EVA: positions rescaled to the grid the model was trained at
+                axes = [a / g * r for a, g, r in zip(axes, (gh, gw), c.rope_ref_grid)]
+        y, x = torch.meshgrid(*axes, indexing="ij")
+        return torch.stack([y.flatten(), x.flatten()], dim=-1)
+
+    def angles(self, grid: tuple[int, int]) -> torch.Tensor:
+        """θ [gh*gw, d/2] (or [L, H, gh*gw, d/2] for "mixed"), float32."""
+        yx = self.coordinates(grid)
+        f = self.frequencies()
+        return yx[:, 0:1] * f[..., 0, None, :] + yx[:, 1:2] * f[..., 1, None, :]
+
+    def forward(self, grid: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's (cos, sin) [gh*gw, d] (or [H, gh*gw, d]), laid out as the pairs are
+        (`ViTConfig.rope_pairs`), float32."""
+        theta = self.angles(grid)
+        cos, sin = theta.cos(), theta.sin()
+        if self.config.rope_pairs == "half":
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        else:
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        if self.config.rope == "mixed":
+            return [(cos[i], sin[i]) for i in range(cos.shape[0])]
+        return [(cos, sin)] * self.config.depth
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pairs: str) -> torch.Tensor:
+    """x [..., N, d] turned by `rope`'s (cos, sin) [N, d] (or [H, N, d]): x cos + x⊥ sin, x⊥ each pair
+    (a, b) -> (−b, a); in float32 at least, returned in x's dtype."""
+    cos, sin = rope
+    if pairs == "half":
+        a, b = x.chunk(2, dim=-1)
+        perp = torch.cat([-b, a], dim=-1)
+    else:
+        perp = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    return (x * cos + perp * sin).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection.
 
@@ -108,8 +195,10 @@ class Attention(nn.Module):
     """
 
     def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True, qk_norm: bool = False,
-                 eps: float = 1e-6) -> None:
+                 eps: float = 1e-6, prefix: int = 0, rope_pairs: str = "interleaved", out_norm: bool = False) -> None:
         super().__init__()
+        self.prefix = prefix  # leading tokens that rotary positions leave as they are
+        self.rope_pairs = rope_pairs
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}")
         self.heads = heads
@@ -119,6 +208,9 @@ class Attention(nn.Module):
         self.q_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
         self.attend = nn.Softmax(dim=-1)
+        # `ViTConfig.attn_norm`: a LayerNorm over the heads' concatenated outputs (an identity without
+        # one; either way the heads' outputs o_h are its input)
+        self.norm = nn.LayerNorm(width, eps=eps) if out_norm else nn.Identity()
         self.proj = nn.Linear(width, width, bias=proj_bias)
         self.fused = True
 
@@ -130,10 +222,14 @@ class Attention(nn.Module):
         hooks = tuple(self.attend._forward_hooks.values()) + tuple(self.attend._forward_pre_hooks.values())
         return any(not getattr(h, "_vitviz_recorder", False) for h in hooks)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, N, D] -> [B, N, D]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, N, D] -> [B, N, D]; `rope`: the patches' rotary (cos, sin) (`Rotary`), if any."""
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            p = self.prefix
+            q = torch.cat([q[:, :, :p], rotate(q[:, :, p:], rope, self.rope_pairs)], dim=2)
+            k = torch.cat([k[:, :, :p], rotate(k[:, :, p:], rope, self.rope_pairs)], dim=2)
         parts = _part_reducer(self) if recording_in_this_thread() else None
         if parts is not None:
             out = self._by_parts(q, k, v, *parts)
@@ -142,7 +238,7 @@ class Attention(nn.Module):
             out = attn @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+        return self.proj(self.norm(rearrange(out, "b h n d -> b n (h d)")))
 
     def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int) -> torch.Tensor:
         """The explicit attention a few images at a time, each part's softmax output reduced while it
@@ -171,7 +267,7 @@ class AttentionPool(nn.Module):
     probe, attends over every token (or the patches alone: `ViTConfig.pool_prefix`); an MLP with its
     own residual follows.
 
-        a = softmax(q(probe) k(x)^T / sqrt(D / H))     [B, H, 1, N], the probe's attention
+        a = softmax(q(probe) k(x)^T / sqrt(D / H))     [B, H, 1, N], the probe's attention (H: `pool_heads`)
         y = proj(a v(x));  out = y + MLP(LN(y))         [B, D]
 
     The probe has no residual of its own (y is the attention's output alone). The softmax is its own
@@ -182,8 +278,8 @@ class AttentionPool(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = config
-        self.heads = c.heads
-        self.scale = (c.width // c.heads) ** -0.5
+        self.heads = c.pool_heads or c.heads
+        self.scale = (c.width // self.heads) ** -0.5
         self.skip = 0 if c.pool_prefix else c.num_prefix_tokens  # leading tokens the probe does not attend to
         self.probe = nn.Parameter(torch.zeros(1, 1, c.width))
         self.q = nn.Linear(c.width, c.width)
@@ -236,23 +332,30 @@ class GatedMLP(nn.Module):
     `mlp.0`, `mlp.2` in either kind).
     """
 
-    def __init__(self, width: int, hidden: int, act: str, bias: bool = True) -> None:
+    def __init__(self, width: int, hidden: int, act: str, bias: bool = True, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.hidden = hidden
         self.add_module("0", nn.Linear(width, 2 * hidden, bias=bias))
         self.act = _activation(act)
+        self.norm = norm if norm is not None else nn.Identity()  # `ViTConfig.mlp_norm`: after the gating
         self.add_module("2", nn.Linear(hidden, width, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = getattr(self, "0")(x).split(self.hidden, dim=-1)
-        return getattr(self, "2")(self.act(gate) * value)
+        return getattr(self, "2")(self.norm(self.act(gate) * value))
 
 
 def mlp_of(c: ViTConfig) -> nn.Module:
-    """A block's MLP for `c`: plain (Linear, act, Linear) or gated (`GatedMLP`)."""
+    """A block's MLP for `c`: plain (Linear "0", act "1", Linear "2"; with `mlp_norm` a LayerNorm
+    "norm" before "2") or gated (`GatedMLP`)."""
+    norm = nn.LayerNorm(c.mlp_dim, eps=c.eps) if c.mlp_norm else None
     if c.mlp == "gated":
-        return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias)
-    return nn.Sequential(nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), _activation(c.act), nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias))
+        return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias, norm=norm)
+    layers = {"0": nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), "1": _activation(c.act)}
+    if norm is not None:
+        layers["norm"] = norm
+    layers["2"] = nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias)
+    return nn.Sequential(OrderedDict(layers))
 
 
 class EncoderBlock(nn.Module):
@@ -263,14 +366,15 @@ class EncoderBlock(nn.Module):
         super().__init__()
         c = config
         self.norm1 = nn.LayerNorm(c.width, eps=c.eps)
-        self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps)
+        self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps,
+                              prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
         self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
         self.mlp = mlp_of(c)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.ls1(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x), rope))
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
@@ -316,7 +420,8 @@ class ViT(nn.Module):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.distill_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.register_tokens, c.width)) if c.register_tokens else None
         gh, gw = c.grid
-        self.pos_embed = nn.Parameter(torch.empty(1, c.pos_embed_prefix + gh * gw, c.width).normal_(std=0.02))
+        self.pos_embed = nn.Parameter(torch.empty(1, c.pos_embed_prefix + gh * gw, c.width).normal_(std=0.02)) if c.abs_pos_embed else None
+        self.rotary = Rotary(c) if c.rope else None
         self.norm_pre = nn.LayerNorm(c.width, eps=c.eps) if c.norm_pre else nn.Identity()
         self.blocks = nn.ModuleList(EncoderBlock(c) for _ in range(c.depth))
         self.norm = nn.LayerNorm(c.width, eps=c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
@@ -366,9 +471,12 @@ class ViT(nn.Module):
             raise ValueError(f"the image is {height}x{width} px; both sides must be multiples of the patch size {p}")
         return height // p, width // p
 
-    def patch_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor:
-        """Position embeddings of the patches for `grid` [1, gh*gw, D], resampled from the trained grid."""
+    def patch_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor | None:
+        """Position embeddings of the patches for `grid` [1, gh*gw, D], resampled from the trained
+        grid; None for a model without a learned table (`ViTConfig.abs_pos_embed`)."""
         c = self.config
+        if self.pos_embed is None:
+            return None
         return resample_pos_embed(self.pos_embed[:, c.pos_embed_prefix :], old_grid=c.grid, new_grid=grid, antialias=c.pos_embed_antialias)
 
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
@@ -379,7 +487,10 @@ class ViT(nn.Module):
                 f"{self.patch_size} px), got {list(images.shape)}"
             )
         grid = self.grid_for(images.shape[2], images.shape[3])
-        x = self.patch_embed(images) + self.patch_pos_embed(grid)
+        x = self.patch_embed(images)
+        pos = self.patch_pos_embed(grid)
+        if pos is not None:
+            x = x + pos
         c = self.config
         prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if prefix:
@@ -397,12 +508,20 @@ class ViT(nn.Module):
             layers: when given, each block's output [B, N, D] is appended to it (before the final norm).
         """
         x = self.tokens(images)
-        for block in self.blocks:
-            x = block(x)
+        ropes = self.rotations(self.grid_for(images.shape[2], images.shape[3]))
+        for block, rope in zip(self.blocks, ropes):
+            x = block(x, rope)
             if layers is not None:
                 layers.append(x)
             steps.step()
         return self.norm(x)
+
+    def rotations(self, grid: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each block's rotary (cos, sin) for the patches of `grid` (`Rotary`); None for each block of a
+        model without rotary positions. Whoever runs the blocks one by one hands block i the i-th."""
+        if self.rotary is None:
+            return [None] * len(self.blocks)
+        return self.rotary(grid)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The encoded tokens [B, N, D] -> the head's input [B, D] (cls and distillation token for DeiT)."""

@@ -85,12 +85,14 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
     if prefix:
         rows.append(SummaryRow(f"Prepend {names} token{'s' if p > 1 else ''}", f"Parameter [1, {p}, D]", (b, n, d), _count(*prefix)))
     k = c.pos_embed_prefix  # the leading prefix tokens that get one (the registers of some models get none)
-    rows.append(SummaryRow("Add position embeddings", f"Parameter [1, {k} + gh*gw, D]" + (f", none for {p - k} of the {p} prefix tokens" if k < p else ""),
-                           (b, n, d), _count(model.pos_embed)))
+    if c.abs_pos_embed:
+        rows.append(SummaryRow("Add position embeddings", f"Parameter [1, {k} + gh*gw, D]" + (f", none for {p - k} of the {p} prefix tokens" if k < p else ""),
+                               (b, n, d), _count(model.pos_embed)))
     if c.norm_pre:
         rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
-    mlp = "gated MLP" if c.mlp == "gated" else "MLP"
-    ls = (", q/k LayerNorm" if c.qk_norm else "") + (", LayerScale" if c.layer_scale is not None else "")
+    mlp = ("gated MLP" if c.mlp == "gated" else "MLP") + (" with a LayerNorm inside" if c.mlp_norm else "")
+    rope = {"axial": "rotary positions (axial)", "dinov3": "rotary positions (DINOv3)", "mixed": "rotary positions (learned, mixed)"}
+    ls = (f", {rope[c.rope]}" if c.rope else "") + (", q/k LayerNorm" if c.qk_norm else "") + (", LayerNorm before W_O" if c.attn_norm else "") + (", LayerScale" if c.layer_scale is not None else "")
     for i, block in enumerate(model.blocks):
         rows.append(SummaryRow(f"Encoder block {i + 1}", f"{c.heads} heads, {mlp} {c.mlp_dim}{ls}", (b, n, d), _count(block)))
         if expand_blocks:
@@ -103,7 +105,7 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
     elif c.pool == "map":
         over = "every token" if c.pool_prefix or not c.num_prefix_tokens else "the patch tokens"
         rows.append(SummaryRow(f"Attention pooling: a learned probe attends over {over}, + LayerNorm + MLP",
-                               f"{c.heads} heads, MLP {c.mlp_dim}", (b, d), _count(model.attn_pool)))
+                               f"{c.pool_heads or c.heads} heads, MLP {c.mlp_dim}", (b, d), _count(model.attn_pool)))
     elif c.distill_token:
         rows.append(SummaryRow("Take cls and distillation tokens", "", (b, 2, d), 0))
     else:

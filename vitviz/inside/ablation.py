@@ -32,7 +32,7 @@ def _check_heads(model: ViT, heads: Sequence[tuple[int, int]]) -> dict[int, list
 @contextmanager
 def _ablating(model: ViT, masks: dict[int, torch.Tensor], mode: AblationMode) -> Iterator[None]:
     """Replaces, during the block and in this thread only, the heads' outputs o_h = A_h V_h (their
-    slices of the input of `attn.proj`) where masks[layer] [B, H] (or [1, H]) is True: by zeros, or
+    slices of the input of `attn.norm`, which is `attn.proj`'s unless the model normalises them) where masks[layer] [B, H] (or [1, H]) is True: by zeros, or
     ("mean") by the mean of that head's output over the patch tokens of the same image and forward."""
     if mode not in ("zero", "mean"):
         raise ValueError(f'mode must be "zero" or "mean", got {mode!r}')
@@ -47,7 +47,7 @@ def _ablating(model: ViT, masks: dict[int, torch.Tensor], mode: AblationMode) ->
             return (torch.where(mask.to(o.device)[:, None, :, None], new, o).flatten(-2),) + args[1:]
         return hook
 
-    handles = [model.blocks[layer].attn.proj.register_forward_pre_hook(make(mask)) for layer, mask in masks.items()]
+    handles = [model.blocks[layer].attn.norm.register_forward_pre_hook(make(mask)) for layer, mask in masks.items()]
     try:
         yield
     finally:
@@ -148,8 +148,9 @@ def _importance(
     heads, b = tower.config.heads, x.shape[0]
     with torch.inference_mode():
         streams = [tower.tokens(x)]
-        for block in tower.blocks:
-            streams.append(block(streams[-1]))
+        ropes = tower.rotations(tower.grid_for(x.shape[2], x.shape[3]))
+        for block, rope in zip(tower.blocks, ropes):
+            streams.append(block(streams[-1], rope))
         before = _probabilities(pair, tower.norm(streams[-1]), labels, template)  # [B, C]
         targets = before.argmax(dim=-1) if targets is None else targets.to(before.device)
         p_before = before.gather(1, targets[:, None])[:, 0]
@@ -158,8 +159,8 @@ def _importance(
         for layer in range(len(tower.blocks)):
             s = streams[layer].repeat(heads, 1, 1)  # [H*B, N, D]
             with _ablating(tower, {layer: mask}, mode):
-                for block in tower.blocks[layer:]:
-                    s = block(s)
+                for block, rope in zip(tower.blocks[layer:], ropes[layer:]):
+                    s = block(s, rope)
             after = _probabilities(pair, tower.norm(s), labels, template).unflatten(0, (heads, b))  # [H, B, C]
             drops.append(p_before - after.gather(2, targets[None, :, None].expand(heads, b, 1))[..., 0])
     return torch.stack(drops).cpu(), targets.cpu()

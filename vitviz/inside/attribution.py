@@ -74,8 +74,7 @@ def attribution_of(stream: Stream | None, target: Target = None) -> Attribution:
     the forward's σ, multiplied by γ and projected on the target's direction (`Unembed.direction`)."""
     stream = _stream_or_raise(stream)
     if stream.heads is None:
-        raise ValueError(f"this model reads its stream by {stream.readout} (SigLIP's MAP head: attention, then an MLP), which "
-                         "is not linear in the stream: its logit does not split exactly into the components; the logit lens works")
+        raise ValueError(f"{stream.unsplit}: its logit does not split exactly into the components; the logit lens works")
     final = stream.unembed.logits(stream.normed[-1].double())
     t = _class_index(target, stream.categories, final.shape[-1], int(final.argmax()))
     rows, bias = stream.unembed.direction(t, stream.normed[-1])  # [Q, D]

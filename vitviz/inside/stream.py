@@ -42,6 +42,18 @@ def readout_of(model: ViT) -> tuple[Readout, int, nn.LayerNorm | None]:
     return ("normed mean", 1, norm) if norm is not None else ("mean", 1, None)
 
 
+def unsplit_why(model: ViT) -> str:
+    """Why the classifier's logit does not split exactly into the blocks' components, or "": SigLIP's
+    attention pool (attention, then an MLP) or a LayerNorm over each block's heads before W_O (the
+    heads' outputs are not added, they are normalised together)."""
+    if readout_of(model)[0] == "attention pool":
+        return ("this model reads its stream by attention pool (SigLIP's MAP head: attention, then an MLP), which is not linear "
+                "in the stream")
+    if model.config.attn_norm:
+        return "this model normalises its heads' outputs together (a LayerNorm before W_O), so a head's share is not linear in it"
+    return ""
+
+
 def _read(x: torch.Tensor, readout: Readout, q: int, p: int) -> torch.Tensor:
     """The tokens of a stream [B, N, D] that the classifier reads: [B, R, D] (R = Q; 1 for "mean"; the patches for "normed mean")."""
     if readout == "token":
@@ -151,7 +163,7 @@ class Stream:
         normed: the head's input had the model stopped after block l (l = 0: the embedding) [L+1, Q, D]:
             the residual through the model's own final norm and pooling (the logit lens' input).
         embedding: the embedding x_0 read at the query, divided by the forward's final-norm σ [Q, D]
-            (this and the other components: None for "attention pool", which is not linear).
+            (this and the other components: None where the logit does not split: `unsplit`).
         heads: head h of block l, LS1 ⊙ o_{l,h} W_{O,l,h}^T, read and divided alike [L, H, Q, D].
         attn_biases: each block's LS1 ⊙ b_O, read and divided alike [L, Q, D].
         mlps: each block's LS2 ⊙ MLP output, read and divided alike [L, Q, D].
@@ -161,6 +173,8 @@ class Stream:
         norm_weight, norm_bias: its γ and β [D] (ones and zeros without one).
         unembed: the head (or the image–text model's similarity).
         categories: class names (an image–text model's labels), or None.
+        unsplit: why the logit does not split into components (`unsplit_why`; the components are
+            then None), or "".
 
     embedding + heads.sum((0, 1)) + attn_biases.sum(0) + mlps.sum(0) is the final stream read at the
     query over σ; the components are not centred (centring is linear: `attribution_of` does it).
@@ -178,6 +192,7 @@ class Stream:
     centred: bool = False
     norm_weight: torch.Tensor | None = field(default=None, repr=False)
     norm_bias: torch.Tensor | None = field(default=None, repr=False)
+    unsplit: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -226,9 +241,10 @@ class StreamRecord:
         if len(parts.get("normed", ())) != len(model.blocks) + 1:
             raise RuntimeError("record_stream captured no complete forward: run the model inside the `with` block")
         unembed, categories = _unembed(self._pair, self._labels, self._template), _categories(self._pair, self._labels)
-        if readout == "attention pool":
-            normed = torch.stack(parts["normed"]).float()  # [L+1, B, 1, D]
-            return [Stream(readout=readout, normed=normed[:, b], unembed=unembed, categories=categories)
+        unsplit = unsplit_why(model)
+        if unsplit:
+            normed = torch.stack(parts["normed"]).float()  # [L+1, B, Q, D]
+            return [Stream(readout=readout, normed=normed[:, b], unembed=unembed, categories=categories, unsplit=unsplit)
                     for b in range(normed.shape[1])]
         heads, d = model.config.heads, model.config.width
         with torch.no_grad():
@@ -307,8 +323,10 @@ def record_stream(
     def keep(x: torch.Tensor) -> torch.Tensor:  # a copy: a slice would keep the whole [B, N, D] alive
         return _read(x, readout, q, p).detach().to("cpu", copy=True)
 
+    unsplit = unsplit_why(tower)
+
     def read_or_skip(x: torch.Tensor) -> torch.Tensor | None:
-        return None if readout == "attention pool" else keep(x)
+        return None if unsplit else keep(x)
 
     def embedding(module: nn.Module, args: tuple) -> None:
         if threading.get_ident() == owner:
@@ -333,7 +351,7 @@ def record_stream(
     handles = [tower.blocks[0].register_forward_pre_hook(embedding)]
     try:
         for i, block in enumerate(tower.blocks):
-            if readout != "attention pool":  # only the lens: the components would not add up through its MLP
+            if not unsplit:  # else only the lens: the components would not add up
                 handles.append(block.attn.proj.register_forward_pre_hook(slot("attn", i, pre=True)))
                 handles.append(block.mlp.register_forward_hook(slot("mlp", i, pre=False)))
             handles.append(block.register_forward_hook(after_block(i)))

@@ -105,7 +105,6 @@ def _split(name: str) -> tuple[str, int | None]:
 
 # timm's other ViT-family classes, and the part of each that vitviz does not model
 _NOT_YET = {
-    "Eva": "rotary position embeddings: EVA-02, DINOv3, Perception Encoder, the vit_*_rope_* models",
     "NaFlexVit": "NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex",
     "Beit": "BEiT's relative position bias per block",
     "VisionTransformerRelPos": "a relative position bias (or MLP) per block",
@@ -118,26 +117,32 @@ def _is_instance(model: nn.Module, class_name: str) -> bool:
 
 
 def config_from_timm(model: nn.Module) -> ViTConfig:
-    """The `ViTConfig` of a timm `VisionTransformer`, or a clear error for what vitviz does not model."""
-    if not _is_instance(model, "VisionTransformer"):
+    """The `ViTConfig` of a timm `VisionTransformer` or `Eva` (EVA, EVA-02, DINOv3, Perception
+    Encoder, the vit_*_rope_* models), or a clear error for what vitviz does not model."""
+    eva = _is_instance(model, "Eva")
+    if not eva and not _is_instance(model, "VisionTransformer"):
         name = type(model).__name__
         if name in _NOT_YET:
             raise NotImplementedError(f"timm's {name} ({_NOT_YET[name]}) is not modelled by vitviz")
-        raise TypeError(f"expected a timm VisionTransformer, got {name}")
+        raise TypeError(f"expected a timm VisionTransformer or Eva, got {name}")
     pe = model.patch_embed
     problems = []
     if getattr(pe, "backbone", None) is not None:
         problems.append(f"a hybrid patch embedding (a {type(pe.backbone).__name__} stem before the patches)")
     elif not isinstance(getattr(pe, "proj", None), nn.Conv2d) or not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity):
         problems.append("a patch embedding other than one Conv2d")
-    if getattr(model, "pos_embed", None) is None:
-        problems.append("no learned position embedding")
+    rope = _rope(model, problems) if eva else {}
+    if getattr(model, "pos_embed", None) is None and not rope:
+        problems.append("no position embedding, learned or rotary")
     if model.global_pool not in ("token", "avg", "map"):
         problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token', 'avg' and 'map')")
     elif model.global_pool == "map":
         problems += _pool_problems(model)
-    include_prefix = getattr(model, "pool_include_prefix", False)
-    if model.global_pool == "avg" and include_prefix:
+    elif model.global_pool == "token" and not isinstance(model.fc_norm, nn.Identity):
+        problems.append("a norm after the cls token")
+    # timm's VisionTransformer leaves the prefix out of attention pooling unless told (pool_include_prefix); Eva's pool reads every token
+    include_prefix = eva or getattr(model, "pool_include_prefix", False)
+    if model.global_pool == "avg" and include_prefix and not eva:
         problems.append("pooling over the prefix tokens")
     if getattr(pe, "dynamic_img_pad", False):
         problems.append("dynamic image padding")
@@ -154,74 +159,164 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     if not all(isinstance(n, nn.Module) and _is_layer_norm(n, eps) for n in norms):
         odd = next(n for n in norms if not (isinstance(n, nn.Module) and _is_layer_norm(n, eps)))
         problems.append(f"norms other than one kind of LayerNorm with a weight and a bias (a {type(odd).__name__})")
-    acts, qk_norms, mlps = set(), set(), set()
+    acts, qk_norms, mlps, scales, attn_norms = set(), set(), set(), set(), set()
+    blocks, attentions = ("EvaBlock",) if eva else ("Block",), ("EvaAttention", "AttentionRope") if eva else ("Attention",)
     for b in model.blocks:
-        if type(b).__name__ != "Block":
+        if type(b).__name__ not in blocks:
             problems.append(f"blocks of type {type(b).__name__}")
             break
         attn, mlp = b.attn, b.mlp
-        if type(attn).__name__ != "Attention" or not isinstance(getattr(attn, "qkv", None), nn.Linear):
+        if type(attn).__name__ not in attentions or not (isinstance(getattr(attn, "qkv", None), nn.Linear)
+                                                        or isinstance(getattr(attn, "q_proj", None), nn.Linear)):
             problems.append(f"attention of type {type(attn).__name__}")
             break
-        if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
-            problems.append("a norm after the attention (scale_norm)")
+        out_norm = getattr(attn, "norm", nn.Identity())
+        if not (isinstance(out_norm, nn.Identity) or _is_layer_norm(out_norm, eps)):
+            problems.append(f"a norm after the attention other than the blocks' LayerNorm (a {type(out_norm).__name__})")
             break
+        attn_norms.add(not isinstance(out_norm, nn.Identity))
         qk = [getattr(attn, n, nn.Identity()) for n in ("q_norm", "k_norm")]
         if not (all(isinstance(n, nn.Identity) for n in qk) or all(_is_layer_norm(n, b.norm1.eps) for n in qk)):
             problems.append("queries and keys normalised otherwise than by a LayerNorm each (qk_norm)")
             break
         qk_norms.add(not isinstance(qk[0], nn.Identity))
-        if getattr(attn, "gate", None) is not None or getattr(attn, "attn_dim", model.embed_dim) != model.embed_dim:
-            problems.append("gated or resized attention")
+        width = getattr(attn, "attn_dim", None) or getattr(attn, "head_dim", 0) * getattr(attn, "num_heads", 0) or model.embed_dim
+        if getattr(attn, "gate", None) is not None or width != model.embed_dim or getattr(attn, "num_kv_groups", 1) != 1:
+            problems.append("gated, resized or grouped-query attention")
             break
         kind = _mlp_kind(mlp)
         if kind is None:
-            problems.append(f"an MLP of type {type(mlp).__name__}{_mlp_detail(mlp)} (vitviz models timm's Mlp, and GluMlp and SwiGLU "
-                            "without a norm inside)")
+            problems.append(f"an MLP of type {type(mlp).__name__} (vitviz models timm's Mlp, GluMlp and SwiGLU)")
             break
-        mlps.add((kind, _hidden(mlp)))
+        mlp_norm = getattr(mlp, "norm", nn.Identity())
+        if not (isinstance(mlp_norm, nn.Identity) or _is_layer_norm(mlp_norm, eps)):
+            problems.append(f"a norm inside the MLP other than the blocks' LayerNorm (a {type(mlp_norm).__name__})")
+            break
+        mlps.add((kind, _hidden(mlp), not isinstance(mlp_norm, nn.Identity)))
         acts.add(_act_name(mlp.act))
+        scales.add(_layer_scales(b))
     if problems:
         raise NotImplementedError(f"{type(model).__name__} has " + "; ".join(dict.fromkeys(problems)) + ", which vitviz does not model")
-    if len(qk_norms) > 1:
-        raise NotImplementedError("normalised queries and keys (qk_norm) in some blocks only, which vitviz does not model")
+    if len(qk_norms) > 1 or len(attn_norms) > 1:
+        raise NotImplementedError("normalised queries and keys (qk_norm), or a norm after the attention, in some blocks only, "
+                                  "which vitviz does not model")
     if len(mlps) > 1:
         raise NotImplementedError("MLPs of more than one kind or width across the blocks, which vitviz does not model")
-    kind, hidden = mlps.pop()
+    if len(scales) > 1 or scales == {None}:
+        raise NotImplementedError("LayerScale on one branch of a block only, or in some blocks only, which vitviz does not model")
+    kind, hidden, mlp_norm = mlps.pop()
     if len(acts) != 1 or None in acts or (acts == {"silu"}) != (kind == "gated"):
         raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU "
                                   "(for a plain MLP) or SiLU (for a gated one)")
     distilled = getattr(model, "dist_token", None) is not None
     registers = model.reg_token.shape[1] if getattr(model, "reg_token", None) is not None else 0
     prefix = int(model.cls_token is not None) + int(distilled) + registers
-    ls = block.ls1
+    attn = block.attn
+    biased = getattr(attn, "q_bias", None) is not None or any(
+        getattr(getattr(attn, n, None), "bias", None) is not None for n in ("qkv", "q_proj", "k_proj", "v_proj"))
+    pool = getattr(model, "attn_pool", None)
     return ViTConfig(
         image_size=img_size[0],
         patch_size=patch_size[0],
         width=model.embed_dim,
         depth=len(model.blocks),
-        heads=block.attn.num_heads,
+        heads=attn.num_heads,
         mlp_dim=hidden,
         mlp=kind,
+        mlp_norm=mlp_norm,
         num_classes=model.num_classes,
         class_token=model.cls_token is not None,
         distill_token=distilled,
         register_tokens=registers,
-        pos_embed_prefix=0 if model.no_embed_class else prefix,
-        layer_scale=None if isinstance(ls, nn.Identity) else 1.0,
-        qkv_bias=block.attn.qkv.bias is not None,
-        proj_bias=block.attn.proj.bias is not None,
+        abs_pos_embed=model.pos_embed is not None,
+        pos_embed_prefix=0 if model.no_embed_class or model.pos_embed is None else prefix,
+        layer_scale=1.0 if scales.pop() else None,
+        qkv_bias=biased,
+        proj_bias=attn.proj.bias is not None,
         mlp_bias=block.mlp.fc2.bias is not None,
         patch_bias=pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
+        attn_norm=attn_norms.pop(),
         norm_pre=not isinstance(model.norm_pre, nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
         pool_prefix=model.global_pool != "map" or include_prefix or not model.num_prefix_tokens,
-        fc_norm=not isinstance(model.fc_norm, nn.Identity),
+        pool_heads=pool.num_heads if model.global_pool == "map" and pool.num_heads != attn.num_heads else None,
+        fc_norm=model.global_pool == "avg" and not isinstance(model.fc_norm, nn.Identity),
         act=acts.pop(),
         eps=block.norm1.eps,
+        **rope,
     )
+
+
+def _layer_scales(block: nn.Module) -> bool | None:
+    """True: LayerScale on both branches; False: on neither; None: on one only."""
+    if type(block).__name__ == "EvaBlock":
+        on = (block.gamma_1 is not None, block.gamma_2 is not None)
+    else:
+        on = (not isinstance(block.ls1, nn.Identity), not isinstance(block.ls2, nn.Identity))
+    return on[0] if on[0] == on[1] else None
+
+
+def _rope(model: nn.Module, problems: list[str]) -> dict:
+    """The `ViTConfig` rotary fields of a timm `Eva`'s position embedding (`model.rope`); what vitviz
+    does not model goes to `problems`."""
+    rope = getattr(model, "rope", None)
+    if rope is None:
+        return {}
+    name = type(rope).__name__
+    axes = {"ij": "yx", "xy": "xy"}.get(getattr(rope, "grid_indexing", None))
+    pairs = "half" if getattr(rope, "rotate_half", False) else "interleaved"
+    if axes is None:
+        problems.append(f"rotary positions indexed {getattr(rope, 'grid_indexing', None)!r}")
+        return {}
+    if name == "RotaryEmbeddingCat":
+        if rope.in_pixels or rope.grid_type != "index":
+            problems.append("rotary positions in pixel coordinates")
+            return {}
+        ref = rope.ref_feat_shape
+        return dict(rope="axial", rope_temperature=float(rope.temperature), rope_offset=float(rope.grid_offset),
+                    rope_ref_grid=tuple(ref) if ref is not None else None, rope_axes=axes, rope_pairs=pairs)
+    if name == "RotaryEmbeddingDinoV3":
+        if rope.min_period is not None or rope.max_period is not None or rope.normalize_coords != "separate":
+            problems.append("DINOv3 rotary positions with min/max periods or coordinates normalised across the axes")
+            return {}
+        return dict(rope="dinov3", rope_temperature=float(rope.temperature), rope_offset=float(rope.grid_offset),
+                    rope_axes=axes, rope_pairs=pairs)
+    if name == "RotaryEmbeddingMixed":
+        return dict(rope="mixed", rope_temperature=float(rope.temperature), rope_axes=axes, rope_pairs="interleaved")
+    problems.append(f"rotary positions of type {name}")
+    return {}
+
+
+def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A timm model's weights under vitviz's names (`convert_timm_state_dict`; for an `Eva`, its
+    attention's q, k, v projections or q/v biases as one qkv, its LayerScale gammas and learned
+    rotary frequencies as well)."""
+    sd = dict(model.state_dict())
+    if _is_instance(model, "Eva"):
+        for i, b in enumerate(model.blocks):
+            p, attn = f"blocks.{i}.", b.attn
+            if attn.qkv is None:  # separate projections (EVA-02); the key has no bias in EvaAttention
+                projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+                for n in ("q_proj", "k_proj", "v_proj"):
+                    for t in ("weight", "bias"):
+                        sd.pop(f"{p}attn.{n}.{t}", None)
+                sd[p + "attn.qkv.weight"] = torch.cat([m.weight for m in projs])
+                if any(m.bias is not None for m in projs):
+                    sd[p + "attn.qkv.bias"] = torch.cat([m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in projs])
+            elif getattr(attn, "q_bias", None) is not None:  # EvaAttention's q and v biases; its key's is zero
+                sd.pop(p + "attn.q_bias"), sd.pop(p + "attn.v_bias")
+                sd[p + "attn.qkv.bias"] = torch.cat([attn.q_bias, torch.zeros_like(attn.q_bias), attn.v_bias])
+            for timm_name, ours in (("gamma_1", "ls1.gamma"), ("gamma_2", "ls2.gamma")):
+                if p + timm_name in sd:
+                    sd[p + ours] = sd.pop(p + timm_name)
+        if "rope.freqs" in sd:  # RoPE-Mixed: timm's (f_x, f_y) [2, L, H, d/2] for its grid's (first, second) axis
+            f = sd.pop("rope.freqs")
+            if model.rope.grid_indexing == "xy":  # its first coordinate is the column
+                f = f.flip(0)
+            sd["rotary.freqs"] = f.permute(1, 2, 0, 3)
+    return convert_timm_state_dict(sd)
 
 
 def _is_layer_norm(norm: nn.Module, eps: float) -> bool:
@@ -244,10 +339,10 @@ def _pool_problems(model: nn.Module) -> list[str]:
     if pool.pos_embed is not None or not all(isinstance(getattr(pool, n), nn.Identity) for n in ("q_norm", "k_norm")):
         problems.append("attention pooling with its own position embedding or normalised queries and keys")
     linear = [getattr(pool, n) for n in ("q", "kv", "proj")]
-    if not all(isinstance(m, nn.Linear) and m.bias is not None for m in linear) or pool.num_heads != block.attn.num_heads:
-        problems.append("attention pooling without biased q, kv and output projections, or with other heads than the blocks'")
+    if not all(isinstance(m, nn.Linear) and m.bias is not None for m in linear):
+        problems.append("attention pooling without biased q, kv and output projections")
     mlp = pool.mlp
-    if mlp is None or type(mlp).__name__ != "Mlp" or mlp.fc1.out_features != block.mlp.fc1.out_features \
+    if mlp is None or type(mlp).__name__ != "Mlp" or mlp.fc1.out_features != _hidden(block.mlp) \
             or _act_name(mlp.act) != _act_name(block.mlp.act) or not _is_layer_norm(pool.norm, block.norm1.eps):
         problems.append("attention pooling without the blocks' LayerNorm and MLP after it")
     if not isinstance(model.fc_norm, nn.Identity):
@@ -257,10 +352,8 @@ def _pool_problems(model: nn.Module) -> list[str]:
 
 def _mlp_kind(mlp: nn.Module) -> str | None:
     """"plain" (timm's Mlp), "gated" (GluMlp, SwiGLU), or None for what vitviz does not model (a
-    norm inside the MLP, a convolution)."""
+    convolution, biases on some layers only)."""
     name = type(mlp).__name__
-    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-        return None
     if name == "Mlp" and isinstance(mlp.fc1, nn.Linear):
         return "plain"
     if name == "GluMlp" and isinstance(mlp.fc1, nn.Linear) and (mlp.fc1.bias is None) == (mlp.fc2.bias is None):
@@ -282,10 +375,6 @@ def _gates_first(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, tor
     return sd
 
 
-def _mlp_detail(mlp: nn.Module) -> str:
-    return " with a norm inside" if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity) else ""
-
-
 def _hidden(mlp: nn.Module) -> int:
     """The MLP's width (a gated one's after the gate)."""
     return mlp.fc2.in_features
@@ -304,8 +393,8 @@ def _act_name(act: nn.Module) -> str | None:
 
 
 def convert_timm_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """timm's names -> vitviz's: the same but for the MLPs' layers (fc1, fc2 -> 0, 2) and the
-    attention pool's learned query (latent -> probe)."""
+    """timm's names -> vitviz's: the same but for the MLPs' layers (fc1, fc2 -> 0, 2; SwiGLU's
+    fc1_g, fc1_x -> one 0) and the attention pool's learned query (latent -> probe)."""
     out = {k.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.2."): v for k, v in sd.items()}
     for key in [k for k in out if ".mlp.fc1_g." in k]:  # SwiGLU's two input projections: one, the gate's first
         out[key.replace(".mlp.fc1_g.", ".mlp.0.")] = torch.cat([out.pop(key), out.pop(key.replace(".fc1_g.", ".fc1_x."))])
@@ -424,7 +513,7 @@ def from_timm(model: nn.Module) -> ViT:
         ours = swin_from_timm(model)
     else:
         ours = ViT(config_from_timm(model))
-        ours.load_state_dict(_gates_first(model, convert_timm_state_dict(model.state_dict())))
+        ours.load_state_dict(_gates_first(model, _state_dict(model)))
     config = ours.config
     cfg = getattr(model, "pretrained_cfg", None) or {}
     arch = cfg.get("architecture") or type(model).__name__
