@@ -132,8 +132,9 @@ def random_timm_weights(name: str, seed: int = 0) -> tuple[torch.nn.Module, byte
     return model, save({k: v.contiguous() for k, v in model.state_dict().items()})
 
 
-# small models of each kind the app must handle: no head (DINO), a distillation token, registers
-APP_TIMM_MODELS = ("vit_small_patch16_224.dino", "deit_tiny_distilled_patch16_224.fb_in1k", "vit_small_patch14_reg4_dinov2.lvd142m")
+# small models of each kind the app must handle: no head (DINO), a distillation token, registers, rotary positions
+APP_TIMM_MODELS = ("vit_small_patch16_224.dino", "deit_tiny_distilled_patch16_224.fb_in1k", "vit_small_patch14_reg4_dinov2.lvd142m",
+                   "vit_small_patch16_dinov3.lvd1689m")
 
 
 @pytest.fixture(scope="session")

@@ -375,7 +375,7 @@ def test_view_images_are_close_jpeg(app, analysed, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit_small_patch16_224.dino", "deit_tiny_distilled_patch16_224.fb_in1k",
-                                  "vit_small_patch14_reg4_dinov2.lvd142m@224"])
+                                  "vit_small_patch14_reg4_dinov2.lvd142m@224", "vit_small_patch16_dinov3.lvd1689m"])
 def test_timm_models_through_the_app(app, example, offline_hub, name):
     """A timm model named in the other-model box, loaded from the hub cache offline: every section
     fills, a feature model says it has no classifier, DeiT shows its distillation map, and the
@@ -419,6 +419,21 @@ def test_timm_models_through_the_app(app, example, offline_hub, name):
     # the distance chart and the maps cover patches only
     assert a.distances().shape == (spec.depth, spec.heads)
     assert a.cls_map().shape == a.grid
+    # positions: a learned table's similarity, or (DINOv3: none, rotary alone) one rotary table for every head; and for
+    # every model the attention each offset received on this image, any layer
+    positions = tabs.positions.TAB
+    rotary = "dinov3" in name
+    assert a.layout.rotary == ("dinov3" if rotary else None) and a.layout.position_embeddings is not rotary
+    assert out[positions.similarity_box]["visible"] is not rotary and out[positions.bias_box]["visible"] is rotary
+    if rotary:
+        assert "rotary" in out[positions.bias_text] and out[positions.bias_layer]["visible"] is False
+        assert isinstance(out[positions.bias_img]["value"], Image.Image) and "Every head" in out[positions.bias_text]
+        assert a.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and a.grid == (16, 16)
+    assert out[positions.offsets_box]["visible"] is True and out[positions.offsets_layer]["value"] == spec.depth
+    first = positions.on_offsets_layer(out[page.PAGE.state], 1)[positions.offsets_img]
+    assert isinstance(first, Image.Image) and np.asarray(first).std() > 0
+    with pytest.raises(gr.Error, match="layer"):
+        positions.on_offsets_layer(out[page.PAGE.state], spec.depth + 1)
 
 
 @pytest.mark.slow
@@ -439,7 +454,7 @@ def test_analyze_endpoint_and_compare_with_a_timm_model(app, server, example, of
 
 def test_other_model_names_are_checked(app):
     for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
-                       ("timm:eva02_base_patch14_224.mim_in22k", "rotary position embeddings"),
+                       ("timm:beit_base_patch16_224.in22k_ft_in22k_in1k", "BEiT's relative position bias"),
                        ("timm:vit_giant_patch14_dinov2.lvd142m", "parameters"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
                        ("resnet50", "There is no model called 'resnet50': choose one from the menu"),
                        ("/etc/passwd", "'/etc/passwd' is a path, and a model is named"), ("vit_b_99", "did you mean vit_b_32 or vit_b_16")]:

@@ -131,7 +131,9 @@ def test_positions_show_each_layers_relative_position_bias_tables(analysed):
     ref, out, exp, model, _ = analysed
     positions = tabs.positions.TAB
     assert out[positions.similarity_box]["visible"] is False and out[positions.bias_box]["visible"] is True
-    assert out[positions.bias_layer]["maximum"] == 6 and isinstance(out[positions.bias_img], Image.Image)
+    assert out[positions.bias_layer]["maximum"] == 6 and isinstance(out[positions.bias_img]["value"], Image.Image)
+    assert "relative position bias" in out[positions.bias_text] and out[positions.bias_img]["label"] == "Relative position bias per head"
+    assert out[positions.offsets_box]["visible"] is False  # windows: its offsets are the tables above
     assert isinstance(out[positions.filters_img], Image.Image)
     assert "position embedding" not in out[positions.caption] and "principal components" in out[positions.caption]  # (none to show)
     for l, block in enumerate(model.blocks):

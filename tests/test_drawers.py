@@ -67,6 +67,11 @@ def test_what_differs_by_layout_beyond_the_explorer_comes_from_the_drawer_too(ex
     assert views.explorer_mode(vit) in ("stack", "layers") and views.EXPLORER_WIDGET == "global"
     with pytest.raises(ValueError, match="not relative position bias"):
         views.render_bias(vit, layer=1)
+    assert np.asarray(views.render_offsets(vit, layer=1)).std() > 0  # this image's attention by offset
+    with pytest.raises(ValueError, match="within 1..6"):  # shapes_p16: 6 blocks
+        views.render_offsets(vit, layer=7)
+    with pytest.raises(ValueError, match="within windows"):
+        swin_views.render_offsets(swin, layer=1)
     # a Swin: the pooled query's rollout explained, no discard ratio, a relative position bias per layer, its stages
     assert "pooled query" in swin_views.rollout_note(swin) and not swin_views.DISCARD_RATIO
     with pytest.raises(ValueError, match="discard ratio"):

@@ -305,6 +305,10 @@ def render_bias(exp, *, layer):
     raise ValueError("two frames have no relative position bias")
 
 
+def render_offsets(exp, *, layer):
+    raise ValueError("two frames have no one grid of offsets")
+
+
 def render_stages(exp):
     return None
 

@@ -55,6 +55,8 @@ class TokenLayout:
         classifier: the model has a classification head.
         position_embeddings: the model learned position embeddings for its patches.
         position_bias: the model learned a relative position bias that its attention adds (Swin).
+        rotary: the kind of rotary position embedding that turns its queries and keys
+            (`ViTConfig.rope`: "axial", "dinov3", "mixed"), or None.
         text: the model has a text tower (image-text relevance).
     """
 
@@ -65,6 +67,7 @@ class TokenLayout:
     classifier: bool = True
     position_embeddings: bool = True
     position_bias: bool = False
+    rotary: str | None = None
     text: bool = False
 
     def __post_init__(self) -> None:
@@ -99,7 +102,7 @@ class TokenLayout:
             "cls": "cls" in self.prefix_names,
             "classifier": self.classifier,
             "position_embeddings": self.position_embeddings,
-            "positions": self.position_embeddings or self.position_bias,
+            "positions": self.position_embeddings or self.position_bias or self.rotary is not None,
             "global_attention": self.attention == "global",
             "text": self.text,
             "target": self.classifier or self.text,

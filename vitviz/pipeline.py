@@ -50,10 +50,13 @@ def spec_of(model: ViT | ImageTextModel) -> VariantSpec:
 
 def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False) -> TokenLayout:
     """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
-    position embeddings, its prefix tokens, a classifier when it has a head, and a text tower when
-    it is the image tower of an image–text model (`text`)."""
+    position embeddings unless its positions are rotary alone, its rotary kind, its prefix tokens, a
+    classifier when it has a head, and a text tower when it is the image tower of an image–text
+    model (`text`)."""
+    c = spec.config
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
-                       pooled_query=spec.config.pooled_query, classifier=spec.has_head, position_embeddings=True, text=text)
+                       pooled_query=c.pooled_query, classifier=spec.has_head, position_embeddings=c.abs_pos_embed,
+                       rotary=c.rope, text=text)
 
 
 @dataclass

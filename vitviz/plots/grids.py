@@ -44,26 +44,30 @@ def outline_cells(pixels: np.ndarray, ids: np.ndarray, *, cell_px: int, width: i
     return out
 
 
-def bias_tables_image(tables: torch.Tensor, *, tile: int = 128, cmap: str = "RdBu_r") -> Image.Image:
-    """Relative position bias tables, one tile per head, on one symmetric colour scale with its bar.
+def bias_tables_image(tables: torch.Tensor, *, tile: int = 128, cmap: str = "RdBu_r", label: str = "bias",
+                      symmetric: bool = True, titles: list[str] | None = None) -> Image.Image:
+    """Tables over offsets (a relative position bias, a rotary product, attention by offset), one
+    tile per head, on one colour scale with its bar: symmetric about 0, or from 0 to the largest.
 
     Args:
-        tables: [H, 2wh - 1, 2ww - 1]: entry (r, c) is the bias a query adds to the logit of the key
-            (r - wh + 1, c - ww + 1) cells away from it (the centre is the query itself, outlined).
+        tables: [H, 2wh - 1, 2ww - 1]: entry (r, c) is the value for the key (r - wh + 1, c - ww + 1)
+            cells away from the query (the centre is the query itself, outlined).
+        titles: each tile's label (default "head h").
     """
     t = tables.detach().cpu().double().numpy()
     heads, th, tw = t.shape
     bound = float(np.abs(t).max()) or 1.0
+    low = -bound if symmetric else 0.0
     cell = max(1, tile // max(th, tw))
     tiles = []
     for h in range(heads):
-        rgb = colorize(t[h], cmap=cmap, vmin=-bound, vmax=bound).repeat(cell, 0).repeat(cell, 1)
+        rgb = colorize(t[h], cmap=cmap, vmin=low, vmax=bound).repeat(cell, 0).repeat(cell, 1)
         centre = np.zeros((th, tw), dtype=np.int64)
         centre[th // 2, tw // 2] = 1
         rgb = outline_cells(rgb, centre, cell_px=cell, width=max(1, cell // 6), color=(30, 30, 30), where=centre.astype(bool))
         tiles.append(Image.fromarray(rgb))
-    img = mosaic(tiles, cols=math.ceil(math.sqrt(heads)), labels=[f"head {h + 1}" for h in range(heads)])
-    return with_colorbar(img, vmin=-bound, vmax=bound, label="bias", cmap=cmap)
+    img = mosaic(tiles, cols=math.ceil(math.sqrt(heads)), labels=titles or [f"head {h + 1}" for h in range(heads)])
+    return with_colorbar(img, vmin=low, vmax=bound, label=label, cmap=cmap)
 
 
 class HeadGrid:

@@ -13,6 +13,7 @@ import torch
 
 from vitviz import plots, steps
 from vitviz.analysis import embedding_filter_components, position_embedding_similarity, uniform_attention_distance
+from vitviz.offsets import rotary_offsets
 from vitviz.architectures import architecture_of
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT
@@ -73,7 +74,9 @@ def count_params(module: torch.nn.Module) -> int:
 class ModelFacts:
     """What a variant shows independently of the image, computed once per loaded model. A Swin has
     no position embeddings (`similarity` None) and no one distance chart (`distance_chart` None: its
-    stages differ in heads and pixels per token)."""
+    stages differ in heads and pixels per token); a model with rotary positions has its rotary
+    product by offset (`rotary`, `vitviz.offsets.rotary_offsets`), and no similarity without a
+    learned table."""
 
     spec: VariantSpec
     similarity: torch.Tensor | None  # [gh, gw, gh, gw] at the trained grid
@@ -83,6 +86,7 @@ class ModelFacts:
     total_params: int
     uniform_distance: float | None
     distance_chart: plots.DistanceChart | None = field(repr=False, compare=False)
+    rotary: torch.Tensor | None = None  # [L, H, 2gh - 1, 2gw - 1] at the trained grid
     drawn: dict = field(default_factory=dict, repr=False, compare=False)  # pictures of these facts, drawn once
 
     @classmethod
@@ -101,15 +105,19 @@ class ModelFacts:
         tower = image_tower(model)
         c = tower.config
         with torch.no_grad():
-            patch_pos = tower.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
-            sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
+            sim = None
+            if tower.pos_embed is not None:
+                patch_pos = tower.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
+                sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
+            rotary = rotary_offsets(tower) if c.rope else None
             comps, explained = embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
         s = summary(tower)
         uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
         return cls(spec=spec, similarity=sim, components=comps, explained=explained,
                    summary_rows=s.table() + [["Total", "", "", f"{s.total_params:,}"]], total_params=s.total_params,
                    uniform_distance=uniform,
-                   distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"))
+                   distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
+                   rotary=rotary)
 
 
 class ModelCache:

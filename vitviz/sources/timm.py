@@ -53,6 +53,8 @@ from vitviz.sources.swin import is_timm_swin, swin_config_from_timm, swin_from_t
 __all__ = ["TimmSource", "from_timm", "CURATED", "config_from_timm", "convert_timm_state_dict"]
 
 # The timm models the app's menu offers by name: (timm name, image size or None for the model's own).
+# DINOv3's weights come under Meta's DINOv3 License (timm's copies on the hub say so); EVA-02's under
+# MIT; Perception Encoder's under Apache 2.0.
 CURATED: tuple[tuple[str, int | None], ...] = (
     ("vit_base_patch16_224.augreg2_in21k_ft_in1k", None),
     ("vit_base_patch32_224.augreg_in21k_ft_in1k", None),
@@ -61,6 +63,10 @@ CURATED: tuple[tuple[str, int | None], ...] = (
     ("vit_base_patch16_224.dino", None),
     ("vit_small_patch14_reg4_dinov2.lvd142m", 224),
     ("vit_base_patch16_clip_224.openai", None),
+    ("vit_small_patch16_dinov3.lvd1689m", None),
+    ("vit_base_patch16_dinov3.lvd1689m", None),
+    ("eva02_base_patch14_224.mim_in22k", None),
+    ("vit_pe_core_base_patch16_224.fb", None),
 )
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -451,8 +457,9 @@ def _categories(model: nn.Module) -> tuple[str, ...] | None:
         info = ImageNetInfo(subset)
         if info.num_classes() == n:
             return tuple(info.index_to_description(i) for i in range(n))
-    if cfg.get("num_classes") == n and n != 1000 and "clip" in str(cfg.get("architecture", "")):
-        return None  # CLIP's head is a projection into the text embedding space, not classes
+    arch = str(cfg.get("architecture", ""))
+    if cfg.get("num_classes") == n and n != 1000 and ("clip" in arch or arch.startswith("vit_pe_core")):
+        return None  # CLIP's (and Perception Encoder's) head is a projection into the text embedding space, not classes
     return tuple(f"class {i}" for i in range(n))
 
 

@@ -40,7 +40,8 @@ PROTOCOL: tuple[str, ...] = (
     "write_explorer",      # (exp, *, key, folder) -> writes the explorer's files; the widget's value
     "maps_note",           # (exp, missing) -> what the Explain tab says of the methods (titles) with no map, or ""
     "render_positions",    # (exp) -> (the learned positions' picture or None, the patch filters' components)
-    "render_bias",         # (exp, *, layer) -> one layer's relative position bias (`TokenLayout.position_bias`)
+    "render_bias",         # (exp, *, layer) -> one layer's position tables by offset: relative bias (`TokenLayout.position_bias`) or rotary
+    "render_offsets",      # (exp, *, layer) -> the attention one layer gave each offset on this image, per head
     "render_stages",       # (exp) -> None, or the stages over the image (grids, windows, merges)
     "render_received",     # (exp) -> the share of each layer's attention each token receives
     "render_token_norms",  # (exp) -> (the token norms per layer, the last block's over the image)

@@ -39,7 +39,7 @@ from vitviz.swin_analysis import SwinAnalysis
 
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
-           "render_distance", "bias_tables", "render_bias", "render_stages", "describe_query", "head_view", "patch_at",
+           "render_distance", "bias_tables", "render_bias", "render_offsets", "render_stages", "describe_query", "head_view", "patch_at",
            "write_npz", "render_received", "render_token_norms", "render_dino_heads", "render_features", "render_feature_similarity"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
@@ -247,6 +247,12 @@ def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
     """Layer `layer`'s (1-based) relative position bias tables, one tile per head, on one colour bar."""
     img = plots.bias_tables_image(bias_tables(exp.analysis, layer - 1))
     return plots.named(img, _name(exp, "position-bias", f"layer{layer}"))
+
+
+def render_offsets(exp: Exploration, *, layer: int) -> Image.Image:
+    """Attention by offset over the whole grid: not for windowed attention (a window's tokens see
+    only their window; its learned offsets are the bias tables, `render_bias`)."""
+    raise ValueError(f"{exp.analysis.variant} attends within windows: its offsets are its relative position bias tables")
 
 
 def render_stages(exp: Exploration) -> Image.Image:

@@ -24,6 +24,7 @@ from vitviz.architectures import attention_of
 from vitviz.cost import export_plan
 from vitviz.explainers import method as registered_method
 from vitviz.images import ImageSource, load_image
+from vitviz.offsets import attention_by_offset
 from vitviz.pipeline import Analysis, analyze, analyze_crop, image_tower, spec_of
 from vitviz.preprocess import crop
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
@@ -50,6 +51,7 @@ __all__ = [
     "write_explorer",
     "render_positions",
     "render_bias",
+    "render_offsets",
     "render_stages",
     "parse_head",
     "render_predictions",
@@ -214,8 +216,33 @@ def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]
 
 
 def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
-    """A layer's relative position bias: none here (`TokenLayout.position_bias`)."""
-    raise ValueError(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables")
+    """A rotary model's positions by offset at layer `layer` (1-based): per head, the mean cosine of
+    its pairs' rotary angles between a query and a key that far apart (`vitviz.offsets.rotary_offsets`;
+    the same at every layer unless the frequencies are learned per layer). A ViT has no relative
+    position bias (`TokenLayout.position_bias`)."""
+    rotary = exp.facts.rotary
+    if rotary is None:
+        raise ValueError(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables")
+    if not 1 <= layer <= rotary.shape[0]:
+        raise ValueError(f"layer must be within 1..{rotary.shape[0]}, got {layer}")
+    mixed = exp.analysis.layout.rotary == "mixed"
+    tables = rotary[layer - 1] if mixed else rotary[layer - 1, :1]  # fixed frequencies: one table for every head
+    titles = None if mixed else ["every head"]
+    img = plots.bias_tables_image(tables, label="cos", titles=titles)
+    return plots.named(img, _name(exp, "rotary-positions", f"layer{layer}" if mixed else ""))
+
+
+def render_offsets(exp: Exploration, *, layer: int) -> Image.Image:
+    """The attention layer `layer` (1-based) gave each offset on this image, per head: a patch query's
+    attention to the patch key that far away, averaged over the queries with a key there
+    (`vitviz.offsets.attention_by_offset`)."""
+    a = exp.analysis
+    layers = a.attentions.shape[0]
+    if not 1 <= layer <= layers:
+        raise ValueError(f"layer must be within 1..{layers}, got {layer}")
+    table = attention_by_offset(a.attentions[layer - 1], a.grid, num_prefix_tokens=a.num_prefix_tokens)
+    img = plots.bias_tables_image(table, cmap="viridis", label="attention", symmetric=False)
+    return plots.named(img, _name(exp, "attention-by-offset", f"layer{layer}"))
 
 
 def render_stages(exp: Exploration) -> Image.Image | None:
@@ -413,10 +440,13 @@ def compare_table_html(exps: list[Exploration]) -> str:
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def render_position(exp: Exploration) -> tuple[Image.Image, Image.Image]:
+def render_position(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
     """(position-embedding similarity as the paper's grid, principal components of the patch filters
-    with the variance each explains): the model's own, drawn once per loaded model."""
+    with the variance each explains): the model's own, drawn once per loaded model; None for the
+    similarity of a model without a learned table."""
     f = exp.facts
+    if f.similarity is None:  # no learned table (rotary positions alone)
+        return None, render_filters(exp)
     if "position" not in f.drawn:
         sim = plots.figure_to_image(plots.position_similarity_figure(f.similarity, title=f"{f.spec.name}: position embedding similarity"))
         f.drawn["position"] = plots.named(sim, _name(exp, "position-similarity"))
