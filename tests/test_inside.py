@@ -40,6 +40,14 @@ def _gap(fc_norm: bool) -> vitviz.ViT:
     return model
 
 
+def _norms_moved(model: vitviz.ViT) -> vitviz.ViT:
+    with torch.no_grad():  # away from the norms' init, so that a γ left out shows
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.normal_(1.0, 0.3)
+    return model
+
+
 def _vitviz(**kwargs) -> vitviz.ViT:
     torch.manual_seed(4)
     fields = dict(image_size=32, patch_size=16, width=16, depth=2, heads=2, mlp_dim=32, num_classes=5) | kwargs
@@ -62,6 +70,8 @@ BUILDERS = {
     "timm-gap-fc-norm": lambda: _gap(True),
     "timm-gap-normed-tokens": lambda: _gap(False),
     "no-final-norm": lambda: _vitviz(final_norm=False),
+    "timm-rmsnorm": lambda: _norms_moved(_timm("test_vit4", img_size=32)),  # every norm an RMSNorm: no centring, no β
+    "timm-dinov3-rotary": lambda: _timm("vit_small_patch16_dinov3", img_size=32),  # rotary, no table, 4 registers, avg
     "shapes_p16": lambda: vitviz.load_model("shapes_p16", device="cpu").eval(),
 }
 
@@ -123,6 +133,27 @@ def test_the_lens_reads_an_attention_pooling_model_too():
     torch.testing.assert_close(inside.logit_lens(model, x, logits=True), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not linear"):
         inside.logit_attribution(model, x)
+
+
+def test_a_norm_over_the_heads_outputs_keeps_the_lens_and_refuses_the_split():
+    """EVA-02 CLIP's LayerNorm before W_O (`ViTConfig.attn_norm`): the lens is the model's tail as ever;
+    the heads' shares do not add, so the attribution says why; ablating a head zeroes its output
+    before that norm (equal to zeroing its value rows)."""
+    model = _vitviz(attn_norm=True)
+    x = _image(model)
+    with torch.no_grad():
+        expected = torch.stack([model.head_logits(model.norm(h))[0] for h in _hooked_blocks(model, x)])
+    torch.testing.assert_close(inside.logit_lens(model, x, logits=True), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="normalises its heads' outputs together"):
+        inside.logit_attribution(model, x)
+    d = model.config.width // model.config.heads
+    zeroed = copy.deepcopy(model)
+    with torch.no_grad():
+        zeroed.blocks[1].attn.qkv.weight[2 * model.config.width + d: 2 * model.config.width + 2 * d] = 0  # head 1's value rows
+        zeroed.blocks[1].attn.qkv.bias[2 * model.config.width + d: 2 * model.config.width + 2 * d] = 0
+        want = zeroed(x[None])[0].softmax(-1)
+    got = inside.ablate(model, x, heads=[(1, 1)]).probabilities
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_lens_helpers_by_hand():

@@ -201,7 +201,8 @@ def test_norms_inside_the_attention_and_the_mlp_match_timm(kind):
 # rescaled coordinates, x first)
 EVA_NAMES = ["eva02_tiny_patch14_224", "eva02_base_patch14_224", "eva02_base_patch16_clip_224", "vit_small_patch16_dinov3",
              "vit_small_plus_patch16_dinov3_qkvb", "vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_ape_224",
-             "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256"]
+             "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256",
+             "aimv2_large_patch14_224"]  # (a VisionTransformer: RMSNorm everywhere, one after the patch embedding, SwiGLU)
 
 
 @pytest.mark.parametrize("name", EVA_NAMES)
@@ -222,7 +223,9 @@ def test_timms_rotary_families_give_timms_outputs_and_attention(name):
         assert want.abs().max() > 1e-3 and got.shape == want.shape and _relative(got, want) < logits, dtype
         torch.testing.assert_close(rec.attentions.float(), _timm_attention(model, x.to(dtype)).float(), atol=attention, rtol=0)
     c = ours.config
-    assert c.rope is not None or name.startswith("eva_")
+    assert c.rope is not None or name.startswith("aimv2")
+    if name.startswith("aimv2"):
+        assert c.norm == "rmsnorm" and c.patch_norm and c.mlp == "gated" and c.num_params == sum(p.numel() for p in ours.parameters())
     if "dinov3" in name:
         assert ours.spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and ours.pos_embed is None and c.rope == "dinov3"
     if "pe_core" in name:

@@ -96,7 +96,10 @@ class ViTConfig:
             "xy": the other way round.
         rope_pairs: which channels are turned together: "interleaved" (0 with 1, 2 with 3, ...) or
             "half" (j with j + d/2).
-        eps: LayerNorm epsilon.
+        norm: the kind of every norm: "layernorm" or "rmsnorm" (x / sqrt(mean(x²) + eps) · γ, no
+            centring and no shift; AIMv2's).
+        patch_norm: a norm of each patch's embedding, before the position embeddings (AIMv2).
+        eps: the norms' epsilon.
         pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
             does; Hugging Face does not, which matters when shrinking the grid).
     """
@@ -137,6 +140,8 @@ class ViTConfig:
     rope_ref_grid: tuple[int, int] | None = None
     rope_axes: Literal["yx", "xy"] = "yx"
     rope_pairs: Literal["interleaved", "half"] = "interleaved"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    patch_norm: bool = False
     eps: float = 1e-6
     pos_embed_antialias: bool = True
 
@@ -161,6 +166,8 @@ class ViTConfig:
             raise ValueError(f'act must be "gelu", "gelu_tanh", "quick_gelu" or "silu", got {self.act!r}')
         if self.mlp not in ("plain", "gated"):
             raise ValueError(f'mlp must be "plain" or "gated", got {self.mlp!r}')
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f'norm must be "layernorm" or "rmsnorm", got {self.norm!r}')
         if self.rope not in (None, "axial", "dinov3", "mixed"):
             raise ValueError(f'rope must be None, "axial", "dinov3" or "mixed", got {self.rope!r}')
         if self.rope is not None:
@@ -219,8 +226,9 @@ class ViTConfig:
         """Parameters of a ViT of this config, counted from the config alone (no memory, no weights;
         a test holds it to the count of a built `vitviz.ViT`)."""
         d, m, c = self.width, self.mlp_dim, self.num_classes
-        norm = 2 * d
-        patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0)
+        per = 2 if self.norm == "layernorm" else 1  # a LayerNorm's weight and bias; an RMSNorm's weight
+        norm = per * d
+        patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0) + (norm if self.patch_norm else 0)
         tokens = d * self.num_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
         block = (
             2 * norm
@@ -228,8 +236,8 @@ class ViTConfig:
             + d * d + (d if self.proj_bias else 0)
             + (3 if self.mlp == "gated" else 2) * d * m + (((2 if self.mlp == "gated" else 1) * m + d) if self.mlp_bias else 0)
             + (2 * d if self.layer_scale is not None else 0)
-            + (4 * (d // self.heads) if self.qk_norm else 0)
-            + (2 * m if self.mlp_norm else 0)
+            + (2 * per * (d // self.heads) if self.qk_norm else 0)
+            + (per * m if self.mlp_norm else 0)
             + (norm if self.attn_norm else 0)
             + (d if self.rope == "mixed" else 0)  # learned frequencies: 2 axes x H x (D/H)/2
         )

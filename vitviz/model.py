@@ -10,6 +10,7 @@ image [B, 3, H, W]
      positions are rotary)
   -> prepend the prefix tokens: cls, distillation, registers   [B, N, D],  N = p + gh*gw
   -> (optional LayerNorm)
+(every norm a LayerNorm, or an RMSNorm when `ViTConfig.norm` says so: AIMv2's)
   -> L pre-norm encoder blocks: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x)))
   -> final LayerNorm; the cls token (or the mean of the patches, or attention pooling)   [B, D]
   -> linear head                                               [B, classes]
@@ -54,6 +55,7 @@ __all__ = [
     "LayerScale",
     "QuickGELU",
     "Rotary",
+    "norm_layer",
     "recording_in_this_thread",
     "resample_pos_embed",
 ]
@@ -92,18 +94,28 @@ def _part_reducer(module: Attention) -> tuple[Callable[[torch.Tensor, int, int],
     return parts.get(id(module)) if parts else None
 
 
-class PatchEmbedding(nn.Module):
-    """Cuts the image into P x P patches and projects each to D dims with one strided Conv2d."""
+def norm_layer(kind: str, width: int, eps: float) -> nn.Module:
+    """A norm over the last `width` channels: "layernorm" (centred, scaled, shifted) or "rmsnorm"
+    (x / sqrt(mean(x²) + eps) · γ: no centring, no shift; AIMv2's)."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(width, eps=eps)
+    return nn.LayerNorm(width, eps=eps)
 
-    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3, bias: bool = True) -> None:
+
+class PatchEmbedding(nn.Module):
+    """Cuts the image into P x P patches and projects each to D dims with one strided Conv2d (then,
+    for AIMv2, a norm of each patch's embedding: `norm`)."""
+
+    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3, bias: bool = True, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.patch_size = patch_size
         self.proj = nn.Conv2d(in_channels, width, kernel_size=patch_size, stride=patch_size, bias=bias)
         self.flatten = Rearrange("b d gh gw -> b (gh gw) d")
+        self.norm = norm if norm is not None else nn.Identity()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, gh*gw, D]."""
-        return self.flatten(self.proj(images))
+        return self.norm(self.flatten(self.proj(images)))
 
 
 class Rotary(nn.Module):
@@ -195,7 +207,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True, qk_norm: bool = False,
-                 eps: float = 1e-6, prefix: int = 0, rope_pairs: str = "interleaved", out_norm: bool = False) -> None:
+                 eps: float = 1e-6, prefix: int = 0, rope_pairs: str = "interleaved", out_norm: bool = False,
+                 norm: str = "layernorm") -> None:
         super().__init__()
         self.prefix = prefix  # leading tokens that rotary positions leave as they are
         self.rope_pairs = rope_pairs
@@ -205,12 +218,12 @@ class Attention(nn.Module):
         self.scale = (width // heads) ** -0.5
         self.qkv = nn.Linear(width, 3 * width, bias=qkv_bias)
         # normalised queries and keys: each head's through a LayerNorm over its own channels
-        self.q_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(width // heads, eps=eps) if qk_norm else nn.Identity()
+        self.q_norm = norm_layer(norm, width // heads, eps) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(norm, width // heads, eps) if qk_norm else nn.Identity()
         self.attend = nn.Softmax(dim=-1)
         # `ViTConfig.attn_norm`: a LayerNorm over the heads' concatenated outputs (an identity without
         # one; either way the heads' outputs o_h are its input)
-        self.norm = nn.LayerNorm(width, eps=eps) if out_norm else nn.Identity()
+        self.norm = norm_layer(norm, width, eps) if out_norm else nn.Identity()
         self.proj = nn.Linear(width, width, bias=proj_bias)
         self.fused = True
 
@@ -286,7 +299,7 @@ class AttentionPool(nn.Module):
         self.kv = nn.Linear(c.width, 2 * c.width)
         self.attend = nn.Softmax(dim=-1)
         self.proj = nn.Linear(c.width, c.width)
-        self.norm = nn.LayerNorm(c.width, eps=c.eps)
+        self.norm = norm_layer(c.norm, c.width, c.eps)
         self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), _activation(c.act), nn.Linear(c.mlp_dim, c.width))
         nn.init.normal_(self.probe, std=0.02)
 
@@ -348,7 +361,7 @@ class GatedMLP(nn.Module):
 def mlp_of(c: ViTConfig) -> nn.Module:
     """A block's MLP for `c`: plain (Linear "0", act "1", Linear "2"; with `mlp_norm` a LayerNorm
     "norm" before "2") or gated (`GatedMLP`)."""
-    norm = nn.LayerNorm(c.mlp_dim, eps=c.eps) if c.mlp_norm else None
+    norm = norm_layer(c.norm, c.mlp_dim, c.eps) if c.mlp_norm else None
     if c.mlp == "gated":
         return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias, norm=norm)
     layers = {"0": nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), "1": _activation(c.act)}
@@ -365,11 +378,11 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = config
-        self.norm1 = nn.LayerNorm(c.width, eps=c.eps)
+        self.norm1 = norm_layer(c.norm, c.width, c.eps)
         self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps,
-                              prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm)
+                              prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm, norm=c.norm)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
-        self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
+        self.norm2 = norm_layer(c.norm, c.width, c.eps)
         self.mlp = mlp_of(c)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
@@ -415,17 +428,18 @@ class ViT(nn.Module):
         elif fields_:
             raise TypeError("pass a ViTConfig or its fields, not both")
         self.config = c = config
-        self.patch_embed = PatchEmbedding(patch_size=c.patch_size, width=c.width, bias=c.patch_bias)
+        self.patch_embed = PatchEmbedding(patch_size=c.patch_size, width=c.width, bias=c.patch_bias,
+                                          norm=norm_layer(c.norm, c.width, c.eps) if c.patch_norm else None)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.distill_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.register_tokens, c.width)) if c.register_tokens else None
         gh, gw = c.grid
         self.pos_embed = nn.Parameter(torch.empty(1, c.pos_embed_prefix + gh * gw, c.width).normal_(std=0.02)) if c.abs_pos_embed else None
         self.rotary = Rotary(c) if c.rope else None
-        self.norm_pre = nn.LayerNorm(c.width, eps=c.eps) if c.norm_pre else nn.Identity()
+        self.norm_pre = norm_layer(c.norm, c.width, c.eps) if c.norm_pre else nn.Identity()
         self.blocks = nn.ModuleList(EncoderBlock(c) for _ in range(c.depth))
-        self.norm = nn.LayerNorm(c.width, eps=c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
-        self.fc_norm = nn.LayerNorm(c.width, eps=c.eps) if c.fc_norm else nn.Identity()
+        self.norm = norm_layer(c.norm, c.width, c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
+        self.fc_norm = norm_layer(c.norm, c.width, c.eps) if c.fc_norm else nn.Identity()
         self.attn_pool = AttentionPool(c) if c.pool == "map" else None
         self.head = nn.Linear(c.width, c.num_classes) if c.num_classes else nn.Identity()
         self.head_dist = nn.Linear(c.width, c.num_classes) if c.num_classes and c.distill_token else None

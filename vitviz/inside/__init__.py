@@ -31,7 +31,8 @@ The classifier reads the residual through its query ("readout"):
   logit attribution (`attribution_of` says so).
 A LayerNorm is z = γ ⊙ (x − mean(x)) / σ + β with σ = sqrt(var(x) + eps). Freezing σ at its value in
 the forward makes z linear in the components: z = γ ⊙ Σ_c centre(c)/σ + β, with one σ per token for
-"normed mean". Each `Stream` component is already read at the query and divided by the forward's σ
+"normed mean". An RMSNorm (AIMv2's) is z = γ ⊙ x / σ with σ = sqrt(mean(x²) + eps): the same with no
+centring and no β. Each `Stream` component is already read at the query and divided by the forward's σ
 (not yet centred); `attribution_of` centres it, multiplies by γ and projects it on the target's
 direction:
 

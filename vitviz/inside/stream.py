@@ -23,7 +23,10 @@ AblationMode = Literal["zero", "mean"]
 Target = int | str | None
 
 
-def readout_of(model: ViT) -> tuple[Readout, int, nn.LayerNorm | None]:
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def readout_of(model: ViT) -> tuple[Readout, int, nn.LayerNorm | nn.RMSNorm | None]:
     """How the classifier reads the residual stream: (readout, Q the query vectors, the final norm or None).
 
     "token": tokens 0..Q-1 (cls; DeiT's cls and distillation token), each through `model.norm`;
@@ -32,12 +35,12 @@ def readout_of(model: ViT) -> tuple[Readout, int, nn.LayerNorm | None]:
     "attention pool": every token through `model.norm`, then `model.attn_pool` (SigLIP's MAP head).
     """
     c = model.config
-    norm = model.norm if isinstance(model.norm, nn.LayerNorm) else None
+    norm = model.norm if isinstance(model.norm, _NORMS) else None
     if c.pool == "map":
         return "attention pool", 1, norm
     if c.pool == "token":
         return "token", 2 if c.distill_token else 1, norm
-    if isinstance(model.fc_norm, nn.LayerNorm):
+    if isinstance(model.fc_norm, _NORMS):
         return "mean", 1, model.fc_norm
     return ("normed mean", 1, norm) if norm is not None else ("mean", 1, None)
 
@@ -250,7 +253,9 @@ class StreamRecord:
         with torch.no_grad():
             last = parts["last"].float()  # [B, R, D]
             eps = norm.eps if norm is not None else 0.0
-            sigma = (last.var(dim=-1, unbiased=False) + eps).sqrt() if norm is not None else torch.ones(last.shape[:-1])
+            centred = isinstance(norm, nn.LayerNorm)  # an RMSNorm divides by the root mean square, not centred
+            spread = last.var(dim=-1, unbiased=False) if centred else last.pow(2).mean(dim=-1)
+            sigma = (spread + eps).sqrt() if norm is not None else torch.ones(last.shape[:-1])
             attn = torch.stack(parts["attn"]).float()  # [L, B, R, D]: the heads' outputs before W_O
             mlp = torch.stack(parts["mlp"]).float()
             per_head = _scaled(attn, sigma, readout).unflatten(-1, (heads, d // heads))  # [L, B, Q, H, d]
@@ -266,11 +271,12 @@ class StreamRecord:
             embedding = _scaled(parts["embedding"].float(), sigma, readout)
             normed = torch.stack(parts["normed"]).float()  # [L+1, B, Q, D]
             gamma = norm.weight.detach().float().cpu() if norm is not None and norm.weight is not None else torch.ones(d)
-            beta = norm.bias.detach().float().cpu() if norm is not None and norm.bias is not None else torch.zeros(d)
+            bias = getattr(norm, "bias", None)  # (an RMSNorm has none)
+            beta = bias.detach().float().cpu() if bias is not None else torch.zeros(d)
             return [
                 Stream(readout=readout, normed=normed[:, b], embedding=embedding[b], heads=torch.stack([h[b] for h in ls_heads]),
                        attn_biases=torch.stack([x[b] for x in biases]), mlps=torch.stack([m[b] for m in ls_mlps]),
-                       sigma=sigma[b], centred=norm is not None, norm_weight=gamma, norm_bias=beta,
+                       sigma=sigma[b], centred=centred, norm_weight=gamma, norm_bias=beta,
                        unembed=unembed, categories=categories)
                 for b in range(last.shape[0])
             ]

@@ -135,8 +135,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     problems = []
     if getattr(pe, "backbone", None) is not None:
         problems.append(f"a hybrid patch embedding (a {type(pe.backbone).__name__} stem before the patches)")
-    elif not isinstance(getattr(pe, "proj", None), nn.Conv2d) or not isinstance(getattr(pe, "norm", nn.Identity()), nn.Identity):
-        problems.append("a patch embedding other than one Conv2d")
+    elif not isinstance(getattr(pe, "proj", None), nn.Conv2d):
+        problems.append("a patch embedding other than one Conv2d (and a norm)")
     rope = _rope(model, problems) if eva else {}
     if getattr(model, "pos_embed", None) is None and not rope:
         problems.append("no position embedding, learned or rotary")
@@ -160,11 +160,13 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
                         f"embedding leaves the last {img_size[0] % patch_size[0]} px out")
     block = model.blocks[0]
     eps = getattr(getattr(block, "norm1", None), "eps", None)
+    norm_kind = _norm_kind(getattr(block, "norm1", None), eps)  # every norm of the model must be of this kind and epsilon
     norms = [getattr(b, n, None) for b in model.blocks for n in ("norm1", "norm2")]
-    norms += [m for m in (model.norm_pre, model.norm, model.fc_norm) if not isinstance(m, nn.Identity)]
-    if not all(isinstance(n, nn.Module) and _is_layer_norm(n, eps) for n in norms):
-        odd = next(n for n in norms if not (isinstance(n, nn.Module) and _is_layer_norm(n, eps)))
-        problems.append(f"norms other than one kind of LayerNorm with a weight and a bias (a {type(odd).__name__})")
+    norms += [m for m in (model.norm_pre, model.norm, model.fc_norm, getattr(pe, "norm", None)) if not isinstance(m, (nn.Identity, type(None)))]
+    if norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms):
+        odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), block.norm1)
+        problems.append(f"norms other than one kind of LayerNorm (with a weight and a bias) or RMSNorm (with a weight) and one "
+                        f"epsilon (a {type(odd).__name__})")
     acts, qk_norms, mlps, scales, attn_norms = set(), set(), set(), set(), set()
     blocks, attentions = ("EvaBlock",) if eva else ("Block",), ("EvaAttention", "AttentionRope") if eva else ("Attention",)
     for b in model.blocks:
@@ -177,13 +179,13 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
             problems.append(f"attention of type {type(attn).__name__}")
             break
         out_norm = getattr(attn, "norm", nn.Identity())
-        if not (isinstance(out_norm, nn.Identity) or _is_layer_norm(out_norm, eps)):
-            problems.append(f"a norm after the attention other than the blocks' LayerNorm (a {type(out_norm).__name__})")
+        if not (isinstance(out_norm, nn.Identity) or _norm_kind(out_norm, eps) == norm_kind):
+            problems.append(f"a norm after the attention other than the blocks' (a {type(out_norm).__name__})")
             break
         attn_norms.add(not isinstance(out_norm, nn.Identity))
         qk = [getattr(attn, n, nn.Identity()) for n in ("q_norm", "k_norm")]
-        if not (all(isinstance(n, nn.Identity) for n in qk) or all(_is_layer_norm(n, b.norm1.eps) for n in qk)):
-            problems.append("queries and keys normalised otherwise than by a LayerNorm each (qk_norm)")
+        if not (all(isinstance(n, nn.Identity) for n in qk) or all(_norm_kind(n, eps) == norm_kind for n in qk)):
+            problems.append("queries and keys normalised otherwise than by the blocks' norm each (qk_norm)")
             break
         qk_norms.add(not isinstance(qk[0], nn.Identity))
         width = getattr(attn, "attn_dim", None) or getattr(attn, "head_dim", 0) * getattr(attn, "num_heads", 0) or model.embed_dim
@@ -195,8 +197,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
             problems.append(f"an MLP of type {type(mlp).__name__} (vitviz models timm's Mlp, GluMlp and SwiGLU)")
             break
         mlp_norm = getattr(mlp, "norm", nn.Identity())
-        if not (isinstance(mlp_norm, nn.Identity) or _is_layer_norm(mlp_norm, eps)):
-            problems.append(f"a norm inside the MLP other than the blocks' LayerNorm (a {type(mlp_norm).__name__})")
+        if not (isinstance(mlp_norm, nn.Identity) or _norm_kind(mlp_norm, eps) == norm_kind):
+            problems.append(f"a norm inside the MLP other than the blocks' (a {type(mlp_norm).__name__})")
             break
         mlps.add((kind, _hidden(mlp), not isinstance(mlp_norm, nn.Identity)))
         acts.add(_act_name(mlp.act))
@@ -243,6 +245,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         patch_bias=pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
         attn_norm=attn_norms.pop(),
+        norm=norm_kind,
+        patch_norm=not isinstance(getattr(pe, "norm", None) or nn.Identity(), nn.Identity),
         norm_pre=not isinstance(model.norm_pre, nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
@@ -325,10 +329,15 @@ def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return convert_timm_state_dict(sd)
 
 
-def _is_layer_norm(norm: nn.Module, eps: float) -> bool:
-    """A LayerNorm with a weight and a bias and the blocks' epsilon (what vitviz builds)."""
-    return (type(norm) is nn.LayerNorm or type(norm).__name__ == "LayerNorm") and norm.elementwise_affine \
-        and norm.bias is not None and norm.eps == eps
+def _norm_kind(norm: nn.Module | None, eps: float) -> str | None:
+    """"layernorm" for a LayerNorm with a weight and a bias, "rmsnorm" for an RMSNorm with a weight
+    (timm's RmsNorm, torch's), each with epsilon `eps` (what vitviz builds); None for anything else."""
+    name = type(norm).__name__
+    if name == "LayerNorm" and norm.elementwise_affine and getattr(norm, "bias", None) is not None and norm.eps == eps:
+        return "layernorm"
+    if name in ("RmsNorm", "RMSNorm") and getattr(norm, "weight", None) is not None and norm.eps == eps:
+        return "rmsnorm"
+    return None
 
 
 def _pool_problems(model: nn.Module) -> list[str]:
@@ -349,7 +358,7 @@ def _pool_problems(model: nn.Module) -> list[str]:
         problems.append("attention pooling without biased q, kv and output projections")
     mlp = pool.mlp
     if mlp is None or type(mlp).__name__ != "Mlp" or mlp.fc1.out_features != _hidden(block.mlp) \
-            or _act_name(mlp.act) != _act_name(block.mlp.act) or not _is_layer_norm(pool.norm, block.norm1.eps):
+            or _act_name(mlp.act) != _act_name(block.mlp.act) or _norm_kind(pool.norm, block.norm1.eps) != _norm_kind(block.norm1, block.norm1.eps):
         problems.append("attention pooling without the blocks' LayerNorm and MLP after it")
     if not isinstance(model.fc_norm, nn.Identity):
         problems.append("a norm after attention pooling")
