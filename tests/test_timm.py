@@ -202,7 +202,8 @@ def test_norms_inside_the_attention_and_the_mlp_match_timm(kind):
 EVA_NAMES = ["eva02_tiny_patch14_224", "eva02_base_patch14_224", "eva02_base_patch16_clip_224", "vit_small_patch16_dinov3",
              "vit_small_plus_patch16_dinov3_qkvb", "vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_ape_224",
              "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256",
-             "aimv2_large_patch14_224"]  # (a VisionTransformer: RMSNorm everywhere, one after the patch embedding, SwiGLU)
+             "aimv2_large_patch14_224",  # (a VisionTransformer: RMSNorm everywhere, one after the patch embedding, SwiGLU)
+             "beit_base_patch16_224", "vit_relpos_medium_patch16_cls_224", "vit_srelpos_small_patch16_224"]  # relative position bias
 
 
 @pytest.mark.parametrize("name", EVA_NAMES)
@@ -223,13 +224,36 @@ def test_timms_rotary_families_give_timms_outputs_and_attention(name):
         assert want.abs().max() > 1e-3 and got.shape == want.shape and _relative(got, want) < logits, dtype
         torch.testing.assert_close(rec.attentions.float(), _timm_attention(model, x.to(dtype)).float(), atol=attention, rtol=0)
     c = ours.config
-    assert c.rope is not None or name.startswith("aimv2")
+    assert c.rope is not None or name.startswith("aimv2") or c.rel_pos_bias
+    assert c.num_params == sum(p.numel() for p in ours.parameters())  # counted from the config alone
     if name.startswith("aimv2"):
-        assert c.norm == "rmsnorm" and c.patch_norm and c.mlp == "gated" and c.num_params == sum(p.numel() for p in ours.parameters())
+        assert c.norm == "rmsnorm" and c.patch_norm and c.mlp == "gated"
     if "dinov3" in name:
         assert ours.spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and ours.pos_embed is None and c.rope == "dinov3"
     if "pe_core" in name:
         assert c.pool == "map" and c.pool_heads == 8 and c.norm_pre and c.rope_axes == "xy" and c.rope_offset == 1.0
+
+
+def test_a_relative_position_bias_runs_at_its_own_grid_only():
+    """BEiT's tables (and vit_relpos's MLP, read into one) are learned for one grid: another size is
+    refused, by name and by image."""
+    model = vitviz.ViT.from_timm(random_timm("beit_base_patch16_224", depth=2))
+    assert model.config.rel_pos_bias
+    with pytest.raises(ValueError, match="learned for 224 px \\(14x14 patches\\); it runs at that size only"):
+        vitviz.get_spec("timm:beit_base_patch16_224.in22k_ft_in22k_in1k@384")
+    with pytest.raises(ValueError, match="learned for its 14x14 grid"):
+        model(torch.randn(1, 3, 256, 256))
+    from vitviz.pipeline import layout_of
+    from vitviz.server.models import ModelFacts
+
+    layout = layout_of(model.spec, model.config.grid)
+    assert layout.position_bias and not layout.position_embeddings and "positions" in layout.provides
+    facts = ModelFacts.of(model)  # the Positions tab's tables: each block's bias by offset
+    assert facts.similarity is None and facts.bias.shape == (2, 12, 27, 27)
+    torch.testing.assert_close(facts.bias[1], model.blocks[1].attn.rel_pos.offsets().detach())
+    table = model.blocks[0].attn.rel_pos.offsets()  # [H, 27, 27]: the key dy, dx from the query
+    t = model.blocks[0].attn.rel_pos.table
+    assert table.shape == (12, 27, 27) and torch.equal(table[:, 13 + 2, 13 - 1], t[(-2 + 13) * 27 + (1 + 13)])
 
 
 def test_dinov3_at_any_aspect_ratio_matches_timm():
@@ -494,15 +518,15 @@ def test_the_stage_table_names_the_attention_pool_and_counts_every_parameter():
 
 
 def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
-    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and an EVA-02 exact, a BEiT refused
-    in one sentence, and the table's counts."""
+    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and an EVA-02 exact, a NaFlex ViT
+    refused in one sentence, and the table's counts."""
     from vitviz.dev import zoo
 
     table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
-             zoo.check("beit", "beit_base_patch16_224"), zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
+             zoo.check("naflexvit", "naflexvit_base_patch16_gap"), zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
     assert [r.status for r in table] == ["exact", "exact", "refused", "refused"]
     assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail and "attention" in table[1].detail
-    assert table[2].detail == "timm's Beit (BEiT's relative position bias per block) is not modelled by vitviz"
+    assert table[2].detail == "timm's NaFlexVit (NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex) is not modelled by vitviz"
     assert table[3].detail == "VisionTransformer has blocks of type ResPostBlock, which vitviz does not model"
     page = zoo.markdown(table)
     assert "| all | 4 | 2 | 2 | 0 |" in page and "| `eva` | 1 | 1 | 0 | 0 |" in page

@@ -90,6 +90,11 @@ class ViTConfig:
             on each axis ((i + 0.5 + offset) / n · 2 − 1); frequencies 2π / T^(k/(d/4)) (DINOv3,
             T = 100). "mixed": learned frequencies of their own per layer and head, each pair turned by
             both y and x (RoPE-Mixed, Heo et al. 2024; the model's parameter `rotary.freqs`).
+        rel_pos_bias: each block adds a learned bias to its attention logits, one per head for every
+            offset between a query patch and a key patch at the trained grid, and one each for a cls
+            token attending to a patch, a patch to the cls token, and the cls token to itself (BEiT,
+            Bao et al. 2022; timm's vit_relpos_*, whose small MLP of the offsets is read into such a
+            table). Learned for the trained grid only: other image sizes are refused.
         rope_temperature, rope_offset, rope_ref_grid: T, the offset added to the coordinates, and the
             grid (gh, gw) the "axial" coordinates are rescaled to (EVA's rule for other sizes).
         rope_axes: "yx": the first half of the pairs turns with the row, the second with the column;
@@ -134,6 +139,7 @@ class ViTConfig:
     mlp_norm: bool = False
     attn_norm: bool = False
     abs_pos_embed: bool = True
+    rel_pos_bias: bool = False
     rope: Literal["axial", "dinov3", "mixed"] | None = None
     rope_temperature: float = 10000.0
     rope_offset: float = 0.0
@@ -180,6 +186,8 @@ class ViTConfig:
                 raise ValueError('rope="mixed" turns interleaved pairs')
             if self.rope_ref_grid is not None:
                 object.__setattr__(self, "rope_ref_grid", tuple(int(g) for g in self.rope_ref_grid))
+        if self.rel_pos_bias and self.num_prefix_tokens > 1:
+            raise ValueError("a relative position bias (BEiT's) takes one prefix token at most, the cls token")
         if self.pos_embed_prefix is None:
             object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens if self.abs_pos_embed else 0)
         if not self.abs_pos_embed and self.pos_embed_prefix:
@@ -240,6 +248,7 @@ class ViTConfig:
             + (per * m if self.mlp_norm else 0)
             + (norm if self.attn_norm else 0)
             + (d if self.rope == "mixed" else 0)  # learned frequencies: 2 axes x H x (D/H)/2
+            + (((2 * self.grid[0] - 1) * (2 * self.grid[1] - 1) + 3) * self.heads if self.rel_pos_bias else 0)
         )
         norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
         heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0

@@ -54,7 +54,8 @@ class TokenLayout:
         pooled_query: the classifier reads the mean of the patch tokens and there is no cls token.
         classifier: the model has a classification head.
         position_embeddings: the model learned position embeddings for its patches.
-        position_bias: the model learned a relative position bias that its attention adds (Swin).
+        position_bias: the model learned a relative position bias that its attention adds (Swin's
+            within windows, BEiT's over the grid).
         rotary: the kind of rotary position embedding that turns its queries and keys
             (`ViTConfig.rope`: "axial", "dinov3", "mixed"), or None.
         text: the model has a text tower (image-text relevance).

@@ -55,6 +55,8 @@ __all__ = [
     "LayerScale",
     "QuickGELU",
     "Rotary",
+    "RelativePositionBias",
+    "relative_index",
     "norm_layer",
     "recording_in_this_thread",
     "resample_pos_embed",
@@ -199,6 +201,50 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pairs: str)
     return (x * cos + perp * sin).to(x.dtype)
 
 
+def relative_index(grid: tuple[int, int], prefix: int) -> torch.Tensor:
+    """BEiT's index of each (query, key) pair's entry in a relative position bias table, [N, N] for
+    `prefix` (0 or 1) cls tokens then the patches of `grid` row by row: a patch pair's offset
+    (query − key) at (Δy + gh − 1)(2gw − 1) + Δx + gw − 1; then, after those (2gh − 1)(2gw − 1),
+    the cls token to a patch, a patch to the cls token, the cls token to itself."""
+    gh, gw = grid
+    y = torch.arange(gh).repeat_interleave(gw)
+    x = torch.arange(gw).repeat(gh)
+    patches = (y[:, None] - y[None, :] + gh - 1) * (2 * gw - 1) + (x[:, None] - x[None, :] + gw - 1)
+    if not prefix:
+        return patches
+    n = (2 * gh - 1) * (2 * gw - 1)
+    index = torch.zeros(gh * gw + 1, gh * gw + 1, dtype=torch.long)
+    index[1:, 1:] = patches
+    index[0, :] = n
+    index[:, 0] = n + 1
+    index[0, 0] = n + 2
+    return index
+
+
+class RelativePositionBias(nn.Module):
+    """A learned bias per head for every (query, key) offset of the trained grid, added to the
+    attention logits (`ViTConfig.rel_pos_bias`; BEiT's). `table` [(2gh − 1)(2gw − 1) + 3, H]
+    holds the patches' offsets, then the cls token's three entries (`relative_index`)."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        c = config
+        self.grid = c.grid
+        self.table = nn.Parameter(torch.zeros((2 * c.grid[0] - 1) * (2 * c.grid[1] - 1) + 3, c.heads))
+        self.register_buffer("index", relative_index(c.grid, c.num_prefix_tokens), persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        """The bias [H, N, N] of the trained grid."""
+        return self.table[self.index].permute(2, 0, 1)
+
+    def offsets(self) -> torch.Tensor:
+        """The patches' bias by offset [H, 2gh − 1, 2gw − 1], entry [gh − 1 + dy, gw − 1 + dx] for the key
+        dy rows and dx columns from the query (the table read with key − query)."""
+        gh, gw = self.grid
+        patches = self.table[: (2 * gh - 1) * (2 * gw - 1)].T.reshape(-1, 2 * gh - 1, 2 * gw - 1)  # by query − key
+        return patches.flip(-2, -1)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection.
 
@@ -208,8 +254,9 @@ class Attention(nn.Module):
 
     def __init__(self, *, width: int, heads: int, qkv_bias: bool = True, proj_bias: bool = True, qk_norm: bool = False,
                  eps: float = 1e-6, prefix: int = 0, rope_pairs: str = "interleaved", out_norm: bool = False,
-                 norm: str = "layernorm") -> None:
+                 norm: str = "layernorm", rel_pos: nn.Module | None = None) -> None:
         super().__init__()
+        self.rel_pos = rel_pos  # `RelativePositionBias`: added to the logits
         self.prefix = prefix  # leading tokens that rotary positions leave as they are
         self.rope_pairs = rope_pairs
         if width % heads:
@@ -243,17 +290,20 @@ class Attention(nn.Module):
             p = self.prefix
             q = torch.cat([q[:, :, :p], rotate(q[:, :, p:], rope, self.rope_pairs)], dim=2)
             k = torch.cat([k[:, :, :p], rotate(k[:, :, p:], rope, self.rope_pairs)], dim=2)
+        bias = self.rel_pos().to(q.dtype) if self.rel_pos is not None else None  # [H, N, N]
         parts = _part_reducer(self) if recording_in_this_thread() else None
         if parts is not None:
-            out = self._by_parts(q, k, v, *parts)
+            out = self._by_parts(q, k, v, *parts, bias=bias)
         elif self._observed():
-            attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)  # [B, H, N, N], rows sum to 1
+            logits = (q @ k.transpose(-2, -1)) * self.scale
+            attn = self.attend(logits if bias is None else logits + bias)  # [B, H, N, N], rows sum to 1
             out = attn @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.proj(self.norm(rearrange(out, "b h n d -> b n (h d)")))
 
-    def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int) -> torch.Tensor:
+    def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """The explicit attention a few images at a time, each part's softmax output reduced while it
         is in the processor's cache (the layer's other work runs on the whole batch). The same
         arithmetic as the explicit path; hooks on `attend` see the whole layer's attention as ever,
@@ -266,7 +316,8 @@ class Attention(nn.Module):
         outs = []
         for first in range(0, batch, images):
             part = slice(first, first + images)
-            attn = self.attend((q[part] @ k[part].transpose(-2, -1)) * self.scale)
+            logits = (q[part] @ k[part].transpose(-2, -1)) * self.scale
+            attn = self.attend(logits if bias is None else logits + bias)
             reducer(attn, first, batch)
             if out is None:
                 outs.append(attn @ v[part])
@@ -380,7 +431,8 @@ class EncoderBlock(nn.Module):
         c = config
         self.norm1 = norm_layer(c.norm, c.width, c.eps)
         self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps,
-                              prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm, norm=c.norm)
+                              prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm, norm=c.norm,
+                              rel_pos=RelativePositionBias(c) if c.rel_pos_bias else None)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
         self.norm2 = norm_layer(c.norm, c.width, c.eps)
         self.mlp = mlp_of(c)
@@ -479,10 +531,15 @@ class ViT(nn.Module):
         return self.config.num_tokens
 
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
-        """The patch grid of an image of height x width pixels (both multiples of P)."""
-        p = self.config.patch_size
+        """The patch grid of an image of height x width pixels (both multiples of P; the trained size
+        for a model with a relative position bias, learned for its grid only)."""
+        c = self.config
+        p = c.patch_size
         if height % p or width % p:
             raise ValueError(f"the image is {height}x{width} px; both sides must be multiples of the patch size {p}")
+        if c.rel_pos_bias and (height // p, width // p) != c.grid:
+            raise ValueError(f"this model's relative position bias is learned for its {c.grid[0]}x{c.grid[1]} grid "
+                             f"({c.image_size} px); the image is {height}x{width} px")
         return height // p, width // p
 
     def patch_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor | None:

@@ -50,13 +50,14 @@ def spec_of(model: ViT | ImageTextModel) -> VariantSpec:
 
 def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False) -> TokenLayout:
     """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
-    position embeddings unless its positions are rotary alone, its rotary kind, its prefix tokens, a
+    position embeddings unless its positions are rotary or relative alone, its relative position bias
+    (BEiT's) and rotary kind, its prefix tokens, a
     classifier when it has a head, and a text tower when it is the image tower of an image–text
     model (`text`)."""
     c = spec.config
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
                        pooled_query=c.pooled_query, classifier=spec.has_head, position_embeddings=c.abs_pos_embed,
-                       rotary=c.rope, text=text)
+                       position_bias=c.rel_pos_bias, rotary=c.rope, text=text)
 
 
 @dataclass

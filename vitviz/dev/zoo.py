@@ -8,7 +8,7 @@ Each architecture (one timm model function) is built with random weights, two bl
 constructor takes a depth (a Swin at full depth), offline: no weight is downloaded. Its LayerScale,
 head and q/v biases are moved off their inits, so that a conversion dropping any cannot pass. "exact": the
 converted model's outputs within 1e-4 of timm's (relative to the largest) and, for a
-`VisionTransformer` or `Eva`, every block's attention within 1e-5 of timm's own softmax (`AttentionExtract`,
+`VisionTransformer`, `Eva`, `Beit` or `VisionTransformerRelPos`, every block's attention within 1e-5 of timm's own softmax (`AttentionExtract`,
 fused attention off), at the architecture's own input size. "refused": `from_timm` raised
 `NotImplementedError` before any weight was read, its sentence quoted. "differs" and "error" are
 bugs; "timm cannot build it" is timm's own failure at that depth.
@@ -54,8 +54,8 @@ def _build(name: str) -> torch.nn.Module:
 
 def randomise(model: torch.nn.Module) -> torch.nn.Module:
     """`model` (timm's, in place) with the weights that start at a constant moved off it: LayerScale
-    (1e-5), heads (zeros), an Eva's q and v biases (zeros), so that a conversion dropping any of
-    them cannot pass a comparison of outputs."""
+    (1e-5), heads (zeros), an Eva's or BEiT's q and v biases and BEiT's relative position tables
+    (zeros), so that a conversion dropping any of them cannot pass a comparison of outputs."""
     with torch.no_grad():
         for module in model.modules():
             gamma = getattr(module, "gamma", None)
@@ -65,7 +65,7 @@ def randomise(model: torch.nn.Module) -> torch.nn.Module:
             last = name.rpartition(".")[2]
             if last in ("gamma_1", "gamma_2"):
                 p.normal_(1.0, 0.2)
-            elif last in ("q_bias", "v_bias"):
+            elif last in ("q_bias", "v_bias", "relative_position_bias_table"):
                 p.normal_(std=0.02)
         for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
             head = getattr(head, "fc", head)
@@ -120,7 +120,7 @@ def check(module: str, name: str) -> Row:
         logits = ((got - want).abs().max() / want.abs().max()).item()
         if logits > LOGIT_TOLERANCE:
             return Row(module, name, cls, "differs", f"outputs {logits:.1e} off")
-        if cls in ("VisionTransformer", "VisionTransformerDistilled", "Eva"):
+        if cls in ("VisionTransformer", "VisionTransformerDistilled", "Eva", "Beit", "VisionTransformerRelPos"):
             attention = (rec.attentions - timm_attention(model, x)).abs().max().item()
             if attention > ATTENTION_TOLERANCE:
                 return Row(module, name, cls, "differs", f"attention {attention:.1e} off")

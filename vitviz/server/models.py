@@ -75,8 +75,9 @@ class ModelFacts:
     """What a variant shows independently of the image, computed once per loaded model. A Swin has
     no position embeddings (`similarity` None) and no one distance chart (`distance_chart` None: its
     stages differ in heads and pixels per token); a model with rotary positions has its rotary
-    product by offset (`rotary`, `vitviz.offsets.rotary_offsets`), and no similarity without a
-    learned table."""
+    product by offset (`rotary`, `vitviz.offsets.rotary_offsets`), one with a relative position
+    bias over the grid (BEiT's) its tables by offset (`bias`), and no similarity without a learned
+    table."""
 
     spec: VariantSpec
     similarity: torch.Tensor | None  # [gh, gw, gh, gw] at the trained grid
@@ -87,6 +88,7 @@ class ModelFacts:
     uniform_distance: float | None
     distance_chart: plots.DistanceChart | None = field(repr=False, compare=False)
     rotary: torch.Tensor | None = None  # [L, H, 2gh - 1, 2gw - 1] at the trained grid
+    bias: torch.Tensor | None = None  # a relative position bias (BEiT's) by offset: [L, H, 2gh - 1, 2gw - 1]
     drawn: dict = field(default_factory=dict, repr=False, compare=False)  # pictures of these facts, drawn once
 
     @classmethod
@@ -110,6 +112,7 @@ class ModelFacts:
                 patch_pos = tower.pos_embed[:, c.pos_embed_prefix :].detach().cpu()
                 sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
             rotary = rotary_offsets(tower) if c.rope else None
+            bias = torch.stack([b.attn.rel_pos.offsets().detach().float().cpu() for b in tower.blocks]) if c.rel_pos_bias else None
             comps, explained = embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
         s = summary(tower)
         uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
@@ -117,7 +120,7 @@ class ModelFacts:
                    summary_rows=s.table() + [["Total", "", "", f"{s.total_params:,}"]], total_params=s.total_params,
                    uniform_distance=uniform,
                    distance_chart=plots.DistanceChart(uniform=uniform, title=f"{spec.name}: mean attention distance per head"),
-                   rotary=rotary)
+                   rotary=rotary, bias=bias)
 
 
 class ModelCache:

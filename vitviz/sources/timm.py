@@ -112,8 +112,6 @@ def _split(name: str) -> tuple[str, int | None]:
 # timm's other ViT-family classes, and the part of each that vitviz does not model
 _NOT_YET = {
     "NaFlexVit": "NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex",
-    "Beit": "BEiT's relative position bias per block",
-    "VisionTransformerRelPos": "a relative position bias (or MLP) per block",
     "VisionTransformerSAM": "windowed blocks with decomposed relative positions: SAM's image encoder",
 }
 
@@ -122,15 +120,30 @@ def _is_instance(model: nn.Module, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(model).__mro__)
 
 
+# timm's classes of the plain ViT family that vitviz reads: (their blocks' class, their attention's classes)
+_FAMILIES = {
+    "VisionTransformer": (("Block",), ("Attention",)),
+    "Eva": (("EvaBlock",), ("EvaAttention", "AttentionRope")),  # EVA, EVA-02, DINOv3, Perception Encoder, vit_*_rope_*
+    "Beit": (("Block",), ("Attention",)),  # BEiT, BEiT v2: a relative position bias per block
+    "VisionTransformerRelPos": (("RelPosBlock",), ("RelPosAttention",)),  # vit_relpos_*: an MLP of the offsets
+}
+
+
+def _family(model: nn.Module) -> str | None:
+    return next((f for f in _FAMILIES if _is_instance(model, f)), None)
+
+
 def config_from_timm(model: nn.Module) -> ViTConfig:
-    """The `ViTConfig` of a timm `VisionTransformer` or `Eva` (EVA, EVA-02, DINOv3, Perception
-    Encoder, the vit_*_rope_* models), or a clear error for what vitviz does not model."""
-    eva = _is_instance(model, "Eva")
-    if not eva and not _is_instance(model, "VisionTransformer"):
+    """The `ViTConfig` of a timm `VisionTransformer`, `Eva` (EVA, EVA-02, DINOv3, Perception
+    Encoder, the vit_*_rope_* models), `Beit` or `VisionTransformerRelPos`, or a clear error for
+    what vitviz does not model."""
+    family = _family(model)
+    if family is None:
         name = type(model).__name__
         if name in _NOT_YET:
             raise NotImplementedError(f"timm's {name} ({_NOT_YET[name]}) is not modelled by vitviz")
-        raise TypeError(f"expected a timm VisionTransformer or Eva, got {name}")
+        raise TypeError(f"expected a timm VisionTransformer, Eva, Beit or VisionTransformerRelPos, got {name}")
+    eva = family == "Eva"
     pe = model.patch_embed
     problems = []
     if getattr(pe, "backbone", None) is not None:
@@ -138,8 +151,9 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     elif not isinstance(getattr(pe, "proj", None), nn.Conv2d):
         problems.append("a patch embedding other than one Conv2d (and a norm)")
     rope = _rope(model, problems) if eva else {}
-    if getattr(model, "pos_embed", None) is None and not rope:
-        problems.append("no position embedding, learned or rotary")
+    relative = _relative(model, problems)
+    if getattr(model, "pos_embed", None) is None and not rope and not relative:
+        problems.append("no position embedding, learned, relative or rotary")
     if model.global_pool not in ("token", "avg", "map"):
         problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token', 'avg' and 'map')")
     elif model.global_pool == "map":
@@ -162,13 +176,14 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     eps = getattr(getattr(block, "norm1", None), "eps", None)
     norm_kind = _norm_kind(getattr(block, "norm1", None), eps)  # every norm of the model must be of this kind and epsilon
     norms = [getattr(b, n, None) for b in model.blocks for n in ("norm1", "norm2")]
-    norms += [m for m in (model.norm_pre, model.norm, model.fc_norm, getattr(pe, "norm", None)) if not isinstance(m, (nn.Identity, type(None)))]
+    norms += [m for m in (getattr(model, "norm_pre", None), model.norm, model.fc_norm, getattr(pe, "norm", None))
+              if not isinstance(m, (nn.Identity, type(None)))]
     if norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms):
         odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), block.norm1)
         problems.append(f"norms other than one kind of LayerNorm (with a weight and a bias) or RMSNorm (with a weight) and one "
                         f"epsilon (a {type(odd).__name__})")
     acts, qk_norms, mlps, scales, attn_norms = set(), set(), set(), set(), set()
-    blocks, attentions = ("EvaBlock",) if eva else ("Block",), ("EvaAttention", "AttentionRope") if eva else ("Attention",)
+    blocks, attentions = _FAMILIES[family]
     for b in model.blocks:
         if type(b).__name__ not in blocks:
             problems.append(f"blocks of type {type(b).__name__}")
@@ -236,8 +251,9 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         class_token=model.cls_token is not None,
         distill_token=distilled,
         register_tokens=registers,
-        abs_pos_embed=model.pos_embed is not None,
-        pos_embed_prefix=0 if model.no_embed_class or model.pos_embed is None else prefix,
+        abs_pos_embed=getattr(model, "pos_embed", None) is not None,
+        pos_embed_prefix=0 if getattr(model, "no_embed_class", False) or getattr(model, "pos_embed", None) is None else prefix,
+        rel_pos_bias=relative,
         layer_scale=1.0 if scales.pop() else None,
         qkv_bias=biased,
         proj_bias=attn.proj.bias is not None,
@@ -247,7 +263,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         attn_norm=attn_norms.pop(),
         norm=norm_kind,
         patch_norm=not isinstance(getattr(pe, "norm", None) or nn.Identity(), nn.Identity),
-        norm_pre=not isinstance(model.norm_pre, nn.Identity),
+        norm_pre=not isinstance(getattr(model, "norm_pre", None) or nn.Identity(), nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
         pool_prefix=model.global_pool != "map" or include_prefix or not model.num_prefix_tokens,
@@ -261,11 +277,63 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
 
 def _layer_scales(block: nn.Module) -> bool | None:
     """True: LayerScale on both branches; False: on neither; None: on one only."""
-    if type(block).__name__ == "EvaBlock":
+    if hasattr(block, "gamma_1"):  # Eva's and BEiT's blocks
         on = (block.gamma_1 is not None, block.gamma_2 is not None)
     else:
         on = (not isinstance(block.ls1, nn.Identity), not isinstance(block.ls2, nn.Identity))
     return on[0] if on[0] == on[1] else None
+
+
+def _relative(model: nn.Module, problems: list[str]) -> bool:
+    """Whether a timm `Beit` or `VisionTransformerRelPos` adds a relative position bias (its blocks'
+    own or one shared by them) that vitviz reads as `ViTConfig.rel_pos_bias`; what vitviz does not
+    model goes to `problems`."""
+    family = _family(model)
+    if family == "Beit":
+        grid = tuple(model.patch_embed.grid_size)
+        tables = [b.attn for b in model.blocks if b.attn.relative_position_bias_table is not None]
+        shared = model.rel_pos_bias
+        windows = {tuple(a.window_size) for a in tables} | ({tuple(shared.window_size)} if shared is not None else set())
+        if windows - {grid}:
+            problems.append(f"relative position tables for another grid than its own ({sorted(windows)} over {grid})")
+        return bool(tables) or shared is not None
+    if family == "VisionTransformerRelPos":
+        mods = [b.attn.rel_pos for b in model.blocks if b.attn.rel_pos is not None]
+        if model.shared_rel_pos is not None:
+            mods.append(model.shared_rel_pos)
+        if any(not hasattr(m, "get_bias") or getattr(m, "prefix_tokens", 0) > 1 for m in mods):
+            problems.append("a relative position module vitviz cannot read")
+        return bool(mods)
+    return False
+
+
+def _relative_tables(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each block's relative position bias as vitviz's table (`RelativePositionBias.table`): BEiT's
+    own tables (plus its shared one); for `VisionTransformerRelPos`, the bias its MLP of the
+    offsets computes at the trained grid, read back into the table by the same index (exact there;
+    every pair with one offset has one bias)."""
+    from vitviz.model import relative_index
+
+    grid = tuple(model.patch_embed.grid_size)
+    index = relative_index(grid, model.num_prefix_tokens).flatten()
+    heads = model.blocks[0].attn.num_heads
+    size = (2 * grid[0] - 1) * (2 * grid[1] - 1) + 3
+    out = {}
+    with torch.no_grad():
+        if _family(model) == "Beit":
+            shared = model.rel_pos_bias.relative_position_bias_table if model.rel_pos_bias is not None else None
+            for i, b in enumerate(model.blocks):
+                own = b.attn.relative_position_bias_table
+                table = torch.zeros(size, heads) if own is None else own.detach().clone()
+                out[f"blocks.{i}.attn.rel_pos.table"] = table + (shared.detach() if shared is not None else 0)
+            return out
+        shared = model.shared_rel_pos.get_bias()[0] if model.shared_rel_pos is not None else None  # [H, N, N]
+        for i, b in enumerate(model.blocks):
+            bias = b.attn.rel_pos.get_bias()[0] if b.attn.rel_pos is not None else shared
+            table = torch.zeros(size, heads, dtype=bias.dtype)
+            table[index] = bias.permute(1, 2, 0).reshape(-1, heads)  # every pair writes its offset's entry: all equal
+            out[f"blocks.{i}.attn.rel_pos.table"] = table
+    return out
 
 
 def _rope(model: nn.Module, problems: list[str]) -> dict:
@@ -304,10 +372,15 @@ def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     attention's q, k, v projections or q/v biases as one qkv, its LayerScale gammas and learned
     rotary frequencies as well)."""
     sd = dict(model.state_dict())
-    if _is_instance(model, "Eva"):
+    family = _family(model)
+    if family in ("Beit", "VisionTransformerRelPos"):
+        sd = {k: v for k, v in sd.items() if not (".relative_position_bias_table" in k or ".rel_pos." in k
+                                                  or k.startswith(("rel_pos_bias.", "shared_rel_pos.")))}
+        sd.update(_relative_tables(model))
+    if family in ("Eva", "Beit"):
         for i, b in enumerate(model.blocks):
             p, attn = f"blocks.{i}.", b.attn
-            if attn.qkv is None:  # separate projections (EVA-02); the key has no bias in EvaAttention
+            if getattr(attn, "qkv", None) is None:  # separate projections (EVA-02); the key has no bias in EvaAttention
                 projs = [attn.q_proj, attn.k_proj, attn.v_proj]
                 for n in ("q_proj", "k_proj", "v_proj"):
                     for t in ("weight", "bias"):
@@ -506,6 +579,9 @@ def _spec(
     cfg = getattr(model, "pretrained_cfg", None) or {}
     kind = "features" if categories is None else f"{len(categories)} classes"
     size = config.image_size if size is None else check_size(size, patch_size=config.patch_size, name=name)
+    if getattr(config, "rel_pos_bias", False) and size != config.image_size:
+        raise ValueError(f"{name}: its relative position bias is learned for {config.image_size} px ({config.grid[0]}x"
+                         f"{config.grid[1]} patches); it runs at that size only")
     return VariantSpec(
         name=name,
         config=config,

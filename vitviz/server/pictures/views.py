@@ -216,10 +216,15 @@ def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]
 
 
 def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
-    """A rotary model's positions by offset at layer `layer` (1-based): per head, the mean cosine of
-    its pairs' rotary angles between a query and a key that far apart (`vitviz.offsets.rotary_offsets`;
-    the same at every layer unless the frequencies are learned per layer). A ViT has no relative
-    position bias (`TokenLayout.position_bias`)."""
+    """A model's positions by offset at layer `layer` (1-based): BEiT's relative position bias per
+    head (`TokenLayout.position_bias`); or, for a rotary model, per head the mean cosine of its pairs'
+    rotary angles between a query and a key that far apart (`vitviz.offsets.rotary_offsets`; the
+    same at every layer unless the frequencies are learned per layer)."""
+    if exp.facts.bias is not None:  # BEiT's relative position bias over the grid, one table per head
+        bias = exp.facts.bias
+        if not 1 <= layer <= bias.shape[0]:
+            raise ValueError(f"layer must be within 1..{bias.shape[0]}, got {layer}")
+        return plots.named(plots.bias_tables_image(bias[layer - 1]), _name(exp, "position-bias", f"layer{layer}"))
     rotary = exp.facts.rotary
     if rotary is None:
         raise ValueError(f"{exp.analysis.variant} has learned position embeddings, not relative position bias tables")

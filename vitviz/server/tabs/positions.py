@@ -21,8 +21,8 @@ CAPTION = ("Left: cosine similarity between the learned position embedding of ea
            "others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: " + FILTERS)
 BIAS_CAPTION = "Below: " + FILTERS  # (no position embeddings: no similarity on the left)
 BIAS_TEXT = ("This model has no position embeddings: each layer adds a learned **relative position bias** to its attention "
-             "logits inside a window, one table per head. A tile shows where the key lies relative to the query (the "
-             "centre, outlined, is the query itself; up is a key above it); red raises the key's attention, blue lowers it.")
+             "logits (within a window, for a Swin), one table per head. A tile shows where the key lies relative to the query "
+             "(the centre, outlined, is the query itself; up is a key above it); red raises the key's attention, blue lowers it.")
 ROTARY_TEXT = ("This model's positions are **rotary**: each head's queries and keys of the patches are turned, pair of channels "
                "by pair, by angles that grow with the patch's row and column, so the product of a query and a key depends on "
                "how far apart they are. A tile shows, for every offset of the key from the query (the centre, outlined, is "
