@@ -1,5 +1,6 @@
-"""Hugging Face ViT, DINOv2 and DINOv2-with-registers through vitviz: the same outputs and the same
-attention as transformers' own forward (small random configs), and the hub cache path, offline."""
+"""Hugging Face ViT, DINOv2, DINOv2-with-registers and DINOv3 through vitviz: the same outputs and
+the same attention as transformers' own forward (small random configs), and the hub cache path,
+offline."""
 
 import os
 import subprocess
@@ -23,7 +24,7 @@ def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "lambda1" in name:
+            if "norm" in name or "lambda1" in name or name.endswith("layernorm.weight"):
                 p.normal_(1.0, 0.2) if name.endswith(("weight", "lambda1")) else p.normal_(0, 0.2)
             else:
                 p.normal_(0, 0.05)
@@ -39,6 +40,10 @@ def _models():
         "dinov2-registers": t.Dinov2WithRegistersModel(
             t.Dinov2WithRegistersConfig(**SMALL, mlp_ratio=2, num_register_tokens=4, attn_implementation="eager")
         ),
+        # DINOv3: rotary positions, no table, 4 registers, key without a bias; the larger ones gate their MLP with SiLU
+        "dinov3": t.DINOv3ViTModel(t.DINOv3ViTConfig(**SMALL, intermediate_size=128, num_register_tokens=4, attn_implementation="eager")),
+        "dinov3-gated": t.DINOv3ViTModel(t.DINOv3ViTConfig(**SMALL, intermediate_size=96, num_register_tokens=4, use_gated_mlp=True,
+                                                           hidden_act="silu", attn_implementation="eager")),
     }
 
 
@@ -46,7 +51,7 @@ def _relative(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("kind", ["vit-classifier", "vit", "dinov2", "dinov2-registers"])
+@pytest.mark.parametrize("kind", ["vit-classifier", "vit", "dinov2", "dinov2-registers", "dinov3", "dinov3-gated"])
 def test_from_transformers_gives_the_same_outputs_and_attention(kind):
     model = _randomise(_models()[kind])
     ours = vitviz.ViT.from_transformers(model)
@@ -65,21 +70,23 @@ def test_from_transformers_gives_the_same_outputs_and_attention(kind):
     attn = torch.stack(out.attentions)  # [L, B, H, N, N], transformers' softmax (eager)
     torch.testing.assert_close(rec.attentions, attn, atol=1e-5, rtol=0)
     spec = ours.spec
-    registers = 4 if kind == "dinov2-registers" else 0
+    registers = 4 if kind in ("dinov2-registers", "dinov3", "dinov3-gated") else 0
     assert spec.num_prefix_tokens == 1 + registers and rec.attentions.shape[-1] == 1 + registers + 36
     assert (spec.categories is not None) == (kind == "vit-classifier")
     if kind == "vit-classifier":
         assert spec.categories == tuple(f"LABEL_{i}" for i in range(7))
 
 
-@pytest.mark.parametrize("kind", ["vit", "dinov2", "dinov2-registers"])
+@pytest.mark.parametrize("kind", ["vit", "dinov2", "dinov2-registers", "dinov3"])
 def test_other_image_sizes_match_transformers_interpolation(kind):
     """transformers resamples position embeddings bicubically, antialiased for DINOv2 with registers
-    only; vitviz does the same for each."""
+    only; vitviz does the same for each. DINOv3's rotary positions take any grid, 2:1 included."""
     model = _randomise(_models()[kind])
     ours = vitviz.ViT.from_transformers(model)
-    for side in (80, 32):  # a larger and a smaller grid
-        x = torch.randn(1, 3, side, side)
+    for side in (80, 32, (48, 96)):  # a larger and a smaller grid (and for DINOv3, one twice as wide as high)
+        if isinstance(side, tuple) and kind != "dinov3":
+            continue
+        x = torch.randn(1, 3, *(side if isinstance(side, tuple) else (side, side)))
         extra = {"interpolate_pos_encoding": True} if kind == "vit" else {}
         with torch.inference_mode():
             want = model(pixel_values=x, **extra).last_hidden_state
@@ -150,16 +157,17 @@ def test_dinov2_classifiers_and_other_models_are_refused_clearly():
 
 
 @pytest.mark.slow
-def test_load_model_reads_the_hub_cache_offline(tmp_path):
+@pytest.mark.parametrize("kind", ["dinov2-registers", "dinov3"])
+def test_load_model_reads_the_hub_cache_offline(tmp_path, kind):
     """A repository saved with save_pretrained into a Hugging Face cache: load_model("hf:...") finds
     the weights and the image processor there, with HF_HUB_OFFLINE=1, in a fresh interpreter; and
     weights_path= loads a folder saved on disk under that repository's name."""
-    model = _randomise(_models()["dinov2-registers"])
-    repo = "vitviz-test/tiny-dinov2-registers"
+    model = _randomise(_models()[kind])
+    repo = f"vitviz-test/tiny-{kind}"
     snap = write_hub_cache(tmp_path / "hf" / "hub", repo, {})
     model.save_pretrained(snap)
     transformers.BitImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 48, "width": 48}, resample=3).save_pretrained(snap)
-    other = _randomise(_models()["dinov2-registers"])  # other weights, saved on disk outside the cache
+    other = _randomise(_models()[kind])  # other weights, saved on disk outside the cache
     with torch.no_grad():
         other.embeddings.cls_token.add_(1.0)
     other.save_pretrained(tmp_path / "saved")

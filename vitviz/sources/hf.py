@@ -303,7 +303,8 @@ class HuggingFaceSource(WeightsSource):
             spec = _noted(spec, where["processor"])
             return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) not in TYPES:
-            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, CLIP and SigLIP")
+            raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, "
+                             "DINOv3, CLIP and SigLIP")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
         spec = _noted(_spec(model, config_from_transformers(model), name=name, **where), where["processor"])
@@ -320,7 +321,8 @@ class HuggingFaceSource(WeightsSource):
         if cfg.model_type in IMAGE_TEXT and any(a.endswith("ForImageClassification") for a in archs):
             raise NotImplementedError(f"{archs[0]} (an image tower with a classifier, no text tower) is not modelled by vitviz")
         return {"vit": transformers.ViTModel, "dinov2": transformers.Dinov2Model,
-                "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "clip": transformers.CLIPModel,
+                "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "dinov3_vit": transformers.DINOv3ViTModel,
+                "clip": transformers.CLIPModel,
                 "siglip": transformers.SiglipModel}[cfg.model_type]
 
     @staticmethod

@@ -1,5 +1,5 @@
 """Hugging Face transformers' modules in hand -> vitviz's records and state dicts: a `ViTModel`'s,
-`Dinov2Model`'s or an image–text model's vision tower as a `ViTConfig` and the state dict of a vitviz
+`Dinov2Model`'s, `DINOv3ViTModel`'s or an image–text model's vision tower as a `ViTConfig` and the state dict of a vitviz
 `ViT`; a CLIP or SigLIP text tower as a `TextConfig` and the state dict of an `ImageTextModel`. No
 download and no import of transformers: the modules are read as they are (`vitviz.sources.hf` finds
 and loads them)."""
@@ -14,8 +14,9 @@ from vitviz.config import TextConfig, ViTConfig
 __all__ = ["config_from_transformers", "text_config_from_transformers", "convert_transformers_state_dict", "convert_image_text_state_dict"]
 
 IMAGE_TEXT = ("clip", "siglip")  # model types that become an ImageTextModel
-TYPES = ("vit", "dinov2", "dinov2_with_registers", *IMAGE_TEXT)  # model types read here
-_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
+TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit", *IMAGE_TEXT)  # model types read here
+_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu",
+         "silu": "silu"}
 
 
 def _backbone(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -71,6 +72,8 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
             pos_embed_antialias=False,
             **own,
         )
+    if kind == "dinov3_vit":
+        return _dinov3_config(model)
     if getattr(cfg, "use_swiglu_ffn", False):
         raise NotImplementedError("DINOv2 with a SwiGLU MLP (the giant model) is not modelled by vitviz")
     _act(cfg.hidden_act)
@@ -108,9 +111,75 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
     )
 
 
+def _dinov3_config(model: nn.Module) -> ViTConfig:
+    """A `DINOv3ViTModel`'s: a cls token and registers without position embeddings, rotary positions
+    (patch centres in [-1, 1], periods of rope_theta, the pairs' halves), LayerScale, a plain or gated
+    MLP, the final norm; no classifier (the pooled output is the cls token)."""
+    cfg = model.config
+    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
+    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
+    first = model.model.layer[0]
+    gated = bool(cfg.use_gated_mlp)
+    biases = (cfg.query_bias, cfg.key_bias, cfg.value_bias)
+    return ViTConfig(
+        image_size=size,
+        patch_size=patch,
+        width=cfg.hidden_size,
+        depth=cfg.num_hidden_layers,
+        heads=cfg.num_attention_heads,
+        mlp_dim=cfg.intermediate_size,
+        mlp="gated" if gated else "plain",
+        num_classes=0,
+        register_tokens=cfg.num_register_tokens,
+        abs_pos_embed=False,
+        rope="dinov3",
+        rope_temperature=float(cfg.rope_theta),
+        rope_pairs="half",
+        layer_scale=float(cfg.layerscale_value),
+        qkv_bias=any(biases),
+        proj_bias=first.attention.o_proj.bias is not None,
+        mlp_bias=bool(cfg.mlp_bias),
+        act=_act(cfg.hidden_act),
+        eps=cfg.layer_norm_eps,
+    )
+
+
+def _dinov3_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A `DINOv3ViTModel`'s weights under vitviz's names: q, k, v stacked (a missing bias as zeros),
+    a gated MLP's gate and up projections as one (the gate's first)."""
+    emb = model.embeddings
+    sd: dict[str, torch.Tensor] = {
+        "patch_embed.proj.weight": emb.patch_embeddings.weight, "patch_embed.proj.bias": emb.patch_embeddings.bias,
+        "cls_token": emb.cls_token, "norm.weight": model.norm.weight, "norm.bias": model.norm.bias,
+    }
+    if model.config.num_register_tokens:
+        sd["reg_token"] = emb.register_tokens
+    for i, layer in enumerate(model.model.layer):
+        at, mlp, p = layer.attention, layer.mlp, f"blocks.{i}."
+        sd[p + "norm1.weight"], sd[p + "norm1.bias"] = layer.norm1.weight, layer.norm1.bias
+        sd[p + "norm2.weight"], sd[p + "norm2.bias"] = layer.norm2.weight, layer.norm2.bias
+        projs = (at.q_proj, at.k_proj, at.v_proj)
+        sd[p + "attn.qkv.weight"] = torch.cat([m.weight for m in projs])
+        if any(m.bias is not None for m in projs):
+            sd[p + "attn.qkv.bias"] = torch.cat([m.bias if m.bias is not None else torch.zeros_like(m.weight[:, 0]) for m in projs])
+        sd[p + "attn.proj.weight"] = at.o_proj.weight
+        if at.o_proj.bias is not None:
+            sd[p + "attn.proj.bias"] = at.o_proj.bias
+        ins = [mlp.gate_proj, mlp.up_proj] if hasattr(mlp, "gate_proj") else [mlp.up_proj]
+        sd[p + "mlp.0.weight"] = torch.cat([m.weight for m in ins])
+        sd[p + "mlp.2.weight"] = mlp.down_proj.weight
+        if mlp.down_proj.bias is not None:
+            sd[p + "mlp.0.bias"] = torch.cat([m.bias for m in ins])
+            sd[p + "mlp.2.bias"] = mlp.down_proj.bias
+        sd[p + "ls1.gamma"], sd[p + "ls2.gamma"] = layer.layer_scale1.lambda1, layer.layer_scale2.lambda1
+    return {k: v.detach() for k, v in sd.items()}
+
+
 def convert_transformers_state_dict(model: nn.Module, config: ViTConfig) -> dict[str, torch.Tensor]:
     """The model's weights under vitviz's names: q, k and v stacked into one qkv projection (each
     with its heads contiguous, the same layout as vitviz's "(three h d)")."""
+    if getattr(model.config, "model_type", None) == "dinov3_vit":
+        return _dinov3_state_dict(model)
     backbone, classifier = _backbone(model)
     emb = backbone.embeddings
     sd: dict[str, torch.Tensor] = {
