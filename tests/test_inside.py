@@ -156,6 +156,16 @@ def test_a_norm_over_the_heads_outputs_keeps_the_lens_and_refuses_the_split():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_res_post_norm_blocks_keep_the_lens_and_refuse_the_split():
+    model = _vitviz(post_norm=True)
+    x = _image(model)
+    with torch.no_grad():
+        expected = torch.stack([model.head_logits(model.norm(h))[0] for h in _hooked_blocks(model, x)])
+    torch.testing.assert_close(inside.logit_lens(model, x, logits=True), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="res-post-norm"):
+        inside.logit_attribution(model, x)
+
+
 def test_lens_helpers_by_hand():
     lens = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.7, 0.1], [0.6, 0.3, 0.1], [0.1, 0.8, 0.1]])
     ranks, values = inside.class_across_depth(lens, 1)

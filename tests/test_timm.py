@@ -203,7 +203,8 @@ EVA_NAMES = ["eva02_tiny_patch14_224", "eva02_base_patch14_224", "eva02_base_pat
              "vit_small_plus_patch16_dinov3_qkvb", "vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_ape_224",
              "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256",
              "aimv2_large_patch14_224",  # (a VisionTransformer: RMSNorm everywhere, one after the patch embedding, SwiGLU)
-             "beit_base_patch16_224", "vit_relpos_medium_patch16_cls_224", "vit_srelpos_small_patch16_224"]  # relative position bias
+             "beit_base_patch16_224", "vit_relpos_medium_patch16_cls_224", "vit_srelpos_small_patch16_224",  # relative position bias
+             "vit_base_patch16_rpn_224", "vit_relpos_small_patch16_rpn_224"]  # res-post-norm blocks
 
 
 @pytest.mark.parametrize("name", EVA_NAMES)
@@ -224,7 +225,8 @@ def test_timms_rotary_families_give_timms_outputs_and_attention(name):
         assert want.abs().max() > 1e-3 and got.shape == want.shape and _relative(got, want) < logits, dtype
         torch.testing.assert_close(rec.attentions.float(), _timm_attention(model, x.to(dtype)).float(), atol=attention, rtol=0)
     c = ours.config
-    assert c.rope is not None or name.startswith("aimv2") or c.rel_pos_bias
+    assert c.rope is not None or name.startswith("aimv2") or c.rel_pos_bias or c.post_norm
+    assert c.post_norm == ("rpn" in name)
     assert c.num_params == sum(p.numel() for p in ours.parameters())  # counted from the config alone
     if name.startswith("aimv2"):
         assert c.norm == "rmsnorm" and c.patch_norm and c.mlp == "gated"
@@ -348,8 +350,8 @@ def test_a_size_must_be_a_multiple_of_the_patch_size():
 def test_what_vitviz_does_not_model_is_refused_clearly():
     from timm.layers import SwiGLUPacked
 
-    with pytest.raises(NotImplementedError, match="blocks of type EvaBlockPostNorm"):
-        vitviz.ViT.from_timm(timm.create_model("eva02_enormous_patch14_clip_224", depth=2, pretrained=False))
+    with pytest.raises(NotImplementedError, match="blocks of type ParallelThingsBlock"):
+        vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_18x2_224", depth=2, pretrained=False))
     with pytest.raises(NotImplementedError, match="the MLP activation \\(GELU\\)"):  # a gated MLP gates with SiLU
         vitviz.ViT.from_timm(timm.create_model("vit_small_patch16_224", mlp_layer=SwiGLUPacked, pretrained=False))
     with pytest.raises(NotImplementedError, match="global_pool='avgmax'"):
@@ -523,10 +525,10 @@ def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
     from vitviz.dev import zoo
 
     table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
-             zoo.check("naflexvit", "naflexvit_base_patch16_gap"), zoo.check("vision_transformer", "vit_base_patch16_rpn_224")]
+             zoo.check("naflexvit", "naflexvit_base_patch16_gap"), zoo.check("vision_transformer", "vit_dwee_patch16_reg1_gap_256")]
     assert [r.status for r in table] == ["exact", "exact", "refused", "refused"]
     assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail and "attention" in table[1].detail
     assert table[2].detail == "timm's NaFlexVit (NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex) is not modelled by vitviz"
-    assert table[3].detail == "VisionTransformer has blocks of type ResPostBlock, which vitviz does not model"
+    assert table[3].detail == "VisionTransformer has attention of type DiffAttention, which vitviz does not model"
     page = zoo.markdown(table)
     assert "| all | 4 | 2 | 2 | 0 |" in page and "| `eva` | 1 | 1 | 0 | 0 |" in page

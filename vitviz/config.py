@@ -101,6 +101,9 @@ class ViTConfig:
             "xy": the other way round.
         rope_pairs: which channels are turned together: "interleaved" (0 with 1, 2 with 3, ...) or
             "half" (j with j + d/2).
+        post_norm: each block normalises its branches' outputs before adding them to the stream,
+            x + LS(LN(MSA(x))), then x + LS(LN(MLP(x))) ("res-post-norm": timm's vit_*_rpn_*, EVA-02-E),
+            instead of normalising their inputs.
         norm: the kind of every norm: "layernorm" or "rmsnorm" (x / sqrt(mean(x²) + eps) · γ, no
             centring and no shift; AIMv2's).
         patch_norm: a norm of each patch's embedding, before the position embeddings (AIMv2).
@@ -146,6 +149,7 @@ class ViTConfig:
     rope_ref_grid: tuple[int, int] | None = None
     rope_axes: Literal["yx", "xy"] = "yx"
     rope_pairs: Literal["interleaved", "half"] = "interleaved"
+    post_norm: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     patch_norm: bool = False
     eps: float = 1e-6

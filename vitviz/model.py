@@ -424,11 +424,13 @@ def mlp_of(c: ViTConfig) -> nn.Module:
 
 class EncoderBlock(nn.Module):
     """Pre-norm Transformer block: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x))), LS the identity
-    unless the config asks for LayerScale."""
+    unless the config asks for LayerScale; with `ViTConfig.post_norm`, x + LS(LN(MSA(x))), then
+    x + LS(LN(MLP(x)))."""
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = config
+        self.post = c.post_norm
         self.norm1 = norm_layer(c.norm, c.width, c.eps)
         self.attn = Attention(width=c.width, heads=c.heads, qkv_bias=c.qkv_bias, proj_bias=c.proj_bias, qk_norm=c.qk_norm, eps=c.eps,
                               prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm, norm=c.norm,
@@ -439,6 +441,9 @@ class EncoderBlock(nn.Module):
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.post:
+            x = x + self.ls1(self.norm1(self.attn(x, rope)))
+            return x + self.ls2(self.norm2(self.mlp(x)))
         x = x + self.ls1(self.attn(self.norm1(x), rope))
         return x + self.ls2(self.mlp(self.norm2(x)))
 

@@ -91,6 +91,7 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
     if c.norm_pre:
         rows.append(SummaryRow("LayerNorm before the blocks", "", (b, n, d), _count(model.norm_pre)))
     mlp = ("gated MLP" if c.mlp == "gated" else "MLP") + (" with a LayerNorm inside" if c.mlp_norm else "")
+    mlp = ("res-post-norm, " if c.post_norm else "") + mlp
     rope = {"axial": "rotary positions (axial)", "dinov3": "rotary positions (DINOv3)", "mixed": "rotary positions (learned, mixed)"}
     ls = (f", {rope[c.rope]}" if c.rope else "") + (", q/k LayerNorm" if c.qk_norm else "") + (", LayerNorm before W_O" if c.attn_norm else "") + (", LayerScale" if c.layer_scale is not None else "")
     for i, block in enumerate(model.blocks):

@@ -54,13 +54,19 @@ def _build(name: str) -> torch.nn.Module:
 
 def randomise(model: torch.nn.Module) -> torch.nn.Module:
     """`model` (timm's, in place) with the weights that start at a constant moved off it: LayerScale
-    (1e-5), heads (zeros), an Eva's or BEiT's q and v biases and BEiT's relative position tables
-    (zeros), so that a conversion dropping any of them cannot pass a comparison of outputs."""
+    (1e-5), norms (ones and zeros), heads (zeros), an Eva's or BEiT's q and v biases and BEiT's
+    relative position tables (zeros), so that a conversion dropping any of them cannot pass a
+    comparison of outputs."""
     with torch.no_grad():
         for module in model.modules():
             gamma = getattr(module, "gamma", None)
             if type(module).__name__ == "LayerScale" and isinstance(gamma, torch.Tensor):
                 gamma.normal_(1.0, 0.2)
+        for module in model.modules():  # norms start at 1 and 0 (a res-post-norm block's at 1e-5)
+            if "norm" in type(module).__name__.lower() and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.normal_(1.0, 0.2)
+                if isinstance(getattr(module, "bias", None), torch.Tensor):
+                    module.bias.normal_(0.0, 0.2)
         for name, p in model.named_parameters():
             last = name.rpartition(".")[2]
             if last in ("gamma_1", "gamma_2"):

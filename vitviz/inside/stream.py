@@ -54,6 +54,8 @@ def unsplit_why(model: ViT) -> str:
                 "in the stream")
     if model.config.attn_norm:
         return "this model normalises its heads' outputs together (a LayerNorm before W_O), so a head's share is not linear in it"
+    if model.config.post_norm:
+        return "this model normalises each branch's output before adding it to the stream (res-post-norm), so a head's share is not linear in it"
     return ""
 
 

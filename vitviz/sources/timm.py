@@ -122,10 +122,10 @@ def _is_instance(model: nn.Module, class_name: str) -> bool:
 
 # timm's classes of the plain ViT family that vitviz reads: (their blocks' class, their attention's classes)
 _FAMILIES = {
-    "VisionTransformer": (("Block",), ("Attention",)),
-    "Eva": (("EvaBlock",), ("EvaAttention", "AttentionRope")),  # EVA, EVA-02, DINOv3, Perception Encoder, vit_*_rope_*
+    "VisionTransformer": (("Block", "ResPostBlock"), ("Attention",)),
+    "Eva": (("EvaBlock", "EvaBlockPostNorm"), ("EvaAttention", "AttentionRope")),  # EVA, EVA-02, DINOv3, PE, vit_*_rope_*
     "Beit": (("Block",), ("Attention",)),  # BEiT, BEiT v2: a relative position bias per block
-    "VisionTransformerRelPos": (("RelPosBlock",), ("RelPosAttention",)),  # vit_relpos_*: an MLP of the offsets
+    "VisionTransformerRelPos": (("RelPosBlock", "ResPostRelPosBlock"), ("RelPosAttention",)),  # vit_relpos_*: an MLP of the offsets
 }
 
 
@@ -179,10 +179,11 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     norms += [m for m in (getattr(model, "norm_pre", None), model.norm, model.fc_norm, getattr(pe, "norm", None))
               if not isinstance(m, (nn.Identity, type(None)))]
     if norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms):
-        odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), block.norm1)
+        odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), getattr(block, "norm1", None))
         problems.append(f"norms other than one kind of LayerNorm (with a weight and a bias) or RMSNorm (with a weight) and one "
                         f"epsilon (a {type(odd).__name__})")
     acts, qk_norms, mlps, scales, attn_norms = set(), set(), set(), set(), set()
+    post = {type(b).__name__.startswith("ResPost") or type(b).__name__.endswith("PostNorm") for b in model.blocks}
     blocks, attentions = _FAMILIES[family]
     for b in model.blocks:
         if type(b).__name__ not in blocks:
@@ -225,6 +226,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
                                   "which vitviz does not model")
     if len(mlps) > 1:
         raise NotImplementedError("MLPs of more than one kind or width across the blocks, which vitviz does not model")
+    if len(post) > 1:
+        raise NotImplementedError("res-post-norm blocks among pre-norm ones, which vitviz does not model")
     if len(scales) > 1 or scales == {None}:
         raise NotImplementedError("LayerScale on one branch of a block only, or in some blocks only, which vitviz does not model")
     kind, hidden, mlp_norm = mlps.pop()
@@ -261,6 +264,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         patch_bias=pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
         attn_norm=attn_norms.pop(),
+        post_norm=post.pop(),
         norm=norm_kind,
         patch_norm=not isinstance(getattr(pe, "norm", None) or nn.Identity(), nn.Identity),
         norm_pre=not isinstance(getattr(model, "norm_pre", None) or nn.Identity(), nn.Identity),
@@ -280,7 +284,7 @@ def _layer_scales(block: nn.Module) -> bool | None:
     if hasattr(block, "gamma_1"):  # Eva's and BEiT's blocks
         on = (block.gamma_1 is not None, block.gamma_2 is not None)
     else:
-        on = (not isinstance(block.ls1, nn.Identity), not isinstance(block.ls2, nn.Identity))
+        on = tuple(not isinstance(getattr(block, n, nn.Identity()), nn.Identity) for n in ("ls1", "ls2"))  # (a ResPostBlock has none)
     return on[0] if on[0] == on[1] else None
 
 
