@@ -295,12 +295,19 @@ class Attention(nn.Module):
         if parts is not None:
             out = self._by_parts(q, k, v, *parts, bias=bias)
         elif self._observed():
-            logits = (q @ k.transpose(-2, -1)) * self.scale
-            attn = self.attend(logits if bias is None else logits + bias)  # [B, H, N, N], rows sum to 1
-            out = attn @ v
+            attn = self.attend(self._logits(q, k, bias))  # [B, H, N, N], rows sum to 1 (float32 for a half-precision model)
+            out = attn.to(v.dtype) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.proj(self.norm(rearrange(out, "b h n d -> b n (h d)")))
+
+    def _logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """q kᵀ / sqrt(d) (+ the relative position bias): in float32 when the model is in half precision,
+        so that the softmax (what vitviz records) keeps float32's resolution."""
+        if q.dtype in (torch.float16, torch.bfloat16):
+            q, k, bias = q.float(), k.float(), None if bias is None else bias.float()
+        logits = (q @ k.transpose(-2, -1)) * self.scale
+        return logits if bias is None else logits + bias
 
     def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,13 +323,12 @@ class Attention(nn.Module):
         outs = []
         for first in range(0, batch, images):
             part = slice(first, first + images)
-            logits = (q[part] @ k[part].transpose(-2, -1)) * self.scale
-            attn = self.attend(logits if bias is None else logits + bias)
+            attn = self.attend(self._logits(q[part], k[part], bias))
             reducer(attn, first, batch)
             if out is None:
-                outs.append(attn @ v[part])
+                outs.append(attn.to(v.dtype) @ v[part])
             else:  # written in place: no copy of the layer's output
-                torch.matmul(attn, v[part], out=out[part])
+                torch.matmul(attn.to(v.dtype), v[part], out=out[part])
         return torch.cat(outs) if out is None else out
 
 

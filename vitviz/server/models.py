@@ -130,8 +130,11 @@ class ModelCache:
     asked for always stays. Loads are serialised per variant, so two sessions asking for the same
     variant load it once. With `max_params`, a loaded model of more parameters (every tower counted)
     is refused (`TooLarge`) and not kept: the bound holds also where a name could not be counted
-    before loading (`WeightsSource.num_params` counts what the spec says).
+    before loading (`WeightsSource.num_params` counts what the spec says). On a CUDA device a model of
+    more than `HALF_ABOVE` parameters is kept in bfloat16 (its attention still computed in float32).
     """
+
+    HALF_ABOVE = 300_000_000
 
     def __init__(self, *, max_models: int = 3, max_bytes: int = 3 * 1024**3, device: str | torch.device | None = None,
                  hub_bytes: int | None = None, keep_repos: set[str] | None = None, max_params: int | None = None) -> None:
@@ -175,6 +178,8 @@ class ModelCache:
                 self._fetched(repo, keep=None)  # its files count within the hub's budget, oldest first
                 raise TooLarge(f"{name} has {count:,} parameters, all its towers together; this server loads models of up "
                                f"to {self.max_params:,} (VITVIZ_MAX_PARAMS).")
+            if next(model.parameters()).device.type == "cuda" and count > self.HALF_ABOVE:
+                model = model.to(torch.bfloat16)  # half the memory and the time; attention and its records in float32
             if isinstance(model, ImageTextModel) and model.labels is not None:
                 model.label_embeddings(model.labels)  # zero-shot labels encoded with the load, not inside a request
             entry = (model, ModelFacts.of(model))

@@ -232,6 +232,7 @@ def load_model(
     weights_path: str | os.PathLike | None = None,
     progress: bool = True,
     image_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> ViT | ImageTextModel:
     """A vitviz ViT with the variant's weights, in eval mode, on `device` (default: CUDA if available);
     for a Hugging Face CLIP repository a `vitviz.imagetext.ImageTextModel` (its image tower a vitviz
@@ -251,6 +252,9 @@ def load_model(
         progress: show download progress (a tqdm bar) when weights are fetched.
         image_size: feed the model images of this side instead of its own (position embeddings are
             resampled; e.g. 480 for DINO's figures).
+        dtype: the weights' dtype: float32 (default), bfloat16 or float16 (names or torch dtypes).
+            In half precision each attention's logits and softmax are computed in float32 (what
+            vitviz records, and what relevance and the lens read), the rest in the weights' dtype.
 
     Raises:
         WeightsUnavailableError: weights neither at hand nor downloadable; the message says what to do.
@@ -259,4 +263,20 @@ def load_model(
     spec = get_spec(name) if path is None else _checkpoint_spec(name, path)
     model = source_of(spec).load(spec, weights_path=path, progress=progress)
     model.spec = spec.at(image_size) if image_size else spec
-    return model.eval().to(device if device is not None else default_device())
+    return model.eval().to(device=device if device is not None else default_device(), dtype=weights_dtype(dtype))
+
+
+def weights_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """float32, bfloat16 or float16, from a torch dtype or its name ("bfloat16", "bf16", "float16",
+    "fp16", "half", "float32"); None: float32."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in names:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        return names[dtype.removeprefix("torch.")]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return dtype
