@@ -308,6 +308,26 @@ def test_a_timm_model_named_in_the_page(url, page, offline_hub):
     assert "patch row 8, column 8" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
 
 
+def test_a_rotary_model_in_the_page(url, page, offline_hub):
+    """DINOv3 (random weights, offline): rotary positions and 4 registers. The Positions tab shows
+    its rotary table and this image's attention by offset in place of a position table's
+    similarity; the explorer reads the registers as prefix tokens."""
+    _other_model(page, url, "timm:vit_small_patch16_dinov3.lvd1689m")
+    assert page.locator("#vv-notice").inner_text().strip() == ""
+    page.get_by_role("tab", name="Positions").click()
+    page.wait_for_selector("#vv-bias img")
+    page.wait_for_selector("#vv-offsets img")
+    assert "rotary" in page.locator("#vv-bias-text").inner_text()
+    assert not page.locator("#vv-similarity").is_visible()
+    page.get_by_role("tab", name="Explorer").click()
+    page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+    canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+    box = canvas.bounding_box()
+    canvas.click(position={"x": box["width"] * 0.5 + 2, "y": box["height"] * 0.5 + 2})
+    _shows(page, query=str(5 + 8 * 16 + 8))  # cls and 4 registers before the 16 x 16 patches
+    assert "patch row 9, column 9" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+
+
 def _canvas(page, selector):
     """A canvas's pixels, as the page holds them: uint8 [H, W, 3]."""
     import base64

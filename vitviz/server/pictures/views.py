@@ -233,7 +233,7 @@ def render_bias(exp: Exploration, *, layer: int) -> Image.Image:
     mixed = exp.analysis.layout.rotary == "mixed"
     tables = rotary[layer - 1] if mixed else rotary[layer - 1, :1]  # fixed frequencies: one table for every head
     titles = None if mixed else ["every head"]
-    img = plots.bias_tables_image(tables, label="cos", titles=titles)
+    img = plots.bias_tables_image(tables, label="cos", titles=titles, tile=128 if mixed else 256)
     return plots.named(img, _name(exp, "rotary-positions", f"layer{layer}" if mixed else ""))
 
 
