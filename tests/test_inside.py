@@ -70,6 +70,7 @@ BUILDERS = {
     "timm-gap-fc-norm": lambda: _gap(True),
     "timm-gap-normed-tokens": lambda: _gap(False),
     "no-final-norm": lambda: _vitviz(final_norm=False),
+    "parallel-blocks": lambda: _vitviz(parallel=True, layer_scale=0.5),  # attention and MLP side by side on one norm
     "timm-rmsnorm": lambda: _norms_moved(_timm("test_vit4", img_size=32)),  # every norm an RMSNorm: no centring, no β
     "timm-dinov3-rotary": lambda: _timm("vit_small_patch16_dinov3", img_size=32),  # rotary, no table, 4 registers, avg
     "shapes_p16": lambda: vitviz.load_model("shapes_p16", device="cpu").eval(),

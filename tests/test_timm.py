@@ -204,19 +204,21 @@ EVA_NAMES = ["eva02_tiny_patch14_224", "eva02_base_patch14_224", "eva02_base_pat
              "vit_pe_core_base_patch16_224", "vit_medium_patch16_rope_reg1_gap_256",
              "aimv2_large_patch14_224",  # (a VisionTransformer: RMSNorm everywhere, one after the patch embedding, SwiGLU)
              "beit_base_patch16_224", "vit_relpos_medium_patch16_cls_224", "vit_srelpos_small_patch16_224",  # relative position bias
-             "vit_base_patch16_rpn_224", "vit_relpos_small_patch16_rpn_224"]  # res-post-norm blocks
+             "vit_base_patch16_rpn_224", "vit_relpos_small_patch16_rpn_224",  # res-post-norm blocks
+             "vit_pwee_patch16_reg1_gap_256", "vit_base_patch16_xp_224"]  # parallel blocks (ViT-22B's), RMSNorm q/k norms
 
 
 @pytest.mark.parametrize("name", EVA_NAMES)
 def test_timms_rotary_families_give_timms_outputs_and_attention(name):
     """float32: logits within 1e-4 of the largest and every block's attention within 1e-5 of timm's
-    own softmax; bfloat16 (both models cast): logits within 2e-2 and attention within 1e-3."""
+    own softmax; bfloat16 (both models cast): logits within 2e-2 and attention within 1e-2 (vitviz
+    computes the softmax in float32, timm in bfloat16: up to 3.4e-3 apart measured)."""
     torch.manual_seed(0)
     model = random_timm(name, depth=2)
     ours = vitviz.ViT.from_timm(model)
     size = model.pretrained_cfg["input_size"][-2:]
     x = torch.randn(2, 3, *size)
-    for dtype, logits, attention in ((torch.float32, 1e-4, 1e-5), (torch.bfloat16, 2e-2, 1e-3)):
+    for dtype, logits, attention in ((torch.float32, 1e-4, 1e-5), (torch.bfloat16, 2e-2, 1e-2)):
         model, ours = model.to(dtype), ours.to(dtype)
         with torch.inference_mode():
             want = model(x.to(dtype)).float()
@@ -225,7 +227,8 @@ def test_timms_rotary_families_give_timms_outputs_and_attention(name):
         assert want.abs().max() > 1e-3 and got.shape == want.shape and _relative(got, want) < logits, dtype
         torch.testing.assert_close(rec.attentions.float(), _timm_attention(model, x.to(dtype)).float(), atol=attention, rtol=0)
     c = ours.config
-    assert c.rope is not None or name.startswith("aimv2") or c.rel_pos_bias or c.post_norm
+    assert c.rope is not None or name.startswith("aimv2") or c.rel_pos_bias or c.post_norm or c.parallel
+    assert c.parallel == ("xp" in name or "pwee" in name)
     assert c.post_norm == ("rpn" in name)
     assert c.num_params == sum(p.numel() for p in ours.parameters())  # counted from the config alone
     if name.startswith("aimv2"):
@@ -275,7 +278,7 @@ def test_dinov3_at_any_aspect_ratio_matches_timm():
 @pytest.mark.parametrize("name, reason", [
     ("vit_tiny_r_s16_p8_224", "a hybrid patch embedding"),
     ("vit_small_patch16_18x2_224", "blocks of type ParallelThingsBlock"),
-    ("vit_base_patch16_xp_224", "blocks of type ParallelScalingBlock"),
+    ("vit_dpwee_patch16_reg1_gap_256", "blocks of type DiffParallelScalingBlock"),
     ("vit_dwee_patch16_reg1_gap_256", "attention of type DiffAttention"),
 ])
 def test_timms_hybrids_parallel_blocks_and_differential_attention_are_named(name, reason):

@@ -101,6 +101,8 @@ class ViTConfig:
             "xy": the other way round.
         rope_pairs: which channels are turned together: "interleaved" (0 with 1, 2 with 3, ...) or
             "half" (j with j + d/2).
+        parallel: each block runs its attention and its MLP side by side on one normalised input,
+            x + LS(MSA(LN(x))) + LS(MLP(LN(x))) (Dehghani et al. 2023's ViT-22B; timm's vit_*_xp_*).
         post_norm: each block normalises its branches' outputs before adding them to the stream,
             x + LS(LN(MSA(x))), then x + LS(LN(MLP(x))) ("res-post-norm": timm's vit_*_rpn_*, EVA-02-E),
             instead of normalising their inputs.
@@ -149,6 +151,7 @@ class ViTConfig:
     rope_ref_grid: tuple[int, int] | None = None
     rope_axes: Literal["yx", "xy"] = "yx"
     rope_pairs: Literal["interleaved", "half"] = "interleaved"
+    parallel: bool = False
     post_norm: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     patch_norm: bool = False
@@ -190,6 +193,8 @@ class ViTConfig:
                 raise ValueError('rope="mixed" turns interleaved pairs')
             if self.rope_ref_grid is not None:
                 object.__setattr__(self, "rope_ref_grid", tuple(int(g) for g in self.rope_ref_grid))
+        if self.parallel and self.post_norm:
+            raise ValueError("a block is parallel or res-post-norm, not both")
         if self.rel_pos_bias and self.num_prefix_tokens > 1:
             raise ValueError("a relative position bias (BEiT's) takes one prefix token at most, the cls token")
         if self.pos_embed_prefix is None:
@@ -243,7 +248,7 @@ class ViTConfig:
         patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0) + (norm if self.patch_norm else 0)
         tokens = d * self.num_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
         block = (
-            2 * norm
+            (1 if self.parallel else 2) * norm
             + 3 * d * d + (3 * d if self.qkv_bias else 0)
             + d * d + (d if self.proj_bias else 0)
             + (3 if self.mlp == "gated" else 2) * d * m + (((2 if self.mlp == "gated" else 1) * m + d) if self.mlp_bias else 0)

@@ -431,7 +431,8 @@ def mlp_of(c: ViTConfig) -> nn.Module:
 class EncoderBlock(nn.Module):
     """Pre-norm Transformer block: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x))), LS the identity
     unless the config asks for LayerScale; with `ViTConfig.post_norm`, x + LS(LN(MSA(x))), then
-    x + LS(LN(MLP(x)))."""
+    x + LS(LN(MLP(x))); with `ViTConfig.parallel`, x + LS(MSA(LN(x))) + LS(MLP(LN(x))) (one norm,
+    `norm2` the identity)."""
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
@@ -442,11 +443,15 @@ class EncoderBlock(nn.Module):
                               prefix=c.num_prefix_tokens, rope_pairs=c.rope_pairs, out_norm=c.attn_norm, norm=c.norm,
                               rel_pos=RelativePositionBias(c) if c.rel_pos_bias else None)
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
-        self.norm2 = norm_layer(c.norm, c.width, c.eps)
+        self.parallel = c.parallel
+        self.norm2 = nn.Identity() if c.parallel else norm_layer(c.norm, c.width, c.eps)
         self.mlp = mlp_of(c)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.parallel:
+            y = self.norm1(x)
+            return x + self.ls1(self.attn(y, rope)) + self.ls2(self.mlp(y))
         if self.post:
             x = x + self.ls1(self.norm1(self.attn(x, rope)))
             return x + self.ls2(self.norm2(self.mlp(x)))

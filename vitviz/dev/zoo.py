@@ -87,14 +87,15 @@ def timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     again): [L, B, H, N, N]."""
     from timm.utils import AttentionExtract
 
-    for block in model.blocks:
-        block.attn.fused_attn = False
+    owners = [getattr(block, "attn", block) for block in model.blocks]  # (a parallel block computes its attention itself)
+    for owner in owners:
+        owner.fused_attn = False
     try:
         with torch.inference_mode():
             out = AttentionExtract(model, method="hook")(x)
     finally:
-        for block in model.blocks:
-            block.attn.fused_attn = True
+        for owner in owners:
+            owner.fused_attn = True
     if len(out) != len(model.blocks):
         raise RuntimeError(f"timm's extractor found {len(out)} attention maps in {len(model.blocks)} blocks")
     return torch.stack(list(out.values()))

@@ -122,7 +122,7 @@ def _is_instance(model: nn.Module, class_name: str) -> bool:
 
 # timm's classes of the plain ViT family that vitviz reads: (their blocks' class, their attention's classes)
 _FAMILIES = {
-    "VisionTransformer": (("Block", "ResPostBlock"), ("Attention",)),
+    "VisionTransformer": (("Block", "ResPostBlock", "ParallelScalingBlock"), ("Attention",)),
     "Eva": (("EvaBlock", "EvaBlockPostNorm"), ("EvaAttention", "AttentionRope")),  # EVA, EVA-02, DINOv3, PE, vit_*_rope_*
     "Beit": (("Block",), ("Attention",)),  # BEiT, BEiT v2: a relative position bias per block
     "VisionTransformerRelPos": (("RelPosBlock", "ResPostRelPosBlock"), ("RelPosAttention",)),  # vit_relpos_*: an MLP of the offsets
@@ -173,22 +173,38 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         problems.append(f"an image size ({img_size[0]} px) that is not a multiple of its patch ({patch_size[0]} px): its patch "
                         f"embedding leaves the last {img_size[0] % patch_size[0]} px out")
     block = model.blocks[0]
-    eps = getattr(getattr(block, "norm1", None), "eps", None)
-    norm_kind = _norm_kind(getattr(block, "norm1", None), eps)  # every norm of the model must be of this kind and epsilon
-    norms = [getattr(b, n, None) for b in model.blocks for n in ("norm1", "norm2")]
+    first = _first_norm(block)
+    eps = getattr(first, "eps", None)
+    norm_kind = _norm_kind(first, eps)  # every norm of the model must be of this kind and epsilon
+    norms = [n for b in model.blocks for n in ([b.in_norm] if _parallel(b) else [getattr(b, "norm1", None), getattr(b, "norm2", None)])]
     norms += [m for m in (getattr(model, "norm_pre", None), model.norm, model.fc_norm, getattr(pe, "norm", None))
               if not isinstance(m, (nn.Identity, type(None)))]
     if norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms):
-        odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), getattr(block, "norm1", None))
+        odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), first)
         problems.append(f"norms other than one kind of LayerNorm (with a weight and a bias) or RMSNorm (with a weight) and one "
                         f"epsilon (a {type(odd).__name__})")
     acts, qk_norms, mlps, scales, attn_norms = set(), set(), set(), set(), set()
     post = {type(b).__name__.startswith("ResPost") or type(b).__name__.endswith("PostNorm") for b in model.blocks}
     blocks, attentions = _FAMILIES[family]
+    parallel = {_parallel(b) for b in model.blocks}
     for b in model.blocks:
         if type(b).__name__ not in blocks:
             problems.append(f"blocks of type {type(b).__name__}")
             break
+        if _parallel(b):  # ViT-22B's: one norm, one input projection for q, k, v and the MLP, two output projections
+            qk = [b.q_norm, b.k_norm]
+            if b.out_proj is not None or (b.mlp_bias is None and b.in_proj.bias is None) != (b.mlp_out_proj.bias is None):
+                problems.append("a parallel block with one fused output projection, or biases on one MLP layer only")
+                break
+            if not (all(isinstance(n, nn.Identity) for n in qk) or all(_norm_kind(n, eps) == norm_kind for n in qk)):
+                problems.append("queries and keys normalised otherwise than by the blocks' norm each (qk_norm)")
+                break
+            qk_norms.add(not isinstance(qk[0], nn.Identity))
+            attn_norms.add(False)
+            mlps.add(("plain", b.mlp_out_proj.in_features, False))
+            acts.add(_act_name(b.mlp_act))
+            scales.add(not isinstance(b.ls, nn.Identity))
+            continue
         attn, mlp = b.attn, b.mlp
         if type(attn).__name__ not in attentions or not (isinstance(getattr(attn, "qkv", None), nn.Linear)
                                                         or isinstance(getattr(attn, "q_proj", None), nn.Linear)):
@@ -226,8 +242,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
                                   "which vitviz does not model")
     if len(mlps) > 1:
         raise NotImplementedError("MLPs of more than one kind or width across the blocks, which vitviz does not model")
-    if len(post) > 1:
-        raise NotImplementedError("res-post-norm blocks among pre-norm ones, which vitviz does not model")
+    if len(post) > 1 or len(parallel) > 1:
+        raise NotImplementedError("res-post-norm or parallel blocks among pre-norm ones, which vitviz does not model")
     if len(scales) > 1 or scales == {None}:
         raise NotImplementedError("LayerScale on one branch of a block only, or in some blocks only, which vitviz does not model")
     kind, hidden, mlp_norm = mlps.pop()
@@ -237,16 +253,21 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     distilled = getattr(model, "dist_token", None) is not None
     registers = model.reg_token.shape[1] if getattr(model, "reg_token", None) is not None else 0
     prefix = int(model.cls_token is not None) + int(distilled) + registers
-    attn = block.attn
-    biased = getattr(attn, "q_bias", None) is not None or any(
-        getattr(getattr(attn, n, None), "bias", None) is not None for n in ("qkv", "q_proj", "k_proj", "v_proj"))
+    if _parallel(block):
+        heads, biased = block.num_heads, block.in_proj.bias is not None
+        proj_bias, mlp_bias = block.attn_out_proj.bias is not None, block.mlp_out_proj.bias is not None
+    else:
+        attn = block.attn
+        heads, proj_bias, mlp_bias = attn.num_heads, attn.proj.bias is not None, block.mlp.fc2.bias is not None
+        biased = getattr(attn, "q_bias", None) is not None or any(
+            getattr(getattr(attn, n, None), "bias", None) is not None for n in ("qkv", "q_proj", "k_proj", "v_proj"))
     pool = getattr(model, "attn_pool", None)
     return ViTConfig(
         image_size=img_size[0],
         patch_size=patch_size[0],
         width=model.embed_dim,
         depth=len(model.blocks),
-        heads=attn.num_heads,
+        heads=heads,
         mlp_dim=hidden,
         mlp=kind,
         mlp_norm=mlp_norm,
@@ -259,24 +280,58 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         rel_pos_bias=relative,
         layer_scale=1.0 if scales.pop() else None,
         qkv_bias=biased,
-        proj_bias=attn.proj.bias is not None,
-        mlp_bias=block.mlp.fc2.bias is not None,
+        proj_bias=proj_bias,
+        mlp_bias=mlp_bias,
         patch_bias=pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
         attn_norm=attn_norms.pop(),
         post_norm=post.pop(),
+        parallel=parallel.pop(),
         norm=norm_kind,
         patch_norm=not isinstance(getattr(pe, "norm", None) or nn.Identity(), nn.Identity),
         norm_pre=not isinstance(getattr(model, "norm_pre", None) or nn.Identity(), nn.Identity),
         final_norm=not isinstance(model.norm, nn.Identity),
         pool=model.global_pool,
         pool_prefix=model.global_pool != "map" or include_prefix or not model.num_prefix_tokens,
-        pool_heads=pool.num_heads if model.global_pool == "map" and pool.num_heads != attn.num_heads else None,
+        pool_heads=pool.num_heads if model.global_pool == "map" and pool.num_heads != heads else None,
         fc_norm=model.global_pool == "avg" and not isinstance(model.fc_norm, nn.Identity),
         act=acts.pop(),
-        eps=block.norm1.eps,
+        eps=eps,
         **rope,
     )
+
+
+def _parallel(block: nn.Module) -> bool:
+    return type(block).__name__ == "ParallelScalingBlock"
+
+
+def _first_norm(block: nn.Module) -> nn.Module | None:
+    """A block's first norm (a parallel block's only one)."""
+    return block.in_norm if _parallel(block) else getattr(block, "norm1", None)
+
+
+def _parallel_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ViT-22B's parallel blocks under vitviz's names: the input projection's rows split into the MLP's
+    (first) and q, k, v; its MLP bias (`mlp_bias`, where q, k, v have none); one LayerScale for both."""
+    for i, b in enumerate(model.blocks):
+        if not _parallel(b):
+            continue
+        p, m = f"blocks.{i}.", b.mlp_out_proj.in_features
+        w = sd.pop(p + "in_proj.weight")
+        sd[p + "mlp.0.weight"], sd[p + "attn.qkv.weight"] = w[:m], w[m:]
+        if p + "in_proj.bias" in sd:
+            bias = sd.pop(p + "in_proj.bias")
+            sd[p + "mlp.0.bias"], sd[p + "attn.qkv.bias"] = bias[:m], bias[m:]
+        if p + "mlp_bias" in sd:
+            sd[p + "mlp.0.bias"] = sd.pop(p + "mlp_bias")
+        for theirs, ours in (("in_norm", "norm1"), ("attn_out_proj", "attn.proj"), ("mlp_out_proj", "mlp.2"),
+                             ("q_norm", "attn.q_norm"), ("k_norm", "attn.k_norm")):
+            for t in ("weight", "bias"):
+                if f"{p}{theirs}.{t}" in sd:
+                    sd[f"{p}{ours}.{t}"] = sd.pop(f"{p}{theirs}.{t}")
+        if p + "ls.gamma" in sd:
+            sd[p + "ls1.gamma"] = sd[p + "ls2.gamma"] = sd.pop(p + "ls.gamma")
+    return sd
 
 
 def _layer_scales(block: nn.Module) -> bool | None:
@@ -375,7 +430,7 @@ def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A timm model's weights under vitviz's names (`convert_timm_state_dict`; for an `Eva`, its
     attention's q, k, v projections or q/v biases as one qkv, its LayerScale gammas and learned
     rotary frequencies as well)."""
-    sd = dict(model.state_dict())
+    sd = _parallel_state_dict(model, dict(model.state_dict()))
     family = _family(model)
     if family in ("Beit", "VisionTransformerRelPos"):
         sd = {k: v for k, v in sd.items() if not (".relative_position_bias_table" in k or ".rel_pos." in k
@@ -426,6 +481,8 @@ def _pool_problems(model: nn.Module) -> list[str]:
     if type(pool).__name__ != "AttentionPoolLatent":
         return [f"an attention pool of type {type(pool).__name__}"]
     block, problems = model.blocks[0], []
+    if _parallel(block):
+        return ["attention pooling after parallel blocks"]
     if pool.latent_len != 1 or pool.pool != "token":
         problems.append(f"attention pooling with {pool.latent_len} queries read by {pool.pool!r}")
     if pool.pos_embed is not None or not all(isinstance(getattr(pool, n), nn.Identity) for n in ("q_norm", "k_norm")):
@@ -459,7 +516,7 @@ def _gates_first(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, tor
     """A GluMlp that gates with the second half of its input projection (`gate_last`) has the halves
     swapped, as vitviz's `GatedMLP` reads the gate first."""
     for i, block in enumerate(model.blocks):
-        if type(block.mlp).__name__ == "GluMlp" and block.mlp.gate_last:
+        if type(getattr(block, "mlp", None)).__name__ == "GluMlp" and block.mlp.gate_last:
             for name in ("weight", "bias"):
                 key = f"blocks.{i}.mlp.0.{name}"
                 if key in sd:
