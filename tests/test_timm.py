@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_timm, random_timm_weights, write_hub_cache
@@ -166,11 +167,33 @@ def test_dinov2_giant_with_registers_converts_exactly():
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(global_pool="map", class_token=False, fc_norm=True), "a norm after attention pooling"),
-    (dict(img_size=60), "not a multiple of its patch \\(16 px\\): its patch embedding leaves the last 12 px out"),
 ])
 def test_what_vitviz_does_not_model_of_timms_pooling_and_norms_is_named(kwargs, reason):
     with pytest.raises(NotImplementedError, match=reason):
         vitviz.ViT.from_timm(_random_vit(**kwargs))
+
+
+def test_a_size_off_the_patch_grid_reads_the_top_left_patches_as_timm_does():
+    """SigLIP so400m at 384 px with 14 px patches: timm's transform makes 384 px, its patch embedding
+    reads the top-left 27 x 27 patches (378 px). vitviz's preprocessing makes the same 384 px and cuts
+    the rest off; the model is the 378 px one."""
+    torch.manual_seed(0)
+    model = _random_vit(img_size=60)  # 16 px patches: 3 x 3 of them, 12 px left out
+    ours = vitviz.ViT.from_timm(model)
+    pre = ours.spec.preprocessing
+    assert ours.config.image_size == 48 and pre.image_size == 48 and pre.full_size == 60 and ours.spec.grid == (3, 3)
+    x = torch.randn(1, 3, 60, 60)
+    with torch.inference_mode():
+        assert _relative(ours(x[..., :48, :48]), model(x)) < 1e-5
+    from PIL import Image
+
+    image = Image.fromarray((np.random.default_rng(0).random((50, 90, 3)) * 255).astype("uint8"))
+    cfg = timm.data.resolve_data_config({}, model=model) | {"input_size": (3, 60, 60)}  # the transform at its own size
+    want = timm.data.create_transform(**cfg)(image)  # [3, 60, 60]
+    got, crop = vitviz.preprocess(image, pre)
+    assert crop.size == (48, 48)
+    torch.testing.assert_close(got, want[:, :48, :48])
+    assert pre.at(64).full_size is None  # another size is a multiple of the patch: nothing cut off
 
 
 @pytest.mark.parametrize("kind", ["norm after the attention", "norm inside a gated MLP", "norm inside an MLP"])

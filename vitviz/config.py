@@ -330,6 +330,10 @@ class Preprocessing:
         mode: "crop" (resize the shorter side, centre-crop S x S) or "squash" (resize to S x S).
         mean, std: per-channel normalisation of [0, 1] pixels.
         interpolation: "bilinear", "bicubic" or "nearest" (any of `INTERPOLATIONS`).
+        full_size: the side of the square the weights' own transform makes when the model's patch
+            embedding reads only its top-left S x S (a size that is not a multiple of the patch: timm's
+            SigLIP so400m at 384 px with 14 px patches sees 378); None: S itself. The resize and
+            crop are made at this side, then the rest is cut off.
     """
 
     image_size: int
@@ -338,8 +342,11 @@ class Preprocessing:
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     interpolation: str = "bilinear"
+    full_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.full_size is not None and self.full_size < self.image_size:
+            raise ValueError(f"full_size {self.full_size} is smaller than image_size {self.image_size}")
         if self.mode not in ("crop", "squash"):
             raise ValueError(f'mode must be "crop" or "squash", got {self.mode!r}')
         if self.interpolation not in INTERPOLATIONS:
@@ -348,14 +355,15 @@ class Preprocessing:
     @property
     def crop_fraction(self) -> float:
         """The share of the resized shorter side that the crop keeps (timm's crop_pct)."""
-        return self.image_size / (self.resize_size or self.image_size)
+        side = self.full_size or self.image_size
+        return side / (self.resize_size or side)
 
     def at(self, image_size: int) -> "Preprocessing":
         """The same rule for another square side (the crop keeps the same share of the image)."""
         if image_size == self.image_size:
             return self
         resize = None if self.resize_size is None else math.floor(image_size / self.crop_fraction + 1e-6)
-        return replace(self, image_size=image_size, resize_size=resize)
+        return replace(self, image_size=image_size, resize_size=resize, full_size=None)
 
 
 _PIXELS = re.compile(r"[1-9][0-9]*")

@@ -20,13 +20,18 @@ __all__ = ["Preprocessing", "IMAGENET_MEAN", "IMAGENET_STD", "crop", "to_input",
 
 
 def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
-    """The S x S RGB image the model sees: resized and centre-cropped (or squashed) as `pre` says."""
+    """The S x S RGB image the model sees: resized and centre-cropped (or squashed) as `pre` says
+    (at `pre.full_size` when the model reads the top-left S x S of a larger square: the rest cut off)."""
     interpolation = InterpolationMode(pre.interpolation)
-    s = pre.image_size
+    s = pre.full_size or pre.image_size
     if pre.mode == "squash":
-        return TF.resize(image, [s, s], interpolation=interpolation, antialias=True)
-    resized = TF.resize(image, [pre.resize_size or s], interpolation=interpolation, antialias=True)
-    return TF.center_crop(resized, [s, s])
+        out = TF.resize(image, [s, s], interpolation=interpolation, antialias=True)
+    else:
+        resized = TF.resize(image, [pre.resize_size or s], interpolation=interpolation, antialias=True)
+        out = TF.center_crop(resized, [s, s])
+    if s != pre.image_size:
+        out = out.crop((0, 0, pre.image_size, pre.image_size))
+    return out
 
 
 def to_input(cropped: Image.Image, pre: Preprocessing) -> torch.Tensor:

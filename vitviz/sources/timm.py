@@ -38,6 +38,7 @@ import math
 import os
 import pickle
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -169,17 +170,17 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
     img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
     if img_size[0] != img_size[1] or patch_size[0] != patch_size[1]:
         problems.append(f"non-square images or patches ({img_size}, {patch_size})")
-    elif img_size[0] % patch_size[0]:
-        problems.append(f"an image size ({img_size[0]} px) that is not a multiple of its patch ({patch_size[0]} px): its patch "
-                        f"embedding leaves the last {img_size[0] % patch_size[0]} px out")
+    elif img_size[0] % patch_size[0] and getattr(pe, "dynamic_img_pad", False):
+        problems.append(f"an image size ({img_size[0]} px) that is not a multiple of its patch ({patch_size[0]} px), padded")
     block = model.blocks[0]
-    first = _first_norm(block)
+    known = [b for b in model.blocks if type(b).__name__ in _FAMILIES[family][0]]  # (another kind of block is named below)
+    first = _first_norm(known[0]) if known else None
     eps = getattr(first, "eps", None)
     norm_kind = _norm_kind(first, eps)  # every norm of the model must be of this kind and epsilon
-    norms = [n for b in model.blocks for n in ([b.in_norm] if _parallel(b) else [getattr(b, "norm1", None), getattr(b, "norm2", None)])]
+    norms = [n for b in known for n in ([b.in_norm] if _parallel(b) else [getattr(b, "norm1", None), getattr(b, "norm2", None)])]
     norms += [m for m in (getattr(model, "norm_pre", None), model.norm, model.fc_norm, getattr(pe, "norm", None))
               if not isinstance(m, (nn.Identity, type(None)))]
-    if norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms):
+    if known and (norm_kind is None or not all(_norm_kind(n, eps) == norm_kind for n in norms)):
         odd = next((n for n in norms if _norm_kind(n, eps) != norm_kind), first)
         problems.append(f"norms other than one kind of LayerNorm (with a weight and a bias) or RMSNorm (with a weight) and one "
                         f"epsilon (a {type(odd).__name__})")
@@ -263,7 +264,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
             getattr(getattr(attn, n, None), "bias", None) is not None for n in ("qkv", "q_proj", "k_proj", "v_proj"))
     pool = getattr(model, "attn_pool", None)
     return ViTConfig(
-        image_size=img_size[0],
+        image_size=img_size[0] - img_size[0] % patch_size[0],  # (its patch embedding reads the top-left whole patches)
         patch_size=patch_size[0],
         width=model.embed_dim,
         depth=len(model.blocks),
@@ -643,10 +644,14 @@ def _spec(
     if getattr(config, "rel_pos_bias", False) and size != config.image_size:
         raise ValueError(f"{name}: its relative position bias is learned for {config.image_size} px ({config.grid[0]}x"
                          f"{config.grid[1]} patches); it runs at that size only")
+    preprocessing = _preprocessing(model, size)
+    built = int(model.patch_embed.img_size[0]) if not is_timm_swin(model) else size
+    if size == config.image_size and built != size:  # not a multiple of the patch: timm's transform makes `built`, the model reads `size`
+        preprocessing = replace(_preprocessing(model, built), image_size=size, full_size=built)
     return VariantSpec(
         name=name,
         config=config,
-        preprocessing=_preprocessing(model, size),
+        preprocessing=preprocessing,
         categories=categories,
         source="timm",
         weights=weights,
