@@ -24,7 +24,7 @@ def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "lambda1" in name or name.endswith("layernorm.weight"):
+            if "norm" in name or "lambda1" in name or name.endswith("layernorm.weight"):  # (AIMv2's rms_norm too)
                 p.normal_(1.0, 0.2) if name.endswith(("weight", "lambda1")) else p.normal_(0, 0.2)
             else:
                 p.normal_(0, 0.05)
@@ -44,6 +44,8 @@ def _models():
         "dinov3": t.DINOv3ViTModel(t.DINOv3ViTConfig(**SMALL, intermediate_size=128, num_register_tokens=4, attn_implementation="eager")),
         "dinov3-gated": t.DINOv3ViTModel(t.DINOv3ViTConfig(**SMALL, intermediate_size=96, num_register_tokens=4, use_gated_mlp=True,
                                                            hidden_act="silu", attn_implementation="eager")),
+        # AIMv2: no cls token, RMSNorm everywhere (one after the patch embedding), SwiGLU, a pool whose query is a parameter
+        "aimv2": t.Aimv2VisionModel(t.Aimv2VisionConfig(**SMALL, intermediate_size=96, attn_implementation="eager")),
     }
 
 
@@ -51,7 +53,7 @@ def _relative(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("kind", ["vit-classifier", "vit", "dinov2", "dinov2-registers", "dinov3", "dinov3-gated"])
+@pytest.mark.parametrize("kind", ["vit-classifier", "vit", "dinov2", "dinov2-registers", "dinov3", "dinov3-gated", "aimv2"])
 def test_from_transformers_gives_the_same_outputs_and_attention(kind):
     model = _randomise(_models()[kind])
     ours = vitviz.ViT.from_transformers(model)
@@ -70,8 +72,11 @@ def test_from_transformers_gives_the_same_outputs_and_attention(kind):
     attn = torch.stack(out.attentions)  # [L, B, H, N, N], transformers' softmax (eager)
     torch.testing.assert_close(rec.attentions, attn, atol=1e-5, rtol=0)
     spec = ours.spec
-    registers = 4 if kind in ("dinov2-registers", "dinov3", "dinov3-gated") else 0
-    assert spec.num_prefix_tokens == 1 + registers and rec.attentions.shape[-1] == 1 + registers + 36
+    prefix = {"dinov2-registers": 5, "dinov3": 5, "dinov3-gated": 5, "aimv2": 0}.get(kind, 1)
+    assert spec.num_prefix_tokens == prefix and rec.attentions.shape[-1] == prefix + 36
+    if kind == "aimv2":  # its pooled output: the attention pool's
+        with torch.inference_mode():
+            assert _relative(ours.forward_features(x), out.pooler_output) < 1e-4
     assert (spec.categories is not None) == (kind == "vit-classifier")
     if kind == "vit-classifier":
         assert spec.categories == tuple(f"LABEL_{i}" for i in range(7))
@@ -152,6 +157,12 @@ def test_dinov2_classifiers_and_other_models_are_refused_clearly():
     t = transformers
     with pytest.raises(NotImplementedError, match="backbone"):
         vitviz.ViT.from_transformers(t.Dinov2ForImageClassification(t.Dinov2Config(**SMALL, num_labels=3)))
+    with pytest.raises(NotImplementedError, match="AIMv2's native-resolution model"):
+        vitviz.ViT.from_transformers(t.Aimv2VisionModel(t.Aimv2VisionConfig(**SMALL, intermediate_size=96, is_native=True)))
+    aimv2 = vitviz.ViT.from_transformers(_models()["aimv2"])
+    rows = vitviz.summary(aimv2).rows
+    assert any(r.stage.endswith("then an output projection") for r in rows)
+    assert sum(r.params for r in rows) == sum(p.numel() for p in aimv2.parameters()) == aimv2.config.num_params
     with pytest.raises(TypeError, match="model_type 'bert'"):
         vitviz.ViT.from_transformers(t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)))
 

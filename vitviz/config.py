@@ -66,6 +66,10 @@ class ViTConfig:
         pool_prefix: with "map", the probe attends to the prefix tokens too (SigLIP has none; timm's
             attention pool leaves them out by default, `pool_include_prefix=False`: their share of the
             probe's attention is then 0).
+        pool_head: with "map", the pool's kind: "mlp" (SigLIP's: the probe through a query
+            projection, then a LayerNorm and an MLP with their residual) or "plain" (AIMv2's: the probe
+            is the query itself, key and value projections with `qkv_bias`, an output projection,
+            nothing after).
         pool_heads: with "map", the probe's heads (None: `heads`; Perception Encoder's pool has 8
             over blocks of 12 or 16).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
@@ -138,6 +142,7 @@ class ViTConfig:
     pool: Literal["token", "avg", "map"] = "token"
     pool_prefix: bool = True
     pool_heads: int | None = None
+    pool_head: Literal["mlp", "plain"] = "mlp"
     fc_norm: bool = False
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu"] = "gelu"
     mlp: Literal["plain", "gated"] = "plain"
@@ -171,6 +176,8 @@ class ViTConfig:
             raise ValueError(f'pool must be "token", "avg" or "map", got {self.pool!r}')
         if not self.pool_prefix and self.pool != "map":
             raise ValueError('pool_prefix=False is for attention pooling (pool="map")')
+        if self.pool_head not in ("mlp", "plain"):
+            raise ValueError(f'pool_head must be "mlp" or "plain", got {self.pool_head!r}')
         if self.pool_heads is not None and (self.pool != "map" or self.width % self.pool_heads):
             raise ValueError(f'pool_heads is for attention pooling (pool="map") and must divide width {self.width}')
         if self.fc_norm and self.pool != "avg":
@@ -262,7 +269,10 @@ class ViTConfig:
         norms = norm * (int(self.norm_pre) + int(self.final_norm and not self.fc_norm) + int(self.fc_norm))
         heads = (d * c + c) * (1 + int(self.distill_token)) if c else 0
         # the probe, q, k, v and out projections with biases, a norm, an MLP with biases
-        map_head = d + 4 * (d * d + d) + norm + 2 * d * m + m + d if self.pool == "map" else 0
+        if self.pool_head == "plain":  # the probe, biased or not k and v, a biased output projection
+            map_head = d + 2 * d * d + (2 * d if self.qkv_bias else 0) + d * d + d if self.pool == "map" else 0
+        else:
+            map_head = d + 4 * (d * d + d) + norm + 2 * d * m + m + d if self.pool == "map" else 0
         return patch + tokens + self.depth * block + norms + heads + map_head
 
     def replace(self, **changes: Any) -> "ViTConfig":

@@ -340,7 +340,8 @@ class AttentionPool(nn.Module):
         a = softmax(q(probe) k(x)^T / sqrt(D / H))     [B, H, 1, N], the probe's attention (H: `pool_heads`)
         y = proj(a v(x));  out = y + MLP(LN(y))         [B, D]
 
-    The probe has no residual of its own (y is the attention's output alone). The softmax is its own
+    The probe has no residual of its own (y is the attention's output alone). AIMv2's pool
+    (`ViTConfig.pool_head="plain"`) uses the probe itself as the query and stops at y. The softmax is its own
     module (`attend`), as in `Attention`: `vitviz.record_attention` records the probe's attention
     beside the blocks' (`AttentionRecord.pool_attention`).
     """
@@ -352,24 +353,26 @@ class AttentionPool(nn.Module):
         self.scale = (c.width // self.heads) ** -0.5
         self.skip = 0 if c.pool_prefix else c.num_prefix_tokens  # leading tokens the probe does not attend to
         self.probe = nn.Parameter(torch.zeros(1, 1, c.width))
-        self.q = nn.Linear(c.width, c.width)
-        self.kv = nn.Linear(c.width, 2 * c.width)
+        self.plain = c.pool_head == "plain"  # AIMv2's: the probe is the query; nothing after the output projection
+        self.q = nn.Identity() if self.plain else nn.Linear(c.width, c.width)
+        self.kv = nn.Linear(c.width, 2 * c.width, bias=c.qkv_bias or not self.plain)
         self.attend = nn.Softmax(dim=-1)
         self.proj = nn.Linear(c.width, c.width)
-        self.norm = norm_layer(c.norm, c.width, c.eps)
-        self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), _activation(c.act), nn.Linear(c.mlp_dim, c.width))
+        if not self.plain:
+            self.norm = norm_layer(c.norm, c.width, c.eps)
+            self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), _activation(c.act), nn.Linear(c.mlp_dim, c.width))
         nn.init.normal_(self.probe, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, N, D] -> [B, D]."""
         q = rearrange(self.q(self.probe), "one m (h d) -> one h m d", h=self.heads)  # [1, H, 1, d]
         k, v = rearrange(self.kv(tokens), "b n (two h d) -> two b h n d", two=2, h=self.heads)
-        logits = (q @ k.transpose(-2, -1)) * self.scale
+        logits = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (float32 for a half-precision model, as `Attention`)
         if self.skip:  # the prefix tokens left out: a softmax over the patches alone, the prefix's share 0
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) < self.skip, float("-inf"))
         attn = self.attend(logits)  # [B, H, 1, N], rows sum to 1
-        y = self.proj(rearrange(attn @ v, "b h m d -> b m (h d)"))[:, 0]
-        return y + self.mlp(self.norm(y))
+        y = self.proj(rearrange(attn.to(v.dtype) @ v, "b h m d -> b m (h d)"))[:, 0]
+        return y if self.plain else y + self.mlp(self.norm(y))
 
 
 class LayerScale(nn.Module):

@@ -79,7 +79,8 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
     )
     rows = [
         SummaryRow("Input image", "", (b, 3, s, s), 0),
-        SummaryRow("Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}", (b, d, gh, gw), _count(model.patch_embed.proj)),
+        SummaryRow("Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}" + (f", then {c.norm}" if c.patch_norm else ""),
+                   (b, d, gh, gw), _count(model.patch_embed)),
         SummaryRow("Flatten to tokens", "Rearrange b d gh gw -> b (gh gw) d", (b, gh * gw, d), 0),
     ]
     if prefix:
@@ -105,8 +106,9 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         rows.append(SummaryRow("Mean of the patch tokens" + (" + LayerNorm" if c.fc_norm else ""), "", (b, d), _count(model.fc_norm)))
     elif c.pool == "map":
         over = "every token" if c.pool_prefix or not c.num_prefix_tokens else "the patch tokens"
-        rows.append(SummaryRow(f"Attention pooling: a learned probe attends over {over}, + LayerNorm + MLP",
-                               f"{c.pool_heads or c.heads} heads, MLP {c.mlp_dim}", (b, d), _count(model.attn_pool)))
+        after, inside = (", then an output projection", "") if c.pool_head == "plain" else (", + LayerNorm + MLP", f", MLP {c.mlp_dim}")
+        rows.append(SummaryRow(f"Attention pooling: a learned probe attends over {over}{after}",
+                               f"{c.pool_heads or c.heads} heads{inside}", (b, d), _count(model.attn_pool)))
     elif c.distill_token:
         rows.append(SummaryRow("Take cls and distillation tokens", "", (b, 2, d), 0))
     else:

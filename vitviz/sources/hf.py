@@ -304,7 +304,7 @@ class HuggingFaceSource(WeightsSource):
             return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) not in TYPES:
             raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, "
-                             "DINOv3, CLIP and SigLIP")
+                             "DINOv3, AIMv2's vision model, CLIP and SigLIP")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
         spec = _noted(_spec(model, config_from_transformers(model), name=name, **where), where["processor"])
@@ -322,6 +322,7 @@ class HuggingFaceSource(WeightsSource):
             raise NotImplementedError(f"{archs[0]} (an image tower with a classifier, no text tower) is not modelled by vitviz")
         return {"vit": transformers.ViTModel, "dinov2": transformers.Dinov2Model,
                 "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "dinov3_vit": transformers.DINOv3ViTModel,
+                "aimv2_vision_model": transformers.Aimv2VisionModel,
                 "clip": transformers.CLIPModel,
                 "siglip": transformers.SiglipModel}[cfg.model_type]
 

@@ -14,7 +14,7 @@ from vitviz.config import TextConfig, ViTConfig
 __all__ = ["config_from_transformers", "text_config_from_transformers", "convert_transformers_state_dict", "convert_image_text_state_dict"]
 
 IMAGE_TEXT = ("clip", "siglip")  # model types that become an ImageTextModel
-TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit", *IMAGE_TEXT)  # model types read here
+TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit", "aimv2_vision_model", *IMAGE_TEXT)  # model types read here
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu",
          "silu": "silu"}
 
@@ -74,6 +74,8 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
         )
     if kind == "dinov3_vit":
         return _dinov3_config(model)
+    if kind == "aimv2_vision_model":
+        return _aimv2_config(model)
     if getattr(cfg, "use_swiglu_ffn", False):
         raise NotImplementedError("DINOv2 with a SwiGLU MLP (the giant model) is not modelled by vitviz")
     _act(cfg.hidden_act)
@@ -144,6 +146,55 @@ def _dinov3_config(model: nn.Module) -> ViTConfig:
     )
 
 
+def _aimv2_config(model: nn.Module) -> ViTConfig:
+    """An `Aimv2VisionModel`'s: no cls token, an RMSNorm after the patch embedding and everywhere else,
+    a learned position table, SwiGLU, and (with `use_head`) its attention pool: the learned query
+    itself against key and value projections, then an output projection (`pool_head="plain"`);
+    without a head, the mean of its normalised patch tokens (transformers pools nothing then)."""
+    cfg = model.config
+    if cfg.is_native:
+        raise NotImplementedError("AIMv2's native-resolution model (sine-cosine positions computed for each image) is not "
+                                  "modelled by vitviz; its fixed-size models are")
+    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
+    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
+    return ViTConfig(
+        image_size=size, patch_size=patch, width=cfg.hidden_size, depth=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+        mlp_dim=cfg.intermediate_size, mlp="gated", act=_act(cfg.hidden_act), num_classes=0, class_token=False,
+        norm="rmsnorm", patch_norm=True, eps=cfg.rms_norm_eps, qkv_bias=bool(cfg.qkv_bias), proj_bias=bool(cfg.qkv_bias),
+        mlp_bias=bool(cfg.mlp_bias), pool="map" if cfg.use_head else "avg", pool_head="plain", pos_embed_antialias=False,
+    )
+
+
+def _aimv2_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    emb = model.embeddings
+    sd: dict[str, torch.Tensor] = {
+        "patch_embed.proj.weight": emb.patch_embed.weight, "patch_embed.proj.bias": emb.patch_embed.bias,
+        "patch_embed.norm.weight": emb.rms_norm.weight, "pos_embed": emb.position_embedding.weight[None],
+        "norm.weight": model.rms_norm.weight,
+    }
+    for i, layer in enumerate(model.encoder.layers):
+        at, mlp, p = layer.attention, layer.ffn, f"blocks.{i}."
+        sd[p + "norm1.weight"], sd[p + "norm2.weight"] = layer.rms_norm1.weight, layer.rms_norm2.weight
+        sd[p + "attn.qkv.weight"] = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+        sd[p + "attn.proj.weight"] = at.out_proj.weight
+        if at.q_proj.bias is not None:
+            sd[p + "attn.qkv.bias"] = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias])
+            sd[p + "attn.proj.bias"] = at.out_proj.bias
+        sd[p + "mlp.0.weight"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        sd[p + "mlp.2.weight"] = mlp.down_proj.weight
+        if mlp.down_proj.bias is not None:
+            sd[p + "mlp.0.bias"] = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            sd[p + "mlp.2.bias"] = mlp.down_proj.bias
+    if model.config.use_head:
+        head = model.head
+        sd["attn_pool.probe"] = head.cls_token
+        sd["attn_pool.kv.weight"] = torch.cat([head.k_proj.weight, head.v_proj.weight])
+        if head.k_proj.bias is not None:
+            sd["attn_pool.kv.bias"] = torch.cat([head.k_proj.bias, head.v_proj.bias])
+        sd["attn_pool.proj.weight"], sd["attn_pool.proj.bias"] = head.output_proj.weight, head.output_proj.bias
+    return {k: v.detach() for k, v in sd.items()}
+
+
 def _dinov3_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A `DINOv3ViTModel`'s weights under vitviz's names: q, k, v stacked (a missing bias as zeros),
     a gated MLP's gate and up projections as one (the gate's first)."""
@@ -180,6 +231,8 @@ def convert_transformers_state_dict(model: nn.Module, config: ViTConfig) -> dict
     with its heads contiguous, the same layout as vitviz's "(three h d)")."""
     if getattr(model.config, "model_type", None) == "dinov3_vit":
         return _dinov3_state_dict(model)
+    if getattr(model.config, "model_type", None) == "aimv2_vision_model":
+        return _aimv2_state_dict(model)
     backbone, classifier = _backbone(model)
     emb = backbone.embeddings
     sd: dict[str, torch.Tensor] = {
