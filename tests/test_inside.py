@@ -136,35 +136,27 @@ def test_the_lens_reads_an_attention_pooling_model_too():
         inside.logit_attribution(model, x)
 
 
-def test_a_norm_over_the_heads_outputs_keeps_the_lens_and_refuses_the_split():
-    """EVA-02 CLIP's LayerNorm before W_O (`ViTConfig.attn_norm`): the lens is the model's tail as ever;
-    the heads' shares do not add, so the attribution says why; ablating a head zeroes its output
-    before that norm (equal to zeroing its value rows)."""
-    model = _vitviz(attn_norm=True)
+@pytest.mark.parametrize("kind, why", [("attn_norm", "normalises its heads' outputs together"), ("post_norm", "res-post-norm")])
+def test_norms_after_a_branch_keep_the_lens_and_refuse_the_split(kind, why):
+    """EVA-02 CLIP's LayerNorm before W_O (`ViTConfig.attn_norm`) and res-post-norm blocks
+    (`post_norm`): the lens is the model's tail as ever; the heads' shares do not add, so the
+    attribution says why; ablating a head zeroes its output before any norm (equal to zeroing its
+    value rows)."""
+    model = _vitviz(**{kind: True})
     x = _image(model)
     with torch.no_grad():
         expected = torch.stack([model.head_logits(model.norm(h))[0] for h in _hooked_blocks(model, x)])
     torch.testing.assert_close(inside.logit_lens(model, x, logits=True), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="normalises its heads' outputs together"):
+    with pytest.raises(ValueError, match=why):
         inside.logit_attribution(model, x)
-    d = model.config.width // model.config.heads
+    d, w = model.config.width // model.config.heads, model.config.width
     zeroed = copy.deepcopy(model)
     with torch.no_grad():
-        zeroed.blocks[1].attn.qkv.weight[2 * model.config.width + d: 2 * model.config.width + 2 * d] = 0  # head 1's value rows
-        zeroed.blocks[1].attn.qkv.bias[2 * model.config.width + d: 2 * model.config.width + 2 * d] = 0
+        zeroed.blocks[1].attn.qkv.weight[2 * w + d: 2 * w + 2 * d] = 0  # head 1's value rows
+        zeroed.blocks[1].attn.qkv.bias[2 * w + d: 2 * w + 2 * d] = 0
         want = zeroed(x[None])[0].softmax(-1)
     got = inside.ablate(model, x, heads=[(1, 1)]).probabilities
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_res_post_norm_blocks_keep_the_lens_and_refuse_the_split():
-    model = _vitviz(post_norm=True)
-    x = _image(model)
-    with torch.no_grad():
-        expected = torch.stack([model.head_logits(model.norm(h))[0] for h in _hooked_blocks(model, x)])
-    torch.testing.assert_close(inside.logit_lens(model, x, logits=True), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="res-post-norm"):
-        inside.logit_attribution(model, x)
 
 
 def test_lens_helpers_by_hand():

@@ -38,6 +38,13 @@ def _layers(backbone: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _shape(cfg) -> dict:
+    """The `ViTConfig` fields every vision config states: image and patch side, width, depth, heads."""
+    side = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
+    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
+    return dict(image_size=side, patch_size=patch, width=cfg.hidden_size, depth=cfg.num_hidden_layers, heads=cfg.num_attention_heads)
+
+
 def _act(name: str) -> str:
     if name not in _ACTS:
         raise NotImplementedError(f"the activation {name!r} is not modelled by vitviz")
@@ -85,17 +92,11 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
             f"{type(model).__name__} classifies from the cls token and the mean patch token together; load its backbone "
             f"({type(backbone).__name__}) instead"
         )
-    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
-    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
     first = _layers(backbone)[0]
     mlp_dim = first.mlp.fc1.out_features
     registers = getattr(cfg, "num_register_tokens", 0) if kind == "dinov2_with_registers" else 0
     return ViTConfig(
-        image_size=size,
-        patch_size=patch,
-        width=cfg.hidden_size,
-        depth=cfg.num_hidden_layers,
-        heads=cfg.num_attention_heads,
+        **_shape(cfg),
         mlp_dim=mlp_dim,
         num_classes=classifier.out_features if classifier is not None else 0,
         register_tokens=registers,
@@ -118,17 +119,11 @@ def _dinov3_config(model: nn.Module) -> ViTConfig:
     (patch centres in [-1, 1], periods of rope_theta, the pairs' halves), LayerScale, a plain or gated
     MLP, the final norm; no classifier (the pooled output is the cls token)."""
     cfg = model.config
-    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
-    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
     first = model.model.layer[0]
     gated = bool(cfg.use_gated_mlp)
     biases = (cfg.query_bias, cfg.key_bias, cfg.value_bias)
     return ViTConfig(
-        image_size=size,
-        patch_size=patch,
-        width=cfg.hidden_size,
-        depth=cfg.num_hidden_layers,
-        heads=cfg.num_attention_heads,
+        **_shape(cfg),
         mlp_dim=cfg.intermediate_size,
         mlp="gated" if gated else "plain",
         num_classes=0,
@@ -155,11 +150,8 @@ def _aimv2_config(model: nn.Module) -> ViTConfig:
     if cfg.is_native:
         raise NotImplementedError("AIMv2's native-resolution model (sine-cosine positions computed for each image) is not "
                                   "modelled by vitviz; its fixed-size models are")
-    size = cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0]
-    patch = cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0]
     return ViTConfig(
-        image_size=size, patch_size=patch, width=cfg.hidden_size, depth=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-        mlp_dim=cfg.intermediate_size, mlp="gated", act=_act(cfg.hidden_act), num_classes=0, class_token=False,
+        **_shape(cfg), mlp_dim=cfg.intermediate_size, mlp="gated", act=_act(cfg.hidden_act), num_classes=0, class_token=False,
         norm="rmsnorm", patch_norm=True, eps=cfg.rms_norm_eps, qkv_bias=bool(cfg.qkv_bias), proj_bias=bool(cfg.qkv_bias),
         mlp_bias=bool(cfg.mlp_bias), pool="map" if cfg.use_head else "avg", pool_head="plain", pos_embed_antialias=False,
     )
