@@ -260,6 +260,7 @@ def test_timms_rotary_families_give_timms_outputs_and_attention(name):
         assert ours.spec.prefix_names == ("cls", "reg1", "reg2", "reg3", "reg4") and ours.pos_embed is None and c.rope == "dinov3"
     if "pe_core" in name:
         assert c.pool == "map" and c.pool_heads == 8 and c.norm_pre and c.rope_axes == "xy" and c.rope_offset == 1.0
+        assert c.pool_mlp_dim is None  # (PE-core G's pool has an MLP of its own width: the zoo's row)
 
 
 def test_a_relative_position_bias_runs_at_its_own_grid_only():
@@ -282,6 +283,18 @@ def test_a_relative_position_bias_runs_at_its_own_grid_only():
     table = model.blocks[0].attn.rel_pos.offsets()  # [H, 27, 27]: the key dy, dx from the query
     t = model.blocks[0].attn.rel_pos.table
     assert table.shape == (12, 27, 27) and torch.equal(table[:, 13 + 2, 13 - 1], t[(-2 + 13) * 27 + (1 + 13)])
+
+
+def test_an_attention_pool_of_its_own_width_matches_timm():
+    """Perception Encoder's pool with an MLP narrower than the blocks' (PE-core G: 6144 beside 8960)."""
+    torch.manual_seed(0)
+    model = random_timm("vit_pe_core_tiny_patch16_384", depth=2, attn_pool_mlp_ratio=2.0)
+    ours = vitviz.ViT.from_timm(model)
+    c = ours.config
+    assert c.pool_mlp_dim == 2 * c.width != c.mlp_dim and c.num_params == sum(p.numel() for p in ours.parameters())
+    x = torch.randn(1, 3, 384, 384)
+    with torch.inference_mode():
+        assert _relative(ours(x), model(x)) < 1e-4
 
 
 def test_dinov3_at_any_aspect_ratio_matches_timm():

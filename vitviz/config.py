@@ -70,6 +70,8 @@ class ViTConfig:
             projection, then a LayerNorm and an MLP with their residual) or "plain" (AIMv2's: the probe
             is the query itself, key and value projections with `qkv_bias`, an output projection,
             nothing after).
+        pool_mlp_dim: with "map" and an "mlp" pool, its MLP's width (None: `mlp_dim`; PE-core G's is
+            6144 beside blocks of 8960).
         pool_heads: with "map", the probe's heads (None: `heads`; Perception Encoder's pool has 8
             over blocks of 12 or 16).
         fc_norm: with "avg", a LayerNorm after pooling instead of the final norm (timm's layout).
@@ -143,6 +145,7 @@ class ViTConfig:
     pool_prefix: bool = True
     pool_heads: int | None = None
     pool_head: Literal["mlp", "plain"] = "mlp"
+    pool_mlp_dim: int | None = None
     fc_norm: bool = False
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu"] = "gelu"
     mlp: Literal["plain", "gated"] = "plain"
@@ -272,7 +275,8 @@ class ViTConfig:
         if self.pool_head == "plain":  # the probe, biased or not k and v, a biased output projection
             map_head = d + 2 * d * d + (2 * d if self.qkv_bias else 0) + d * d + d if self.pool == "map" else 0
         else:
-            map_head = d + 4 * (d * d + d) + norm + 2 * d * m + m + d if self.pool == "map" else 0
+            pm = self.pool_mlp_dim or m
+            map_head = d + 4 * (d * d + d) + norm + 2 * d * pm + pm + d if self.pool == "map" else 0
         return patch + tokens + self.depth * block + norms + heads + map_head
 
     def replace(self, **changes: Any) -> "ViTConfig":

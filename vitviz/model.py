@@ -360,7 +360,8 @@ class AttentionPool(nn.Module):
         self.proj = nn.Linear(c.width, c.width)
         if not self.plain:
             self.norm = norm_layer(c.norm, c.width, c.eps)
-            self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), _activation(c.act), nn.Linear(c.mlp_dim, c.width))
+            m = c.pool_mlp_dim or c.mlp_dim
+            self.mlp = nn.Sequential(nn.Linear(c.width, m), _activation(c.act), nn.Linear(m, c.width))
         nn.init.normal_(self.probe, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

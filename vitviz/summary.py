@@ -106,7 +106,7 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         rows.append(SummaryRow("Mean of the patch tokens" + (" + LayerNorm" if c.fc_norm else ""), "", (b, d), _count(model.fc_norm)))
     elif c.pool == "map":
         over = "every token" if c.pool_prefix or not c.num_prefix_tokens else "the patch tokens"
-        after, inside = (", then an output projection", "") if c.pool_head == "plain" else (", + LayerNorm + MLP", f", MLP {c.mlp_dim}")
+        after, inside = (", then an output projection", "") if c.pool_head == "plain" else (", + LayerNorm + MLP", f", MLP {c.pool_mlp_dim or c.mlp_dim}")
         rows.append(SummaryRow(f"Attention pooling: a learned probe attends over {over}{after}",
                                f"{c.pool_heads or c.heads} heads{inside}", (b, d), _count(model.attn_pool)))
     elif c.distill_token:

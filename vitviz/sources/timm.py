@@ -295,6 +295,7 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         pool=model.global_pool,
         pool_prefix=model.global_pool != "map" or include_prefix or not model.num_prefix_tokens,
         pool_heads=pool.num_heads if model.global_pool == "map" and pool.num_heads != heads else None,
+        pool_mlp_dim=pool.mlp.fc1.out_features if model.global_pool == "map" and pool.mlp.fc1.out_features != hidden else None,
         fc_norm=model.global_pool == "avg" and not isinstance(model.fc_norm, nn.Identity),
         act=acts.pop(),
         eps=eps,
@@ -476,8 +477,8 @@ def _norm_kind(norm: nn.Module | None, eps: float) -> str | None:
 def _pool_problems(model: nn.Module) -> list[str]:
     """What a timm attention-pooling head ("map") has that vitviz's `AttentionPool` does not: vitviz
     models one learned query (the probe) with biased q, kv and output projections, no position
-    embedding or normalised queries and keys of its own, then a LayerNorm and an MLP (the blocks'
-    width and activation) with a residual."""
+    embedding or normalised queries and keys of its own, then the blocks' kind of norm and an MLP (the
+    blocks' activation, a width of its own) with a residual."""
     pool = getattr(model, "attn_pool", None)
     if type(pool).__name__ != "AttentionPoolLatent":
         return [f"an attention pool of type {type(pool).__name__}"]
@@ -492,9 +493,8 @@ def _pool_problems(model: nn.Module) -> list[str]:
     if not all(isinstance(m, nn.Linear) and m.bias is not None for m in linear):
         problems.append("attention pooling without biased q, kv and output projections")
     mlp = pool.mlp
-    if mlp is None or type(mlp).__name__ != "Mlp" or mlp.fc1.out_features != _hidden(block.mlp) \
-            or _act_name(mlp.act) != _act_name(block.mlp.act) or _norm_kind(pool.norm, block.norm1.eps) != _norm_kind(block.norm1, block.norm1.eps):
-        problems.append("attention pooling without the blocks' LayerNorm and MLP after it")
+    if mlp is None or type(mlp).__name__ != "Mlp" or _act_name(mlp.act) != _act_name(block.mlp.act) or _norm_kind(pool.norm, block.norm1.eps) != _norm_kind(block.norm1, block.norm1.eps):
+        problems.append("attention pooling without the blocks' norm and an MLP of their activation after it")
     if not isinstance(model.fc_norm, nn.Identity):
         problems.append("a norm after attention pooling")
     return problems
