@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from vitviz.model import ViT
+from vitviz.model import ViT, relative_index
 
 __all__ = ["rotary_offsets", "attention_by_offset", "offset_index"]
 
 
 def offset_index(grid: tuple[int, int], *, device=None) -> torch.Tensor:
-    """For each (query patch, key patch) of `grid`, row by row, the flat index of their offset in a
-    [2gh − 1, 2gw − 1] table: [gh*gw, gh*gw]."""
+    """For each (query patch, key patch) of `grid`, row by row, the flat index of their offset
+    (key − query, from the centre) in a [2gh − 1, 2gw − 1] table: [gh*gw, gh*gw]. BEiT's index
+    (`vitviz.model.relative_index`, query − key) read backwards: the table flipped on both axes."""
     gh, gw = grid
-    y = torch.arange(gh, device=device).repeat_interleave(gw)
-    x = torch.arange(gw, device=device).repeat(gh)
-    dy = y[None, :] - y[:, None] + gh - 1  # key − query, from the centre
-    dx = x[None, :] - x[:, None] + gw - 1
-    return dy * (2 * gw - 1) + dx
+    return ((2 * gh - 1) * (2 * gw - 1) - 1 - relative_index(grid, 0)).to(device)
 
 
 def rotary_offsets(model: ViT, grid: tuple[int, int] | None = None) -> torch.Tensor:
