@@ -161,18 +161,6 @@ def test_from_transformers_gives_the_same_logits_and_window_softmax(kind):
         assert ours.spec.categories == tuple(f"LABEL_{i}" for i in range(5))
 
 
-def test_swin_v2_is_refused_clearly():
-    timm = pytest.importorskip("timm")
-    transformers = pytest.importorskip("transformers")
-    v2 = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=64, embed_dim=16, depths=(1, 1), num_heads=(1, 2),
-                           window_size=4)
-    with pytest.raises(NotImplementedError, match="Swin V2 is not modelled"):
-        vitviz.from_timm(v2)
-    hf = transformers.Swinv2Model(transformers.Swinv2Config(image_size=32, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4))
-    with pytest.raises(NotImplementedError, match="Swin V2 is not modelled"):
-        vitviz.from_transformers(hf)
-
-
 # ---------------------------------------------------------------------------------------------
 # global attention
 

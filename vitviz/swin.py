@@ -1,6 +1,7 @@
 """The Swin Transformer of Liu et al., "Swin Transformer: Hierarchical Vision Transformer using
-Shifted Windows" (ICCV 2021), written to be read top to bottom: the model alone. Its attention made
-global, rollout and relevance through the merges and the analysis of one image are in
+Shifted Windows" (ICCV 2021), and its second version, Liu et al., "Swin Transformer V2: Scaling Up
+Capacity and Resolution" (CVPR 2022), written to be read top to bottom: the model alone. Its attention
+made global, rollout and relevance through the merges and the analysis of one image are in
 `vitviz.swin_analysis`; conversions from timm and Hugging Face in `vitviz.sources.swin`.
 
 image [B, 3, H, W]
@@ -12,6 +13,14 @@ image [B, 3, H, W]
        and rolls back; a relative position bias [heads, M², M²] is added to the logits
   -> final LayerNorm, mean over the final tokens, linear head             [B, classes]
 
+Swin V2 (`SwinConfig.version = 2`) changes three things and keeps the windows, shifts and masks:
+  res-post-norm   x + LN(W-MSA(x)), then x + LN(MLP(x)); a merge maps 4C -> 2C, then normalises
+  scaled cosine   logits cos(q, k) / τ: q and k L2-normalised, 1/τ = exp(min(logit_scale, log 100))
+                  per head; q and v have a bias, k none
+  continuous bias B = 16 sigmoid(cpb_mlp(coordinates)): a 2 -> 512 -> heads MLP (ReLU) of each
+                  offset (dy, dx) / (M_pre - 1) x 8, log-spaced as sign(t) log2(1 + |t|) / log2(8)
+                  (M_pre: the window the model was pretrained with, `pretrained_window_size`, or M)
+
 The window softmax is its own module (`WindowAttention.attend`, a `vitviz.model.Attention`), so a
 forward hook sees each layer's attention `[B * windows, heads, M², M²]`, and `vitviz.record_attention`
 records it (`rec.calls[-1][l]`: the shapes differ between stages). When nobody observes it, one
@@ -19,7 +28,8 @@ fused `scaled_dot_product_attention` runs instead (tests hold both paths equal).
 
 Padding. A stage whose grid is not a whole number of windows is padded at the bottom and right
 (timm: after the shift; Hugging Face: before it, `SwinConfig.pad_before_shift`); the padding tokens
-are zeros after the block's norm and take part in the window softmax, as in both libraries.
+are zeros (after the block's norm; V2 has none before the attention) and take part in the window
+softmax, as in both libraries.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from vitviz.model import Attention
 
 __all__ = [
     "SwinConfig",
+    "log_spaced_coordinates",
     "Swin",
     "SwinBlock",
     "SwinStage",
@@ -50,6 +61,8 @@ __all__ = [
 ]
 
 MASK_VALUE = -100.0  # the additive mask between tokens of different regions of a shifted window (timm, Hugging Face)
+LOGIT_SCALE_MAX = math.log(1 / 0.01)  # Swin V2: the cosine attention's log scale is clamped here (1/τ at most 100)
+CPB_HIDDEN = 512  # Swin V2: the hidden width of the continuous position bias's MLP
 _PATCH_NORM_EPS = 1e-5  # the patch embedding's and the merges' LayerNorms (nn.LayerNorm's default, in timm and Hugging Face)
 
 
@@ -74,6 +87,12 @@ class SwinConfig:
             merges' norms use 1e-5, as timm and Hugging Face do).
         pad_before_shift: pad a stage's grid to whole windows before rolling it (Hugging Face) rather
             than after (timm, the original code); the same when no padding is needed.
+        version: 1, or 2 for Swin V2 (res-post-norm, scaled cosine attention, continuous position
+            bias, merges that normalise after the reduction; the module's docstring).
+        pretrained_window_size: Swin V2: M_pre, the window whose offsets the continuous position bias
+            was trained on, one for every stage or one per stage; 0 for the stage's own window.
+        mask_value: the additive mask between regions of a shifted window: -100 (timm, the original
+            code); -200 for Hugging Face's Swin V2, which adds its mask twice.
     """
 
     attention: ClassVar[str] = "windowed"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): within windows
@@ -90,6 +109,9 @@ class SwinConfig:
     act: Literal["gelu", "gelu_tanh"] = "gelu"
     eps: float = 1e-5
     pad_before_shift: bool = False
+    version: Literal[1, 2] = 1
+    pretrained_window_size: int | tuple[int, ...] = 0
+    mask_value: float = MASK_VALUE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depths", tuple(int(d) for d in self.depths))
@@ -97,6 +119,15 @@ class SwinConfig:
         windows = self.window_size
         windows = (int(windows),) * len(self.depths) if isinstance(windows, int) else tuple(int(w) for w in windows)
         object.__setattr__(self, "window_size", windows)
+        pretrained = self.pretrained_window_size
+        pretrained = (int(pretrained),) * len(self.depths) if isinstance(pretrained, int) else tuple(int(p) for p in pretrained)
+        object.__setattr__(self, "pretrained_window_size", pretrained)
+        if self.version not in (1, 2):
+            raise ValueError(f"version must be 1 or 2, got {self.version!r}")
+        if len(pretrained) != len(self.depths) or min(pretrained) < 0:
+            raise ValueError(f"pretrained_window_size {pretrained} needs one entry of at least 0 per stage")
+        if self.version == 1 and any(pretrained):
+            raise ValueError(f"pretrained_window_size {pretrained} is Swin V2's (version=2): Swin V1's bias is a table, not a function of offsets")
         if not self.depths or len(self.num_heads) != len(self.depths) or len(windows) != len(self.depths):
             raise ValueError(f"depths {self.depths}, num_heads {self.num_heads} and window_size {windows} need one entry per stage")
         if min(self.depths) < 1 or min(windows) < 1:
@@ -201,10 +232,13 @@ class SwinConfig:
         total = 3 * self.patch_size**2 * c0 + c0 + 2 * c0  # the patch embedding (with its bias) and its norm
         for s, ((wh, ww), _) in enumerate(self.stage_windows()):
             dim, heads, hidden = self.dims[s], self.num_heads[s], int(self.mlp_ratio * self.dims[s])
-            if s:  # the merge: a norm over 4C, a linear map 4C -> 2C without bias
+            if s:  # the merge: a linear map 4C -> 2C without bias and a norm (V1: over 4C, before it; V2: over 2C, after it)
                 prev = self.dims[s - 1]
-                total += 2 * 4 * prev + 4 * prev * 2 * prev
-            attention = 3 * dim * dim + (3 * dim if self.qkv_bias else 0) + dim * dim + dim + (2 * wh - 1) * (2 * ww - 1) * heads
+                total += 2 * (4 if self.version == 1 else 2) * prev + 4 * prev * 2 * prev
+            if self.version == 1:  # qkv (with its bias), the output projection, the bias table
+                attention = 3 * dim * dim + (3 * dim if self.qkv_bias else 0) + dim * dim + dim + (2 * wh - 1) * (2 * ww - 1) * heads
+            else:  # qkv (q and v biases), the output projection, logit_scale, the bias's MLP
+                attention = 3 * dim * dim + (2 * dim if self.qkv_bias else 0) + dim * dim + dim + heads + 3 * CPB_HIDDEN + CPB_HIDDEN * heads
             total += self.depths[s] * (2 * 2 * dim + attention + dim * hidden + hidden + hidden * dim + dim)
         classes = self.num_classes
         return total + 2 * self.dims[-1] + (self.dims[-1] * classes + classes if classes else 0)
@@ -307,13 +341,13 @@ class WindowGeometry:
         """The mask's region at each place of each window [windows, M²]."""
         return _partition(self.regions(device)[None, :, :, None], self.window)[..., 0]
 
-    def mask(self, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor | None:
-        """The additive mask of a shifted layer [windows, M², M²]: -100 between places of different
-        regions, 0 elsewhere; None when the layer is not shifted."""
+    def mask(self, *, dtype: torch.dtype = torch.float32, device=None, value: float = MASK_VALUE) -> torch.Tensor | None:
+        """The additive mask of a shifted layer [windows, M², M²]: `value` (-100) between places of
+        different regions, 0 elsewhere; None when the layer is not shifted."""
         if not self.shifted:
             return None
         r = self.window_regions(device)
-        return torch.zeros(r.shape[0], r.shape[1], r.shape[1], dtype=dtype, device=device).masked_fill(r[:, :, None] != r[:, None, :], MASK_VALUE)
+        return torch.zeros(r.shape[0], r.shape[1], r.shape[1], dtype=dtype, device=device).masked_fill(r[:, :, None] != r[:, None, :], value)
 
     def support(self, device=None) -> torch.Tensor:
         """bool [windows, M², M²]: the (query, key) places that hold two real tokens the mask does not separate."""
@@ -361,46 +395,96 @@ def relative_position_index(window: tuple[int, int]) -> torch.Tensor:
     return (dy + wh - 1) * (2 * ww - 1) + (dx + ww - 1)
 
 
+def log_spaced_coordinates(window: tuple[int, int], pretrained_window: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Swin V2's input to the continuous position bias: each offset (dy, dx) of a window, in the rows
+    of `relative_position_index`'s table [(2wh - 1)(2ww - 1), 2], float32.
+
+    t = offset / (M_pre - 1) x 8 along each axis (M_pre the pretrained window, or the window itself
+    when 0; at least 1), then sign(t) log2(1 + |t|) / log2(8): in [-1, 1] at the pretrained window,
+    beyond it (log-spaced) for a larger one."""
+    dy, dx = torch.meshgrid(torch.arange(-(window[0] - 1), window[0], dtype=torch.float32),
+                            torch.arange(-(window[1] - 1), window[1], dtype=torch.float32), indexing="ij")
+    reference = pretrained_window if pretrained_window[0] > 0 else window
+    t = torch.stack([dy / max(reference[0] - 1, 1), dx / max(reference[1] - 1, 1)], dim=-1) * 8
+    return (torch.sign(t) * torch.log2(t.abs() + 1.0) / math.log2(8)).reshape(-1, 2)
+
+
 class WindowAttention(Attention):
-    """Multi-head self-attention inside windows, with a learned relative position bias:
-    softmax(q k^T / sqrt(d) + B + mask), B [heads, M², M²] read from a table of (2wh-1)(2ww-1) rows.
+    """Multi-head self-attention inside windows, with a relative position bias B [heads, M², M²]
+    added to the logits, and the mask of a shifted layer.
+
+    Swin V1: softmax(q k^T / sqrt(d) + B + mask), B read from a learned table of (2wh-1)(2ww-1) rows.
+    Swin V2: softmax(cos(q, k) exp(min(logit_scale, log 100)) + B + mask), B = 16 sigmoid(cpb_mlp(·))
+    of the window's `log_spaced_coordinates`; q and v have a bias, k none.
 
     `attend` (the softmax) sees `[B * windows, heads, M², M²]`."""
 
-    def __init__(self, *, width: int, heads: int, window: tuple[int, int], qkv_bias: bool = True) -> None:
-        super().__init__(width=width, heads=heads, qkv_bias=qkv_bias, proj_bias=True)
-        self.window = tuple(window)
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window[0] - 1) * (2 * window[1] - 1), heads))
+    def __init__(self, *, width: int, heads: int, window: tuple[int, int], qkv_bias: bool = True, version: int = 1,
+                 pretrained_window: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(width=width, heads=heads, qkv_bias=qkv_bias and version == 1, proj_bias=True)
+        self.window, self.version = tuple(window), version
         self.register_buffer("relative_position_index", relative_position_index(self.window), persistent=False)
+        if version == 1:
+            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window[0] - 1) * (2 * window[1] - 1), heads))
+            return
+        self.logit_scale = nn.Parameter(torch.full((heads, 1, 1), math.log(10)))
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, CPB_HIDDEN), nn.ReLU(), nn.Linear(CPB_HIDDEN, heads, bias=False))
+        self.register_buffer("relative_coords_table", log_spaced_coordinates(self.window, tuple(pretrained_window)), persistent=False)
+        self.q_bias = nn.Parameter(torch.zeros(width)) if qkv_bias else None
+        self.v_bias = nn.Parameter(torch.zeros(width)) if qkv_bias else None
 
     def relative_position_bias(self) -> torch.Tensor:
-        """B [heads, M², M²]."""
-        return self.relative_position_bias_table[self.relative_position_index].permute(2, 0, 1)
+        """B [heads, M², M²]: what is added to the logits of each (query place, key place)."""
+        if self.version == 1:
+            return self.relative_position_bias_table[self.relative_position_index].permute(2, 0, 1)
+        table = self.cpb_mlp(self.relative_coords_table)  # [(2wh-1)(2ww-1), heads]
+        # the sigmoid on [heads, M², M²] in memory, as timm and Hugging Face take it: the same rounding of each entry
+        return 16 * torch.sigmoid(table[self.relative_position_index].permute(2, 0, 1).contiguous())
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, C] -> [B, N, 3C]; Swin V2's bias is (q_bias, 0, v_bias)."""
+        if self.version == 1 or self.q_bias is None:
+            return self.qkv(x)
+        return F.linear(x, self.qkv.weight, torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias]))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B * windows, M², C], mask [windows, M², M²] or None -> [B * windows, M², C]."""
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        q, k, v = rearrange(self._qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        if self.version == 1:
+            scale = self.scale
+        else:  # scaled cosine attention: unit q and k, a learned scale per head [heads, 1, 1]
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            scale = torch.clamp(self.logit_scale, max=LOGIT_SCALE_MAX).exp()
         bias = self.relative_position_bias().to(q.dtype)[None]  # [1, heads, M², M²]
-        if mask is not None:  # window w of every image gets mask[w]
-            bias = (bias + mask[:, None]).repeat(x.shape[0] // mask.shape[0], 1, 1, 1)  # [B * windows, heads, M², M²]
         if self._observed():
-            attn = self.attend((q @ k.transpose(-2, -1)) * self.scale + bias)  # rows sum to 1
-            out = attn @ v
-        else:
+            logits = (q @ k.transpose(-2, -1)) * scale + bias
+            if mask is not None:  # window w of every image gets mask[w], added after the bias (as in timm: the same rounding)
+                logits = rearrange(rearrange(logits, "(b w) h n m -> b w h n m", w=mask.shape[0]) + mask[:, None], "b w h n m -> (b w) h n m")
+            attn = self.attend(logits)  # rows sum to 1
+            return self.proj(rearrange(attn @ v, "b h n d -> b n (h d)"))
+        if mask is not None:
+            bias = (bias + mask[:, None]).repeat(x.shape[0] // mask.shape[0], 1, 1, 1)  # [B * windows, heads, M², M²]
+        if self.version == 1:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            out = F.scaled_dot_product_attention(q * scale, k, v, attn_mask=bias, scale=1.0)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
 
 class SwinBlock(nn.Module):
-    """x + W-MSA(LN(x)), then x + MLP(LN(x)), on [B, gh, gw, C]; W-MSA rolls the grid by -shift,
-    cuts it into windows, attends in each, and puts the tokens back."""
+    """On [B, gh, gw, C]: x + W-MSA(LN(x)), then x + MLP(LN(x)) (Swin V2: x + LN(W-MSA(x)), then
+    x + LN(MLP(x))); W-MSA rolls the grid by -shift, cuts it into windows, attends in each, and puts
+    the tokens back."""
 
-    def __init__(self, *, width: int, heads: int, window: tuple[int, int], shift: tuple[int, int], config: SwinConfig) -> None:
+    def __init__(self, *, width: int, heads: int, window: tuple[int, int], shift: tuple[int, int], config: SwinConfig,
+                 pretrained_window: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
         self.window, self.shift, self.pad_before_shift = tuple(window), tuple(shift), config.pad_before_shift
+        self.post_norm, self.mask_value = config.version == 2, config.mask_value
         hidden = int(config.mlp_ratio * width)
         self.norm1 = nn.LayerNorm(width, eps=config.eps)
-        self.attn = WindowAttention(width=width, heads=heads, window=self.window, qkv_bias=config.qkv_bias)
+        self.attn = WindowAttention(width=width, heads=heads, window=self.window, qkv_bias=config.qkv_bias, version=config.version,
+                                    pretrained_window=pretrained_window)
         self.norm2 = nn.LayerNorm(width, eps=config.eps)
         act = nn.GELU(approximate="tanh" if config.act == "gelu_tanh" else "none")
         self.mlp = nn.Sequential(nn.Linear(width, hidden), act, nn.Linear(hidden, width))
@@ -409,30 +493,39 @@ class SwinBlock(nn.Module):
         """How this block cuts a grid of real tokens (its stage's) into windows."""
         return WindowGeometry(grid=tuple(grid), window=self.window, shift=self.shift, pad_before_shift=self.pad_before_shift)
 
+    def windowed_attention(self, x: torch.Tensor) -> torch.Tensor:
+        """W-MSA: [B, gh, gw, C] -> [B, gh, gw, C]."""
+        g = self.geometry((x.shape[1], x.shape[2]))
+        windows = _partition(g.roll_and_pad(x), g.window)  # [B * windows, M², C]
+        attended = self.attn(windows, g.mask(dtype=x.dtype, device=x.device, value=self.mask_value))
+        return g.unroll(_unpartition(attended, g.window, g.padded))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, gh, gw, C] -> [B, gh, gw, C]."""
-        g = self.geometry((x.shape[1], x.shape[2]))
-        windows = _partition(g.roll_and_pad(self.norm1(x)), g.window)  # [B * windows, M², C]
-        attended = self.attn(windows, g.mask(dtype=x.dtype, device=x.device))
-        x = x + g.unroll(_unpartition(attended, g.window, g.padded))
+        if self.post_norm:
+            x = x + self.norm1(self.windowed_attention(x))
+            return x + self.norm2(self.mlp(x))
+        x = x + self.windowed_attention(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class PatchMerging(nn.Module):
     """Each 2 x 2 group of tokens -> one: concatenated in the order (0,0), (1,0), (0,1), (1,1)
-    (row, column offsets; timm's and Hugging Face's), LayerNorm, a linear map 4C -> 2C without bias.
-    An odd grid is padded with zeros at the bottom and right first."""
+    (row, column offsets; timm's and Hugging Face's), LayerNorm, a linear map 4C -> 2C without bias
+    (Swin V2, `post_norm`: the linear map, then a LayerNorm over 2C). An odd grid is padded with
+    zeros at the bottom and right first."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, *, post_norm: bool = False) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(4 * width, eps=_PATCH_NORM_EPS)
+        self.post_norm = post_norm
+        self.norm = nn.LayerNorm(2 * width if post_norm else 4 * width, eps=_PATCH_NORM_EPS)
         self.reduction = nn.Linear(4 * width, 2 * width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, gh, gw, C] -> [B, ceil(gh/2), ceil(gw/2), 2C]."""
         x = F.pad(x, (0, 0, 0, x.shape[2] % 2, 0, x.shape[1] % 2))
         x = rearrange(x, "b (h dh) (w dw) c -> b h w (dw dh c)", dh=2, dw=2)  # (dh, dw) = (0,0), (1,0), (0,1), (1,1)
-        return self.reduction(self.norm(x))
+        return self.norm(self.reduction(x)) if self.post_norm else self.reduction(self.norm(x))
 
 
 class SwinStage(nn.Module):
@@ -442,9 +535,11 @@ class SwinStage(nn.Module):
         super().__init__()
         c, width = config, config.dims[stage]
         window, shift = c.stage_windows()[stage]
-        self.merge = PatchMerging(c.dims[stage - 1]) if stage else None
+        pretrained = (c.pretrained_window_size[stage],) * 2
+        self.merge = PatchMerging(c.dims[stage - 1], post_norm=c.version == 2) if stage else None
         self.blocks = nn.ModuleList(
-            SwinBlock(width=width, heads=c.num_heads[stage], window=window, shift=shift if i % 2 else (0, 0), config=c)
+            SwinBlock(width=width, heads=c.num_heads[stage], window=window, shift=shift if i % 2 else (0, 0), config=c,
+                      pretrained_window=pretrained)
             for i in range(c.depths[stage])
         )
 
@@ -460,8 +555,9 @@ class SwinStage(nn.Module):
 class Swin(nn.Module):
     """Swin Transformer, built from a `SwinConfig` (or its fields as keywords).
 
-    `vitviz.from_timm` and `vitviz.from_transformers` convert a timm `SwinTransformer` or a Hugging
-    Face `SwinModel` / `SwinForImageClassification` into this one (`vitviz.sources.swin`).
+    `vitviz.from_timm` and `vitviz.from_transformers` convert a timm `SwinTransformer` or
+    `SwinTransformerV2`, or a Hugging Face `SwinModel` / `SwinForImageClassification` (or their
+    `Swinv2` counterparts) into this one (`vitviz.sources.swin`).
     """
 
     def __init__(self, config: SwinConfig | None = None, **fields_) -> None:
@@ -485,7 +581,7 @@ class Swin(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, WindowAttention):
+            elif isinstance(module, WindowAttention) and module.version == 1:  # (V2: logit_scale log 10, q and v biases 0)
                 nn.init.trunc_normal_(module.relative_position_bias_table, std=0.02)
 
     patch_size = property(lambda self: self.config.patch_size)

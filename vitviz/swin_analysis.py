@@ -80,7 +80,8 @@ class SwinAnalysis:
             where each place is on the stage's grid).
         geometries: each layer's `WindowGeometry` (grid, window, shift).
         stages: each layer's stage.
-        biases: each layer's relative position bias [heads_l, M², M²] (added to the logits).
+        biases: each layer's relative position bias [heads_l, M², M²] (added to the logits; Swin
+            V2's continuous one as it is added, 16 sigmoid(·)).
         tokens: the final tokens after the final norm [N_last, D].
         token_norms: the L2 norm of every token after each block, before the final norm: one [N_s]
             per layer, raster order of its stage's grid (where high-norm tokens appear).
@@ -396,12 +397,14 @@ def swin_summary_rows(model: Swin) -> list[list[str]]:
     for s, stage in enumerate(model.stages):
         (gh, gw), dim = grids[s], c.dims[s]
         if stage.merge is not None:
-            rows.append([f"Stage {s + 1}: patch merging", f"2x2 -> 1, LayerNorm, Linear {4 * c.dims[s - 1]} -> {dim}",
+            linear = f"Linear {4 * c.dims[s - 1]} -> {dim}"
+            rows.append([f"Stage {s + 1}: patch merging", f"2x2 -> 1, {'LayerNorm, ' + linear if c.version == 1 else linear + ', LayerNorm'}",
                          f"[B, {gh}, {gw}, {dim}]", f"{_count(stage.merge):,}"])
         for i, block in enumerate(stage.blocks):
             g = geometries[first + i]
             where = f"shifted by {g.shift[0]}x{g.shift[1]}" if g.shifted else "not shifted"
-            rows.append([f"  Stage {s + 1}, block {i + 1}", f"{c.num_heads[s]} heads, windows {g.window[0]}x{g.window[1]} "
+            heads = f"{c.num_heads[s]} {'cosine ' if c.version == 2 else ''}heads"  # (Swin V2: scaled cosine attention)
+            rows.append([f"  Stage {s + 1}, block {i + 1}", f"{heads}, windows {g.window[0]}x{g.window[1]} "
                          f"({g.num_windows}), {where}", f"[B, {gh}, {gw}, {dim}]", f"{_count(block):,}"])
         first += len(stage.blocks)
     rows.append(["Final LayerNorm, mean of the final tokens", "", f"[B, {c.dims[-1]}]", f"{_count(model.norm):,}"])
