@@ -454,7 +454,7 @@ def test_analyze_endpoint_and_compare_with_a_timm_model(app, server, example, of
 
 def test_other_model_names_are_checked(app):
     for bad, words in [("", "Choose"), ("timm:no_such_model", "timm knows no model"), ("x" * 300, "200 characters"),
-                       ("timm:naflexvit_base_patch16_gap.e300_s576_in1k", "NaFlex's patches of any aspect ratio"),
+                       ("timm:vit_small_patch16_18x2_224", "blocks of type ParallelThingsBlock"),
                        ("timm:vit_giant_patch14_dinov2.lvd142m", "parameters"), ("timm:vit_giant_patch14_clip_224.laion2b", "parameters"),
                        ("resnet50", "There is no model called 'resnet50': choose one from the menu"),
                        ("/etc/passwd", "'/etc/passwd' is a path, and a model is named"), ("vit_b_99", "did you mean vit_b_32 or vit_b_16")]:

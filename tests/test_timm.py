@@ -311,13 +311,12 @@ def test_dinov3_at_any_aspect_ratio_matches_timm():
     torch.testing.assert_close(rec.attentions, _timm_attention(model, x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name, reason", [
-    ("vit_tiny_r_s16_p8_224", "a hybrid patch embedding"),
+@pytest.mark.parametrize("name, reason", [  # (the hybrids' stems are modelled: tests/test_hybrid.py)
     ("vit_small_patch16_18x2_224", "blocks of type ParallelThingsBlock"),
     ("vit_dpwee_patch16_reg1_gap_256", "blocks of type DiffParallelScalingBlock"),
     ("vit_dwee_patch16_reg1_gap_256", "attention of type DiffAttention"),
 ])
-def test_timms_hybrids_parallel_blocks_and_differential_attention_are_named(name, reason):
+def test_timms_parallel_blocks_and_differential_attention_are_named(name, reason):
     with pytest.raises(NotImplementedError, match=reason):
         vitviz.ViT.from_timm(timm.create_model(name, pretrained=False, depth=2))
 
@@ -559,15 +558,16 @@ def test_the_stage_table_names_the_attention_pool_and_counts_every_parameter():
 
 
 def test_the_zoo_command_says_exact_or_refused_for_each_architecture():
-    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT and an EVA-02 exact, a NaFlex ViT
-    refused in one sentence, and the table's counts."""
+    """`python -m vitviz.dev.zoo` (docs/models.md's table): a ViT, an EVA-02 and a NaFlex ViT (fed a
+    1:2 image) exact, two refused in one sentence each, and the table's counts."""
     from vitviz.dev import zoo
 
     table = [zoo.check("deit", "deit_tiny_patch16_224"), zoo.check("eva", "eva02_tiny_patch14_224"),
-             zoo.check("naflexvit", "naflexvit_base_patch16_gap"), zoo.check("vision_transformer", "vit_dwee_patch16_reg1_gap_256")]
-    assert [r.status for r in table] == ["exact", "exact", "refused", "refused"]
-    assert table[0].cls == "VisionTransformer" and "attention" in table[0].detail and "attention" in table[1].detail
-    assert table[2].detail == "timm's NaFlexVit (NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex) is not modelled by vitviz"
+             zoo.check("naflexvit", "naflexvit_base_patch16_gap"), zoo.check("vision_transformer", "vit_dwee_patch16_reg1_gap_256"),
+             zoo.check("vision_transformer", "vit_small_patch16_18x2_224")]
+    assert [r.status for r in table] == ["exact", "exact", "exact", "refused", "refused"]
+    assert table[0].cls == "VisionTransformer" and all("attention" in r.detail for r in table[:3])
     assert table[3].detail == "VisionTransformer has attention of type DiffAttention, which vitviz does not model"
+    assert table[4].detail == "VisionTransformer has blocks of type ParallelThingsBlock, which vitviz does not model"
     page = zoo.markdown(table)
-    assert "| all | 4 | 2 | 2 | 0 |" in page and "| `eva` | 1 | 1 | 0 | 0 |" in page
+    assert "| all | 5 | 3 | 2 | 0 |" in page and "| `eva` | 1 | 1 | 0 | 0 |" in page

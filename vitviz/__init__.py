@@ -28,6 +28,7 @@ from vitviz.hooks import AttentionRecord, record_attention
 from vitviz.images import ImageError, load_image
 from vitviz.imagetext import ImageTextModel
 from vitviz.model import ViT, ViTConfig
+from vitviz import stems  # noqa: F401  (registers the hybrids' convolutional stems with vitviz.model)
 from vitviz.pipeline import Analysis, analyze
 from vitviz.preprocess import Preprocessing, preprocess
 from vitviz.sources import (

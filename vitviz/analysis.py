@@ -346,9 +346,16 @@ def embedding_filter_components(weight: torch.Tensor, *, k: int = 28) -> tuple[t
     Returns:
         components [k, 3, P, P] (unit norm, sign fixed so that the largest entry is positive) and
         the fraction of variance each explains [k].
+
+    Raises:
+        ValueError: the filters do not read the 3 channels of an image (a hybrid's patch embedding
+            reads its convolutional stem's feature map: there are no filters over pixels to show).
     """
     if weight.ndim != 4:
         raise ValueError(f"weight must be [D, C, P, P], got {list(weight.shape)}")
+    if weight.shape[1] != 3:
+        raise ValueError(f"these filters read {weight.shape[1]} channels, not an image's 3 (RGB): a hybrid's patch embedding "
+                         "reads its convolutional stem's feature map, and has no filters over pixels to show")
     d = weight.shape[0]
     x = weight.detach().reshape(d, -1).double()
     x = x - x.mean(dim=0, keepdim=True)

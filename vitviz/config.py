@@ -26,6 +26,7 @@ __all__ = [
     "IMAGENET_STD",
     "INTERPOLATIONS",
     "split_size",
+    "fit_size",
     "check_size",
 ]
 
@@ -115,9 +116,31 @@ class ViTConfig:
         norm: the kind of every norm: "layernorm" or "rmsnorm" (x / sqrt(mean(x²) + eps) · γ, no
             centring and no shift; AIMv2's).
         patch_norm: a norm of each patch's embedding, before the position embeddings (AIMv2).
+        stem: a convolutional stem before the patch embedding (the ViT paper's hybrids, Dosovitskiy et
+            al. 2021, section 3.1): the image goes through a CNN, and its feature map, cut into patches
+            of P / `stem_stride` cells by the patch embedding's Conv2d, makes the tokens; `patch_size`
+            stays the pixels one token covers (the stem's stride times the embedding's own patch).
+            None: the patch embedding reads the pixels. "bit": a ResNet v1.5 with GroupNorm and
+            weight-standardised convolutions padded as TensorFlow's "SAME" (Kolesnikov et al. 2020's
+            BiT; a 7x7 root, max-pooled, then `stem_depths` stages of bottlenecks: R50+ViT-B/16's are
+            (3, 4, 9)). "resnet_d": a ResNet with BatchNorm, three 3x3 convolutions as its root and
+            average-pooled shortcuts (He et al. 2019's ResNet-C and -D tweaks). "conv": convolutions
+            whose kernel is their stride (`stem_strides`, with `stem_widths` channels), each followed
+            by BatchNorm and GELU (MobileCLIP's, Vasu et al. 2024).
+        stem_depths: the bottlenecks of each stage of a "bit" or "resnet_d" stem (the stages give 256,
+            512, 1024, 2048 channels; the first keeps the root's stride 4, each next one halves the
+            map); () for the root alone (R+ViT-Ti's).
+        stem_widths, stem_strides: a "conv" stem's channels and kernel (= stride), layer by layer.
         eps: the norms' epsilon.
         pos_embed_antialias: resample position embeddings for another grid with antialiasing (timm
             does; Hugging Face does not, which matters when shrinking the grid).
+        pos_embed_interpolation: how the table is resampled for another grid: "bicubic" (timm, most
+            of Hugging Face) or "bilinear" (SigLIP 2 in Hugging Face).
+        pos_embed_square: resample the table to the square of the grid's longer side, then keep its
+            top-left gh x gw (timm's NaFlex `pos_embed_ar_preserving`: a patch's embedding depends on
+            where it is, not on the image's aspect ratio); False: resample to gh x gw.
+        pos_embed_align_corners: resample with the tables' corner entries on the grid's corner patches
+            (F.interpolate's align_corners; timm's RADIO v3 B and H); False: on the grid's corners.
     """
 
     attention: ClassVar[str] = "global"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): one N x N matrix a layer
@@ -163,14 +186,22 @@ class ViTConfig:
     post_norm: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     patch_norm: bool = False
+    stem: Literal["bit", "resnet_d", "conv"] | None = None
+    stem_depths: tuple[int, ...] = ()
+    stem_widths: tuple[int, ...] = ()
+    stem_strides: tuple[int, ...] = ()
     eps: float = 1e-6
     pos_embed_antialias: bool = True
+    pos_embed_interpolation: Literal["bicubic", "bilinear"] = "bicubic"
+    pos_embed_square: bool = False
+    pos_embed_align_corners: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        self._check_stem()
         if self.distill_token and not self.class_token:
             raise ValueError("a distillation token needs a cls token before it")
         if self.pool == "token" and not self.class_token:
@@ -205,6 +236,8 @@ class ViTConfig:
                 object.__setattr__(self, "rope_ref_grid", tuple(int(g) for g in self.rope_ref_grid))
         if self.parallel and self.post_norm:
             raise ValueError("a block is parallel or res-post-norm, not both")
+        if self.pos_embed_interpolation not in ("bicubic", "bilinear"):
+            raise ValueError(f'pos_embed_interpolation must be "bicubic" or "bilinear", got {self.pos_embed_interpolation!r}')
         if self.rel_pos_bias and self.num_prefix_tokens > 1:
             raise ValueError("a relative position bias (BEiT's) takes one prefix token at most, the cls token")
         if self.pos_embed_prefix is None:
@@ -213,6 +246,72 @@ class ViTConfig:
             raise ValueError("pos_embed_prefix must be 0 without a learned position embedding (abs_pos_embed=False)")
         if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
             raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
+
+    def _check_stem(self) -> None:
+        """The stem's fields (lists, as JSON gives them, become tuples), checked against its kind."""
+        for name in ("stem_depths", "stem_widths", "stem_strides"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        kind, depths, widths, strides = self.stem, self.stem_depths, self.stem_widths, self.stem_strides
+        if kind not in (None, "bit", "resnet_d", "conv"):
+            raise ValueError(f'stem must be None, "bit", "resnet_d" or "conv", got {kind!r}')
+        if kind in (None, "bit", "resnet_d") and (widths or strides):
+            raise ValueError('stem_widths and stem_strides describe a "conv" stem')
+        if kind in (None, "conv") and depths:
+            raise ValueError('stem_depths describes a "bit" or "resnet_d" stem')
+        if kind in ("bit", "resnet_d") and (len(depths) > 4 or min(depths, default=1) < 1):
+            raise ValueError(f"stem_depths gives 0 to 4 stages of at least one bottleneck each, got {depths}")
+        if kind == "conv" and (not widths or len(widths) != len(strides) or min(widths + strides) < 1):
+            raise ValueError(f"a conv stem has one width and one stride per layer, got {widths} and {strides}")
+        if self.patch_size % self.stem_stride:
+            raise ValueError(f"patch_size {self.patch_size} is not a multiple of the stem's stride {self.stem_stride}")
+
+    @property
+    def stem_stride(self) -> int:
+        """The pixels one cell of the stem's feature map spans along each axis (1 without a stem)."""
+        if self.stem == "conv":
+            return math.prod(self.stem_strides)
+        if self.stem is None:
+            return 1
+        return 4 * 2 ** max(len(self.stem_depths) - 1, 0)
+
+    @property
+    def stem_channels(self) -> int:
+        """The channels the patch embedding reads: 3 (RGB) without a stem, else the stem's last."""
+        if self.stem == "conv":
+            return self.stem_widths[-1]
+        if self.stem is None:
+            return 3
+        return 256 * 2 ** (len(self.stem_depths) - 1) if self.stem_depths else 64
+
+    @property
+    def embed_patch_size(self) -> int:
+        """The patch embedding's kernel and stride over the stem's feature map (P without a stem)."""
+        return self.patch_size // self.stem_stride
+
+    @property
+    def stem_params(self) -> int:
+        """Parameters of the stem, counted from the config alone (a norm's running statistics are
+        buffers, not parameters)."""
+        if self.stem is None:
+            return 0
+        if self.stem == "conv":
+            chans = (3,) + self.stem_widths
+            return sum(i * o * k * k + 2 * o for i, o, k in zip(chans, chans[1:], self.stem_strides))
+        if self.stem == "bit":  # 7x7 convolution and its norm
+            total = 3 * 64 * 49 + 2 * 64
+        else:  # three 3x3 convolutions, 32, 32 and 64 channels, and their norms
+            total = 9 * (3 * 32 + 32 * 32 + 32 * 64) + 2 * (32 + 32 + 64)
+        c = 64
+        for i, blocks in enumerate(self.stem_depths):
+            out = 256 * 2**i
+            mid = out // 4
+            for j in range(blocks):
+                into = c if j == 0 else out
+                total += into * mid + 9 * mid * mid + mid * out + 2 * (2 * mid + out)
+                if j == 0:  # the projected shortcut and its norm
+                    total += into * out + 2 * out
+            c = out
+        return total
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -255,7 +354,8 @@ class ViTConfig:
         d, m, c = self.width, self.mlp_dim, self.num_classes
         per = 2 if self.norm == "layernorm" else 1  # a LayerNorm's weight and bias; an RMSNorm's weight
         norm = per * d
-        patch = 3 * self.patch_size**2 * d + (d if self.patch_bias else 0) + (norm if self.patch_norm else 0)
+        patch = (self.stem_params + self.stem_channels * self.embed_patch_size**2 * d + (d if self.patch_bias else 0)
+                 + (norm if self.patch_norm else 0))
         tokens = d * self.num_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
         block = (
             (1 if self.parallel else 2) * norm
@@ -338,31 +438,43 @@ class Preprocessing:
     """How a model wants its images.
 
     Attributes:
-        image_size: side S of the square the model sees.
+        image_size: side S of the square the model sees; for mode "fit", the side of a square image
+            with at least `max_patches` patches (the largest input: what requests are priced by).
         resize_size: the shorter side is resized to this before the centre crop (mode "crop");
             None means S.
-        mode: "crop" (resize the shorter side, centre-crop S x S) or "squash" (resize to S x S).
+        mode: "crop" (resize the shorter side, centre-crop S x S), "squash" (resize to S x S) or
+            "fit" (SigLIP 2's NaFlex: the whole image resized, its aspect ratio nearly kept, to
+            h x w, both multiples of `patch_size`, with at most `max_patches` patches: `fit_size`).
         mean, std: per-channel normalisation of [0, 1] pixels.
         interpolation: "bilinear", "bicubic" or "nearest" (any of `INTERPOLATIONS`).
         full_size: the side of the square the weights' own transform makes when the model's patch
             embedding reads only its top-left S x S (a size that is not a multiple of the patch: timm's
             SigLIP so400m at 384 px with 14 px patches sees 378); None: S itself. The resize and
             crop are made at this side, then the rest is cut off.
+        patch_size, max_patches: mode "fit"'s patch side P and most patches (None otherwise).
     """
 
     image_size: int
     resize_size: int | None = None
-    mode: Literal["crop", "squash"] = "crop"
+    mode: Literal["crop", "squash", "fit"] = "crop"
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     interpolation: str = "bilinear"
     full_size: int | None = None
+    patch_size: int | None = None
+    max_patches: int | None = None
 
     def __post_init__(self) -> None:
         if self.full_size is not None and self.full_size < self.image_size:
             raise ValueError(f"full_size {self.full_size} is smaller than image_size {self.image_size}")
-        if self.mode not in ("crop", "squash"):
-            raise ValueError(f'mode must be "crop" or "squash", got {self.mode!r}')
+        if self.mode not in ("crop", "squash", "fit"):
+            raise ValueError(f'mode must be "crop", "squash" or "fit", got {self.mode!r}')
+        if (self.mode == "fit") != (self.patch_size is not None and self.max_patches is not None):
+            raise ValueError('patch_size and max_patches are given for mode "fit", and only for it')
+        if self.mode == "fit" and (self.patch_size < 1 or not 1 <= self.max_patches <= (self.image_size // self.patch_size) ** 2
+                                   or self.full_size is not None):
+            raise ValueError(f"fit needs a patch side above 0, a patch count from 1 to the patches of an image_size square "
+                             f"(got {self.patch_size}, {self.max_patches}, {self.image_size}) and no full_size")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"{self.interpolation!r} is not a valid InterpolationMode (one of {', '.join(INTERPOLATIONS)})")
 
@@ -372,12 +484,49 @@ class Preprocessing:
         side = self.full_size or self.image_size
         return side / (self.resize_size or side)
 
+    @property
+    def square(self) -> bool:
+        """Every image becomes the same S x S input (modes "crop" and "squash")."""
+        return self.mode != "fit"
+
+    def size_for(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) of the input made from an image of height x width pixels."""
+        if self.mode == "fit":
+            return fit_size(height, width, patch_size=self.patch_size, max_patches=self.max_patches)
+        return self.image_size, self.image_size
+
     def at(self, image_size: int) -> "Preprocessing":
-        """The same rule for another square side (the crop keeps the same share of the image)."""
+        """The same rule for another square side (the crop keeps the same share of the image; "fit"
+        allows the patches of that square)."""
         if image_size == self.image_size:
             return self
+        if self.mode == "fit":
+            return replace(self, image_size=image_size, max_patches=(image_size // self.patch_size) ** 2)
         resize = None if self.resize_size is None else math.floor(image_size / self.crop_fraction + 1e-6)
         return replace(self, image_size=image_size, resize_size=resize, full_size=None)
+
+
+def fit_size(height: int, width: int, *, patch_size: int, max_patches: int) -> tuple[int, int]:
+    """The (h, w) an image of height x width pixels is resized to for SigLIP 2's NaFlex (Tschannen et
+    al. 2025; Hugging Face's Siglip2ImageProcessor and timm's naflex transforms use the same rule):
+    both sides scaled by one factor s and rounded up to whole patches, at least one patch each, with
+    the largest s (found by bisection in [1e-6, 100] to within 1e-5) that keeps h/P x w/P at most
+    `max_patches`."""
+    if height < 1 or width < 1:
+        raise ValueError(f"an image of {width}x{height} px has nothing to fit")
+
+    def sides(scale: float) -> tuple[int, int]:
+        return tuple(max(patch_size, math.ceil(side * scale / patch_size) * patch_size) for side in (height, width))
+
+    low, high = 1e-6, 100.0
+    while high - low >= 1e-5:
+        mid = (low + high) / 2
+        h, w = sides(mid)
+        if (h // patch_size) * (w // patch_size) <= max_patches:
+            low = mid
+        else:
+            high = mid
+    return sides(low)
 
 
 _PIXELS = re.compile(r"[1-9][0-9]*")
@@ -475,13 +624,16 @@ class VariantSpec:
 
     @property
     def grid(self) -> tuple[int, int]:
-        """The patch grid at the preprocessing's image size."""
+        """The patch grid at the preprocessing's image size (for "fit", the square one of a square
+        image; other images have grids of other shapes, of no more patches)."""
         side = self.preprocessing.image_size // self.config.patch_size
         return side, side
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+        """The tokens of an image (for "fit", of an image with the most patches it allows)."""
+        pre = self.preprocessing
+        return self.num_prefix_tokens + (pre.max_patches if pre.mode == "fit" else self.grid[0] * self.grid[1])
 
     @property
     def num_classes(self) -> int:
@@ -495,6 +647,23 @@ class VariantSpec:
         """The same variant fed images of another size (position embeddings are resampled)."""
         check_size(image_size, patch_size=self.patch_size, name=self.name)
         return replace(self, preprocessing=self.preprocessing.at(image_size))
+
+    def whole(self) -> "VariantSpec":
+        """The same variant fed each image whole, its aspect ratio kept, in as many patches as its own
+        square input has (`Preprocessing` mode "fit"; the name's suffix "@whole"): for a model whose
+        positions follow any grid (a learned table resampled, rotary positions). A model whose
+        positions are learned for its own grid only (a relative position bias) or that attends within
+        windows (Swin) raises ValueError."""
+        c, pre = self.config, self.preprocessing
+        if getattr(c, "attention", "global") != "global" or getattr(c, "rel_pos_bias", False):
+            why = "attends within windows" if getattr(c, "attention", "global") != "global" else "has a relative position bias learned for its grid"
+            raise ValueError(f"{self.name} {why}: it takes square images of {pre.image_size} px only, not whole images")
+        if pre.mode == "fit":
+            return self
+        side = pre.image_size
+        return replace(self, preprocessing=Preprocessing(image_size=side, mode="fit", mean=pre.mean, std=pre.std,
+                                                         interpolation=pre.interpolation, patch_size=c.patch_size,
+                                                         max_patches=(side // c.patch_size) ** 2))
 
     def build(self) -> Any:
         """A randomly initialised vitviz ViT of this architecture (no weights loaded), with this spec."""

@@ -250,9 +250,9 @@ def attention_bytes(spec) -> int:
 
 
 def forward_flops(spec) -> float:
-    """Multiply-adds x 2 of one forward of one image: the patch embedding, the projections and MLPs
-    (2 x weights x N), the two attention products (4 x L x N^2 x D; windowed: 4 x windows x M² x M² x D
-    per layer) and the head."""
+    """Multiply-adds x 2 of one forward of one image: the patch embedding (and a hybrid's stem before
+    it), the projections and MLPs (2 x weights x N), the two attention products (4 x L x N^2 x D;
+    windowed: 4 x windows x M² x M² x D per layer) and the head."""
     if _windowed(spec):
         c, n0 = spec.config, spec.grid[0] * spec.grid[1]
         merges = sum(2.0 * 8 * c.dims[s - 1] ** 2 * g[0] * g[1] for s, g in enumerate(c.stage_grids(spec.grid)) if s)
@@ -261,8 +261,35 @@ def forward_flops(spec) -> float:
     depth, _, n, width, mlp = _shape(spec)
     block_weights = 4 * width * width + 2 * width * mlp
     patches = n - spec.num_prefix_tokens
-    embed = 2.0 * 3 * spec.patch_size**2 * width * patches  # the patch embedding
+    c = spec.config
+    if getattr(c, "stem", None) is None:
+        embed = 2.0 * 3 * spec.patch_size**2 * width * patches  # the patch embedding
+    else:  # a hybrid: its convolutional stem, then the patch embedding over the stem's feature map
+        embed = _stem_flops(c, spec.grid) + 2.0 * c.stem_channels * c.embed_patch_size**2 * width * patches
     return embed + 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width + 2.0 * width * spec.num_classes
+
+
+def _stem_flops(c, grid: tuple[int, int]) -> float:
+    """Multiply-adds x 2 of a hybrid's convolutional stem (`ViTConfig.stem`) on an image of `grid`
+    tokens: each convolution's inputs x outputs x k² per pixel of its output (norms, activations and
+    pools left out, as in the blocks)."""
+    pixels = grid[0] * grid[1] * c.patch_size**2  # of the image
+    if c.stem == "conv":
+        total, into, stride = 0.0, 3, 1
+        for width, s in zip(c.stem_widths, c.stem_strides):
+            stride *= s
+            total += into * width * s * s * pixels / stride**2
+            into = width
+        return 2.0 * total
+    root = 3 * 64 * 49 if c.stem == "bit" else 9 * (3 * 32 + 32 * 32 + 32 * 64)  # at a stride of 2
+    total, into = root * pixels / 4, 64
+    for i, blocks in enumerate(c.stem_depths):
+        out, at = 256 * 2**i, pixels / (4 * 2**i) ** 2  # the stage's output channels and pixels
+        mid = out // 4
+        first = into * mid * at * (4 if i else 1)  # the first block's 1x1 convolution, before its stride
+        total += first + (into * out + (blocks - 1) * out * mid + blocks * (9 * mid * mid + mid * out)) * at
+        into = out
+    return 2.0 * total
 
 
 def export_plan(spec, *, attentions: bool = True) -> dict:

@@ -27,6 +27,11 @@ NEEDS: dict[str, str] = {
     "global_attention": "attends within local windows, not across the whole image: there is no one token-by-token matrix per layer",
     # a class or a phrase: what a method that differentiates any one score per image needs
     "target": "has no classifier and no text tower: there is no class or phrase to explain",
+    # classes scored: a classifier's, or the labels an image-text model scored zero-shot
+    "classes": "scores no classes: it has no classifier, and no labels were scored (an image–text model without its tokenizer)",
+    # the filters of a patch embedding that reads pixels (the paper's Figure 7, left)
+    "patch_filters": ("has a convolutional stem before its patches (a hybrid): its patch embedding reads the stem's feature "
+                      "map, not pixels, so it has no filters to show as images"),
 }
 
 
@@ -59,6 +64,9 @@ class TokenLayout:
         rotary: the kind of rotary position embedding that turns its queries and keys
             (`ViTConfig.rope`: "axial", "dinov3", "mixed"), or None.
         text: the model has a text tower (image-text relevance).
+        labelled: an image–text model's analysis scored a label set zero-shot (its classes).
+        patch_filters: the model's patch embedding is linear filters over the pixels of a patch (not
+            over a convolutional stem's feature map, as a hybrid's is).
     """
 
     prefix_names: tuple[str, ...]
@@ -70,6 +78,8 @@ class TokenLayout:
     position_bias: bool = False
     rotary: str | None = None
     text: bool = False
+    labelled: bool = False
+    patch_filters: bool = True
 
     def __post_init__(self) -> None:
         if not self.grids or any(len(g) != 2 or min(g) < 1 for g in self.grids):
@@ -107,6 +117,8 @@ class TokenLayout:
             "global_attention": self.attention == "global",
             "text": self.text,
             "target": self.classifier or self.text,
+            "classes": self.classifier or (self.text and self.labelled),
+            "patch_filters": self.patch_filters,
         }
         return frozenset(name for name, ok in have.items() if ok)
 

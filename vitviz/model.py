@@ -5,6 +5,7 @@ DINOv2's registers and LayerScale (Oquab et al. 2023; Darcet et al. 2024), CLIP'
 blocks and QuickGELU (Radford et al. 2021), mean pooling, models without a head.
 
 image [B, 3, H, W]
+  -> (a hybrid's convolutional stem, `vitviz.stems`: a feature map of stride s, P / s cells a patch)
   -> patch embedding (Conv2d, kernel = stride = P)            [B, gh*gw, D]
   -> add position embeddings (resampled when the grid is not the trained one; none when the
      positions are rotary)
@@ -58,6 +59,8 @@ __all__ = [
     "RelativePositionBias",
     "relative_index",
     "norm_layer",
+    "register_stem",
+    "stem_of",
     "recording_in_this_thread",
     "resample_pos_embed",
 ]
@@ -104,20 +107,46 @@ def norm_layer(kind: str, width: int, eps: float) -> nn.Module:
     return nn.LayerNorm(width, eps=eps)
 
 
+# The convolutional stems `ViTConfig.stem` names, by kind: `vitviz.stems` registers its own when it is
+# imported (`import vitviz` imports it), since this module imports nothing else of vitviz.
+STEMS: dict[str, Callable[[ViTConfig], nn.Module]] = {}
+
+
+def register_stem(kind: str, build: Callable[[ViTConfig], nn.Module]) -> None:
+    """Build the stems of `kind` (`ViTConfig.stem`) with `build(config)`: a module taking images
+    [B, 3, H, W] to a feature map [B, config.stem_channels, H / config.stem_stride, W / config.stem_stride]."""
+    STEMS[kind] = build
+
+
+def stem_of(config: ViTConfig) -> nn.Module | None:
+    """The stem `config` names (`ViTConfig.stem`), built; None for a patch embedding of the pixels."""
+    if config.stem is None:
+        return None
+    if config.stem not in STEMS:
+        raise ValueError(f"no stem of kind {config.stem!r} is registered (vitviz.stems registers 'bit', 'resnet_d' and 'conv' "
+                         "when imported; `import vitviz` imports it)")
+    return STEMS[config.stem](config)
+
+
 class PatchEmbedding(nn.Module):
     """Cuts the image into P x P patches and projects each to D dims with one strided Conv2d (then,
-    for AIMv2, a norm of each patch's embedding: `norm`)."""
+    for AIMv2, a norm of each patch's embedding: `norm`). A hybrid (`ViTConfig.stem`) runs its
+    convolutional stem first and cuts the stem's feature map instead: P / s cells a patch for a stem
+    of stride s, so that a token still covers P x P pixels."""
 
-    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3, bias: bool = True, norm: nn.Module | None = None) -> None:
+    def __init__(self, *, patch_size: int, width: int, in_channels: int = 3, bias: bool = True, norm: nn.Module | None = None,
+                 stem: nn.Module | None = None, stem_stride: int = 1) -> None:
         super().__init__()
-        self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_channels, width, kernel_size=patch_size, stride=patch_size, bias=bias)
+        self.patch_size = patch_size  # P: the pixels one token covers
+        self.stem = stem if stem is not None else nn.Identity()  # [B, 3, H, W] -> [B, in_channels, H / s, W / s]
+        kernel = patch_size // stem_stride
+        self.proj = nn.Conv2d(in_channels, width, kernel_size=kernel, stride=kernel, bias=bias)
         self.flatten = Rearrange("b d gh gw -> b (gh gw) d")
         self.norm = norm if norm is not None else nn.Identity()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> [B, gh*gw, D]."""
-        return self.norm(self.flatten(self.proj(images)))
+        return self.norm(self.flatten(self.proj(self.stem(images))))
 
 
 class Rotary(nn.Module):
@@ -464,16 +493,24 @@ class EncoderBlock(nn.Module):
 
 
 def resample_pos_embed(
-    pos: torch.Tensor, *, old_grid: tuple[int, int], new_grid: tuple[int, int], antialias: bool = True
+    pos: torch.Tensor, *, old_grid: tuple[int, int], new_grid: tuple[int, int], antialias: bool = True,
+    mode: str = "bicubic", square: bool = False, align_corners: bool = False,
 ) -> torch.Tensor:
-    """Patch position embeddings [1, gh*gw, D] for another grid: bicubic on each channel's grid (as
-    timm and Hugging Face resample them; timm antialiases, Hugging Face does not)."""
+    """Patch position embeddings [1, gh*gw, D] for another grid: interpolated on each channel's grid
+    (`mode` "bicubic", as timm and most of Hugging Face do, or "bilinear", SigLIP 2's; timm antialiases,
+    Hugging Face's ViT does not). With `square`, the table is resampled to the square of the new grid's
+    longer side and its top-left gh x gw kept (timm's NaFlex with `pos_embed_ar_preserving`);
+    `align_corners` as F.interpolate takes it."""
     if tuple(old_grid) == tuple(new_grid):
         return pos
     d = pos.shape[-1]
+    gh, gw = new_grid
+    size = (max(gh, gw),) * 2 if square else (gh, gw)
     grid = pos.reshape(1, *old_grid, d).permute(0, 3, 1, 2).float()  # [1, D, gh, gw]
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False, antialias=antialias)
-    return grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d).to(pos.dtype)
+    if tuple(old_grid) != size:
+        grid = F.interpolate(grid, size=size, mode=mode, align_corners=align_corners, antialias=antialias)
+    grid = grid[:, :, :gh, :gw]
+    return grid.permute(0, 2, 3, 1).reshape(1, gh * gw, d).to(pos.dtype)
 
 
 class ViT(nn.Module):
@@ -501,7 +538,8 @@ class ViT(nn.Module):
             raise TypeError("pass a ViTConfig or its fields, not both")
         self.config = c = config
         self.patch_embed = PatchEmbedding(patch_size=c.patch_size, width=c.width, bias=c.patch_bias,
-                                          norm=norm_layer(c.norm, c.width, c.eps) if c.patch_norm else None)
+                                          norm=norm_layer(c.norm, c.width, c.eps) if c.patch_norm else None,
+                                          in_channels=c.stem_channels, stem=stem_of(c), stem_stride=c.stem_stride)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.distill_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.register_tokens, c.width)) if c.register_tokens else None
@@ -519,7 +557,7 @@ class ViT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        fan_in = self.patch_embed.proj.in_channels * self.config.patch_size**2
+        fan_in = self.patch_embed.proj.in_channels * self.config.embed_patch_size**2
         nn.init.trunc_normal_(self.patch_embed.proj.weight, std=(1.0 / fan_in) ** 0.5)
         if self.patch_embed.proj.bias is not None:
             nn.init.zeros_(self.patch_embed.proj.bias)
@@ -568,7 +606,8 @@ class ViT(nn.Module):
         c = self.config
         if self.pos_embed is None:
             return None
-        return resample_pos_embed(self.pos_embed[:, c.pos_embed_prefix :], old_grid=c.grid, new_grid=grid, antialias=c.pos_embed_antialias)
+        return resample_pos_embed(self.pos_embed[:, c.pos_embed_prefix :], old_grid=c.grid, new_grid=grid, antialias=c.pos_embed_antialias,
+                                  mode=c.pos_embed_interpolation, square=c.pos_embed_square, align_corners=c.pos_embed_align_corners)
 
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Prefix and patch tokens with their position embeddings: [B, 3, H, W] -> [B, N, D]."""

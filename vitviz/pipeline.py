@@ -48,16 +48,17 @@ def spec_of(model: ViT | ImageTextModel) -> VariantSpec:
     return model.spec
 
 
-def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False) -> TokenLayout:
+def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False, labelled: bool = False) -> TokenLayout:
     """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
     position embeddings unless its positions are rotary or relative alone, its relative position bias
     (BEiT's) and rotary kind, its prefix tokens, a
-    classifier when it has a head, and a text tower when it is the image tower of an image–text
-    model (`text`)."""
+    classifier when it has a head, a text tower when it is the image tower of an image–text model
+    (`text`) that scored a label set (`labelled`), and patch filters over pixels unless a
+    convolutional stem comes first (a hybrid)."""
     c = spec.config
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
                        pooled_query=c.pooled_query, classifier=spec.has_head, position_embeddings=c.abs_pos_embed,
-                       position_bias=c.rel_pos_bias, rotary=c.rope, text=text)
+                       position_bias=c.rel_pos_bias, rotary=c.rope, text=text, labelled=labelled, patch_filters=c.stem is None)
 
 
 @dataclass
@@ -313,7 +314,7 @@ def _analyze_input(
         device=str(param.device),
         model_seconds=seconds,
         pooled_query=spec.config.pooled_query,
-        layout=layout_of(spec, (gh, gw), text=text),
+        layout=layout_of(spec, (gh, gw), text=text, labelled=labels is not None),
         pool_attention=pool_attention,
         inside=stream.stream,
     )

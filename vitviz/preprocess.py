@@ -1,8 +1,9 @@
 """From a loaded RGB image to the tensor a model takes, by the rules its weights were trained with.
 
-Two layouts exist among published ViTs: resize the shorter side, then centre-crop a square
-(torchvision's weights, timm's `crop_pct`, most image processors), or resize straight to the square
-(Hugging Face's `ViTImageProcessor`: "squash"). Both run through torchvision's own transforms, so a
+Three layouts exist among published ViTs: resize the shorter side, then centre-crop a square
+(torchvision's weights, timm's `crop_pct`, most image processors), resize straight to the square
+(Hugging Face's `ViTImageProcessor`: "squash"), or resize the whole image, keeping its aspect ratio,
+to as many whole patches as the model takes (SigLIP 2's NaFlex: "fit", `vitviz.config.fit_size`). Both run through torchvision's own transforms, so a
 model sees exactly what its weights' own preprocessing would give it. The rule itself,
 `Preprocessing`, lives in the leaf `vitviz.config`.
 """
@@ -16,13 +17,16 @@ from torchvision.transforms.v2 import functional as TF
 
 from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
-__all__ = ["Preprocessing", "IMAGENET_MEAN", "IMAGENET_STD", "crop", "to_input", "preprocess"]
+__all__ = ["Preprocessing", "IMAGENET_MEAN", "IMAGENET_STD", "crop", "check_crop", "to_input", "preprocess"]
 
 
 def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
-    """The S x S RGB image the model sees: resized and centre-cropped (or squashed) as `pre` says
-    (at `pre.full_size` when the model reads the top-left S x S of a larger square: the rest cut off)."""
+    """The image the model sees: S x S, resized and centre-cropped (or squashed) as `pre` says (at
+    `pre.full_size` when the model reads the top-left S x S of a larger square: the rest cut off), or
+    for mode "fit" the whole image resized to h x w (`Preprocessing.size_for`)."""
     interpolation = InterpolationMode(pre.interpolation)
+    if pre.mode == "fit":
+        return TF.resize(image, list(pre.size_for(image.height, image.width)), interpolation=interpolation, antialias=True)
     s = pre.full_size or pre.image_size
     if pre.mode == "squash":
         out = TF.resize(image, [s, s], interpolation=interpolation, antialias=True)
@@ -34,15 +38,27 @@ def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
     return out
 
 
+def check_crop(cropped: Image.Image, pre: Preprocessing) -> None:
+    """Raises ValueError unless `cropped` has a size the model takes as it is: S x S, or for "fit"
+    whole patches, no more of them than `max_patches` (what `crop` makes)."""
+    w, h = cropped.size
+    if pre.square:
+        if (w, h) != (pre.image_size, pre.image_size):
+            raise ValueError(f"expected a {pre.image_size}x{pre.image_size} crop, got {w}x{h}")
+        return
+    p = pre.patch_size
+    if w % p or h % p or (w // p) * (h // p) > pre.max_patches:
+        raise ValueError(f"expected an image of whole {p} px patches, at most {pre.max_patches} of them, got {w}x{h}")
+
+
 def to_input(cropped: Image.Image, pre: Preprocessing) -> torch.Tensor:
-    """The S x S crop -> the normalised tensor [3, S, S] the model takes."""
-    if cropped.size != (pre.image_size, pre.image_size):
-        raise ValueError(f"expected a {pre.image_size}x{pre.image_size} crop, got {cropped.size[0]}x{cropped.size[1]}")
+    """The crop -> the normalised tensor [3, h, w] the model takes."""
+    check_crop(cropped, pre)
     x = TF.to_dtype(TF.pil_to_tensor(cropped.convert("RGB")), torch.float32, scale=True)
     return TF.normalize(x, mean=list(pre.mean), std=list(pre.std))
 
 
 def preprocess(image: Image.Image, pre: Preprocessing) -> tuple[torch.Tensor, Image.Image]:
-    """RGB image -> (normalised tensor [3, S, S], the S x S crop the model sees)."""
+    """RGB image -> (normalised tensor [3, h, w], the h x w crop the model sees; S x S but for "fit")."""
     cropped = crop(image, pre)
     return to_input(cropped, pre), cropped

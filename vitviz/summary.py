@@ -77,10 +77,17 @@ def summary(model: ViT, *, batch: int | str = "B", expand_blocks: bool = False) 
         [x for x, on in (("cls", c.class_token), ("distillation", c.distill_token)) if on]
         + ([f"{c.register_tokens} registers"] if c.register_tokens else [])
     )
-    rows = [
-        SummaryRow("Input image", "", (b, 3, s, s), 0),
-        SummaryRow("Patch embedding", f"Conv2d {c.patch_size}x{c.patch_size}, stride {c.patch_size}" + (f", then {c.norm}" if c.patch_norm else ""),
-                   (b, d, gh, gw), _count(model.patch_embed)),
+    rows = [SummaryRow("Input image", "", (b, 3, s, s), 0)]
+    kernel = c.embed_patch_size  # the patch embedding's, over the pixels or a stem's feature map
+    if c.stem is not None:  # a hybrid: the patches are cut from the stem's feature map
+        stem = {"bit": "ResNet (BiT: GroupNorm, standardised convolutions)", "resnet_d": "ResNet-D (BatchNorm)",
+                "conv": "convolutions of kernel = stride, BatchNorm, GELU"}[c.stem]
+        stages = f", stages of {'-'.join(map(str, c.stem_depths))} bottlenecks" if c.stem_depths else ""
+        rows.append(SummaryRow("Convolutional stem", f"{stem}{stages}, stride {c.stem_stride}",
+                               (b, c.stem_channels, gh * kernel, gw * kernel), _count(model.patch_embed.stem)))
+    rows += [
+        SummaryRow("Patch embedding", f"Conv2d {kernel}x{kernel}, stride {kernel}" + (f", then {c.norm}" if c.patch_norm else ""),
+                   (b, d, gh, gw), _count(model.patch_embed) - _count(model.patch_embed.stem)),
         SummaryRow("Flatten to tokens", "Rearrange b d gh gw -> b (gh gw) d", (b, gh * gw, d), 0),
     ]
     if prefix:

@@ -8,8 +8,9 @@ Each architecture (one timm model function) is built with random weights, two bl
 constructor takes a depth (a Swin at full depth), offline: no weight is downloaded. Its LayerScale,
 head and q/v biases are moved off their inits, so that a conversion dropping any cannot pass. "exact": the
 converted model's outputs within 1e-4 of timm's (relative to the largest) and, for a
-`VisionTransformer`, `Eva`, `Beit` or `VisionTransformerRelPos`, every block's attention within 1e-5 of timm's own softmax (`AttentionExtract`,
-fused attention off), at the architecture's own input size. "refused": `from_timm` raised
+`VisionTransformer`, `Eva`, `Beit`, `VisionTransformerRelPos` or `NaFlexVit`, every block's attention within 1e-5 of timm's own softmax
+(`AttentionExtract`, fused attention off; for a `SwinTransformer` or `SwinTransformerV2`, every block's window softmax), at the
+architecture's own input size (a NaFlexVit, which takes any aspect ratio, at half its height). "refused": `from_timm` raised
 `NotImplementedError` before any weight was read, its sentence quoted. "differs" and "error" are
 bugs; "timm cannot build it" is timm's own failure at that depth.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import sys
 import warnings
@@ -54,8 +56,10 @@ def _build(name: str) -> torch.nn.Module:
 
 def randomise(model: torch.nn.Module) -> torch.nn.Module:
     """`model` (timm's, in place) with the weights that start at a constant moved off it: LayerScale
-    (1e-5), norms (ones and zeros), heads (zeros), an Eva's or BEiT's q and v biases and BEiT's
-    relative position tables (zeros), so that a conversion dropping any of them cannot pass a
+    (1e-5), norms (ones and zeros: LayerNorm, GroupNorm, BatchNorm and its running mean and
+    variance), heads (zeros), an Eva's, BEiT's or Swin V2's q and v biases and BEiT's relative
+    position tables (zeros), Swin V2's log scale of its cosine attention (log 10; drawn
+    on both sides of its clamp at log 100), so that a conversion dropping any of them cannot pass a
     comparison of outputs."""
     with torch.no_grad():
         for module in model.modules():
@@ -67,12 +71,17 @@ def randomise(model: torch.nn.Module) -> torch.nn.Module:
                 module.weight.normal_(1.0, 0.2)
                 if isinstance(getattr(module, "bias", None), torch.Tensor):
                     module.bias.normal_(0.0, 0.2)
+            if isinstance(getattr(module, "running_mean", None), torch.Tensor):  # a BatchNorm's statistics start at 0 and 1
+                module.running_mean.normal_(0.0, 0.2)
+                module.running_var.uniform_(0.5, 1.5)
         for name, p in model.named_parameters():
             last = name.rpartition(".")[2]
             if last in ("gamma_1", "gamma_2"):
                 p.normal_(1.0, 0.2)
             elif last in ("q_bias", "v_bias", "relative_position_bias_table"):
                 p.normal_(std=0.02)
+            elif last == "logit_scale":
+                p.uniform_(math.log(2), math.log(200))
         for head in (getattr(model, "head", None), getattr(model, "head_dist", None)):
             head = getattr(head, "fc", head)
             if isinstance(head, torch.nn.Linear):
@@ -101,6 +110,30 @@ def timm_attention(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(list(out.values()))
 
 
+def timm_window_attention(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """A timm Swin's own window softmax outputs (`attn.softmax`, fused attention off, then on again):
+    one [B * windows, heads, M², M²] per block."""
+    caught: list[torch.Tensor] = []
+    attns = [block.attn for stage in model.layers for block in stage.blocks]
+    handles = [a.softmax.register_forward_hook(lambda _m, _i, out: caught.append(out)) for a in attns]
+    fused = [getattr(a, "fused_attn", None) for a in attns]
+    for a in attns:
+        if hasattr(a, "fused_attn"):
+            a.fused_attn = False
+    try:
+        with torch.inference_mode():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        for a, f in zip(attns, fused):
+            if f is not None:
+                a.fused_attn = f
+    if len(caught) != len(attns):
+        raise RuntimeError(f"{len(caught)} window softmax outputs caught in {len(attns)} blocks")
+    return caught
+
+
 def check(module: str, name: str) -> Row:
     """One architecture's row."""
     import vitviz
@@ -117,22 +150,30 @@ def check(module: str, name: str) -> Row:
     except Exception as exc:
         return Row(module, name, cls, "error", f"{type(exc).__name__}: {str(exc)[:200]}")
     size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-2:]
+    if cls == "NaFlexVit":  # images of any aspect ratio: fed one of 1:2
+        p = ours.config.patch_size
+        size = (size[0] // 2 // p * p, size[1])
     torch.manual_seed(0)
     x = torch.randn(1, 3, *size)
     try:
         with torch.inference_mode():
             want = model(x)
-            side = ours.config.image_size  # (a model whose size is not a multiple of its patch reads the top-left whole patches)
+            p = ours.config.patch_size  # (a model whose size is not a multiple of its patch reads the top-left whole patches)
             with vitviz.record_attention(ours) as rec:
-                got = ours(x[..., :side, :side])
+                got = ours(x[..., : x.shape[2] // p * p, : x.shape[3] // p * p])
         logits = ((got - want).abs().max() / want.abs().max()).item()
         if logits > LOGIT_TOLERANCE:
             return Row(module, name, cls, "differs", f"outputs {logits:.1e} off")
-        if cls in ("VisionTransformer", "VisionTransformerDistilled", "Eva", "Beit", "VisionTransformerRelPos"):
+        if cls in ("VisionTransformer", "VisionTransformerDistilled", "Eva", "Beit", "VisionTransformerRelPos", "NaFlexVit"):
             attention = (rec.attentions - timm_attention(model, x)).abs().max().item()
             if attention > ATTENTION_TOLERANCE:
                 return Row(module, name, cls, "differs", f"attention {attention:.1e} off")
             return Row(module, name, cls, "exact", f"outputs {logits:.0e}, attention {attention:.0e}")
+        if cls in ("SwinTransformer", "SwinTransformerV2"):
+            attention = max((a - b).abs().max().item() for a, b in zip(rec.calls[-1], timm_window_attention(model, x), strict=True))
+            if attention > ATTENTION_TOLERANCE:
+                return Row(module, name, cls, "differs", f"window attention {attention:.1e} off")
+            return Row(module, name, cls, "exact", f"outputs {logits:.0e}, window attention {attention:.0e}")
         return Row(module, name, cls, "exact", f"outputs {logits:.0e}")
     except Exception as exc:
         return Row(module, name, cls, "error", f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -175,7 +216,8 @@ Every architecture timm {timm} lists in its ViT-family modules, through `vitviz.
 `timm:<name>`): **exact** (outputs within {logits:g} of timm's, relative to the largest, and every
 block's attention within {attention:g} of timm's own softmax), or **refused** before any weight is
 read, with the sentence `from_timm` gives. Random weights, two blocks deep where the constructor takes
-a depth, each at its own input size; nothing downloaded (`vitviz/dev/zoo.py` says how each is built).
+a depth, each at its own input size (a NaFlex model at half its height: a 1:2 image); nothing
+downloaded (`vitviz/dev/zoo.py` says how each is built).
 
 Measured {date} on {machine}, torch {torch}:
 

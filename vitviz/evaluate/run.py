@@ -448,6 +448,9 @@ def _plan(data: Path, out: Path, *, model: str, methods, metrics, steps, batch_s
         spec = get_spec(model)
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
+    if not spec.preprocessing.square:  # (a batch is one tensor: its images of one size)
+        raise EvaluateError(f"--model: {spec.name} takes each image whole at its own aspect ratio, and the evaluator scores batches "
+                            f"of square crops: analyse it one image at a time with vitviz.analyze, or name a model without @whole")
     if chosen is not None:
         steps = chosen.steps(spec.image_size)
         if not spec.has_head:

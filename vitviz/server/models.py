@@ -81,8 +81,8 @@ class ModelFacts:
 
     spec: VariantSpec
     similarity: torch.Tensor | None  # [gh, gw, gh, gw] at the trained grid
-    components: torch.Tensor  # [28, 3, P, P]
-    explained: torch.Tensor  # [28]
+    components: torch.Tensor | None  # [28, 3, P, P]; None for a hybrid (a convolutional stem before the patches: no filters over pixels)
+    explained: torch.Tensor | None  # [28]
     summary_rows: list[list[str]]
     total_params: int
     uniform_distance: float | None
@@ -113,7 +113,7 @@ class ModelFacts:
                 sim = position_embedding_similarity(patch_pos, grid=c.grid, num_prefix_tokens=0)
             rotary = rotary_offsets(tower) if c.rope else None
             bias = torch.stack([b.attn.rel_pos.offsets().detach().float().cpu() for b in tower.blocks]) if c.rel_pos_bias else None
-            comps, explained = embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
+            comps, explained = (None, None) if c.stem else embedding_filter_components(tower.patch_embed.proj.weight.cpu(), k=28)
         s = summary(tower)
         uniform = uniform_attention_distance(spec.grid, patch_size=spec.patch_size)
         return cls(spec=spec, similarity=sim, components=comps, explained=explained,

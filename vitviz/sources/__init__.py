@@ -130,6 +130,7 @@ _REGISTRY: dict[str, VariantSpec] | None = None
 _GENERATION = -1  # base.generation() when _REGISTRY and _RESOLVED were filled
 _LOCK = threading.Lock()
 _RESOLVED: dict[str, VariantSpec] = {}
+WHOLE = "@whole"  # a variant name's suffix: each image fed whole, its aspect ratio kept (`VariantSpec.whole`)
 
 
 def _registry() -> dict[str, VariantSpec]:
@@ -153,7 +154,8 @@ def get_spec(name: str) -> VariantSpec:
     """The spec of a named variant, or of any model a prefixed source can name ("timm:...", "hf:...").
 
     A suffix "@<pixels>" feeds the variant images of that size ("timm:vit_small_patch8_224.dino@480"):
-    a whole number above 0 that is a multiple of the patch size, else a ValueError says so.
+    a whole number above 0 that is a multiple of the patch size, else a ValueError says so. A suffix
+    "@whole" feeds it each image whole, its aspect ratio kept (`VariantSpec.whole`).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError("a variant name is a non-empty string")
@@ -161,6 +163,8 @@ def get_spec(name: str) -> VariantSpec:
     spec = _registry().get(name) or _RESOLVED.get(name)
     if spec is not None:
         return spec
+    if name.endswith(WHOLE) and len(name) > len(WHOLE):
+        return dataclasses.replace(get_spec(name.removesuffix(WHOLE)).whole(), name=name)
     for source in _sources():
         if source.prefix and name.startswith(source.prefix):
             spec = source.resolve(name)
@@ -260,9 +264,14 @@ def load_model(
         WeightsUnavailableError: weights neither at hand nor downloadable; the message says what to do.
     """
     path = None if weights_path is None else os.fspath(weights_path)
+    whole = isinstance(name, str) and name.strip().endswith(WHOLE)
+    if whole:  # the model itself, fed whole images
+        name = name.strip().removesuffix(WHOLE)
     spec = get_spec(name) if path is None else _checkpoint_spec(name, path)
     model = source_of(spec).load(spec, weights_path=path, progress=progress)
     model.spec = spec.at(image_size) if image_size else spec
+    if whole:
+        model.spec = dataclasses.replace(model.spec.whole(), name=model.spec.name + WHOLE)
     return model.eval().to(device=device if device is not None else default_device(), dtype=weights_dtype(dtype))
 
 

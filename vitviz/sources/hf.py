@@ -47,6 +47,7 @@ from vitviz.model import ViT
 from vitviz.sources.base import Status, VariantSpec, WeightsSource, WeightsUnavailableError, register_source, split_size
 from vitviz.sources.hf_convert import (
     IMAGE_TEXT,
+    SIGLIP,
     TYPES,
     config_from_transformers,
     convert_image_text_state_dict,
@@ -66,7 +67,7 @@ __all__ = [
     "preprocessing_from_processor",
 ]
 
-_SWIN = ("swin", "swinv2")  # model types converted by vitviz.sources.swin (Swin V2 is refused there, clearly)
+_SWIN = ("swin", "swinv2")  # model types converted by vitviz.sources.swin
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store them
 
@@ -89,6 +90,10 @@ def preprocessing_from_processor(processor: Any, image_size: int) -> Preprocessi
     interpolation = _RESAMPLE.get(int(getattr(resample, "value", resample)), "bilinear")
     mean = tuple(get("image_mean") or IMAGENET_MEAN) if get("do_normalize", True) else (0.0, 0.0, 0.0)
     std = tuple(get("image_std") or IMAGENET_STD) if get("do_normalize", True) else (1.0, 1.0, 1.0)
+    if get("max_num_patches"):  # SigLIP 2's NaFlex processor: each image keeps its aspect ratio, in at most so many patches
+        p, most = int(get("patch_size") or 16), int(get("max_num_patches"))
+        return Preprocessing(image_size=math.isqrt(most - 1) * p + p, mode="fit", patch_size=p, max_patches=most, mean=mean, std=std,
+                             interpolation=interpolation)
     if get("do_center_crop", False) and crop.get("height"):
         side = crop["height"]
         short = size.get("shortest_edge") or size.get("height") or side
@@ -117,6 +122,9 @@ def _spec(
         categories = tuple(labels.get(i, labels.get(str(i), f"class {i}")) for i in range(config.num_classes)) if labels else tuple(
             f"class {i}" for i in range(config.num_classes)
         )
+    if getattr(model.config, "model_type", None) == "siglip2" and processor is None:  # Siglip2ImageProcessor's own defaults
+        processor = dict(max_num_patches=config.grid[0] * config.grid[1], patch_size=config.patch_size, image_mean=[0.5] * 3,
+                         image_std=[0.5] * 3, resample=2)
     if getattr(model.config, "model_type", None) in IMAGE_TEXT:
         kind = "image–text"
     else:
@@ -147,15 +155,20 @@ CURATED: dict[str, tuple[str, dict, dict]] = {
         "siglip", dict(text_config=dict(bos_token_id=None, eos_token_id=1, pad_token_id=1)),
         dict(size={"height": 224, "width": 224}, resample=3, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
     ),
+    # SigLIP 2 NaFlex: each image at its own aspect ratio, in at most 256 patches of 16 px (Apache 2.0)
+    "google/siglip2-base-patch16-naflex": (
+        "siglip2", dict(text_config=dict(vocab_size=256000)),
+        dict(max_num_patches=256, patch_size=16, resample=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
+    ),
 }
 
 
 def _curated_spec(repo: str) -> VariantSpec:
     """The spec of a curated repository from its known config (transformers' classes' defaults are
-    those of the base models: CLIP ViT-B/32 and SigLIP B/16 at 224 px)."""
+    those of the base models: CLIP ViT-B/32, SigLIP B/16 at 224 px, SigLIP 2 B/16 NaFlex)."""
     transformers = _transformers()
     kind, overrides, processor = CURATED[repo]
-    cfg = {"clip": transformers.CLIPConfig, "siglip": transformers.SiglipConfig}[kind](**overrides)
+    cfg = {"clip": transformers.CLIPConfig, "siglip": transformers.SiglipConfig, "siglip2": transformers.Siglip2Config}[kind](**overrides)
     model = SimpleNamespace(config=cfg)  # an image–text model's ViTConfig and spec read its config alone
     return _spec(model, config_from_transformers(model), name=f"hf:{repo}", weights=f"Hugging Face {repo}", processor=processor,
                  locator=repo)
@@ -240,7 +253,7 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
     dtype and in its train/eval mode; preprocessing from `processor` (an image processor or its
     config dict) when given (`ViT.from_transformers` is this function).
 
-    A `CLIPModel` or `SiglipModel` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
+    A `CLIPModel`, `SiglipModel` or `Siglip2Model` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
     spec is its image tower's (no classes) and its `tokenizer` the one given (else None).
     """
     if getattr(model.config, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
@@ -251,7 +264,7 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
     if model.config.model_type in IMAGE_TEXT:
         if not hasattr(model, "text_model"):
             raise NotImplementedError(f"{type(model).__name__} has no text tower; vitviz converts the image–text model (CLIPModel, SiglipModel)")
-        siglip = model.config.model_type == "siglip"
+        siglip = model.config.model_type in SIGLIP
         ours = ImageTextModel(config, text_config_from_transformers(model), image_projection=not siglip, logit_bias=siglip)
         ours.load_state_dict(convert_image_text_state_dict(model))
         ours.tokenizer = tokenizer
@@ -304,7 +317,7 @@ class HuggingFaceSource(WeightsSource):
             return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) not in TYPES:
             raise ValueError(f"{name} is a {getattr(cfg, 'model_type', '?')} model; vitviz reads ViT, DINOv2, DINOv2 with registers, "
-                             "DINOv3, AIMv2's vision model, CLIP and SigLIP")
+                             "DINOv3, AIMv2's vision model, CLIP, SigLIP and SigLIP 2")
         with torch.device("meta"):
             model = self._model_class(cfg)._from_config(cfg)
         spec = _noted(_spec(model, config_from_transformers(model), name=name, **where), where["processor"])
@@ -314,8 +327,9 @@ class HuggingFaceSource(WeightsSource):
     def _model_class(cfg):
         transformers = _transformers()
         archs = getattr(cfg, "architectures", None) or []
-        if cfg.model_type in _SWIN:
-            return transformers.SwinForImageClassification if any(a.endswith("ForImageClassification") for a in archs) else transformers.SwinModel
+        if cfg.model_type in _SWIN:  # SwinModel, SwinForImageClassification, Swinv2Model, Swinv2ForImageClassification
+            kind = "ForImageClassification" if any(a.endswith("ForImageClassification") for a in archs) else "Model"
+            return getattr(transformers, f"Swin{'v2' if cfg.model_type == 'swinv2' else ''}{kind}")
         if cfg.model_type == "vit" and any(a.endswith("ForImageClassification") for a in archs):
             return transformers.ViTForImageClassification
         if cfg.model_type in IMAGE_TEXT and any(a.endswith("ForImageClassification") for a in archs):
@@ -324,7 +338,7 @@ class HuggingFaceSource(WeightsSource):
                 "dinov2_with_registers": transformers.Dinov2WithRegistersModel, "dinov3_vit": transformers.DINOv3ViTModel,
                 "aimv2_vision_model": transformers.Aimv2VisionModel,
                 "clip": transformers.CLIPModel,
-                "siglip": transformers.SiglipModel}[cfg.model_type]
+                "siglip": transformers.SiglipModel, "siglip2": transformers.Siglip2Model}[cfg.model_type]
 
     @staticmethod
     def _tokenizer(source: str, *, local: bool) -> Any:

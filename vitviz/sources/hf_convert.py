@@ -6,6 +6,8 @@ and loads them)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -13,7 +15,8 @@ from vitviz.config import TextConfig, ViTConfig
 
 __all__ = ["config_from_transformers", "text_config_from_transformers", "convert_transformers_state_dict", "convert_image_text_state_dict"]
 
-IMAGE_TEXT = ("clip", "siglip")  # model types that become an ImageTextModel
+IMAGE_TEXT = ("clip", "siglip", "siglip2")  # model types that become an ImageTextModel
+SIGLIP = ("siglip", "siglip2")  # image-text models that pool with attention and score with sigmoids
 TYPES = ("vit", "dinov2", "dinov2_with_registers", "dinov3_vit", "aimv2_vision_model", *IMAGE_TEXT)  # model types read here
 _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu",
          "silu": "silu"}
@@ -57,16 +60,22 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
     cfg = model.config
     kind = getattr(cfg, "model_type", None)
     if kind not in TYPES:
-        raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers, CLIP or SigLIP model, got model_type {kind!r}")
+        raise TypeError(f"expected a Hugging Face ViT, DINOv2, DINOv2-with-registers, DINOv3, AIMv2, CLIP, SigLIP or SigLIP 2 model, "
+                        f"got model_type {kind!r}")
     if kind in IMAGE_TEXT:
         vision = cfg.vision_config
-        own = (  # what the two image towers do differently
+        own = (  # what the image towers do differently
             dict(class_token=False, pool="map")  # SigLIP: no cls token; the attention-pooling head (its probe) reads the tokens
-            if kind == "siglip" else
+            if kind in SIGLIP else
             dict(patch_bias=False, norm_pre=True)  # CLIP: pre_layrnorm; post_layernorm on the cls token alone (per token: the same)
         )
+        if kind == "siglip2":  # NaFlex: a square table of num_patches resampled to each image's grid, bilinear and antialiased
+            side = math.isqrt(vision.num_patches)
+            if side * side != vision.num_patches:
+                raise NotImplementedError(f"SigLIP 2 with {vision.num_patches} position embeddings (not a square table) is not modelled by vitviz")
+            own |= dict(pos_embed_interpolation="bilinear", pos_embed_antialias=True)
         return ViTConfig(
-            image_size=vision.image_size,
+            image_size=vision.image_size if kind != "siglip2" else side * vision.patch_size,
             patch_size=vision.patch_size,
             width=vision.hidden_size,
             depth=vision.num_hidden_layers,
@@ -76,8 +85,7 @@ def config_from_transformers(model: nn.Module) -> ViTConfig:
             final_norm=True,  # post_layernorm
             act=_act(vision.hidden_act),
             eps=vision.layer_norm_eps,
-            pos_embed_antialias=False,
-            **own,
+            **({"pos_embed_antialias": False} | own),
         )
     if kind == "dinov3_vit":
         return _dinov3_config(model)
@@ -272,7 +280,7 @@ def text_config_from_transformers(model: nn.Module) -> TextConfig:
     padded to the context length), attends without a causal mask, and its projection has a bias.
     """
     cfg, text = model.config, model.config.text_config
-    if cfg.model_type == "siglip":
+    if cfg.model_type in SIGLIP:
         return TextConfig(
             vocab_size=text.vocab_size,
             context_length=text.max_position_embeddings,
@@ -322,12 +330,18 @@ def _clip_layers(layers: nn.ModuleList, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _siglip_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A Hugging Face `SiglipModel`'s weights under an `ImageTextModel`'s names: the attention-pooling
-    head's `nn.MultiheadAttention` input projection split into the probe's q and the tokens' k, v."""
+    """A Hugging Face `SiglipModel`'s (or `Siglip2Model`'s) weights under an `ImageTextModel`'s names:
+    the attention-pooling head's `nn.MultiheadAttention` input projection split into the probe's q and
+    the tokens' k, v; SigLIP 2's linear projection of each patch's pixels (flattened row by row,
+    channels last, as its processor cuts them) as the Conv2d that computes the same."""
     vision, text = model.vision_model, model.text_model
     head, d = vision.head, vision.config.hidden_size
+    patch = vision.embeddings.patch_embedding.weight
+    if patch.ndim == 2:  # [D, P*P*C]: (y, x, channel) -> [D, C, P, P]
+        p = vision.config.patch_size
+        patch = patch.reshape(d, p, p, -1).permute(0, 3, 1, 2).contiguous()
     sd: dict[str, torch.Tensor] = {
-        "image.patch_embed.proj.weight": vision.embeddings.patch_embedding.weight,
+        "image.patch_embed.proj.weight": patch,
         "image.patch_embed.proj.bias": vision.embeddings.patch_embedding.bias,
         "image.pos_embed": vision.embeddings.position_embedding.weight[None],  # [1, gh*gw, D]
         "image.norm.weight": vision.post_layernorm.weight,
@@ -361,7 +375,7 @@ def _siglip_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def convert_image_text_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A Hugging Face `CLIPModel`'s (or `SiglipModel`'s) weights under the names of a
     `vitviz.imagetext.ImageTextModel`."""
-    if model.config.model_type == "siglip":
+    if model.config.model_type in SIGLIP:
         return _siglip_state_dict(model)
     vision, text = model.vision_model, model.text_model
     emb = vision.embeddings

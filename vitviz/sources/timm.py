@@ -1,6 +1,7 @@
-"""timm's plain ViT family (`timm.models.VisionTransformer`): ViT and AugReg, DeiT (with its
-distillation token), DeiT III, DINO, DINOv2 (with registers), CLIP image towers, and any fine-tuned
-model of the same class.
+"""timm's plain ViT family (`timm.models.VisionTransformer`): ViT and AugReg, the ViT paper's hybrids
+(a ResNet or convolutional stem before the patches, read by `vitviz.sources.timm_stems`), DeiT (with
+its distillation token), DeiT III, DINO, DINOv2 (with registers), CLIP image towers, and any
+fine-tuned model of the same class.
 
     vitviz.load_model("timm:vit_small_patch16_224.dino")
     vitviz.load_model("timm:vit_small_patch8_224.dino@480")   # at 480 px, position embeddings resampled
@@ -50,6 +51,7 @@ from vitviz.sources.base import (
 )
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 from vitviz.sources.swin import is_timm_swin, swin_config_from_timm, swin_from_timm
+from vitviz.sources.timm_stems import stem_from_timm, stem_state_dict
 
 __all__ = ["TimmSource", "from_timm", "CURATED", "config_from_timm", "convert_timm_state_dict"]
 
@@ -112,7 +114,6 @@ def _split(name: str) -> tuple[str, int | None]:
 
 # timm's other ViT-family classes, and the part of each that vitviz does not model
 _NOT_YET = {
-    "NaFlexVit": "NaFlex's patches of any aspect ratio and count: SigLIP 2 NaFlex",
     "VisionTransformerSAM": "windowed blocks with decomposed relative positions: SAM's image encoder",
 }
 
@@ -127,7 +128,72 @@ _FAMILIES = {
     "Eva": (("EvaBlock", "EvaBlockPostNorm"), ("EvaAttention", "AttentionRope")),  # EVA, EVA-02, DINOv3, PE, vit_*_rope_*
     "Beit": (("Block",), ("Attention",)),  # BEiT, BEiT v2: a relative position bias per block
     "VisionTransformerRelPos": (("RelPosBlock", "ResPostRelPosBlock"), ("RelPosAttention",)),  # vit_relpos_*: an MLP of the offsets
+    "NaFlexVit": (("Block",), ("Attention",)),  # SigLIP 2 NaFlex, RADIO: images of any aspect ratio, `_naflex`
 }
+
+
+def _embedding(model: nn.Module) -> nn.Module:
+    """The module that holds the patch projection, the position table and the prefix tokens (a
+    NaFlexVit's `embeds`; the model itself otherwise, its projection in `patch_embed`)."""
+    return model.embeds if _family(model) == "NaFlexVit" else model
+
+
+def _naflex_table(embeds: nn.Module) -> torch.Tensor | None:
+    """A NaFlexVit's position table [1, gh, gw, D]: its learned one, or the sum of its factorised row
+    and column tables (pos_embed_y [1, gh, D] + pos_embed_x [1, gw, D]; resampled bilinearly, the sum
+    is the sum of the rows and columns each resampled linearly, as timm does); None without."""
+    if embeds.pos_embed_type == "learned":
+        return embeds.pos_embed
+    if embeds.pos_embed_type == "factorized":
+        return embeds.pos_embed_y[:, :, None] + embeds.pos_embed_x[:, None, :]
+    return None
+
+
+def _naflex(model: nn.Module, problems: list[str]) -> dict:
+    """The `ViTConfig` fields of a timm `NaFlexVit`'s embedding: its position table [1, gh, gw, D]
+    (`_naflex_table`) is resampled to each image's grid (bicubic or bilinear, to gh x gw or, with
+    `pos_embed_ar_preserving`, to the square of the longer side and cut), its prefix tokens carry no
+    position; what vitviz does not model goes to `problems`."""
+    e = model.embeds
+    if e.pos_embed_type not in ("learned", "factorized"):
+        problems.append(f"{e.pos_embed_type or 'no'} position embeddings (vitviz reads NaFlex's learned 2D table)")
+    if model.rope is not None:
+        problems.append("rotary positions in a NaFlexVit")
+    if e.pos_embed_interp_mode not in ("bicubic", "bilinear"):
+        problems.append(f"position embeddings resampled {e.pos_embed_interp_mode!r} (vitviz: bicubic or bilinear)")
+    if e.norm_input is not None or getattr(e, "patch_interpolator", None) is not None:
+        problems.append("a norm of the raw pixels or resizable patches in the embedding")
+    if not (isinstance(e.proj, nn.Linear) if e.is_linear else isinstance(e.proj, nn.Conv2d)):
+        problems.append(f"a patch projection of type {type(e.proj).__name__}")
+    table = _naflex_table(e)
+    if table is not None and table.shape[1] != table.shape[2]:
+        problems.append(f"a position table that is not square ({table.shape[1]}x{table.shape[2]})")
+    if e.pos_embed_type == "factorized":  # (linear on each axis: bilinear on the sum, no antialiasing)
+        return dict(pos_embed_interpolation="bilinear", pos_embed_square=bool(e.pos_embed_ar_preserving), pos_embed_antialias=False)
+    return dict(pos_embed_interpolation=e.pos_embed_interp_mode, pos_embed_square=bool(e.pos_embed_ar_preserving),
+                pos_embed_antialias=bool(e.pos_embed_antialias), pos_embed_align_corners=bool(e.pos_embed_align_corners))
+
+
+def _naflex_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A NaFlexVit's embedding weights under a `VisionTransformer`'s names: its linear projection of
+    each patch's pixels (flattened row by row, channels last unless `channels_last` is off) as the
+    Conv2d that computes the same, its [1, gh, gw, D] table as [1, gh*gw, D]."""
+    e = model.embeds
+    out = {k.removeprefix("embeds."): v for k, v in sd.items() if k.startswith("embeds.")}
+    out = {("patch_embed." + k if k.startswith(("proj.", "norm.")) else k): v for k, v in out.items()}
+    weight = out["patch_embed.proj.weight"]
+    if e.is_linear:
+        ph, pw = e.patch_size
+        d = weight.shape[0]
+        weight = (weight.reshape(d, ph, pw, -1).permute(0, 3, 1, 2) if e.channels_last else weight.reshape(d, -1, ph, pw))
+        out["patch_embed.proj.weight"] = weight.contiguous()
+    for key in ("pos_embed", "pos_embed_y", "pos_embed_x"):
+        out.pop(key, None)
+    table = _naflex_table(e)
+    if table is not None:
+        out["pos_embed"] = table.detach().flatten(1, 2)
+    out.update({k: v for k, v in sd.items() if not k.startswith("embeds.")})
+    return out
 
 
 def _family(model: nn.Module) -> str | None:
@@ -143,17 +209,21 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         name = type(model).__name__
         if name in _NOT_YET:
             raise NotImplementedError(f"timm's {name} ({_NOT_YET[name]}) is not modelled by vitviz")
-        raise TypeError(f"expected a timm VisionTransformer, Eva, Beit or VisionTransformerRelPos, got {name}")
-    eva = family == "Eva"
-    pe = model.patch_embed
+        raise TypeError(f"expected a timm VisionTransformer, Eva, Beit, VisionTransformerRelPos or NaFlexVit, got {name}")
+    eva, naflex = family == "Eva", family == "NaFlexVit"
+    pe = model.embeds if naflex else model.patch_embed
     problems = []
+    flex = _naflex(model, problems) if naflex else {}
+    hybrid = None  # a convolutional stem before the patches (`vitviz.sources.timm_stems`)
     if getattr(pe, "backbone", None) is not None:
-        problems.append(f"a hybrid patch embedding (a {type(pe.backbone).__name__} stem before the patches)")
-    elif not isinstance(getattr(pe, "proj", None), nn.Conv2d):
+        hybrid = stem_from_timm(pe, problems)
+    elif not naflex and not isinstance(getattr(pe, "proj", None), nn.Conv2d):
         problems.append("a patch embedding other than one Conv2d (and a norm)")
     rope = _rope(model, problems) if eva else {}
     relative = _relative(model, problems)
-    if getattr(model, "pos_embed", None) is None and not rope and not relative:
+    embedding = _embedding(model)
+    table = _naflex_table(embedding) if naflex else getattr(embedding, "pos_embed", None)
+    if table is None and not rope and not relative:
         problems.append("no position embedding, learned, relative or rotary")
     if model.global_pool not in ("token", "avg", "map"):
         problems.append(f"global_pool={model.global_pool!r} (vitviz reads 'token', 'avg' and 'map')")
@@ -167,7 +237,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         problems.append("pooling over the prefix tokens")
     if getattr(pe, "dynamic_img_pad", False):
         problems.append("dynamic image padding")
-    img_size, patch_size = tuple(pe.img_size), tuple(pe.patch_size)
+    patch_size = (hybrid.patch_size,) * 2 if hybrid else tuple(pe.patch_size)  # (a hybrid's: the pixels one token covers)
+    img_size = tuple(pe.img_size) if not naflex else tuple(patch_size[0] * g for g in (table.shape[1:3] if table is not None else (16, 16)))
     if img_size[0] != img_size[1] or patch_size[0] != patch_size[1]:
         problems.append(f"non-square images or patches ({img_size}, {patch_size})")
     elif img_size[0] % patch_size[0] and getattr(pe, "dynamic_img_pad", False):
@@ -252,8 +323,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         raise NotImplementedError(f"the MLP activation ({type(block.mlp.act).__name__}) is not GELU, tanh-GELU or QuickGELU "
                                   "(for a plain MLP) or SiLU (for a gated one)")
     distilled = getattr(model, "dist_token", None) is not None
-    registers = model.reg_token.shape[1] if getattr(model, "reg_token", None) is not None else 0
-    prefix = int(model.cls_token is not None) + int(distilled) + registers
+    registers = embedding.reg_token.shape[1] if getattr(embedding, "reg_token", None) is not None else 0
+    prefix = int(embedding.cls_token is not None) + int(distilled) + registers
     if _parallel(block):
         heads, biased = block.num_heads, block.in_proj.bias is not None
         proj_bias, mlp_bias = block.attn_out_proj.bias is not None, block.mlp_out_proj.bias is not None
@@ -273,17 +344,17 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         mlp=kind,
         mlp_norm=mlp_norm,
         num_classes=model.num_classes,
-        class_token=model.cls_token is not None,
+        class_token=embedding.cls_token is not None,
         distill_token=distilled,
         register_tokens=registers,
-        abs_pos_embed=getattr(model, "pos_embed", None) is not None,
-        pos_embed_prefix=0 if getattr(model, "no_embed_class", False) or getattr(model, "pos_embed", None) is None else prefix,
+        abs_pos_embed=table is not None,
+        pos_embed_prefix=0 if getattr(model, "no_embed_class", False) or naflex or table is None else prefix,
         rel_pos_bias=relative,
         layer_scale=1.0 if scales.pop() else None,
         qkv_bias=biased,
         proj_bias=proj_bias,
         mlp_bias=mlp_bias,
-        patch_bias=pe.proj.bias is not None,
+        patch_bias=hybrid.patch_bias if hybrid else pe.proj.bias is not None,
         qk_norm=qk_norms.pop(),
         attn_norm=attn_norms.pop(),
         post_norm=post.pop(),
@@ -300,6 +371,8 @@ def config_from_timm(model: nn.Module) -> ViTConfig:
         act=acts.pop(),
         eps=eps,
         **rope,
+        **flex,
+        **(hybrid.fields if hybrid else {}),
     )
 
 
@@ -432,8 +505,10 @@ def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A timm model's weights under vitviz's names (`convert_timm_state_dict`; for an `Eva`, its
     attention's q, k, v projections or q/v biases as one qkv, its LayerScale gammas and learned
     rotary frequencies as well)."""
-    sd = _parallel_state_dict(model, dict(model.state_dict()))
+    sd = _parallel_state_dict(model, stem_state_dict(model, dict(model.state_dict())))
     family = _family(model)
+    if family == "NaFlexVit":
+        sd = _naflex_state_dict(model, sd)
     if family in ("Beit", "VisionTransformerRelPos"):
         sd = {k: v for k, v in sd.items() if not (".relative_position_bias_table" in k or ".rel_pos." in k
                                                   or k.startswith(("rel_pos_bias.", "shared_rel_pos.")))}
@@ -602,18 +677,24 @@ def _categories(model: nn.Module) -> tuple[str, ...] | None:
         if info.num_classes() == n:
             return tuple(info.index_to_description(i) for i in range(n))
     arch = str(cfg.get("architecture", ""))
-    if cfg.get("num_classes") == n and n != 1000 and ("clip" in arch or arch.startswith("vit_pe_core")):
-        return None  # CLIP's (and Perception Encoder's) head is a projection into the text embedding space, not classes
+    if cfg.get("num_classes") == n and n != 1000 and ("clip" in arch or "_mci_" in arch or arch.startswith("vit_pe_core")):
+        return None  # CLIP's (MobileCLIP's, Perception Encoder's) head is a projection into the text embedding space, not classes
     return tuple(f"class {i}" for i in range(n))
 
 
 def _preprocessing(model: nn.Module, size: int | None = None) -> Preprocessing:
     """timm's own data config (`resolve_data_config`), at `size` px when given (the same crop share);
-    its size is the pretrained config's, not the model's own when it was built for another."""
+    its size is the pretrained config's, not the model's own when it was built for another. A
+    NaFlexVit keeps each image's aspect ratio ("fit") with as many patches as a square of that size
+    has (timm's naflex transforms' `max_seq_len`)."""
     from timm.data import resolve_data_config
 
     data = resolve_data_config({}, model=model)
     size = size or data["input_size"][-1]
+    if _family(model) == "NaFlexVit":
+        p = model.embeds.patch_size[0]
+        return Preprocessing(image_size=size, mode="fit", patch_size=p, max_patches=(size // p) ** 2, mean=tuple(data["mean"]),
+                             std=tuple(data["std"]), interpolation=data.get("interpolation", "bicubic"))
     crop_pct = data.get("crop_pct") or 1.0
     squash = data.get("crop_mode") == "squash" and crop_pct == 1.0
     return Preprocessing(
@@ -640,12 +721,13 @@ def _spec(
     categories = _categories(model)  # None with a head (CLIP): the head's output is the features
     cfg = getattr(model, "pretrained_cfg", None) or {}
     kind = "features" if categories is None else f"{len(categories)} classes"
-    size = config.image_size if size is None else check_size(size, patch_size=config.patch_size, name=name)
+    own = _preprocessing(model).image_size if _family(model) == "NaFlexVit" else config.image_size  # (NaFlex: the pretrained size, not its table's)
+    size = own if size is None else check_size(size, patch_size=config.patch_size, name=name)
     if getattr(config, "rel_pos_bias", False) and size != config.image_size:
         raise ValueError(f"{name}: its relative position bias is learned for {config.image_size} px ({config.grid[0]}x"
                          f"{config.grid[1]} patches); it runs at that size only")
     preprocessing = _preprocessing(model, size)
-    built = int(model.patch_embed.img_size[0]) if not is_timm_swin(model) else size
+    built = int(model.patch_embed.img_size[0]) if hasattr(model, "patch_embed") and not is_timm_swin(model) else size
     if size == config.image_size and built != size:  # not a multiple of the patch: timm's transform makes `built`, the model reads `size`
         preprocessing = replace(_preprocessing(model, built), image_size=size, full_size=built)
     return VariantSpec(

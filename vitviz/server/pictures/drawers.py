@@ -39,7 +39,7 @@ PROTOCOL: tuple[str, ...] = (
     "explorer_mode",       # (exp) -> how the explorer reaches the browser: "stack" and "layers" go with the analysis; others after it
     "write_explorer",      # (exp, *, key, folder) -> writes the explorer's files; the widget's value
     "maps_note",           # (exp, missing) -> what the Explain tab says of the methods (titles) with no map, or ""
-    "render_positions",    # (exp) -> (the learned positions' picture or None, the patch filters' components)
+    "render_positions",    # (exp) -> (the learned positions' picture or None, the patch filters' components or None: `TokenLayout.patch_filters`)
     "render_bias",         # (exp, *, layer) -> one layer's position tables by offset: relative bias (`TokenLayout.position_bias`) or rotary
     "render_offsets",      # (exp, *, layer) -> the attention one layer gave each offset on this image, per head
     "render_stages",       # (exp) -> None, or the stages over the image (grids, windows, merges)

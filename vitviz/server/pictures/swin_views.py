@@ -80,7 +80,7 @@ def write_explorer(exp: Exploration, *, key: str, folder) -> dict:
     return swin_explorer.write_payload(exp, key=key, folder=folder, spec=exp.facts.spec)
 
 
-def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
+def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image | None]:
     """(no position embeddings: None; the patch filters). Its learned positions are each layer's
     relative position bias (`render_bias`)."""
     return None, render_filters(exp)

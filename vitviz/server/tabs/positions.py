@@ -17,9 +17,11 @@ from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
 
 FILTERS = ("the top 28 principal components of the patch-embedding filters as RGB images (Figure 7, left), each with the "
            "share of the filters' variance it explains.")
-CAPTION = ("Left: cosine similarity between the learned position embedding of each patch (one tile per patch) and all "
-           "others — the paper's Figure 7, centre; nearby patches have similar embeddings. Right: " + FILTERS)
+SIMILARITY = ("cosine similarity between the learned position embedding of each patch (one tile per patch) and all others — the "
+              "paper's Figure 7, centre; nearby patches have similar embeddings.")
+CAPTION = "Left: " + SIMILARITY + " Right: " + FILTERS
 BIAS_CAPTION = "Below: " + FILTERS  # (no position embeddings: no similarity on the left)
+NO_FILTERS = "No patch-embedding filters: {why}."  # a hybrid (`TokenLayout.patch_filters`)
 BIAS_TEXT = ("This model has no position embeddings: each layer adds a learned **relative position bias** to its attention "
              "logits (within a window, for a Swin), one table per head. A tile shows where the key lies relative to the query "
              "(the centre, outlined, is the query itself; up is a key above it); red raises the key's attention, blue lowers it.")
@@ -50,15 +52,16 @@ class PositionsTab(Tab):
         with gr.Row(elem_classes="vv-pair"):
             with gr.Column(min_width=240) as self.similarity_box:
                 self.similarity_img = figure(label="Position-embedding similarity", elem_id="vv-similarity")
-            self.filters_img = figure(label="Filters: principal components", elem_id="vv-filters")
+            with gr.Column(min_width=240) as self.filters_box:  # hidden for a hybrid: no filters over pixels
+                self.filters_img = figure(label="Filters: principal components", elem_id="vv-filters")
         with gr.Column(visible=False, elem_id="vv-offsets-box") as self.offsets_box:  # every model that attends over the grid
             gr.Markdown(OFFSETS_TEXT, elem_classes="vv-caption")
             self.offsets_layer = gr.Slider(1, 2, value=1, step=1, label="Layer", elem_id="vv-offsets-layer")
             self.offsets_img = figure(label="Attention by offset per head", elem_id="vv-offsets")
 
     def analysis_outputs(self):
-        return [self.similarity_img, self.filters_img, self.similarity_box, self.bias_box, self.bias_text, self.bias_layer,
-                self.bias_img, self.caption, self.offsets_box, self.offsets_layer, self.offsets_img]
+        return [self.similarity_img, self.filters_img, self.similarity_box, self.filters_box, self.bias_box, self.bias_text,
+                self.bias_layer, self.bias_img, self.caption, self.offsets_box, self.offsets_layer, self.offsets_img]
 
     def analysed(self, done: Analysed) -> Outputs:
         exp = done.exp
@@ -77,14 +80,19 @@ class PositionsTab(Tab):
         tables = layout.position_bias or layout.rotary is not None  # per offset, above the filters
         per_layer = layout.position_bias or layout.rotary == "mixed"
         text = ROTARY_TEXT.format(which=ROTARY_WHICH.get(layout.rotary, ROTARY_WHICH[None])) if layout.rotary else BIAS_TEXT
+        caption = CAPTION if similarity is not None else BIAS_CAPTION
+        no_filters = layout.lacks({"patch_filters"}, name=exp.analysis.variant)  # a hybrid: a stem before its patches
+        if no_filters:
+            caption = (SIMILARITY[0].upper() + SIMILARITY[1:] + " " if similarity is not None else "") + NO_FILTERS.format(why=no_filters)
         return {
             self.similarity_img: similarity, self.similarity_box: gr.update(visible=similarity is not None), self.filters_img: filters,
+            self.filters_box: gr.update(visible=filters is not None),
             self.bias_box: gr.update(visible=tables),
             self.bias_text: text if tables else gr.skip(),
             self.bias_layer: gr.update(maximum=max(layers, 2), value=1, visible=per_layer) if tables else gr.skip(),
             self.bias_img: gr.update(value=drawn.render_bias(exp, layer=1), label="Rotary positions by offset" if layout.rotary
                                      else "Relative position bias per head") if tables else None,
-            self.caption: CAPTION if similarity is not None else BIAS_CAPTION,
+            self.caption: caption,
             **measured,
         }
 
