@@ -328,6 +328,88 @@ def test_a_rotary_model_in_the_page(url, page, offline_hub):
     assert "patch row 9, column 9" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
 
 
+def _wide_image(folder) -> str:
+    """A 2:1 photograph-like picture (300 x 150 px): a gradient and a disc."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    y, x = np.mgrid[0:150, 0:300]
+    img = Image.fromarray(np.stack([x * 255 // 300, y * 255 // 150, np.full_like(x, 90)], -1).astype(np.uint8))
+    ImageDraw.Draw(img).ellipse((200, 40, 260, 100), fill=(240, 30, 30))
+    path = Path(folder) / "wide.png"
+    img.save(path)
+    return str(path)
+
+
+def _tiny_siglip2(root, repo: str) -> None:
+    """A SigLIP 2 (NaFlex) of random weights in the Hugging Face cache at `root`: an 8 x 8 table of
+    8 px patches, its processor taking at most 32 patches (a 2:1 image: 4 x 8)."""
+    import transformers
+    from conftest import write_hub_cache
+
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+                max_position_embeddings=16, projection_size=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(num_patches=64, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    model = transformers.Siglip2Model(transformers.Siglip2Config(text_config=text, vision_config=vision))
+    snap = write_hub_cache(root, repo, {})
+    model.save_pretrained(snap)
+    transformers.Siglip2ImageProcessorPil(patch_size=8, max_num_patches=32).save_pretrained(snap)
+
+
+def _ratio(page, selector) -> float:
+    """Width over height of a picture as the page holds it (an img's natural size, a canvas's own)."""
+    return page.locator(selector).first.evaluate("e => e.tagName === 'CANVAS' ? e.width / e.height : e.naturalWidth / e.naturalHeight")
+
+
+def test_a_2_to_1_image_keeps_its_shape_in_every_view(url, page, offline_hub, tmp_path):
+    """A 2:1 image on a NaFlex SigLIP 2 (random weights from a Hugging Face cache, offline) and on
+    DINOv3 fed whole images ("@whole"): the grid is twice as wide as tall, the explorer works on it
+    (a click reads the patch under it), the patch grid and the feature map keep the image's shape,
+    every tab is drawn whole, and DINOv3's Positions tab shows its rotary table."""
+    from huggingface_hub import constants
+
+    from vitviz.dev import screens
+
+    _tiny_siglip2(constants.HF_HUB_CACHE, "vitviz-test/tiny-siglip2-wide")
+    base, _ = url
+    wide = _wide_image(tmp_path)
+    # (the model, its first patch's query: after its prefix tokens and a pooled query, its grid, rotary positions)
+    for name, first, grid, rotary in [("hf:vitviz-test/tiny-siglip2-wide", 1, (4, 8), False),
+                                      ("timm:vit_small_patch16_dinov3.lvd1689m@whole", 5, None, True)]:
+        page.set_viewport_size({"width": 1366, "height": 900})
+        page.goto(base)
+        page.locator("#vv-image input[type=file]").set_input_files(wide)
+        _analysed(page, "shapes_p16")
+        page.locator("#vv-other textarea, #vv-other input").first.fill(name)
+        page.locator("#vv-other-use").click()
+        _analysed(page, name)
+        assert page.locator("#vv-notice").inner_text().strip() == ""
+        page.get_by_role("tab", name="Explorer").click()
+        page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")
+        gh, gw = map(int, page.locator("#vv-explorer-live .vvx").get_attribute("data-grid").split("x"))
+        assert (gh, gw) == grid if grid else 1.8 <= gw / gh <= 2.2, (name, gh, gw)
+        assert abs(_ratio(page, "#vv-explorer-live canvas.vvx-map") - gw / gh) < 1e-6
+        canvas = page.locator("#vv-explorer-live canvas.vvx-map")
+        box = canvas.bounding_box()
+        canvas.click(position={"x": box["width"] * (gw - 0.5) / gw, "y": box["height"] * 0.5 / gh})  # the top-right patch
+        _shows(page, query=str(first + gw - 1))
+        assert f"patch row 1, column {gw}" in page.locator("#vv-explorer-live .vvx-query-text").inner_text()
+        found = []
+        for label in [t.inner_text().strip() for t in page.get_by_role("tab").all()]:
+            page.get_by_role("tab", name=label, exact=True).click()
+            screens.settled(page)
+            if label == "Architecture":
+                assert abs(_ratio(page, "#vv-grid img") - gw / gh) < 0.02
+            if label == "Tokens":
+                page.wait_for_selector("#vv-features img")
+                assert abs(_ratio(page, "#vv-features img") - gw / gh) < 0.02
+            if label == "Positions" and rotary:
+                page.wait_for_selector("#vv-bias img")
+                assert "rotary" in page.locator("#vv-bias-text").inner_text()
+            found += [f"{name} {label}: {p}" for p in screens.problems(page)]
+        assert found == [], "\n".join(found)
+
+
 def _canvas(page, selector):
     """A canvas's pixels, as the page holds them: uint8 [H, W, 3]."""
     import base64

@@ -257,9 +257,10 @@ def filters_image(components: torch.Tensor, explained: torch.Tensor | None = Non
 
 def features_image(scores: torch.Tensor, grid: tuple[int, int], *, size: int) -> Image.Image:
     """The first three principal components of the patch features as the red, green and blue of
-    each patch (each component min-max scaled on its own): [gh*gw, 3] -> a size x size image."""
+    each patch (each component min-max scaled on its own): [gh*gw, 3] -> an image `size` px wide,
+    of the grid's shape."""
     s = scores.detach().cpu().double().numpy()
     lo, hi = s.min(axis=0), s.max(axis=0)
     rgb = np.where(hi > lo, (s - lo) / np.where(hi > lo, hi - lo, 1), 0.0)
     gh, gw = grid
-    return Image.fromarray((rgb.reshape(gh, gw, 3) * 255).round().astype(np.uint8)).resize((size, size), Image.NEAREST)
+    return Image.fromarray((rgb.reshape(gh, gw, 3) * 255).round().astype(np.uint8)).resize((size, round(size * gh / gw)), Image.NEAREST)

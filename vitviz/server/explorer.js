@@ -60,12 +60,13 @@
     ? Promise.all([pictureData(fileUrl(paths.base), paths.scale), pictureData(fileUrl(paths.tile_base))])
     : Promise.reject(new Error("the explorer's pictures came without their scale"));
 
-  function patchIndex(side, grid) {
-    const per = side / grid[1];
-    const out = new Int32Array(side * side);
-    for (let y = 0; y < side; y++) {
-      const r = Math.floor(y / per) * grid[1];
-      for (let x = 0; x < side; x++) out[y * side + x] = r + Math.floor(x / per);
+  // the patch under each pixel of a picture of the grid's shape (w x h, each patch w / gw px wide)
+  function patchIndex(w, h, grid) {
+    const per = w / grid[1];
+    const out = new Int32Array(w * h);
+    for (let y = 0; y < h; y++) {
+      const r = Math.min(grid[0] - 1, Math.floor(y / per)) * grid[1];
+      for (let x = 0; x < w; x++) out[y * w + x] = r + Math.floor(x / per);
     }
     return out;
   }
@@ -275,8 +276,8 @@
     // (a whole last layer that came before this first view is kept)
     if (value.mode !== "stack" || next.layers[value.depth - 1] === first) next.layers[value.depth - 1] = shownFirst;
     [meta, layers, sharedMax, base, tileBase] = [value, next.layers, next.sharedMax, b, t];
-    pixelPatch = patchIndex(base.width, meta.grid);
-    tilePatch = patchIndex(tileBase.width, meta.grid);
+    pixelPatch = patchIndex(base.width, base.height, meta.grid);
+    tilePatch = patchIndex(tileBase.width, tileBase.height, meta.grid);
     root.classList.toggle("vvx-off", false);
     statusText.textContent = "";
     setupControls();
@@ -431,10 +432,10 @@
 
   function drawMosaic(want, common) {
     // every head of the layer: on the map's colour bar, or (each map its own) its range beneath it
-    const t = tileBase.width, gap = 6, strip = 16, heads = meta.heads;
+    const t = tileBase.width, th = tileBase.height, gap = 6, strip = 16, heads = meta.heads;
     const cols = Math.ceil(Math.sqrt(heads)), rows = Math.ceil(heads / cols);
     mosaicCanvas.width = cols * t + (cols - 1) * gap;
-    mosaicCanvas.height = rows * (t + strip) + (rows - 1) * gap;
+    mosaicCanvas.height = rows * (th + strip) + (rows - 1) * gap;
     const ctx = mosaicCanvas.getContext("2d");
     ctx.fillStyle = "#fff";
     ctx.fillRect(0, 0, mosaicCanvas.width, mosaicCanvas.height);
@@ -444,12 +445,12 @@
     for (let h = 0; h < heads; h++) {
       const v = values(want.layer, h, want.query);
       const [lo, hi] = common || ownRange(v);
-      const img = new ImageData(t, t);
+      const img = new ImageData(t, th);
       blend(img, tileBase, tilePatch, indices(v, lo, hi));
-      const x = (h % cols) * (t + gap), y = Math.floor(h / cols) * (t + strip + gap);
+      const x = (h % cols) * (t + gap), y = Math.floor(h / cols) * (th + strip + gap);
       ctx.putImageData(img, x, y);
       ctx.fillStyle = "#1e1e1e";
-      ctx.fillText(common ? `head ${h + 1}` : `head ${h + 1}: ${fmt(lo)}–${fmt(hi)}`, x + t / 2, y + t + strip / 2);
+      ctx.fillText(common ? `head ${h + 1}` : `head ${h + 1}: ${fmt(lo)}–${fmt(hi)}`, x + t / 2, y + th + strip / 2);
     }
     mosaicCanvas.dataset.layer = String(want.layer);
     mosaicCanvas.dataset.query = String(want.query);

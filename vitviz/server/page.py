@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gradio as gr
+from PIL import ImageOps
 
 from vitviz.cost import price
 from vitviz.images import describe_limits
@@ -101,7 +102,7 @@ def _inputs() -> None:
     PAGE.variant_info = gr.Markdown(spec_line(runtime.DEFAULT_VARIANT), elem_classes="vv-caption")
     with gr.Row():
         PAGE.other_model = gr.Textbox(
-            placeholder="timm:<name> or hf:<org/name>", label="Another timm or Hugging Face ViT (@<px> for a size)",
+            placeholder="timm:<name> or hf:<org/name>", label="Another timm or Hugging Face ViT (@<px> for a size, @whole for the whole image)",
             elem_id="vv-other", scale=3, max_length=200, lines=1, max_lines=1,
         )
         PAGE.use_other = gr.Button("Use", size="sm", scale=1, min_width=60, elem_id="vv-other-use")
@@ -246,7 +247,7 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
         PAGE.state: PAGE.server.remember(exp, image),
         PAGE.notice: "",
         PAGE.results_box: gr.update(elem_classes=["vv-results"]),
-        PAGE.result_thumb: a.image,
+        PAGE.result_thumb: a.image if a.image.width == a.image.height else ImageOps.pad(a.image, (max(a.image.size),) * 2, color="white"),
         PAGE.status: (
             f"**{runtime.md(runtime.file_name(image))}** on **{a.variant}** ({a.device}): {spec_line(a.variant)}. Model call "
             f"{a.model_seconds * 1e3:.0f} ms; {a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."

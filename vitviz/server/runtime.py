@@ -350,7 +350,8 @@ def _explorer_room(spec) -> int:
     """The disk an analysis' explorer may write: its file (the stack, or a layer's) and its two
     pictures; nothing when the server draws its views."""
     written = price(spec, "explorer").kept_bytes
-    return written + explorer_data.pictures_bytes(spec.image_size, spec.grid) if written else 0
+    pre = spec.preprocessing
+    return written + explorer_data.pictures_bytes(spec.image_size, spec.grid, max_patches=pre.max_patches) if written else 0
 
 
 class _Early:
@@ -370,13 +371,16 @@ class _Early:
     def __init__(self, server: str, ticket: str | None, spec, key: str) -> None:
         self.server, self.ticket, self.spec, self.key = server, ticket, spec, key
         self.pictures: dict | None = None
+        self.grid = spec.grid  # the crop's, once it is made (an image of any aspect ratio has its own)
         self.published = False
 
     def on_crop(self, cropped) -> None:  # (a plain ViT's or an image–text model's: a Swin's explorer is written after)
         server = server_named(self.server)
         mode = explorer_layout_of(self.spec).mode
+        p = self.spec.patch_size
+        self.grid = (cropped.size[1] // p, cropped.size[0] // p)
         if mode != "server":
-            self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.spec.grid,
+            self.pictures = explorer_data.write_pictures(cropped, scale=views.display_scale(cropped), grid=self.grid,
                                                          key=self.key, folder=server.explorer_dir)
         if mode == "stack":
             server.early.publish(self.ticket, "pictures", self.pictures)
@@ -387,7 +391,7 @@ class _Early:
         if self.ticket is None or self.pictures is None:
             return
         try:  # the forward goes on whatever happens here: `after` tries again from the finished analysis
-            tokens = layout_of(self.spec, self.spec.grid)  # as the analysis will name its queries
+            tokens = layout_of(self.spec, self.grid)  # as the analysis will name its queries
             value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
                                            patch_px=self.spec.patch_size * self.pictures["scale"])
             value.update(self.pictures, data=str(path))

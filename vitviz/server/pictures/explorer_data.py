@@ -32,6 +32,7 @@ All layers in one file when that fits in the browser's budget (`vitviz.cost.BROW
 from __future__ import annotations
 
 import base64
+import functools
 import io
 from pathlib import Path
 
@@ -47,14 +48,28 @@ from vitviz.plots import CMAP, lut
 __all__ = ["layout_of", "fused_rows", "query_rows",
            "quantise_rows", "dequantise", "row_values", "shared_max", "layer_block", "block_of", "stack_file",
            "StackStream", "value_of", "write_payload", "PICTURES", "picture_path", "pictures_bytes", "rgb_file",
-           "read_rgb_file", "write_pictures", "first_shown", "layer_path", "write_layer", "mosaic_tile_px", "widget_files"]
+           "read_rgb_file", "write_pictures", "first_shown", "layer_path", "write_layer", "mosaic_tile_px", "mosaic_tile", "widget_files"]
 
 _BILINEAR = Image.BILINEAR
 
 
+def mosaic_tile(grid: tuple[int, int], target: int = 160) -> tuple[int, int]:
+    """A mosaic tile's (width, height): its longer side near `target` px, each side a multiple of
+    the patch grid's (k px a patch), so that the grid divides it and it keeps the image's shape."""
+    gh, gw = grid
+    k = max(1, -(-target // max(gh, gw)))
+    return gw * k, gh * k
+
+
 def mosaic_tile_px(grid: tuple[int, int], target: int = 160) -> int:
-    """A mosaic tile's side near `target` px that the patch grid divides."""
-    return grid[1] * max(1, -(-target // grid[1]))
+    """A mosaic tile's width (`mosaic_tile`; its side, for a square grid)."""
+    return mosaic_tile(grid, target)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _largest_tile(max_patches: int) -> int:
+    """The most pixels a mosaic tile has over every grid of at most `max_patches` patches."""
+    return max(gh * gw * max(1, -(-160 // max(gh, gw))) ** 2 for gh in range(1, max_patches + 1) for gw in range(1, max_patches // gh + 1))
 
 
 def fused_rows(attn_layer: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
@@ -318,10 +333,13 @@ def read_rgb_file(data: bytes) -> Image.Image:
     return Image.fromarray(np.frombuffer(data[8:], dtype=np.uint8).reshape(height, width, 3))
 
 
-def pictures_bytes(image_size: int, grid: tuple[int, int]) -> int:
-    """The two pictures' bytes on disk for a crop of `image_size` px and its patch `grid`."""
-    tile = mosaic_tile_px(grid)
-    return 16 + 3 * (image_size * image_size + tile * tile)
+def pictures_bytes(image_size: int, grid: tuple[int, int], *, max_patches: int | None = None) -> int:
+    """The two pictures' bytes on disk for a crop of `image_size` px and its patch `grid`; with
+    `max_patches`, the most for any crop of at most so many patches and image_size² pixels (an image
+    of any aspect ratio: `Preprocessing` mode "fit")."""
+    tw, th = mosaic_tile(grid)
+    tile = th * tw if max_patches is None else _largest_tile(max_patches)
+    return 16 + 3 * (image_size * image_size + tile)
 
 
 def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key: str, folder) -> dict:
@@ -330,9 +348,9 @@ def write_pictures(crop: Image.Image, *, scale: int, grid: tuple[int, int], key:
     tile's (`mosaic_tile_px`); written once per key. Returns their paths and `scale`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tile = mosaic_tile_px(grid)
+    tile = mosaic_tile(grid)
     value: dict = {"scale": int(scale)}
-    for name, draw in (("base", lambda: crop), ("tile_base", lambda: crop.resize((tile, tile), _BILINEAR))):
+    for name, draw in (("base", lambda: crop), ("tile_base", lambda: crop.resize(tile, _BILINEAR))):
         path = picture_path(folder, key, name)
         _write_once(path, lambda: rgb_file(draw()))
         value[name] = str(path)

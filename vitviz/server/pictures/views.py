@@ -98,8 +98,9 @@ class Exploration:
 
 
 def display_scale(crop: Image.Image) -> int:
-    """How many display pixels a pixel of the crop the model sees takes (at least `DISPLAY_PX` wide)."""
-    return max(1, math.ceil(DISPLAY_PX / crop.size[0]))
+    """How many display pixels a pixel of the crop the model sees takes (its longer side at least
+    `DISPLAY_PX`)."""
+    return max(1, math.ceil(DISPLAY_PX / max(crop.size)))
 
 
 def display_of(crop: Image.Image) -> Image.Image:
@@ -210,8 +211,9 @@ def write_explorer(exp: Exploration, *, key: str, folder) -> dict:
     return explorer_data.write_payload(exp, key=key, folder=folder)
 
 
-def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
-    """(the learned positions' picture: the embeddings' similarity, or None; the patch filters)."""
+def render_positions(exp: Exploration) -> tuple[Image.Image | None, Image.Image | None]:
+    """(the learned positions' picture: the embeddings' similarity, or None; the patch filters, or
+    None for a hybrid's)."""
     return render_position(exp)
 
 
@@ -359,8 +361,7 @@ def render_head_mosaic(exp: Exploration, *, layer: int, query: int, scale: str =
     a = exp.analysis
     heads = a.attentions.shape[1]
     heats = torch.stack([_view_heat(exp, layer=layer, head=h, query=query) for h in range(heads)])  # [H, gh, gw]
-    tile = mosaic_tile_px(a.grid)
-    small = a.image.resize((tile, tile), Image.BILINEAR)
+    small = a.image.resize(explorer_data.mosaic_tile(a.grid), Image.BILINEAR)
     common = query_range(exp, query=query, scale=scale, layer=layer)
     tiles = plots.overlay_many(small, heats, vmin=common[0] if common else None, vmax=common[1] if common else None)
     if common:
@@ -445,10 +446,10 @@ def compare_table_html(exps: list[Exploration]) -> str:
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def render_position(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
+def render_position(exp: Exploration) -> tuple[Image.Image | None, Image.Image | None]:
     """(position-embedding similarity as the paper's grid, principal components of the patch filters
     with the variance each explains): the model's own, drawn once per loaded model; None for the
-    similarity of a model without a learned table."""
+    similarity of a model without a learned table, and for the filters of a hybrid."""
     f = exp.facts
     if f.similarity is None:  # no learned table (rotary positions alone)
         return None, render_filters(exp)
@@ -458,10 +459,13 @@ def render_position(exp: Exploration) -> tuple[Image.Image | None, Image.Image]:
     return f.drawn["position"], render_filters(exp)
 
 
-def render_filters(exp: Exploration) -> Image.Image:
+def render_filters(exp: Exploration) -> Image.Image | None:
     """The patch-embedding filters' principal components with the variance each explains, whatever
-    the token layout (drawn once per loaded model)."""
+    the token layout (drawn once per loaded model); None for a model without filters over pixels (a
+    hybrid: `TokenLayout.patch_filters`)."""
     f = exp.facts
+    if f.components is None:
+        return None
     if "filters" not in f.drawn:
         f.drawn["filters"] = plots.named(plots.filters_image(f.components, f.explained), _name(exp, "filter-components"))
     return f.drawn["filters"]
@@ -509,11 +513,11 @@ def kept_heads_mosaic(exp: Exploration, maps: torch.Tensor, masks: torch.Tensor,
     grid), the cells of `masks` [H, gh, gw] in colour and the rest dimmed, labelled with how many
     cells each head keeps, or with `labels` (DINO's figure)."""
     grid = tuple(maps.shape[1:])
-    tile = mosaic_tile_px(grid)
-    small = exp.analysis.image.resize((tile, tile), Image.BILINEAR)
+    tw, th = explorer_data.mosaic_tile(grid)
+    small = exp.analysis.image.resize((tw, th), Image.BILINEAR)
     tiles = []
     for heat, mask, img in zip(maps, masks, plots.overlay_many(small, maps)):
-        keep = np.asarray(mask.numpy(), dtype=bool).repeat(tile // grid[0], 0).repeat(tile // grid[1], 1)
+        keep = np.asarray(mask.numpy(), dtype=bool).repeat(th // grid[0], 0).repeat(tw // grid[1], 1)
         arr = np.asarray(img).copy()
         arr[~keep] = (np.asarray(small)[~keep] * 0.25).astype(np.uint8)
         tiles.append(Image.fromarray(arr))

@@ -69,7 +69,7 @@ def importance_on_device(server: str, exp: views.Exploration, mode: str, target:
 class InsideTab(Tab):
     id = "inside"
     label = "Inside"
-    needs = frozenset({"target", "global_attention"})
+    needs = frozenset({"classes", "global_attention"})
     on_demand = True
 
     def build(self, page) -> None:
