@@ -849,3 +849,32 @@ def test_the_explorer_tab_builds_every_registered_widget(app):
         live = explorer.live[w.name]
         assert live.elem_id == w.elem_id and live.js_on_load == w.files["js"]
         assert sorted(f.__name__ for f in live.server_fns) == (["explorer_early", "explorer_layer"] if w.server_calls else [])
+
+
+@pytest.mark.parametrize("height, width", [(150, 300), (16, 4000), (4000, 16)])
+def test_an_image_of_any_aspect_ratio_is_drawn_in_its_shape(app, tmp_path, height, width):
+    """shapes_p16 fed whole images ("@whole"): a 2:1 image and two of 1:250 (one row or one column of
+    patches) analysed, every tab drawn, each map of the image's shape (a colour bar beside it, the
+    bar's room kept beneath a very wide one)."""
+    path = tmp_path / "any.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)).save(path)
+    out = page.on_analyze(str(path), "shapes_p16@whole", "mean", 0.0, progress=_quiet)
+    ref = out[page.PAGE.state]
+    assert out[page.PAGE.notice] == ""
+    grid = {(150, 300): (4, 8), (16, 4000): (1, 36), (4000, 16): (36, 1)}[(height, width)]
+    exp = page.PAGE.server.recall(ref)
+    assert exp.analysis.grid == grid and exp.display_image.size[0] * grid[0] == exp.display_image.size[1] * grid[1]
+    pictures = _pictures(out)
+    for tab in ("tokens", "explain", "inside"):
+        pictures += _pictures(page.on_refresh_tab(ref, tab, "star", tabs.explain.EXPLAIN_SCALES[0], 0.6))
+    pictures += _pictures(tabs.explain.TAB.on_faithfulness(ref, "star", progress=_quiet))
+    for scale in tabs.explorer.SCALES:
+        pictures += _pictures(tabs.explorer.TAB.on_view(ref, 2, "head 1", 1, scale))
+    assert len(pictures) >= 15
+    rollout = out[tabs.predict.TAB.rollout_img]["value"]
+    shown = exp.display_image.size
+    from vitviz.plots import COLORBAR_PX
+
+    assert rollout.size == (shown[0] + COLORBAR_PX, max(shown[1], 112))  # the map, its colour bar beside it (112 px at least)
+    below = np.asarray(rollout)[shown[1] :, : shown[0]]
+    assert below.size == 0 or (below == 255).all()  # white beneath a map too short for the bar

@@ -100,12 +100,14 @@ def tick_label(v: float) -> str:
 
 
 def with_colorbar(image: Image.Image, *, vmin: float, vmax: float, label: str = "", cmap: str = CMAP) -> Image.Image:
-    """The image with a colour bar on its right: the scale of its heat map, ticks at five values."""
+    """The image with a colour bar on its right: the scale of its heat map, ticks at five values (an
+    image too short for the bar, a very wide one, gets white beneath it)."""
     w, h = image.size
     font = _font(11)
     lines = _wrap(label, font, COLORBAR_PX - 10) if label else []
     bar_w, pad, top, bottom = 12, 8, 12 + 12 * max(1, len(lines)), 8
     labels = [tick_label(v) for v in tick_values(vmin, vmax)]
+    h = max(h, top + bottom + 80)  # room for five ticks 20 px apart
     out = Image.new("RGB", (w + COLORBAR_PX, h), (255, 255, 255))  # a fixed width: views keep their size
     out.paste(image, (0, 0))
     bar_h = h - top - bottom
