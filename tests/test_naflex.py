@@ -167,3 +167,24 @@ def test_whole_feeds_any_model_whose_positions_follow_any_grid_the_whole_image(t
     (tmp_path / "data").mkdir()
     with pytest.raises(EvaluateError, match="batches of square crops"):
         evaluate(tmp_path / "data", out=tmp_path / "out", model="shapes_p16@whole")
+
+
+@pytest.mark.parametrize("name, size, logits", [("naflexvit_base_patch16_siglip", (128, 256), 2e-2), ("vit_small_r26_s32_224", (224, 224), 5e-2),
+                                                ("vit_small_resnet26d_224", (224, 224), 2e-2)])
+def test_naflex_and_hybrids_in_bfloat16_stay_close_to_timm(name, size, logits):
+    """Both models cast to bfloat16 (NaFlex fed a 1:2 image; a hybrid, whose timm model takes its own
+    size only, a square one): logits within 2e-2 of the largest (5e-2 behind BiT's 26 layers of
+    standardised convolutions and GroupNorm, where each library's bfloat16 logits are 2-3e-2 from its
+    float32 ones, measured) and every block's attention within 1e-2 of timm's (vitviz's softmax in
+    float32, timm's in bfloat16), as for the rotary families."""
+    torch.manual_seed(0)
+    model = random_timm(name, depth=2).to(torch.bfloat16)
+    ours = vitviz.from_timm(model).eval()
+    assert next(ours.parameters()).dtype == torch.bfloat16
+    x = torch.randn(1, 3, *size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x).float()
+        with vitviz.record_attention(ours) as rec:
+            got = ours(x).float()
+    assert _relative(got, want) < logits
+    torch.testing.assert_close(rec.attentions.float(), timm_attention(model, x).float(), atol=1e-2, rtol=0)

@@ -12,7 +12,8 @@ converted model's outputs within 1e-4 of timm's (relative to the largest) and, f
 (`AttentionExtract`, fused attention off; for a `SwinTransformer` or `SwinTransformerV2`, every block's window softmax), at the
 architecture's own input size (a NaFlexVit, which takes any aspect ratio, at half its height). "refused": `from_timm` raised
 `NotImplementedError` before any weight was read, its sentence quoted. "differs" and "error" are
-bugs; "timm cannot build it" is timm's own failure at that depth.
+bugs; "timm cannot build it" is timm's own failure at that depth (such an architecture is built whole
+on the meta device, without memory or weights, and refused there if `from_timm` refuses it).
 """
 
 from __future__ import annotations
@@ -134,6 +135,24 @@ def timm_window_attention(model: torch.nn.Module, x: torch.Tensor) -> list[torch
     return caught
 
 
+def _unbuilt(module: str, name: str, exc: Exception) -> Row:
+    """The row of an architecture timm cannot build two blocks deep: built whole on the meta device
+    (no memory, no weights), it is refused as `from_timm` refuses it, or timm's failure is the row."""
+    import timm
+
+    import vitviz
+
+    try:
+        with torch.device("meta"):
+            whole = timm.create_model(name, pretrained=False)
+        vitviz.from_timm(whole)
+    except NotImplementedError as refusal:
+        return Row(module, name, type(whole).__name__, "refused", str(refusal))
+    except Exception:
+        pass
+    return Row(module, name, "", "timm cannot build it", f"{type(exc).__name__}: {str(exc)[:120]}")
+
+
 def check(module: str, name: str) -> Row:
     """One architecture's row."""
     import vitviz
@@ -141,7 +160,7 @@ def check(module: str, name: str) -> Row:
     try:
         model = _build(name)
     except Exception as exc:  # timm's own failure (an assertion at two blocks, a missing dependency)
-        return Row(module, name, "", "timm cannot build it", f"{type(exc).__name__}: {str(exc)[:120]}")
+        return _unbuilt(module, name, exc)
     cls = type(model).__name__
     try:
         ours = vitviz.from_timm(model).eval()
