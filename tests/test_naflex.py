@@ -160,6 +160,9 @@ def test_whole_feeds_any_model_whose_positions_follow_any_grid_the_whole_image(t
     image = Image.fromarray(np.random.default_rng(2).integers(0, 255, (100, 200, 3), dtype=np.uint8))
     a = vitviz.analyze(model, image)
     assert a.variant == "shapes_p16@whole" and a.grid == (4, 8) and a.image.size == (128, 64)
+    assert vitviz.get_spec("shapes_p16@192@whole").preprocessing.max_patches == 144  # a size, then whole
+    with pytest.raises(ValueError, match="said once"):
+        vitviz.get_spec("shapes_p16@whole@whole")
     with pytest.raises(ValueError, match="attends within windows"):
         vitviz.get_spec("shapes_swin@whole")
     with pytest.raises(ValueError, match="relative position bias learned for its grid"):

@@ -164,7 +164,10 @@ def get_spec(name: str) -> VariantSpec:
     if spec is not None:
         return spec
     if name.endswith(WHOLE) and len(name) > len(WHOLE):
-        return dataclasses.replace(get_spec(name.removesuffix(WHOLE)).whole(), name=name)
+        base = name.removesuffix(WHOLE)
+        if base.endswith(WHOLE):
+            raise ValueError(f"{name[:60]!r}: @whole is said once, at the end of the name")
+        return dataclasses.replace(get_spec(base).whole(), name=name)
     for source in _sources():
         if source.prefix and name.startswith(source.prefix):
             spec = source.resolve(name)
