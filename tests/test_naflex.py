@@ -161,8 +161,9 @@ def test_whole_feeds_any_model_whose_positions_follow_any_grid_the_whole_image(t
     a = vitviz.analyze(model, image)
     assert a.variant == "shapes_p16@whole" and a.grid == (4, 8) and a.image.size == (128, 64)
     assert vitviz.get_spec("shapes_p16@192@whole").preprocessing.max_patches == 144  # a size, then whole
-    with pytest.raises(ValueError, match="said once"):
-        vitviz.get_spec("shapes_p16@whole@whole")
+    for said_twice in (vitviz.get_spec, vitviz.load_model):
+        with pytest.raises(ValueError, match="said once"):
+            said_twice("shapes_p16@whole@whole")
     with pytest.raises(ValueError, match="attends within windows"):
         vitviz.get_spec("shapes_swin@whole")
     with pytest.raises(ValueError, match="relative position bias learned for its grid"):
@@ -191,3 +192,16 @@ def test_naflex_and_hybrids_in_bfloat16_stay_close_to_timm(name, size, logits):
             got = ours(x).float()
     assert _relative(got, want) < logits
     torch.testing.assert_close(rec.attentions.float(), timm_attention(model, x).float(), atol=1e-2, rtol=0)
+
+
+def test_a_strip_too_elongated_for_a_square_crop_is_refused_before_it_is_resized():
+    """16 x 200,000 px (3.2 megapixels, accepted): its shorter side resized to 96 px, it would be
+    1.2 million px long (115 megapixels); refused in one sentence, and taken whole with "@whole"."""
+    from vitviz.images import MAX_PIXELS
+    from vitviz.preprocess import MAX_RESIZED
+
+    assert MAX_RESIZED == MAX_PIXELS
+    strip = Image.new("RGB", (200_000, 16), (200, 10, 10))
+    with pytest.raises(vitviz.images.ImageError, match="too elongated for a 96 px square crop"):
+        crop(strip, vitviz.get_spec("shapes_p16").preprocessing)
+    assert crop(strip, vitviz.get_spec("shapes_p16@whole").preprocessing).size == (576, 16)

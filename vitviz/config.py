@@ -27,6 +27,7 @@ __all__ = [
     "INTERPOLATIONS",
     "split_size",
     "fit_size",
+    "ImageError",
     "check_size",
 ]
 
@@ -504,6 +505,10 @@ class Preprocessing:
             return replace(self, image_size=image_size, max_patches=(image_size // self.patch_size) ** 2)
         resize = None if self.resize_size is None else math.floor(image_size / self.crop_fraction + 1e-6)
         return replace(self, image_size=image_size, resize_size=resize, full_size=None)
+
+
+class ImageError(ValueError):
+    """An image vitviz will not analyse; the message says why and what is accepted."""
 
 
 def fit_size(height: int, width: int, *, patch_size: int, max_patches: int) -> tuple[int, int]:

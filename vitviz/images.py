@@ -24,6 +24,8 @@ from typing import BinaryIO, Union
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from vitviz.config import ImageError  # (defined with the records: preprocessing refuses images too)
+
 __all__ = ["ImageError", "load_image", "ACCEPTED_FORMATS", "MAX_BYTES", "MAX_PIXELS", "describe_limits"]
 
 ACCEPTED_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -37,10 +39,6 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 
 ImageSource = Union[Image.Image, str, os.PathLike, bytes, bytearray, BinaryIO, np.ndarray]
-
-
-class ImageError(ValueError):
-    """An image vitviz will not analyse; the message says why and what is accepted."""
 
 
 def describe_limits() -> str:

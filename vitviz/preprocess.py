@@ -15,9 +15,13 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from vitviz.config import IMAGENET_MEAN, IMAGENET_STD, ImageError, Preprocessing
 
 __all__ = ["Preprocessing", "IMAGENET_MEAN", "IMAGENET_STD", "crop", "check_crop", "to_input", "preprocess"]
+
+
+# the most pixels an image is resized to before its centre crop: as many as an upload may have (`vitviz.images.MAX_PIXELS`)
+MAX_RESIZED = 40_000_000
 
 
 def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
@@ -31,7 +35,13 @@ def crop(image: Image.Image, pre: Preprocessing) -> Image.Image:
     if pre.mode == "squash":
         out = TF.resize(image, [s, s], interpolation=interpolation, antialias=True)
     else:
-        resized = TF.resize(image, [pre.resize_size or s], interpolation=interpolation, antialias=True)
+        short, long = sorted(image.size)
+        side = pre.resize_size or s
+        if side * (side * long // short) > MAX_RESIZED:  # (a strip: its shorter side resized, the longer would be huge)
+            raise ImageError(f"the image is {image.width}x{image.height} px, too elongated for a {s} px square crop (its shorter "
+                             f"side resized to {side} px, it would be {side * long // short:,} px long); feed it whole "
+                             "(a name with @whole) or crop it first")
+        resized = TF.resize(image, [side], interpolation=interpolation, antialias=True)
         out = TF.center_crop(resized, [s, s])
     if s != pre.image_size:
         out = out.crop((0, 0, pre.image_size, pre.image_size))

@@ -270,6 +270,8 @@ def load_model(
     whole = isinstance(name, str) and name.strip().endswith(WHOLE)
     if whole:  # the model itself, fed whole images
         name = name.strip().removesuffix(WHOLE)
+        if name.endswith(WHOLE):
+            raise ValueError(f"{name[:60]!r}: @whole is said once, at the end of the name")
     spec = get_spec(name) if path is None else _checkpoint_spec(name, path)
     model = source_of(spec).load(spec, weights_path=path, progress=progress)
     model.spec = spec.at(image_size) if image_size else spec
