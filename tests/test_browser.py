@@ -279,12 +279,12 @@ def test_the_page_does_what_it_says(url, page, tmp_path, monkeypatch):
     assert "Error" not in lines, "an output shows Gradio's error badge"
 
 
-def _other_model(page, url, name):
-    """A fresh page: the example analysed by the default model, then by `name` typed in as another model."""
+def _other_model(page, url, name, image=None, viewport=(1280, 1000)):
+    """A fresh page: the example (or `image`) analysed by the default model, then by `name` typed in as another model."""
     base, example = url
-    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
     page.goto(base)
-    page.locator("#vv-image input[type=file]").set_input_files(example)
+    page.locator("#vv-image input[type=file]").set_input_files(image or example)
     _analysed(page, "shapes_p16")
     page.locator("#vv-other textarea, #vv-other input").first.fill(name)
     page.locator("#vv-other-use").click()
@@ -371,18 +371,11 @@ def test_a_2_to_1_image_keeps_its_shape_in_every_view(url, page, offline_hub, tm
     from vitviz.dev import screens
 
     _tiny_siglip2(constants.HF_HUB_CACHE, "vitviz-test/tiny-siglip2-wide")
-    base, _ = url
     wide = _wide_image(tmp_path)
     # (the model, its first patch's query: after its prefix tokens and a pooled query, its grid, rotary positions)
     for name, first, grid, rotary in [("hf:vitviz-test/tiny-siglip2-wide", 1, (4, 8), False),
                                       ("timm:vit_small_patch16_dinov3.lvd1689m@whole", 5, None, True)]:
-        page.set_viewport_size({"width": 1366, "height": 900})
-        page.goto(base)
-        page.locator("#vv-image input[type=file]").set_input_files(wide)
-        _analysed(page, "shapes_p16")
-        page.locator("#vv-other textarea, #vv-other input").first.fill(name)
-        page.locator("#vv-other-use").click()
-        _analysed(page, name)
+        _other_model(page, url, name, image=wide, viewport=(1366, 900))
         assert page.locator("#vv-notice").inner_text().strip() == ""
         page.get_by_role("tab", name="Explorer").click()
         page.wait_for_function("document.querySelector('#vv-explorer-live .vvx').dataset.analysis")

@@ -21,11 +21,12 @@ TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermed
 VISION = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 
-def _siglip(seed: int = 0):
-    config = transformers.SiglipConfig(text_config=TEXT, vision_config=VISION)
+def _siglip(seed: int = 0, kind: str = "Siglip", vision: dict | None = None):
+    """A small random `SiglipModel` (or, with kind "Siglip2", a `Siglip2Model` of `vision`), eager."""
+    config = getattr(transformers, f"{kind}Config")(text_config=TEXT, vision_config=vision or VISION)
     for c in (config, config.text_config, config.vision_config):
         c._attn_implementation = "eager"
-    model = transformers.SiglipModel(config)
+    model = getattr(transformers, f"{kind}Model")(config)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # every parameter away from its init, so a dropped one shows

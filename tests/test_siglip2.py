@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_hub_cache
+from test_siglip import _relative, _siglip
 from PIL import Image
 
 import vitviz
@@ -16,36 +17,17 @@ from vitviz.words import WordTokenizer
 
 transformers = pytest.importorskip("transformers")
 
-TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
-            max_position_embeddings=16, projection_size=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 VISION = dict(num_patches=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
 
 def _siglip2(seed: int = 0):
-    config = transformers.Siglip2Config(text_config=TEXT, vision_config=VISION)
-    for c in (config, config.text_config, config.vision_config):
-        c._attn_implementation = "eager"
-    model = transformers.Siglip2Model(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # every parameter away from its init, so a dropped one shows
-            if "norm" in name:
-                p.normal_(1.0, 0.2) if name.endswith("weight") else p.normal_(0, 0.2)
-            elif name in ("logit_scale", "logit_bias"):
-                p.fill_(2.0 if name == "logit_scale" else -1.5)
-            else:
-                p.normal_(0, 0.15)
-    return model.eval()
+    return _siglip(seed, kind="Siglip2", vision=VISION)
 
 
 def _patches(x: torch.Tensor, p: int) -> torch.Tensor:
     """[1, 3, gh*p, gw*p] -> [gh*gw, p*p*3]: each patch row by row, its pixels (y, x, channel), as the processor cuts them."""
     _, c, h, w = x.shape
     return x.reshape(c, h // p, p, w // p, p).permute(1, 3, 2, 4, 0).reshape((h // p) * (w // p), -1)
-
-
-def _relative(got, want):
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def test_siglip2_gives_transformers_logits_and_attention_on_a_padded_batch():

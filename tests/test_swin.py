@@ -69,19 +69,10 @@ def _ours(kind: dict, *, classes: int = 5, seed: int = 0) -> Swin:
 
 
 def _timm_windows(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """timm's own window softmax outputs (`attn.softmax`, fused attention off), one per block."""
-    caught, handles = [], []
-    for stage in model.layers:
-        for block in stage.blocks:
-            block.attn.fused_attn = False
-            handles.append(block.attn.softmax.register_forward_hook(lambda m, i, o: caught.append(o)))
-    try:
-        with torch.inference_mode():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return caught
+    """timm's own window softmax outputs, one per block (the zoo's reading of them)."""
+    from vitviz.dev.zoo import timm_window_attention
+
+    return timm_window_attention(model, x)
 
 
 @pytest.mark.parametrize("kind", [SHIFTED, PADDED], ids=["shifted", "padded"])
