@@ -14,6 +14,7 @@ from vitviz.dev.bench.app import app_table, handler_table
 from vitviz.dev.bench.browser import browser_table
 from vitviz.dev.bench.common import _machine, _print_table
 from vitviz.dev.bench.evaluator import attention_part_table, evaluate_table, evaluator_pass_table
+from vitviz.dev.bench.families import SIDE, families_table
 from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
 from vitviz.dev.bench.serving import FLOODS, flood_table, serving_table
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     ap.add_argument("--flood", action="store_true", help="one client's analyses (--arch) while another address floods Swin or Find requests")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
+    ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
+                                                            "against their library's forward")
     ap.add_argument("--batch", type=int, default=None,
                     help="the batch of --relevance and of --evaluate's passes in memory (default 8), of --training (default 64)")
     args = ap.parse_args(argv)
@@ -61,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     def title(d: torch.device) -> str:
         return f"CUDA ({torch.cuda.get_device_name()})" if d.type == "cuda" else "CPU"
 
+    if args.families:
+        print(f"vitviz.dev.bench --families, {SIDE} px, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        for d in both:
+            _print_table(title(d), families_table(d, rounds=args.rounds * (5 if d.type == "cuda" else 1)))
+        return
     if args.relevance:
         print(f"vitviz.dev.bench --relevance {args.arch}, batch {batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
         for d in both:
