@@ -116,6 +116,22 @@ def _hf_swin(kind: dict, *, classifier: bool = True, classes: int = 5):
     return _randomise(model)
 
 
+def _hf_run(model, ours, x, attention: str):
+    """transformers' outputs (with attentions), vitviz's outputs and recording, and each of
+    transformers' `attention` modules' window softmax as it returns it, on `x`."""
+    caught = []
+    handles = [m.register_forward_hook(lambda mod, i, o: caught.append(o[1])) for m in model.modules() if type(m).__name__ == attention]
+    try:
+        with torch.inference_mode():
+            out = model(pixel_values=x, output_attentions=True)
+            with vitviz.record_attention(ours) as rec:
+                got = ours(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, got, rec, caught
+
+
 @pytest.mark.parametrize("kind", ["classifier-shifted", "classifier-padded", "features"])
 def test_from_transformers_gives_the_same_logits_and_window_softmax(kind):
     # transformers shrinks a window larger than its grid but keeps the full bias table (it cannot run that), so the
@@ -126,16 +142,7 @@ def test_from_transformers_gives_the_same_logits_and_window_softmax(kind):
     assert isinstance(ours, Swin) and ours.config.pad_before_shift
     size = shape["image_size"]
     x = torch.randn(2, 3, size, size)
-    caught = []
-    handles = [m.register_forward_hook(lambda mod, i, o: caught.append(o[1])) for m in model.modules() if type(m).__name__ == "SwinAttention"]
-    try:
-        with torch.inference_mode():
-            out = model(pixel_values=x, output_attentions=True)
-            with vitviz.record_attention(ours) as rec:
-                got = ours(x)
-    finally:
-        for h in handles:
-            h.remove()
+    out, got, rec, caught = _hf_run(model, ours, x, "SwinAttention")
     want = out.logits if kind != "features" else out.pooler_output
     assert _relative(got, want) < 1e-4
     mine = rec.calls[-1]

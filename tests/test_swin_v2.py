@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_timm, write_hub_cache
-from test_swin import _randomise, _relative, _run, _timm_windows
+from test_swin import _hf_run, _randomise, _relative, _run, _timm_windows
 
 import vitviz
 from vitviz.sources.swin import swin_config_from_transformers
@@ -130,16 +130,7 @@ def test_from_transformers_gives_the_same_logits_and_window_softmax(kind):
     assert "Swin V2" in ours.spec.description
     size = shape["image_size"]
     x = torch.randn(2, 3, size, size)
-    caught = []
-    handles = [m.register_forward_hook(lambda mod, i, o: caught.append(o[1])) for m in model.modules() if type(m).__name__ == "Swinv2SelfAttention"]
-    try:
-        with torch.inference_mode():
-            out = model(pixel_values=x, output_attentions=True)
-            with vitviz.record_attention(ours) as rec:
-                got = ours(x)
-    finally:
-        for h in handles:
-            h.remove()
+    out, got, rec, caught = _hf_run(model, ours, x, "Swinv2SelfAttention")
     want = out.pooler_output if kind.startswith("features") else out.logits
     assert _relative(got, want) < 1e-4
     assert len(caught) == len(rec.calls[-1]) == sum(shape["depths"])
