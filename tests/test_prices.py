@@ -171,3 +171,32 @@ def test_a_variant_that_has_run_is_priced_by_its_own_jobs():
     assert times.estimate("analyse/global", 1.2e10, "new") == pytest.approx(fixed + 1.2e10 / speed)
     assert times.estimate("analyse/global", 3e10, "wide") == pytest.approx(fixed + 3e10 / speed)
     assert times.estimate("view/global", 1e10, "wide") == pytest.approx(10.0)  # another line: the rate
+
+
+def test_patching_is_priced_within_its_counted_work():
+    """"patch": the clean and corrupted forwards, then each site run from its layer on, in batches;
+    "patch_one": the clean and the patched forward of `patched_logits`. Each priced within 1.5x of
+    the flops it runs; the batch the price assumes is the one `patch` runs in the same memory."""
+    import PIL.Image
+
+    from vitviz.patching import KINDS, patch, patch_forwards, patched_logits
+
+    model = vitviz.load_model("shapes_p16")
+    spec = model.spec
+    picture, x = _image(spec)
+    y = vitviz.preprocess(PIL.Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
+                          spec.preprocessing)[0][None]
+    for kinds in (("resid_pre",), ("head", "pattern"), KINDS):
+        work = _counted(lambda: patch(model, x[0], y[0], where=kinds))
+        priced = price(spec, "patch", patch_kinds=kinds).flops
+        assert work > 0 and work <= priced <= 1.5 * work, (kinds, work, priced, priced / work)
+    sites = [("head", 2, 1), ("pattern", 3, 0), ("resid_pre", 1, 5)]
+    work = _counted(lambda: patched_logits(model, x[0], y[0], sites))
+    priced = price(spec, "patch_one", patch_kinds=("head", "pattern", "resid_pre")).flops
+    assert work > 0 and work <= priced <= 1.5 * work, ("patch_one", work, priced, priced / work)
+    budgeted = price(spec, "patch", patch_kinds=("head_token",), budget=20 * 2**20)
+    assert 1 < budgeted.batch < spec.num_tokens * spec.config.heads and budgeted.bytes <= 20 * 2**20
+    run = patch(model, x[0], y[0], where="head_token", batch_size=budgeted.batch)
+    assert run.batch_size == budgeted.batch and run.forwards == patch_forwards(spec, "head_token", batch_size=budgeted.batch)
+    with pytest.raises(ValueError, match="ViT towers"):
+        price(get_spec("shapes_swin"), "patch")

@@ -26,6 +26,13 @@ over the base, `python -m vitviz.dev.bench --serving`). With
 - "ablate": two forwards of one image (with and without some heads), nothing recorded.
 - "importance": a forward, then for each layer a batch of H copies of the image run from that
   layer on, one head switched off in each (`vitviz.inside.head_importance`).
+- "patch": activation patching (`vitviz.patch`) of the kinds of site `patch_kinds` names: a clean
+  and a corrupted forward (and for "pattern" a clean one recording the attention), then each site
+  of layer l runs the L − l blocks from l on, S sites a layer (N, H or N·H a kind): its work
+  (2 + S (L + 1) / 2) forwards (3 + ... with "pattern"); in memory a batch of copies (`vitviz.patching.copy_bytes` each,
+  as many as `patch` fits in its memory, or in `budget`) and the cached runs' activations.
+- "patch_one": one patched forward (`vitviz.patched_logits`): "ablate"'s two forwards, and the clean
+  run's activations of the kinds `patch_kinds` names, kept at every layer.
 - "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`
   (in memory, then copied as it is written), else of one layer ("explorer_layer", written when the
   browser asks for it), else nothing (the server draws the views): the layout of `explorer_layout`,
@@ -50,10 +57,12 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from vitviz.explanations import METHODS
+from vitviz.patching import _plan as _patch_plan
 from vitviz.recording import LEGRAD_START_LAYER
 from vitviz.swin_global import SLICE_ELEMENTS
 
@@ -76,7 +85,8 @@ __all__ = [
     "explorer_bytes",
 ]
 
-Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance"]
+Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
+               "patch_one"]
 
 BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
 COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
@@ -107,7 +117,8 @@ class Cost:
         kept_bytes: what stays afterwards (the analysis kept for a session; for "export" and
             "explorer", the bytes written to disk).
         flops: model work (forward and backward passes, multiply-adds x 2).
-        batch: for "faithfulness", the perturbed images per forward the estimate assumes.
+        batch: for "faithfulness", the perturbed images per forward the estimate assumes; for
+            "patch", the patched copies per batched forward (`vitviz.patch(batch_size=...)`).
         family: "global" or "windowed" (a Swin): with `kind`, the line of work whose speed the
             server learns on its own (`line`).
     """
@@ -317,7 +328,8 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
-          layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0) -> Cost:
+          layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0,
+          patch_kinds: Sequence[str] = ("resid_pre",)) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -332,9 +344,12 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         phrases: "explain" of an image–text model: the phrases explained at once (one forward, a
             backward for each: their gradients are held together); 0: a class of a classifier, or
             for a model without one the maps that need no gradient.
+        patch_kinds: "patch" and "patch_one": the kinds of site patched (`vitviz.patching.KINDS`).
     """
     if orders < 1 or phrases < 0:
         raise ValueError(f"orders are 1 or more and phrases 0 or more, got {orders} and {phrases}")
+    if kind in ("patch", "patch_one") and _windowed(spec):
+        raise ValueError(f"activation patching runs on ViT towers; {spec.name} is a windowed model")
     if _windowed(spec):
         return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions, orders=orders, phrases=max(phrases, 1))
     depth, heads, n, width, mlp = _shape(spec)
@@ -385,6 +400,17 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         per_copy = 4 * layer + 4 * token_row + 2 * n * mlp * 4
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES + COMPUTE_BYTES, 0,
                     (1 + heads * (depth + 1) / 2) * flops, heads)
+    if kind in ("patch", "patch_one"):
+        plan = _patch_plan(spec, patch_kinds)
+        if kind == "patch_one":  # two forwards, the clean one keeping what the sites replace
+            return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + plan.cached + BASE_BYTES + COMPUTE_BYTES,
+                        0, 2 * flops)
+        if budget is not None:  # the batch that fits the budget beside the cached runs
+            plan = _patch_plan(spec, patch_kinds, memory=max(0, budget - plan.cached - BASE_BYTES - COMPUTE_BYTES))
+        runs = 2 + ("pattern" in plan.kinds)  # the clean and corrupted forwards (and the clean patterns' own)
+        # a site of layer l runs the L − l blocks from l on: S sites a layer, S (L + 1) / 2 forwards' blocks in all
+        return Cost(kind, spec.name, n, plan.batch * plan.per_copy + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0,
+                    (runs + plan.sites * (depth + 1) / 2) * flops, plan.batch)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and the products)
         return Cost(kind, spec.name, n, 3 * depth * n * n * 4 + BASE_BYTES + COMPUTE_BYTES, 0, rollout)
     if kind in ("explorer", "explorer_layer"):
