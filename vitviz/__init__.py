@@ -66,6 +66,8 @@ __all__ = [
     "WeightsUnavailableError",
     "analyze",
     "Ablation", "Attribution", "ablate", "head_importance",
+    "Patching", "patch", "patched_logits",
+    "RegisterNeurons", "register_neurons", "with_test_time_register",
     "attention_received",
     "attention_rollout",
     "cls_map",
@@ -104,10 +106,14 @@ def __getattr__(name: str):
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
                 "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words",
-                "inside"}:
+                "inside", "registers", "patching"}:
         return importlib.import_module(f"vitviz.{name}")
     if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
         return getattr(importlib.import_module("vitviz.inside"), name)
+    if name in {"Patching", "patch", "patched_logits"}:  # vitviz.patching's, on first use
+        return getattr(importlib.import_module("vitviz.patching"), name)
+    if name in {"RegisterNeurons", "register_neurons", "with_test_time_register"}:  # vitviz.registers'
+        return getattr(importlib.import_module("vitviz.registers"), name)
     if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>` (`vitviz.sources` answers)
         try:
             return getattr(importlib.import_module("vitviz.sources"), name)

@@ -142,6 +142,14 @@ class ViTConfig:
             where it is, not on the image's aspect ratio); False: resample to gh x gw.
         pos_embed_align_corners: resample with the tables' corner entries on the grid's corner patches
             (F.interpolate's align_corners; timm's RADIO v3 B and H); False: on the grid's corners.
+        register_neurons: a test-time register (Jiang et al. 2025, "Vision Transformers Don't Need
+            Trained Registers"): one more prefix token "ttr", after the learned ones, that starts at
+            zero with no position embedding; in block l, the MLP's hidden activations of the neurons
+            (l, j) listed here are moved into it: the register takes each such neuron's maximum over
+            all tokens, every other token gets 0 (`vitviz.registers.with_test_time_register`).
+        register_keep_prefix: the learned prefix tokens (cls, ...) keep their own activations at
+            those neurons instead of 0 (the authors' analysis hook; their released DINOv2 wrapper
+            zeroes them, the default).
     """
 
     attention: ClassVar[str] = "global"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): one N x N matrix a layer
@@ -196,6 +204,8 @@ class ViTConfig:
     pos_embed_interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     pos_embed_square: bool = False
     pos_embed_align_corners: bool = False
+    register_neurons: tuple[tuple[int, int], ...] = ()
+    register_keep_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -239,14 +249,26 @@ class ViTConfig:
             raise ValueError("a block is parallel or res-post-norm, not both")
         if self.pos_embed_interpolation not in ("bicubic", "bilinear"):
             raise ValueError(f'pos_embed_interpolation must be "bicubic" or "bilinear", got {self.pos_embed_interpolation!r}')
+        self._check_register_neurons()
         if self.rel_pos_bias and self.num_prefix_tokens > 1:
             raise ValueError("a relative position bias (BEiT's) takes one prefix token at most, the cls token")
         if self.pos_embed_prefix is None:
-            object.__setattr__(self, "pos_embed_prefix", self.num_prefix_tokens if self.abs_pos_embed else 0)
+            object.__setattr__(self, "pos_embed_prefix", self.trained_prefix_tokens if self.abs_pos_embed else 0)
         if not self.abs_pos_embed and self.pos_embed_prefix:
             raise ValueError("pos_embed_prefix must be 0 without a learned position embedding (abs_pos_embed=False)")
         if not 0 <= self.pos_embed_prefix <= self.num_prefix_tokens:
             raise ValueError(f"pos_embed_prefix {self.pos_embed_prefix} is not within 0..{self.num_prefix_tokens}")
+
+    def _check_register_neurons(self) -> None:
+        """The test-time register's neurons as sorted, distinct (layer, neuron) pairs of ints (JSON gives lists), each in range."""
+        pairs = sorted({(int(layer), int(neuron)) for layer, neuron in self.register_neurons})
+        object.__setattr__(self, "register_neurons", tuple(pairs))
+        for layer, neuron in pairs:
+            if not (0 <= layer < self.depth and 0 <= neuron < self.mlp_dim):
+                raise ValueError(f"register neuron ({layer}, {neuron}) is outside this model's {self.depth} layers x {self.mlp_dim} "
+                                 "MLP neurons")
+        if self.register_keep_prefix and not pairs:
+            raise ValueError("register_keep_prefix is an option of a test-time register (register_neurons)")
 
     def _check_stem(self) -> None:
         """The stem's fields (lists, as JSON gives them, become tuples), checked against its kind."""
@@ -315,16 +337,21 @@ class ViTConfig:
         return total
 
     @property
-    def num_prefix_tokens(self) -> int:
-        """p: the tokens before the patches."""
+    def trained_prefix_tokens(self) -> int:
+        """The prefix tokens the model learned: cls, distillation token, registers."""
         return int(self.class_token) + int(self.distill_token) + self.register_tokens
 
     @property
+    def num_prefix_tokens(self) -> int:
+        """p: the tokens before the patches (the learned ones, then the test-time register if any)."""
+        return self.trained_prefix_tokens + int(bool(self.register_neurons))
+
+    @property
     def prefix_names(self) -> tuple[str, ...]:
-        """The prefix tokens in order: "cls", "dist", "reg1", "reg2", ..."""
+        """The prefix tokens in order: "cls", "dist", "reg1", "reg2", ..., then "ttr" (a test-time register)."""
         return (("cls",) if self.class_token else ()) + (("dist",) if self.distill_token else ()) + tuple(
             f"reg{i + 1}" for i in range(self.register_tokens)
-        )
+        ) + (("ttr",) if self.register_neurons else ())
 
     @property
     def pooled_query(self) -> bool:
@@ -357,7 +384,7 @@ class ViTConfig:
         norm = per * d
         patch = (self.stem_params + self.stem_channels * self.embed_patch_size**2 * d + (d if self.patch_bias else 0)
                  + (norm if self.patch_norm else 0))
-        tokens = d * self.num_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
+        tokens = d * self.trained_prefix_tokens + (d * (self.pos_embed_prefix + self.grid[0] * self.grid[1]) if self.abs_pos_embed else 0)
         block = (
             (1 if self.parallel else 2) * norm
             + 3 * d * d + (3 * d if self.qkv_bias else 0)
@@ -382,7 +409,7 @@ class ViTConfig:
 
     def replace(self, **changes: Any) -> "ViTConfig":
         """A copy with some fields changed (pos_embed_prefix recomputed unless given)."""
-        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == (self.num_prefix_tokens if self.abs_pos_embed else 0):
+        if "pos_embed_prefix" not in changes and self.pos_embed_prefix == (self.trained_prefix_tokens if self.abs_pos_embed else 0):
             changes["pos_embed_prefix"] = None
         return replace(self, **changes)
 

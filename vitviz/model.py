@@ -10,6 +10,7 @@ image [B, 3, H, W]
   -> add position embeddings (resampled when the grid is not the trained one; none when the
      positions are rotary)
   -> prepend the prefix tokens: cls, distillation, registers   [B, N, D],  N = p + gh*gw
+     (and a test-time register, zeros: `ViTConfig.register_neurons`)
   -> (optional LayerNorm)
 (every norm a LayerNorm, or an RMSNorm when `ViTConfig.norm` says so: AIMv2's)
   -> L pre-norm encoder blocks: x + LS(MSA(LN(x))), then x + LS(MLP(LN(x)))
@@ -435,26 +436,56 @@ class GatedMLP(nn.Module):
     `mlp.0`, `mlp.2` in either kind).
     """
 
-    def __init__(self, width: int, hidden: int, act: str, bias: bool = True, norm: nn.Module | None = None) -> None:
+    def __init__(self, width: int, hidden: int, act: str, bias: bool = True, norm: nn.Module | None = None,
+                 shift: nn.Module | None = None) -> None:
         super().__init__()
         self.hidden = hidden
         self.add_module("0", nn.Linear(width, 2 * hidden, bias=bias))
         self.act = _activation(act)
+        self.shift = shift if shift is not None else nn.Identity()  # `RegisterShift` of a test-time register
         self.norm = norm if norm is not None else nn.Identity()  # `ViTConfig.mlp_norm`: after the gating
         self.add_module("2", nn.Linear(hidden, width, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, value = getattr(self, "0")(x).split(self.hidden, dim=-1)
-        return getattr(self, "2")(self.norm(self.act(gate) * value))
+        return getattr(self, "2")(self.norm(self.shift(self.act(gate) * value)))
 
 
-def mlp_of(c: ViTConfig) -> nn.Module:
-    """A block's MLP for `c`: plain (Linear "0", act "1", Linear "2"; with `mlp_norm` a LayerNorm
-    "norm" before "2") or gated (`GatedMLP`)."""
+class RegisterShift(nn.Module):
+    """A test-time register's work in one MLP (Jiang et al. 2025): the hidden activations [B, N, M]
+    of some neurons moved into the register token at `position`, which takes each neuron's maximum
+    over all tokens while every other token gets 0 (with `keep_prefix` the tokens before the register
+    keep theirs). Out of place, so gradients flow through it."""
+
+    def __init__(self, neurons: tuple[int, ...], position: int, keep_prefix: bool = False) -> None:
+        super().__init__()
+        self.neurons, self.position, self.keep_prefix = tuple(neurons), position, keep_prefix
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        index = torch.tensor(self.neurons, device=h.device)
+        a = h.index_select(-1, index)  # [B, N, k]
+        moved = torch.zeros_like(a)
+        moved[:, self.position] = a.amax(dim=1)
+        if self.keep_prefix:
+            moved[:, : self.position] = a[:, : self.position]
+        return h.index_copy(-1, index, moved)
+
+    def extra_repr(self) -> str:
+        return f"neurons={list(self.neurons)}, position={self.position}"
+
+
+def mlp_of(c: ViTConfig, layer: int = 0) -> nn.Module:
+    """Block `layer`'s MLP for `c`: plain (Linear "0", act "1", Linear "2"; with `mlp_norm` a LayerNorm
+    "norm" before "2") or gated (`GatedMLP`); with a test-time register's neurons in this block
+    (`ViTConfig.register_neurons`), a `RegisterShift` "shift" right after the activation."""
     norm = norm_layer(c.norm, c.mlp_dim, c.eps) if c.mlp_norm else None
+    neurons = tuple(j for l, j in c.register_neurons if l == layer)
+    shift = RegisterShift(neurons, c.num_prefix_tokens - 1, c.register_keep_prefix) if neurons else None
     if c.mlp == "gated":
-        return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias, norm=norm)
+        return GatedMLP(c.width, c.mlp_dim, c.act, bias=c.mlp_bias, norm=norm, shift=shift)
     layers = {"0": nn.Linear(c.width, c.mlp_dim, bias=c.mlp_bias), "1": _activation(c.act)}
+    if shift is not None:
+        layers["shift"] = shift
     if norm is not None:
         layers["norm"] = norm
     layers["2"] = nn.Linear(c.mlp_dim, c.width, bias=c.mlp_bias)
@@ -467,7 +498,7 @@ class EncoderBlock(nn.Module):
     x + LS(LN(MLP(x))); with `ViTConfig.parallel`, x + LS(MSA(LN(x))) + LS(MLP(LN(x))) (one norm,
     `norm2` the identity)."""
 
-    def __init__(self, config: ViTConfig) -> None:
+    def __init__(self, config: ViTConfig, layer: int = 0) -> None:
         super().__init__()
         c = config
         self.post = c.post_norm
@@ -478,7 +509,7 @@ class EncoderBlock(nn.Module):
         self.ls1 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
         self.parallel = c.parallel
         self.norm2 = nn.Identity() if c.parallel else norm_layer(c.norm, c.width, c.eps)
-        self.mlp = mlp_of(c)
+        self.mlp = mlp_of(c, layer)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -547,7 +578,7 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.empty(1, c.pos_embed_prefix + gh * gw, c.width).normal_(std=0.02)) if c.abs_pos_embed else None
         self.rotary = Rotary(c) if c.rope else None
         self.norm_pre = norm_layer(c.norm, c.width, c.eps) if c.norm_pre else nn.Identity()
-        self.blocks = nn.ModuleList(EncoderBlock(c) for _ in range(c.depth))
+        self.blocks = nn.ModuleList(EncoderBlock(c, i) for i in range(c.depth))
         self.norm = norm_layer(c.norm, c.width, c.eps) if c.final_norm and not c.fc_norm else nn.Identity()
         self.fc_norm = norm_layer(c.norm, c.width, c.eps) if c.fc_norm else nn.Identity()
         self.attn_pool = AttentionPool(c) if c.pool == "map" else None
@@ -622,12 +653,14 @@ class ViT(nn.Module):
         if pos is not None:
             x = x + pos
         c = self.config
-        prefix = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
-        if prefix:
-            prefix = torch.cat(prefix, dim=1)  # [1, p, D]: cls, dist, registers
-            k = c.pos_embed_prefix
-            if k:
-                prefix = torch.cat([prefix[:, :k] + self.pos_embed[:, :k], prefix[:, k:]], dim=1)
+        learned = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
+        prefix = torch.cat(learned, dim=1) if learned else x.new_zeros(1, 0, x.shape[-1])  # [1, p, D]: cls, dist, registers
+        k = c.pos_embed_prefix
+        if k:
+            prefix = torch.cat([prefix[:, :k] + self.pos_embed[:, :k], prefix[:, k:]], dim=1)
+        if c.register_neurons:  # a test-time register: zeros, no position, after the learned prefix
+            prefix = torch.cat([prefix, x.new_zeros(1, 1, x.shape[-1])], dim=1)
+        if prefix.shape[1]:
             x = torch.cat([prefix.expand(x.shape[0], -1, -1), x], dim=1)
         return self.norm_pre(x)
 

@@ -186,6 +186,15 @@ class Analysis:
             self.attentions, patch_size=self.patch_size, num_prefix_tokens=self.num_prefix_tokens, grid=self.grid, renormalize=renormalize
         )
 
+    def outliers(self, *, factor: float = 2.0):
+        """The high-norm patch tokens after each block (Darcet et al. 2024): those whose norm exceeds
+        `factor` x the layer's median patch norm, and the attention the classifier's query and the
+        other patches give them (`vitviz.registers.outliers`)."""
+        from vitviz.registers import outliers
+
+        return outliers(self.token_norms, self.attentions, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens, factor=factor,
+                        pooled_query=self.pooled_query)
+
     def logit_lens(self, *, logits: bool = False) -> torch.Tensor:
         """What the model would predict from its stream after each block [L+1, C] (row 0: the
         embedding, row L: `probabilities`): probabilities, or logits (`vitviz.inside.lens_of`)."""

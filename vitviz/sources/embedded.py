@@ -6,6 +6,10 @@ shipped with vitviz, offline. `python -m vitviz.dev.train_shapes` makes their we
 (`vitviz.shapes.generate_scenes`); it loads with its tokenizer (`vitviz.words.WordTokenizer`).
 `python -m vitviz.dev.train_shapes_clip` makes its weights.
 
+`shapes_p8_outliers` is `shapes_p8` given high-norm tokens on purpose (a few MLP neurons rewritten
+to write them into flat patches, and the later blocks' attention made to sink into them), for the
+test-time registers (`vitviz.registers`); `python -m vitviz.dev.plant_outliers` makes its weights.
+
 `shapes_swin` is a small Swin Transformer (`vitviz.swin.Swin`) trained on the same data;
 `python -m vitviz.dev.train_shapes_swin` makes its weights.
 """
@@ -88,6 +92,19 @@ class EmbeddedSource(WeightsSource):
             for patch in (8, 16)
         ] + [
             VariantSpec(
+                name="shapes_p8_outliers",
+                config=ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=8, num_classes=len(SHAPE_CLASSES), **SHAPES_ARCH),
+                preprocessing=_PREPROCESSING,
+                categories=SHAPE_CLASSES,
+                source=self.name,
+                weights="embedded assets/shapes_p8_outliers.pt (python -m vitviz.dev.plant_outliers)",
+                locator="shapes_p8_outliers.pt",
+                filename="shapes_p8_outliers.pt",
+                description=f"Shapes ViT /8 at {SHAPES_IMAGE_SIZE} px with high-norm tokens planted in flat patches "
+                            "(test-time registers; embedded, offline)",
+            ),
+        ] + [
+            VariantSpec(
                 name="shapes_clip",
                 config=shapes_clip_configs()[0],
                 preprocessing=_PREPROCESSING,
@@ -120,7 +137,8 @@ class EmbeddedSource(WeightsSource):
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
         image_text = split_size(spec.name)[0] == "shapes_clip"  # (at its own size or at another: "shapes_clip@192")
         swin = isinstance(spec.config, SwinConfig)
-        script = "train_shapes_clip" if image_text else "train_shapes_swin" if swin else "train_shapes"
+        script = ("train_shapes_clip" if image_text else "train_shapes_swin" if swin
+                  else "plant_outliers" if spec.name.startswith("shapes_p8_outliers") else "train_shapes")
         if not path.is_file():
             raise WeightsUnavailableError(
                 f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.{script}`."
