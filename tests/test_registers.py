@@ -286,3 +286,17 @@ def test_record_neurons_reads_the_hidden_activations():
             expected = mlp.act(gate) * value
         torch.testing.assert_close(acts[0], expected.detach())
         assert _hooks(model) == 0
+
+
+def test_an_image_text_models_tower_takes_a_register():
+    clip = vitviz.load_model("shapes_clip")
+    image = shapes.render(2, seed=3, index=1, image_size=96)[0]
+    from PIL import Image
+
+    before = vitviz.analyze(clip, Image.fromarray(image))
+    clip.image = with_test_time_register(clip.image, [(2, 5), (3, 9)])
+    after = vitviz.analyze(clip, Image.fromarray(image))
+    assert after.prefix_names == ("cls", "ttr") and after.attentions.shape[-1] == before.attentions.shape[-1] + 1
+    assert after.probabilities.shape == before.probabilities.shape
+    (e,) = vitviz.explain(clip, Image.fromarray(image), method="legrad", text=["a star"])
+    assert torch.isfinite(e.map).all()

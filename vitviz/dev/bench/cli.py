@@ -16,6 +16,7 @@ from vitviz.dev.bench.common import _machine, _print_table
 from vitviz.dev.bench.evaluator import attention_part_table, evaluate_table, evaluator_pass_table
 from vitviz.dev.bench.families import SIDE, families_table
 from vitviz.dev.bench.inputs import inputs_table
+from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
 from vitviz.dev.bench.serving import FLOODS, flood_table, serving_table
 from vitviz.dev.bench.training import training_table
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
                                                             "against their library's forward")
+    ap.add_argument("--patching", action="store_true", help="vitviz.patch over every resid_pre site of --arch against one forward")
     ap.add_argument("--batch", type=int, default=None,
                     help="the batch of --relevance and of --evaluate's passes in memory (default 8), of --training (default 64)")
     args = ap.parse_args(argv)
@@ -68,6 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vitviz.dev.bench --families, {SIDE} px, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
         for d in both:
             _print_table(title(d), families_table(d, rounds=args.rounds * (5 if d.type == "cuda" else 1)))
+        return
+    if args.patching:
+        print(f"vitviz.dev.bench --patching {args.arch}, {args.rounds} rounds of the forward, 1 of the patching; "
+              f"{time.strftime('%Y-%m-%d')}; {_machine()}")
+        for d in both:
+            _print_table(title(d), patching_table(args.arch, d, rounds=args.rounds))
         return
     if args.relevance:
         print(f"vitviz.dev.bench --relevance {args.arch}, batch {batch}, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
