@@ -832,3 +832,37 @@ def test_clicking_an_example_analyses_it(url, page):
     _analysed(page, "shapes_p16")
     assert page.locator("#vv-predictions").inner_text().strip()
     assert page.locator("#vv-rollout img").count() == 1
+
+
+def test_a_person_patches_a_covered_patch(url, page):
+    """The Patch tab: a patch of the analysed image clicked and covered, Patch run; the layer x token
+    and layer x head maps drawn, and a click on the first shows the patched run's top-5."""
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.get_by_role("tab", name="Patch", exact=True).click()
+    page.wait_for_selector("#vv-patch-clean img")
+    page.locator("#vv-patch-mode").get_by_label("Cover a patch").check()
+    clean = page.locator("#vv-patch-clean img")
+    box = clean.bounding_box()
+    clean.click(position={"x": box["width"] * 2.5 / 6, "y": box["height"] * 3.5 / 6})  # the 6x6 grid's row 4, column 3
+    page.wait_for_function("document.querySelector('#vv-patch-row input').value === '4' && "
+                           "document.querySelector('#vv-patch-col input').value === '3'")
+    _settled(page)
+    page.locator("#vv-patch-run").click()
+    _says(page, "#vv-patch-note", "LD clean")
+    for figure in ("#vv-patch-tokens", "#vv-patch-heads"):
+        page.wait_for_function(f"(() => {{ const i = document.querySelector('{figure} img'); return i && i.complete && i.naturalWidth > 0; }})()")
+        size = page.locator(f"{figure} img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
+        assert size[0] > 0 and size[1] > 0, (figure, size)
+    assert "row 4, column 3 covered" in page.locator("#vv-patch-note").inner_text()
+    tokens = page.locator("#vv-patch-tokens img")
+    tokens.scroll_into_view_if_needed()
+    tbox = tokens.bounding_box()
+    tokens.click(position={"x": tbox["width"] * 0.45, "y": tbox["height"] * 0.5})  # a patch's column, a middle layer
+    _says(page, "#vv-patch-site", "Patched")
+    top5 = page.locator("#vv-patch-top5")
+    assert top5.is_visible() and top5.inner_text().strip()
+    _no_label_covers_a_picture(page)
