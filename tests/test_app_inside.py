@@ -119,3 +119,19 @@ def _values(**mine):
         else:
             values += [getattr(c, "value", None) for c in tab.draw_inputs]
     return values
+
+
+@pytest.mark.parametrize("index", [(float("nan"), 3.0), (float("inf"), 1.0), ("x", 2), (1,), None, {"a": 1}, (1, 2, 3)])
+def test_a_malformed_click_is_refused_in_one_sentence(analysed, index):
+    """The event's pixel comes from the client: anything but two finite numbers is refused, not drawn or crashed on."""
+    ref, exp, model = analysed
+    tab = tabs.inside.TAB
+    target = exp.analysis.categories[0]
+
+    class Evt:
+        pass
+
+    evt = Evt()
+    evt.index = index
+    with pytest.raises(gr.Error, match="pixel"):
+        tab.on_click(ref, target, [], "zero", evt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import math
 import secrets
 import threading
 import time
@@ -470,10 +471,17 @@ def scale_of(value: str, choices: tuple[str, ...]) -> str:
 
 
 def click_xy(evt: gr.SelectData) -> tuple[float, float]:
+    """A click's pixel (x, y): two finite numbers, else a clear error (the event's data comes from the client)."""
+    index = getattr(evt, "index", None)
     try:
-        return float(evt.index[0]), float(evt.index[1])
-    except (TypeError, ValueError, IndexError, AttributeError):
+        if not isinstance(index, (list, tuple)) or len(index) != 2:
+            raise ValueError
+        x, y = float(index[0]), float(index[1])
+    except (TypeError, ValueError, OverflowError):
         raise error("A click must give the pixel (x, y) on the image.") from None
+    if not (math.isfinite(x) and math.isfinite(y)):
+        raise error("A click must give the pixel (x, y) on the image.")
+    return x, y
 
 
 class Recent:

@@ -12,7 +12,6 @@ server's store for the session (its memory counted there), so a click does not c
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 
@@ -113,15 +112,6 @@ class Corruption:
             (r1, c1), (r2, c2) = self.cells
             return f"patches (row {r1 + 1}, column {c1 + 1}) and (row {r2 + 1}, column {c2 + 1}) swapped"
         return f"the upload {runtime.file_name(self.upload)}"
-
-
-def _click(evt: object) -> tuple[float, float]:
-    """A click's pixel (x, y): a pair of finite numbers (`runtime.click_xy`), or a clear error."""
-    index = getattr(evt, "index", None)
-    xy = runtime.click_xy(evt) if isinstance(index, (list, tuple)) and len(index) == 2 else None
-    if xy is None or not all(math.isfinite(v) for v in xy):
-        raise runtime.error("A click must give the pixel (x, y) on the image.")
-    return xy
 
 
 def _mean_colour(a) -> tuple[int, int, int]:
@@ -270,7 +260,7 @@ class PatchTab(Tab):
         a = exp.analysis
         if mode not in MODE_VALUES:
             raise runtime.error("The corrupted image covers a patch (cover), swaps two (swap) or is a second upload (upload).")
-        cell = patch_maps.patch_at(*_click(evt), patch_size=a.patch_size, scale=exp.scale, grid=a.grid)
+        cell = patch_maps.patch_at(*runtime.click_xy(evt), patch_size=a.patch_size, scale=exp.scale, grid=a.grid)
         if cell is None or mode == "upload":
             return gr.skip()
         before = self._cell(a, row, col)
@@ -334,7 +324,7 @@ class PatchTab(Tab):
         exp, kept = self._kept(ref, held)
         r = kept.result
         layers, tokens = r.maps["resid_pre"].shape
-        cell = patch_maps.TokenGrid(layers, tokens, r.prefix_names, r.grid).cell_at(*_click(evt))
+        cell = patch_maps.TokenGrid(layers, tokens, r.prefix_names, r.grid).cell_at(*runtime.click_xy(evt))
         if cell is None:
             return gr.skip()
         layer, n = cell
@@ -346,7 +336,7 @@ class PatchTab(Tab):
         """A click on the layer x head map: the corrupted run with that head's output patched."""
         exp, kept = self._kept(ref, held)
         layers, heads = kept.result.maps["head"].shape
-        cell = plots.HeadGrid(layers, heads).cell_at(*_click(evt))
+        cell = plots.HeadGrid(layers, heads).cell_at(*runtime.click_xy(evt))
         if cell is None:
             return gr.skip()
         layer, h = cell
