@@ -200,3 +200,30 @@ def test_patching_is_priced_within_its_counted_work():
     assert run.batch_size == budgeted.batch and run.forwards == patch_forwards(spec, "head_token", batch_size=budgeted.batch)
     with pytest.raises(ValueError, match="ViT towers"):
         price(get_spec("shapes_swin"), "patch")
+
+
+def test_a_test_time_register_is_priced_within_its_counted_work():
+    """"registers": the forward that finds the neurons (every block's MLP activations and outputs
+    recorded), the analysis of the model with its register (one more token) and its rollout, and the
+    rollout before drawn again, priced within 1.5x of the flops they run; none for a model without room."""
+    from PIL import Image
+
+    from vitviz.registers import register_neurons, with_test_time_register
+
+    model = vitviz.load_model("shapes_p8_outliers")
+    spec = model.spec
+    picture = Image.fromarray(vitviz.shapes.generate(1, seed=2025)[0][0])  # an image with high-norm tokens
+    x = vitviz.preprocess(picture, spec.preprocessing)[0][None]
+    before = vitviz.analyze(model, picture)
+
+    def run():
+        found = register_neurons(model, x, top_k=8)
+        vitviz.analyze(with_test_time_register(model, found), picture).rollout()
+        before.rollout()
+
+    work = _counted(run)
+    priced = price(spec, "registers")
+    assert work > 0 and work <= priced.flops <= 1.5 * work, (work, priced.flops, priced.flops / work)
+    assert priced.tokens == spec.num_tokens + 1 and priced.kept_bytes > price(spec, "analyse").kept_bytes
+    with pytest.raises(ValueError, match="no place for one"):
+        price(get_spec("shapes_swin"), "registers")

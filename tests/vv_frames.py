@@ -324,6 +324,16 @@ def render_token_norms(exp):
     return chart, _over_frames(exp, a.token_norms[-1], label="norm")
 
 
+def render_outliers(exp, *, layer):
+    from vitviz.registers import outliers
+
+    a = exp.analysis
+    o = outliers(a.token_norms, a.attentions, grid=(FRAMES * a.grid[0], a.grid[1]), num_prefix_tokens=1)  # the frames one above the other
+    count = o.counts[layer - 1]
+    shown = torch.cat([torch.zeros(1), o.norms[layer - 1].flatten()])
+    return _over_frames(exp, shown, label="norm"), f"{count} high-norm tokens after block {layer}, both frames together."
+
+
 def render_dino_heads(exp, *, share=0.6):
     a = exp.analysis
     rows = a.attentions[-1, :, 0]  # [H, N]: the cls token's row per head

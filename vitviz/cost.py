@@ -33,11 +33,21 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   as many as `patch` fits in its memory, or in `budget`) and the cached runs' activations.
 - "patch_one": one patched forward (`vitviz.patched_logits`): "ablate"'s two forwards, and the clean
   run's activations of the kinds `patch_kinds` names, kept at every layer.
+- "registers": a test-time register (`vitviz.registers`) on one image: a forward that records every
+  block's MLP hidden activations [L, N, M] and block outputs [L, N, D] (`register_neurons`), then an
+  "analyse" of the model with one more token (the register; its rollout drawn), and the rollout of
+  the analysis before it drawn again ("view") beside it.
 - "explorer": the browser's file of the whole stack (8 bits a weight) when it fits `BROWSER_BYTES`
   (in memory, then copied as it is written), else of one layer ("explorer_layer", written when the
   browser asks for it), else nothing (the server draws the views): the layout of `explorer_layout`,
   by which the analysis writes it.
 - "compare": `analyse` for each variant, all held at once.
+- "concepts": a sparse autoencoder's features on one image (`vitviz.concepts.concept_map`): a forward
+  through the blocks up to the SAE's layer (`sae` = (layer, features F, k)), then its encoding and
+  decoding (2 N D F each); in memory one forward's transients and three [N, F] of codes; kept, each
+  token's top-k.
+- "concept_ablate": `vitviz.ablate` with features of an SAE edited: "ablate"'s two forwards, and at
+  the SAE's layer in the second its encoding (2 N D F) and the edit W_dec (z' − z) (at most as much).
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -86,7 +96,7 @@ __all__ = [
 ]
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
-               "patch_one"]
+               "patch_one", "registers", "concepts", "concept_ablate"]
 
 BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
 COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
@@ -329,7 +339,7 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
           layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0,
-          patch_kinds: Sequence[str] = ("resid_pre",)) -> Cost:
+          patch_kinds: Sequence[str] = ("resid_pre",), sae: tuple[int, int, int] | None = None) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -345,11 +355,17 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
             backward for each: their gradients are held together); 0: a class of a classifier, or
             for a model without one the maps that need no gradient.
         patch_kinds: "patch" and "patch_one": the kinds of site patched (`vitviz.patching.KINDS`).
+        sae: "concepts" and "concept_ablate": the sparse autoencoder's (layer, features, k).
     """
     if orders < 1 or phrases < 0:
         raise ValueError(f"orders are 1 or more and phrases 0 or more, got {orders} and {phrases}")
+    if kind in ("concepts", "concept_ablate"):
+        return _concepts_price(spec, kind, sae)
     if kind in ("patch", "patch_one") and _windowed(spec):
         raise ValueError(f"activation patching runs on ViT towers; {spec.name} is a windowed model")
+    if kind == "registers" and (_windowed(spec) or spec.config.rel_pos_bias):
+        raise ValueError(f"a test-time register is one more token of a ViT with global attention and no relative position bias; "
+                         f"{spec.name} has no place for one")
     if _windowed(spec):
         return _windowed_price(spec, kind, steps=steps, budget=budget, attentions=attentions, orders=orders, phrases=max(phrases, 1))
     depth, heads, n, width, mlp = _shape(spec)
@@ -411,6 +427,11 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         # a site of layer l runs the L − l blocks from l on: S sites a layer, S (L + 1) / 2 forwards' blocks in all
         return Cost(kind, spec.name, n, plan.batch * plan.per_copy + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0,
                     (runs + plan.sites * (depth + 1) / 2) * flops, plan.batch)
+    if kind == "registers":  # the neurons found, then the model with its register analysed; the rollout before drawn again
+        find = depth * n * (mlp + width) * 4 + 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES + COMPUTE_BYTES
+        after = price(replace(spec, config=spec.config.replace(register_neurons=((0, 0),))), "analyse", budget=budget)
+        before = 3 * depth * n * n * 4
+        return Cost(kind, spec.name, after.tokens, max(find, after.bytes + before), after.kept_bytes, flops + after.flops + rollout)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and the products)
         return Cost(kind, spec.name, n, 3 * depth * n * n * 4 + BASE_BYTES + COMPUTE_BYTES, 0, rollout)
     if kind in ("explorer", "explorer_layer"):
@@ -502,3 +523,27 @@ def _network_flops(layers: list[_Layer]) -> float:
     the element's passes through memory (`WINDOW_PASS_FLOPS`)."""
     rows = layers[-1].tokens
     return float(sum(rows * l.places * (2 * l.area + WINDOW_PASS_FLOPS) for l in layers))
+
+
+def _concepts_price(spec, kind: str, sae: tuple[int, int, int] | None) -> Cost:
+    """"concepts" and "concept_ablate" (see the module's doc) of a sparse autoencoder `sae` = (layer,
+    features F, k) reading the stream of `spec`'s ViT after block `layer`."""
+    if _windowed(spec):
+        raise ValueError(f"a sparse autoencoder reads a ViT's residual stream after a block; {spec.name} is a windowed model")
+    if sae is None or len(sae) != 3:
+        raise ValueError(f'"{kind}" is priced with sae=(layer, features, k) of its sparse autoencoder')
+    layer, features, k = (int(v) for v in sae)
+    depth, heads, n, width, mlp = _shape(spec)
+    if not (0 <= layer < depth and 1 <= k <= features):
+        raise ValueError(f"an SAE after block {layer} of {depth}, k {k} of {features} features: outside {spec.name}")
+    flops = forward_flops(spec)
+    block = 2.0 * (4 * width * width + 2 * width * mlp) * n + 4.0 * n * n * width  # one block's multiply-adds x 2
+    encode = 2.0 * n * width * features  # W_enc (x − b_dec), [N, D] x [D, F]; decoding z W_decᵀ as much
+    transients = 4 * heads * n * n * 4 + 4 * n * width * 4 + 2 * n * mlp * 4  # one forward's, nothing recorded (as "ablate")
+    codes = 3 * n * features * 4  # the pre-activations, their top-k and z, [N, F] float32
+    if kind == "concepts":  # the blocks after the layer and the head do not run
+        to_layer = flops - (depth - 1 - layer) * block - 2.0 * width * spec.num_classes
+        kept = n * (12 * k + 8)  # each token's top-k (int64 indices, float32 values), its error and norm
+        return Cost(kind, spec.name, n, transients + codes + n * width * 4 + BASE_BYTES + COMPUTE_BYTES, kept, to_layer + 2 * encode)
+    # the change W_dec (z' − z) of the edited features: at most all F columns, as much as a decoding
+    return Cost(kind, spec.name, n, transients + codes + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops + 2 * encode)

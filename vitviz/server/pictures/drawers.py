@@ -45,6 +45,7 @@ PROTOCOL: tuple[str, ...] = (
     "render_stages",       # (exp) -> None, or the stages over the image (grids, windows, merges)
     "render_received",     # (exp) -> the share of each layer's attention each token receives
     "render_token_norms",  # (exp) -> (the token norms per layer, the last block's over the image)
+    "render_outliers",     # (exp, *, layer) -> (the high-norm tokens after block `layer` (1-based) outlined over the image, the page's words)
     "render_dino_heads",   # (exp, *, share) -> the classifier's query per head at the last block, `share` of each kept
     "render_features",     # (exp) -> (the final tokens' first three principal components as RGB, what they explain)
     "render_feature_similarity",  # (exp, *, query) -> how like the final token at `query` (`patch_at`'s) each one is

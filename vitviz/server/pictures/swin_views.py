@@ -14,7 +14,8 @@ What applies, drawn here from the stored analysis (no model runs):
 - the tokens: the share of attention each receives and its norm, layer by layer over its stage's
   tokens; the pooled query's heads at the last block and the final tokens' principal components, on
   the last stage's grid (`render_received`, `render_token_norms`, `render_dino_heads`,
-  `render_features`, `render_feature_similarity`).
+  `render_features`, `render_feature_similarity`); the high-norm tokens of any layer among its
+  stage's tokens (`render_outliers`).
 
 The maps for a class are `vitviz.server.explaining`'s (one forward and one backward) drawn by
 `views.render_method_maps`, as for a ViT.
@@ -31,16 +32,18 @@ from PIL import Image
 
 from vitviz import plots
 from vitviz.cost import export_plan
+from vitviz.registers import outliers
 from vitviz.relevance import feature_components, feature_similarity, keep_mass
 from vitviz.server.pictures import swin_explorer
-from vitviz.server.pictures.views import Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, render_filters, tick
+from vitviz.server.pictures.views import (Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, outlined_heat, outliers_caption,
+                                          render_filters, tick)
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
 
 __all__ = ["finest", "DISCARD_RATIO", "EXPLORER_WIDGET", "rollout_note", "maps_note",
            "explorer_mode", "write_explorer", "render_positions", "render_rollout", "render_query", "render_head_mosaic", "explorer_bounds", "scale_refusal", "query_range", "distance_table",
            "render_distance", "bias_tables", "render_bias", "render_offsets", "render_stages", "describe_query", "head_view", "patch_at",
-           "write_npz", "render_received", "render_token_norms", "render_dino_heads", "render_features", "render_feature_similarity"]
+           "write_npz", "render_received", "render_token_norms", "render_outliers", "render_dino_heads", "render_features", "render_feature_similarity"]
 
 WINDOW_COLOR = (0, 229, 255)  # the query's window (its visible tokens)
 QUERY_COLOR = (255, 255, 255)  # the query token
@@ -317,6 +320,31 @@ def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
     chart = plots.figure_to_image(plots.norms_figure(a.token_norms, prefix_names=(), title=f"{a.variant}: token norms per layer"))
     last = a.token_norms[-1].reshape(a.stage_grids[-1])
     return plots.named(chart, _name(exp, "token-norms")), _last_stage_view(exp, last, name=_name(exp, "token-norms-last-layer"), label="norm")
+
+
+def render_outliers(exp: Exploration, *, layer: int) -> tuple[Image.Image, str]:
+    """The high-norm tokens after block `layer` (1-based) among its stage's tokens
+    (`vitviz.registers.outliers` of that block's norms), over the image with the outliers outlined, and
+    what the page says of them. The pooled query's share of attention is read in the next block when
+    it is of the same stage; the last block of a stage is followed by a merge (its tokens are read
+    four at a time), so its own attention is read there."""
+    a = exp.analysis
+    if not 1 <= layer <= a.num_layers:
+        raise ValueError(f"layer must be within 1..{a.num_layers}, got {layer}")
+    index, stage = layer - 1, a.stages[layer - 1]
+    same_stage = layer < a.num_layers and a.stages[layer] == stage
+    reading = index + 1 if same_stage else index
+    o = outliers(a.token_norms[index][None], a.global_attention(reading)[None], grid=a.geometries[index].grid, num_prefix_tokens=0,
+                 pooled_query=True)
+    img = outlined_heat(exp, torch.from_numpy(finest(o.norms[0], a.grid, stage)), o.mask[0], cell_px=a.stage_patch_size(index) * exp.scale,
+                        name=_name(exp, "high-norm-tokens", f"layer{layer}"), label="token norm")
+    if same_stage:
+        reader = f"In block {layer + 1}, which reads them,"
+    elif layer < a.num_layers:
+        reader = f"In block {layer} itself (a patch merge follows it),"
+    else:
+        reader = "In the last block (no block reads them after it),"
+    return img, outliers_caption(o, 0, layer=layer, query="the pooled query (the mean of the tokens' rows)", reader=reader)
 
 
 def render_dino_heads(exp: Exploration, *, share: float = 0.6) -> Image.Image:

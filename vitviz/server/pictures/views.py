@@ -71,6 +71,9 @@ __all__ = [
     "render_method_maps",
     "render_dino_heads",
     "render_token_norms",
+    "render_outliers",
+    "outlined_heat",
+    "outliers_caption",
     "render_features",
     "render_feature_similarity",
     "query_range",
@@ -534,6 +537,64 @@ def render_token_norms(exp: Exploration) -> tuple[Image.Image, Image.Image]:
     last = a.token_norms[-1, a.num_prefix_tokens :].reshape(a.grid)
     img = _heat_view(exp, last, name=_name(exp, "token-norms-last-layer"), label="norm")
     return plots.named(chart, _name(exp, "token-norms")), img
+
+
+OUTLIER_COLOR = (0, 229, 255)  # the outline of a high-norm token
+
+
+def outlined_heat(exp: Exploration, heat: torch.Tensor, mask: torch.Tensor, *, cell_px: int, name: str, label: str) -> Image.Image:
+    """A map [gh, gw] over the displayed image with the cells of `mask` [gh', gw'] outlined (each
+    `cell_px` display pixels a side from the top left: a coarser grid's cells may run past the image,
+    and are cut there), with its colour bar and its download name."""
+    img = plots.overlay(exp.display_image, heat)
+    lo, hi = img.info["vitviz_range"]
+    pixels = np.asarray(img)
+    gh, gw = mask.shape
+    h, w = min(pixels.shape[0], gh * cell_px), min(pixels.shape[1], gw * cell_px)
+    canvas = np.zeros((gh * cell_px, gw * cell_px, 3), dtype=np.uint8)  # whole cells, as `outline_cells` draws them
+    canvas[:h, :w] = pixels[:h, :w]
+    ids = np.arange(gh * gw).reshape(gh, gw)  # every cell its own region: each outlier outlined on its own
+    canvas = plots.outline_cells(canvas, ids, cell_px=cell_px, width=max(2, cell_px // 10), color=OUTLIER_COLOR,
+                                 where=mask.numpy().astype(bool))
+    pixels = pixels.copy()
+    pixels[:h, :w] = canvas[:h, :w]
+    return plots.with_colorbar(plots.named(Image.fromarray(pixels), name), vmin=lo, vmax=hi, label=label)
+
+
+def outliers_caption(o, index: int, *, layer: int, query: str, reader: str) -> str:
+    """What the page says of the high-norm tokens of `o` (`vitviz.registers.Outliers`) at its layer
+    `index`, shown as block `layer` (1-based): how many, the largest norm over the median, the rule,
+    and the share of attention `query` (the classifier's query, in words) and the other patches give
+    them in the block `reader` names ("In block 4, which reads them,")."""
+    factor = "twice" if o.factor == 2 else f"{o.factor:g} times"
+    rule = (f"A high-norm token: a patch token whose norm is above {factor} the layer's median patch norm "
+            "(`vitviz.registers.OUTLIER_FACTOR`; Darcet et al. 2024).")
+    ratio, count = float(o.ratio[index]), o.counts[index]
+    if not count:
+        return f"No high-norm token after block {layer} (largest norm {ratio:.1f} times the median). {rule}"
+    patches = int(o.mask[index].numel())
+    return (f"**{count} high-norm token{'' if count == 1 else 's'} after block {layer}** of {patches} patches; the largest norm "
+            f"is {ratio:.1f} times the median. {reader} {query} gives them {100 * float(o.query_share[index]):.1f} % of its "
+            f"attention, against {100 * float(o.fraction[index]):.1f} % spread evenly (their share of the patches); the other "
+            f"patches give them {100 * float(o.patch_share[index]):.1f} % of theirs on average. {rule}")
+
+
+def render_outliers(exp: Exploration, *, layer: int) -> tuple[Image.Image, str]:
+    """The high-norm patch tokens after block `layer` (1-based; `Analysis.outliers`): every patch
+    token's norm over the image, the outliers outlined, and what the page says of them (how many, the
+    largest norm over the median, the attention the classifier's query and the other patches give
+    them in the block that reads them)."""
+    a = exp.analysis
+    o = a.outliers()
+    depth = o.norms.shape[0]
+    if not 1 <= layer <= depth:
+        raise ValueError(f"layer must be within 1..{depth}, got {layer}")
+    index = layer - 1
+    img = outlined_heat(exp, o.norms[index], o.mask[index], cell_px=a.patch_size * exp.scale,
+                        name=_name(exp, "high-norm-tokens", f"layer{layer}"), label="token norm")
+    query = "the pooled query (the mean of the patches' rows)" if a.default_query == POOL else f"the {a.prefix_names[0]} token"
+    reader = f"In block {layer + 1}, which reads them," if layer < depth else "In the last block (no block reads them after it),"
+    return img, outliers_caption(o, index, layer=layer, query=query, reader=reader)
 
 
 def render_features(exp: Exploration) -> tuple[Image.Image, str]:
