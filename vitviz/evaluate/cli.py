@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 import warnings
 from pathlib import Path
-from typing import NoReturn
 
-import torch.distributed as dist
 from vitviz.evaluate.data import EXTRA_METRICS, EvaluateError, EvaluateWarning, METRICS, PROTOCOLS, _plural
+from vitviz import ranked
 from vitviz.evaluate.run import evaluate
 
 
@@ -39,33 +36,12 @@ def _report(out: Path, run: dict) -> str:
             f"{everything}; results in {out}{todo}")
 
 
-RANK_ZERO_WAIT = 30.0  # seconds a process other than the first waits, after a mistake, for the first to say it
-
-
-def _fail(status: int, message: str, *, every_rank: bool) -> NoReturn:
-    """One line on stderr, from the first process only unless `every_rank`; then exit with `status`."""
-    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
-    if every_rank or rank == "0":
-        where = f"rank {rank}: " if world > 1 and every_rank else ""
-        print(f"vitviz.evaluate: {where}" + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)
-    elif world > 1:
-        # the first process says it: torchrun stops every process as soon as one exits, so another
-        # that found the same mistake first waits for it (torchrun ends this one when it exits)
-        time.sleep(RANK_ZERO_WAIT)
-    raise SystemExit(status)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, its mistakes one line (exit status 2) instead of the usage and the error."""
-
-    def error(self, message: str) -> NoReturn:
-        _fail(2, f"{message} (python -m vitviz.evaluate --help lists the options)", every_rank=False)
+PROG = "vitviz.evaluate"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vitviz.sources import WeightsUnavailableError
-
-    ap = _Parser(prog="python -m vitviz.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ranked.parser(PROG, "python -m vitviz.evaluate --help lists the options", prog="python -m vitviz.evaluate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks)")
     ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
     ap.add_argument("--methods", default="rollout,gradient",
@@ -89,37 +65,24 @@ def main(argv: list[str] | None = None) -> None:
     methods = tuple(m for m in args.methods.split(",") if m)
     metrics = None if args.metrics is None else tuple(m for m in args.metrics.split(",") if m)
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, EvaluateWarning):
-            print(f"vitviz.evaluate: warning: {message}", file=sys.stderr)
-        else:
-            default(message, category, filename, lineno, file, line)
+    def work():
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, EvaluateWarning):
+                print(f"vitviz.evaluate: warning: {message}", file=sys.stderr)
+            else:
+                default(message, category, filename, lineno, file, line)
 
-    try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", EvaluateWarning)
             default, warnings.showwarning = warnings.showwarning, show
-            summary = evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
-                               batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
-                               compare=not args.no_compare, rescan=args.rescan, protocol=args.protocol, text=args.text,
-                               captions=args.captions)
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        _fail(130, f"stopped; the images scored so far are kept in {args.out / 'shards'}: run the same command again to go on",
-              every_rank=False)
-    except EvaluateError as exc:  # alike on every rank
-        if args.debug:
-            raise
-        _fail(exc.status, str(exc), every_rank=False)
-    except Exception as exc:
-        if args.debug:
-            raise
-        what = str(exc) if isinstance(exc, (WeightsUnavailableError, OSError)) and str(exc) else f"{type(exc).__name__}: {exc}"
-        _fail(1, f"{what} (--debug shows the traceback)", every_rank=True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            return evaluate(args.data, model=args.model, out=args.out, methods=methods, metrics=metrics, steps=args.steps,
+                            batch_size=args.batch_size, workers=args.workers, max_images=args.max_images,
+                            compare=not args.no_compare, rescan=args.rescan, protocol=args.protocol, text=args.text,
+                            captions=args.captions)
+
+    summary = ranked.run(PROG, work, debug=args.debug, known=EvaluateError,
+                         stopped=lambda: f"stopped; the images scored so far are kept in {args.out / 'shards'}: run the same command "
+                                         "again to go on")
     if summary is not None:
         print((args.out / "summary.md").read_text())
         print(_report(args.out, json.loads((args.out / "run.json").read_text())))
