@@ -68,6 +68,7 @@ __all__ = [
     "Ablation", "Attribution", "ablate", "head_importance",
     "Patching", "patch", "patched_logits",
     "RegisterNeurons", "register_neurons", "with_test_time_register",
+    "Concepts", "ConceptMap", "load_concepts", "concept_map",
     "attention_received",
     "attention_rollout",
     "cls_map",
@@ -106,7 +107,7 @@ def __getattr__(name: str):
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
                 "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words",
-                "inside", "registers", "patching"}:
+                "inside", "registers", "patching", "concepts"}:
         return importlib.import_module(f"vitviz.{name}")
     if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
         return getattr(importlib.import_module("vitviz.inside"), name)
@@ -114,6 +115,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("vitviz.patching"), name)
     if name in {"RegisterNeurons", "register_neurons", "with_test_time_register"}:  # vitviz.registers'
         return getattr(importlib.import_module("vitviz.registers"), name)
+    if name in {"Concepts", "ConceptMap", "load_concepts", "concept_map"}:  # vitviz.concepts' (training is not imported)
+        return getattr(importlib.import_module("vitviz.concepts.browse"), name)
     if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>` (`vitviz.sources` answers)
         try:
             return getattr(importlib.import_module("vitviz.sources"), name)

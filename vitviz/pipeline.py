@@ -30,6 +30,7 @@ from vitviz.sources.base import VariantSpec
 
 if TYPE_CHECKING:  # vitviz.inside is imported on first use, so that `python -m vitviz.inside` runs a module not yet imported
     from vitviz.inside import Attribution, Stream, Target
+    from vitviz.concepts.browse import ConceptMap, Concepts
 
 __all__ = ["Analysis", "analyze", "analyze_crop", "image_tower", "layout_of", "spec_of"]
 
@@ -88,6 +89,9 @@ class Analysis:
             None otherwise.
         inside: what the classifier's query gathered in each block (`vitviz.inside.Stream`: the
             logit lens and direct logit attribution); None for a model without a head or labels.
+        layer_tokens: the residual stream after the blocks `analyze` was asked to keep
+            (`keep_layers`, or a sparse autoencoder's layer: `concepts`), {block: [N, D]}, before the
+            final norm; what `concepts` reads.
 
     Query indices (the explorer's) are the token indices, except that a pooled model's "pool" sits
     between the prefix tokens and the patches: index i < p is prefix token i, index p is "pool",
@@ -111,6 +115,7 @@ class Analysis:
     layout: TokenLayout | None = None
     pool_attention: torch.Tensor | None = field(default=None, repr=False)
     inside: Stream | None = field(default=None, repr=False)
+    layer_tokens: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -158,7 +163,8 @@ class Analysis:
     @property
     def nbytes(self) -> int:
         """Bytes held by the tensors and the crop (what keeping this analysis costs)."""
-        tensors = [t for t in (self.probabilities, self.attentions, self.tokens, self.token_norms, self.pool_attention) if t is not None]
+        tensors = [t for t in (self.probabilities, self.attentions, self.tokens, self.token_norms, self.pool_attention,
+                               *self.layer_tokens.values()) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + 3 * self.image.size[0] * self.image.size[1]
 
     def predictions(self, k: int = 5) -> list[tuple[str, float]]:
@@ -209,10 +215,32 @@ class Analysis:
 
         return attribution_of(self.inside, target)
 
+    def concepts(self, sae: Concepts | torch.nn.Module, *, layer: int | None = None) -> ConceptMap:
+        """A sparse autoencoder's features on every token of this image (`vitviz.concepts.ConceptMap`:
+        z [N, F], the top features of a patch, a feature's map), from the stream kept at its layer:
+        `Concepts` know theirs; a bare `TopKSAE` is read at `layer` (by default the one layer kept).
+
+        Raises:
+            ValueError: that layer's stream was not kept (analyze with concepts=... or keep_layers=[L]).
+        """
+        from vitviz.concepts.browse import ConceptMap, sae_site
+
+        if layer is None and not hasattr(sae, "card") and len(self.layer_tokens) == 1:
+            layer = next(iter(self.layer_tokens))
+        sae, layer, _ = sae_site(sae, layer)
+        if layer not in self.layer_tokens:
+            kept = ", ".join(map(str, sorted(self.layer_tokens))) or "none"
+            raise ValueError(f"this analysis kept no stream after block {layer} (kept: {kept}): analyze with concepts=... or "
+                             f"keep_layers=[{layer}]")
+        x = self.layer_tokens[layer]
+        if x.shape[-1] != sae.W_dec.shape[0]:
+            raise ValueError(f"this sparse autoencoder reads a stream {sae.W_dec.shape[0]} wide; {self.variant}'s is {x.shape[-1]} wide")
+        return ConceptMap.of(x, sae, layer=layer, grid=self.grid, num_prefix_tokens=self.num_prefix_tokens)
+
 
 def analyze(
     model: ViT | ImageTextModel, image: ImageSource, *, labels: Sequence[str] | None = None, template: str | None = None,
-    on_layer: Callable[[int, torch.Tensor], None] | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None, keep_layers: Sequence[int] = (), concepts: Concepts | None = None,
 ) -> Analysis:
     """Runs `model` once on `image`, recording attention.
 
@@ -227,26 +255,59 @@ def analyze(
         template: the prompt with "{}" where the label goes (default `model.template`, "a photo of a {}").
         on_layer: called with (layer, its attention [H, N, N] on the CPU) as soon as each block has
             computed it, before the next block runs (a Swin's windowed attention is not passed).
+        keep_layers: blocks whose output (the residual stream after them, before the final norm) the
+            analysis keeps, float32 [N, D] each (`Analysis.layer_tokens`).
+        concepts: a sparse autoencoder's `Concepts` (`vitviz.concepts.load_concepts`): its layer is
+            kept, for `Analysis.concepts`; checked against the model first.
     """
     own = architecture_of(model)  # a model analysed its own way (a Swin: `vitviz.swin_analysis.SwinAnalysis`)
     if own is not None:
+        _no_layers_kept(keep_layers, concepts)
         return own.analyze(model, image)
     spec = spec_of(model)
     x, cropped = preprocess(load_image(image), spec.preprocessing)
-    return _analyze_input(model, x, cropped, labels=labels, template=template, on_layer=on_layer)
+    return _analyze_input(model, x, cropped, labels=labels, template=template, on_layer=on_layer,
+                          keep_layers=_layers_to_keep(model, keep_layers, concepts))
 
 
 def analyze_crop(
     model: ViT | ImageTextModel, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None,
-    on_layer: Callable[[int, torch.Tensor], None] | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None, keep_layers: Sequence[int] = (), concepts: Concepts | None = None,
 ) -> Analysis:
     """`analyze` for an image already cropped to the model's input (`Analysis.image`): no resizing,
     so analysing `analysis.image` again gives the same numbers."""
     own = architecture_of(model)
     if own is not None:
+        _no_layers_kept(keep_layers, concepts)
         return own.analyze_crop(model, cropped)
     return _analyze_input(model, to_input(cropped, spec_of(model).preprocessing), cropped, labels=labels, template=template,
-                          on_layer=on_layer)
+                          on_layer=on_layer, keep_layers=_layers_to_keep(model, keep_layers, concepts))
+
+
+def _no_layers_kept(keep_layers: Sequence[int], concepts: object) -> None:
+    if tuple(keep_layers) or concepts is not None:
+        raise ValueError("keep_layers and concepts read a ViT's residual stream after a block; this model's stages merge its "
+                         "tokens (a windowed model)")
+
+
+def _layers_to_keep(model: ViT | ImageTextModel, keep_layers: Sequence[int], concepts: Concepts | None) -> tuple[int, ...]:
+    """The blocks whose output an analysis keeps, checked against the model: `keep_layers` and the concepts' layer."""
+    tower = image_tower(model)
+    depth = len(tower.blocks)
+    if isinstance(keep_layers, (str, bytes)) or not isinstance(keep_layers, Sequence):
+        raise TypeError(f"keep_layers is a list of block indices, got {type(keep_layers).__name__}")
+    keep = []
+    for layer in keep_layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < depth:
+            raise ValueError(f"keep_layers are blocks 0..{depth - 1} of this model, got {layer!r}")
+        keep.append(layer)
+    if concepts is not None:
+        if not hasattr(concepts, "card"):
+            raise TypeError("concepts= takes the Concepts that vitviz.concepts.load_concepts reads (a bare TopKSAE does not know "
+                            "its layer: pass keep_layers=[L], then analysis.concepts(sae, layer=L))")
+        concepts.check(model)
+        keep.append(concepts.layer)
+    return tuple(sorted(set(keep)))
 
 
 def _zero_shot_labels(model: ViT | ImageTextModel, labels: Sequence[str] | None, template: str | None) -> tuple[str, ...] | None:
@@ -264,7 +325,7 @@ def _zero_shot_labels(model: ViT | ImageTextModel, labels: Sequence[str] | None,
 
 def _analyze_input(
     model: ViT | ImageTextModel, x: torch.Tensor, cropped: Image.Image, *, labels: Sequence[str] | None = None, template: str | None = None,
-    on_layer: Callable[[int, torch.Tensor], None] | None = None,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None, keep_layers: Sequence[int] = (),
 ) -> Analysis:
     spec = spec_of(model)
     labels = _zero_shot_labels(model, labels, template)
@@ -301,6 +362,7 @@ def _analyze_input(
             embeds = pair.image_projection(pooled) if labels is not None else None
         pool_attention = None if model.attn_pool is None else rec.pool_attention[0].float().cpu()
         norms = torch.stack([h[0].float().norm(dim=-1) for h in layers])  # [L, N]
+        kept = {layer: layers[layer][0].float().cpu() for layer in keep_layers}
         del layers
         if param.device.type == "cuda":
             torch.cuda.synchronize()
@@ -326,4 +388,5 @@ def _analyze_input(
         layout=layout_of(spec, (gh, gw), text=text, labelled=labels is not None),
         pool_attention=pool_attention,
         inside=stream.stream,
+        layer_tokens=kept,
     )

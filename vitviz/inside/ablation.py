@@ -1,11 +1,20 @@
-"""Head ablation: the forward again with some heads' outputs replaced by zeros or by their mean."""
+"""Ablation: the forward again with some heads' outputs replaced by zeros or by their mean, and/or
+some of a sparse autoencoder's features switched off (or scaled) in the residual stream.
+
+A feature is edited as Templeton et al. 2024 ("Scaling Monosemanticity") steer one: at the SAE's
+layer the stream x becomes x + W_dec (z' − z), z = encode(x) and z' the same with the chosen
+features multiplied by `scale`, so that the SAE's error x − x̂ stays in the stream and a run that
+changes no feature adds exact zeros.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +24,10 @@ from vitviz.inside.attribution import _class_index
 from vitviz.inside.lens import lens_top_k
 from vitviz.inside.stream import AblationMode, Target, _as_input, _categories, _classes, _labels, _tower
 from vitviz.model import ViT
+
+if TYPE_CHECKING:
+    from vitviz.concepts.browse import Concepts
+    from vitviz.concepts.sae import TopKSAE
 
 
 def _check_heads(model: ViT, heads: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
@@ -55,6 +68,53 @@ def _ablating(model: ViT, masks: dict[int, torch.Tensor], mode: AblationMode) ->
             h.remove()
 
 
+@contextmanager
+def _editing_features(model: ViT, sae: nn.Module, layer: int, features: Sequence[int], scale: float, first: int) -> Iterator[None]:
+    """During the block and in this thread only, the output of block `layer` (the stream x [B, N, D])
+    from token `first` on becomes x + W_dec (z' − z): z = sae.encode(x), z' = z with `features`
+    multiplied by `scale`. The SAE runs where its weights are (the stream is moved to it and the change back)."""
+    owner = threading.get_ident()
+    picked = torch.tensor(list(features), dtype=torch.long)
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        if threading.get_ident() != owner:
+            return None
+        p = next(sae.parameters())
+        x = out[:, first:]
+        z = sae.encode(x.to(device=p.device, dtype=p.dtype)).index_select(-1, picked.to(p.device))  # [B, n, k]: the chosen ones
+        change = (z * scale - z) @ sae.W_dec.index_select(1, picked.to(p.device)).T  # W_dec (z' − z) [B, n, D]
+        edited = out.clone()
+        edited[:, first:] = x + change.to(device=out.device, dtype=out.dtype)
+        return edited
+
+    handle = model.blocks[layer].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _feature_edit(tower: ViT, concepts: Concepts | TopKSAE | None, features: Sequence[int], layer: int | None,
+                  scale: float) -> tuple[nn.Module, int, tuple[int, ...], int] | None:
+    """(the SAE, its layer, the features (checked, each once), the first token it reads) of a feature
+    ablation, or None when there is none."""
+    if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
+        raise TypeError(f"features is a list of feature numbers, got {type(features).__name__}")
+    if concepts is None:
+        if len(features) or layer is not None:
+            raise ValueError("features are a sparse autoencoder's: pass concepts=... (vitviz.concepts.load_concepts, or a "
+                             "TopKSAE and its layer=)")
+        return None
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale != scale or abs(scale) == float("inf"):
+        raise ValueError(f"scale multiplies the features' activations: a finite number, got {scale!r}")
+    from vitviz.concepts.browse import _feature, check_fits, sae_site
+
+    sae, at, tokens = sae_site(concepts, layer)
+    check_fits(tower, sae, at)
+    picked = tuple(dict.fromkeys(_feature(f, int(sae.W_dec.shape[1])) for f in features))
+    return sae, at, picked, tower.config.num_prefix_tokens if tokens == "patches" else 0
+
+
 def _probabilities(pair: ViT | ImageTextModel, tokens: torch.Tensor, labels: tuple[str, ...] | None, template: str | None) -> torch.Tensor:
     """The encoded tokens [B, N, D] (after the final norm) -> probabilities [B, C] (zero-shot for an image–text model), float32."""
     tower = _tower(pair)
@@ -67,7 +127,7 @@ def _probabilities(pair: ViT | ImageTextModel, tokens: torch.Tensor, labels: tup
 
 @dataclass
 class Ablation:
-    """A forward with some heads switched off, beside the forward without.
+    """A forward with some heads (and/or a sparse autoencoder's features) switched off, beside the forward without.
 
     Attributes:
         heads: the (layer, head) pairs ablated.
@@ -75,6 +135,9 @@ class Ablation:
         target, label: the class followed (default: the unablated prediction).
         categories: class names (an image–text model's labels), or None.
         before, probabilities: the probabilities [C] without and with the ablation.
+        features: the SAE's features edited (each once, in the order given).
+        feature_layer: the block after which they were edited (None without features).
+        scale: what their activations were multiplied by (0: switched off).
     """
 
     heads: tuple[tuple[int, int], ...]
@@ -84,6 +147,9 @@ class Ablation:
     categories: tuple[str, ...] | None = field(repr=False)
     before: torch.Tensor = field(repr=False)
     probabilities: torch.Tensor = field(repr=False)
+    features: tuple[int, ...] = ()
+    feature_layer: int | None = None
+    scale: float = 0.0
 
     @property
     def target_before(self) -> float:
@@ -104,10 +170,12 @@ class Ablation:
 
 
 def ablate(
-    model: ViT | ImageTextModel, image: ImageSource | torch.Tensor, heads: Sequence[tuple[int, int]], *,
+    model: ViT | ImageTextModel, image: ImageSource | torch.Tensor, heads: Sequence[tuple[int, int]] = (), *,
     mode: AblationMode = "zero", target: Target = None, labels: Sequence[str] | None = None, template: str | None = None,
+    features: Sequence[int] = (), concepts: Concepts | TopKSAE | None = None, scale: float = 0.0, layer: int | None = None,
 ) -> Ablation:
-    """Runs `model` on `image` with the heads [(layer, head), ...] switched off, and once without.
+    """Runs `model` on `image` with the heads [(layer, head), ...] switched off (and/or a sparse
+    autoencoder's `features` edited), and once without.
 
     Args:
         model: a vitviz ViT with a head, or an image–text model (its image tower's heads; zero-shot
@@ -118,10 +186,18 @@ def ablate(
         mode: "zero": by zeros; "mean": by the mean of the head's output over this image's patch
             tokens (in the same forward).
         target: the class followed (index or name); default the unablated prediction.
+        features: features of `concepts` whose activations are multiplied by `scale` at its layer
+            (the stream x becomes x + W_dec (z' − z): the SAE's error stays; see the module's doc), on
+            the tokens it was trained on (every token for a bare TopKSAE). None changed (no
+            feature, or `scale` 1): the stream is unchanged exactly.
+        concepts: the `Concepts` (`vitviz.concepts.load_concepts`: its layer) or a bare `TopKSAE`
+            read after block `layer`.
+        scale: 0 switches the features off; 2 doubles them.
     """
     labels = _labels(model, labels, template)
     _classes(model, labels, template)
     tower = _tower(model)
+    edit = _feature_edit(tower, concepts, features, layer, scale)
     masks = {}
     for layer, hs in _check_heads(tower, heads).items():
         masks[layer] = torch.zeros(1, tower.config.heads, dtype=torch.bool)
@@ -129,12 +205,13 @@ def ablate(
     x = _as_input(model, image)[:1]
     with torch.inference_mode():
         before = _probabilities(model, tower.encode(x), labels, template)[0].cpu()
-        with _ablating(tower, masks, mode):
+        with _ablating(tower, masks, mode), (_editing_features(tower, *edit[:2], edit[2], scale, edit[3]) if edit else nullcontext()):
             after = _probabilities(model, tower.encode(x), labels, template)[0].cpu()
     categories = _categories(model, labels)
     t = _class_index(target, categories, before.numel(), int(before.argmax()))
     return Ablation(heads=tuple((int(a), int(b)) for a, b in heads), mode=mode, target=t,
-                    label=categories[t] if categories is not None else None, categories=categories, before=before, probabilities=after)
+                    label=categories[t] if categories is not None else None, categories=categories, before=before, probabilities=after,
+                    features=edit[2] if edit else (), feature_layer=edit[1] if edit else None, scale=float(scale) if edit else 0.0)
 
 
 def _importance(

@@ -1,0 +1,5 @@
+"""`python -m vitviz.concepts` (and `torchrun ... -m vitviz.concepts`)."""
+
+from vitviz.concepts.cli import main
+
+main()
