@@ -677,7 +677,7 @@ def test_an_explorer_over_the_browsers_budget(url, page, monkeypatch):
     page.get_by_role("tab", name="Explorer").click()
     _says(page, "#vv-explorer-live", "too large to hold in the browser")
     assert "vvx-off" in page.locator("#vv-explorer-live .vvx").get_attribute("class")
-    (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if e.analysis.variant == "shapes_p16"][-1:]
+    (key,) = [k for k, (e, _, _) in SERVER.store._entries.items() if getattr(getattr(e, "analysis", None), "variant", None) == "shapes_p16"][-1:]
     exp = SERVER.store.get(key)
     assert explorer_data.layout_of(exp.analysis).mode == "server" and not list(SERVER.explorer_dir.glob(f"{key}-*"))
 
@@ -865,4 +865,38 @@ def test_a_person_patches_a_covered_patch(url, page):
     _says(page, "#vv-patch-site", "Patched")
     top5 = page.locator("#vv-patch-top5")
     assert top5.is_visible() and top5.inner_text().strip()
+    _no_label_covers_a_picture(page)
+
+
+def test_a_person_clicks_a_patch_then_a_feature(url, page):
+    """The Concepts tab on shapes_p16's embedded sparse autoencoder: a click on a patch lists its
+    strongest features with where each fires most; a click on the second of them draws it over the
+    image and shows the top-5 with it switched off."""
+    base, example = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.get_by_role("tab", name="Concepts", exact=True).click()
+    page.wait_for_selector("#vv-concepts-image img")
+    _says(page, "#vv-concepts-note", "Feature")
+    image = page.locator("#vv-concepts-image img")
+    box = image.bounding_box()
+    image.click(position={"x": box["width"] * 2.5 / 6, "y": box["height"] * 3.5 / 6})  # the 6x6 grid's row 4, column 3
+    page.wait_for_function("document.querySelector('#vv-concepts-row input').value === '4' && "
+                           "document.querySelector('#vv-concepts-col input').value === '3'")
+    _settled(page)
+    cell = page.locator("#vv-concepts-table [data-testid='cell-1-0']")  # the second feature's number
+    feature = cell.inner_text().strip()
+    assert feature.isdigit()
+    cell.click()
+    page.wait_for_function(f"document.querySelector('#vv-concepts-feature input').value === {feature!r}")
+    _says(page, "#vv-concepts-note", f"Feature {feature}")
+    _says(page, "#vv-concepts-note", "Switched off")
+    for figure in ("#vv-concepts-map", "#vv-concepts-examples", "#vv-concepts-feature-examples"):
+        page.wait_for_function(f"(() => {{ const i = document.querySelector('{figure} img'); return i && i.complete && i.naturalWidth > 0; }})()")
+    assert f"feature{feature}" in page.locator("#vv-concepts-map img").get_attribute("src")
+    top5 = page.locator("#vv-concepts-ablated")
+    assert top5.is_visible() and top5.inner_text().strip()
+    _settled(page)
     _no_label_covers_a_picture(page)

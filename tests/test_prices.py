@@ -227,3 +227,28 @@ def test_a_test_time_register_is_priced_within_its_counted_work():
     assert priced.tokens == spec.num_tokens + 1 and priced.kept_bytes > price(spec, "analyse").kept_bytes
     with pytest.raises(ValueError, match="no place for one"):
         price(get_spec("shapes_swin"), "registers")
+
+
+def test_concepts_are_priced_within_their_counted_work():
+    """"concepts": the forward up to the SAE's layer, its encoding and decoding; "concept_ablate": the
+    two forwards of `ablate` and the encoding in the second. Each within 1.5x of what runs, at an
+    early and at the last layer, with a narrow and a wide SAE."""
+    from vitviz.concepts.browse import concept_map
+    from vitviz.concepts.sae import TopKSAE
+
+    model = vitviz.load_model("shapes_p16")
+    spec = model.spec
+    _, x = _image(spec)
+    for layer, features, k in ((0, 64, 4), (5, 1536, 32)):
+        sae = TopKSAE(spec.config.width, features, k)
+        for kind, run in (("concepts", lambda: concept_map(model, x[0], sae, layer=layer)),
+                          ("concept_ablate", lambda: vitviz.inside.ablate(model, x[0], features=[1, 2], concepts=sae, layer=layer))):
+            work = _counted(run)
+            priced = price(spec, kind, sae=(layer, features, k)).flops
+            assert work > 0 and work <= priced <= 1.5 * work, (kind, layer, features, work, priced, priced / work)
+    small, large = price(spec, "concepts", sae=(1, 64, 4)), price(spec, "concepts", sae=(1, 4096, 4))
+    assert large.bytes > small.bytes + 3 * spec.num_tokens * 4000 * 4 and large.kept_bytes == small.kept_bytes
+    with pytest.raises(ValueError, match="sae=\\(layer, features, k\\)"):
+        price(spec, "concepts")
+    with pytest.raises(ValueError, match="windowed"):
+        price(get_spec("shapes_swin"), "concepts", sae=(0, 64, 4))

@@ -252,7 +252,8 @@ def test_an_empty_session_costs_less_than_its_price(server, demo):
         each = (tracemalloc.get_traced_memory()[0] - start) / len(states)
     finally:
         tracemalloc.stop()
-    assert 50_000 < each < SESSION_BYTES / 2, each  # half left for what an analysis adds (outputs, unread results)
+    # what an analysis adds (its outputs, unread results: 117-143 KiB traced, docs/serving.md) still fits, with room
+    assert 50_000 < each < SESSION_BYTES - 256 * 1024, each
 
 
 def test_a_session_keeps_a_crop_up_to_the_menus_largest_and_a_larger_one_comes_again_from_its_upload(server, good):

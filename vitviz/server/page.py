@@ -126,7 +126,7 @@ def _results() -> None:
             for tab in TABS:
                 tab.page = PAGE
                 with gr.Tab(tab.label, id=tab.id):
-                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, waits=tab.waits)
+                    tab.gate = gate(tab.needs, f"vv-{tab.id}", PAGE.gates, waits=tab.waits, why=tab.lacks)
                     with tab.gate.content:
                         tab.build(PAGE)
     PAGE.analysis_outputs = [

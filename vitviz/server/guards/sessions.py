@@ -27,8 +27,9 @@ from PIL import Image
 __all__ = ["SessionRef", "SessionStore", "SESSION_BYTES", "CROP_BYTES", "SESSION_PRICE", "crop_to_keep"]
 
 # What Gradio holds for one session of this page besides the crop: its copy of the components'
-# configurations (386 KiB traced, 421 KiB resident, for an empty one), the components an analysis
-# updated and its unread results (up to 530 KiB traced, 825 KiB resident with a 288 px crop), with room.
+# configurations (513 KiB traced for an empty one since the Patch and Concepts tabs; 386 KiB traced,
+# 421 KiB resident before them), the components an analysis updated and its unread results (117-143 KiB
+# traced more; 825 KiB resident in all with a 288 px crop before those tabs), with room.
 SESSION_BYTES = 2**20
 # The largest crop a session keeps (`SessionRef.crop`): the menu's largest model's (ViT-H/14, 518 px,
 # RGB). A larger one (a model named by the client at a large size) is not kept: its analysis is

@@ -5,7 +5,9 @@ analysed model it depends on (names from `vitviz.layout.NEEDS`, met or not by th
 layout, whatever the model's family), `build` (its components, inside its `gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
 shown, for `on_demand` tabs), `follow_up` (a step after the analysis is on the page) and `wire`
 (its own events). The page builds and wires every registered tab in one loop, and hides the content
-of a tab whose needs the analysed model lacks behind one line saying why (`Gate`).
+of a tab the analysed model cannot fill behind one line saying why (`Gate`): what the tab's `lacks`
+says (by default, the needs the model's layout lacks; a tab may ask more of the model, such as
+the Concepts tab a sparse autoencoder trained for it).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class Gate:
     needs: frozenset[str]
     note: Component
     content: Component
+    why: Callable[[views.Exploration], str | None] | None = None  # its tab's own `lacks` (by default: the needs')
 
     def lacks(self, exp: views.Exploration) -> str | None:
-        return lacks(exp, self.needs)
+        return self.why(exp) if self.why is not None else lacks(exp, self.needs)
 
     def outputs(self, exp: views.Exploration) -> Outputs:
         reason = self.lacks(exp)
@@ -56,13 +59,15 @@ def lacks(exp: views.Exploration, needs: Iterable[str]) -> str | None:
 NO_ANALYSIS = "No image analysed yet: upload one or click an example, and this tab shows what the model made of it."
 
 
-def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], *, waits: bool = True) -> Gate:
+def gate(needs: Iterable[str], elem_id: str, gates: list[Gate], *, waits: bool = True,
+         why: Callable[[views.Exploration], str | None] | None = None) -> Gate:
     """A note (`<elem_id>-lacks`) and a column (`<elem_id>-content`) for content that needs `needs`
     (open the column with `with gate.content:`); kept in `gates`, whose outputs every analysis gives. Content that `waits`
-    for an analysis starts hidden behind `NO_ANALYSIS`."""
+    for an analysis starts hidden behind `NO_ANALYSIS`. `why`: what the content lacks of an analysis,
+    asked in place of the needs (a tab's `lacks`)."""
     note = gr.Markdown(NO_ANALYSIS if waits else "", visible=waits, elem_classes="vv-caption", elem_id=f"{elem_id}-lacks")
     content = gr.Column(visible=not waits, elem_id=f"{elem_id}-content")
-    g = Gate(check_needs(needs), note, content)
+    g = Gate(check_needs(needs), note, content, why)
     gates.append(g)
     return g
 
@@ -152,6 +157,9 @@ class Registry:
 
     def __iter__(self):
         return iter(list(self.tabs))
+
+    def __len__(self) -> int:
+        return len(self.tabs)
 
     def by_id(self, tab_id: str) -> Tab | None:
         return next((t for t in self.tabs if t.id == tab_id), None)
