@@ -80,8 +80,9 @@ def test_only_a_model_with_an_sae_shows_the_tab(analysed):
     line = other[tab.gate.note]["value"]
     assert line.startswith("No sparse autoencoder for shapes_p8: train one with python -m vitviz.concepts train DATA --model shapes_p8")
     assert other[tab.gate.note]["visible"] is True and other[tab.gate.content]["visible"] is False
-    with pytest.raises(gr.Error, match="No sparse autoencoder for shapes_p8"):
+    with pytest.raises(gr.Error, match="No sparse autoencoder for shapes_p8") as caught:
         tab.on_concepts(other[page.PAGE.state], None, 1, 1, 0, None)
+    assert caught.value.message.endswith("in VITVIZ_CONCEPTS.") and line.endswith("in VITVIZ_CONCEPTS")  # one sentence, one stop
     assert page.on_refresh_tab(other[page.PAGE.state], "concepts", *_values()) == page._nothing()
 
 
@@ -153,6 +154,34 @@ def test_a_second_sae_is_chosen_from_the_dropdown_and_mapped_at_its_layer(analys
         assert "after block 2" in chosen[tab.about] and SERVER.store.get(out[tab.held].key) is None  # the first map dropped
     finally:
         mp.setenv("VITVIZ_CONCEPTS", str(first))
+
+
+def test_a_folder_is_read_once_however_many_requests_want_it_at_once(analysed, monkeypatch):
+    """An SAE read from disk is held beside the work budget: requests that find it missing at once wait
+    for the one reading it and take its copy, instead of each reading (and holding) one."""
+    import threading
+    import time
+
+    from vitviz.concepts.browse import concept_folders
+    from vitviz.server.guards.sessions import SessionStore
+
+    monkeypatch.setattr(SERVER, "store", SessionStore(budget_bytes=2**30, idle_seconds=600))  # nothing read yet
+    real, reads = tabs.concepts.load_concepts, []
+
+    def slow(path):
+        reads.append(path)
+        time.sleep(0.3)
+        return real(path)
+
+    monkeypatch.setattr(tabs.concepts, "load_concepts", slow)
+    (folder,) = concept_folders("shapes_p16")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(tabs.concepts.concepts_of(SERVER.name, folder))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reads) == 1 and len(got) == 4 and all(c is got[0] for c in got)
 
 
 @pytest.mark.parametrize("sae, row, col, feature, match", [

@@ -157,6 +157,17 @@ def test_an_image_without_outliers_and_a_model_without_room_are_told_so(app, ima
     assert "after block 2" in tab.on_outlier_layer(swin, 2)[tab.outliers_text]
 
 
+def test_the_register_kept_for_a_session_holds_the_ranks_it_shows_only(analysed):
+    """The store counts a register by its tensors: the neurons' ranks, Python tuples (about 120 bytes
+    each, 4.4 MiB for vit_b_16's 36,864 neurons), are kept for those moved only, the ones the caption lists."""
+    ref, exp = analysed
+    tab = tabs.tokens.TAB
+    out = tab.on_register(ref, 3, 6)
+    kept = SERVER.store.get(out[tab.held].key)
+    assert [(layer, neuron) for layer, neuron, _ in kept.found.ranked] == list(kept.found.neurons) and kept.moved == 3
+    assert all(f"({layer}, {neuron}) {score:.2f}" in out[tab.register_note] for layer, neuron, score in kept.found.ranked)
+
+
 @pytest.mark.parametrize("value", ["three", None, 0, 7, math.nan, math.inf, 2.5, [1], {"layer": 2}, "1e999"])
 def test_a_hostile_layer_is_refused_with_a_clear_message(analysed, value):
     ref = analysed[0]

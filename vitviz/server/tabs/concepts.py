@@ -39,6 +39,7 @@ from vitviz.preprocess import to_input
 from vitviz.server import runtime
 from vitviz.server.guards import inputs
 from vitviz.server.guards.sessions import SessionRef
+from vitviz.server.guards.work import KeyedLocks
 from vitviz.server.pictures import concept_pictures, views
 from vitviz.server.pictures.drawers import drawer
 from vitviz.server.runtime import Outputs, gpu
@@ -51,6 +52,9 @@ SHOWN = 5  # a patch's features listed
 KEPT_ABLATIONS = 64  # the features switched off kept with a session's map
 HEADERS = ["feature", "activation", "frequency", "top class"]
 TRAIN = "python -m vitviz.concepts train DATA --model {model} --layer L --features F --k K --out DIR"
+# a folder's SAE read by one request at a time: the others wait for it and take the one it read, instead
+# of each holding a copy of its weights, index and atlas (memory the work budget does not count) at once
+_READING = KeyedLocks()
 
 
 @dataclass(frozen=True)
@@ -110,12 +114,16 @@ def concepts_of(server: str, folder: ConceptFolder) -> Concepts:
     kept = store.get(key)
     if isinstance(kept, Concepts):
         return kept
-    try:
-        concepts = load_concepts(folder.path)
-    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:  # the operator's folder: the log says where
-        LOG.warning("the concepts in %s cannot be read: %s", folder.path, exc)
-        raise runtime.error(f"The sparse autoencoder {folder.name} cannot be read on this server now.") from None
-    store.put(concepts, concepts.nbytes, key=key)
+    with _READING.hold(key):
+        kept = store.get(key)  # (read by the request this one waited for)
+        if isinstance(kept, Concepts):
+            return kept
+        try:
+            concepts = load_concepts(folder.path)
+        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:  # the operator's folder: the log says where
+            LOG.warning("the concepts in %s cannot be read: %s", folder.path, exc)
+            raise runtime.error(f"The sparse autoencoder {folder.name} cannot be read on this server now.") from None
+        store.put(concepts, concepts.nbytes, key=key)
     return concepts
 
 
@@ -188,14 +196,14 @@ class ConceptsTab(Tab):
         why = super().lacks(exp)
         variant = exp.analysis.variant
         if why is None and not concept_folders(variant):
-            return f"No sparse autoencoder for {variant}: train one with {TRAIN.format(model=variant)}, then list DIR in VITVIZ_CONCEPTS."
+            return f"No sparse autoencoder for {variant}: train one with {TRAIN.format(model=variant)}, then list DIR in VITVIZ_CONCEPTS"
         return why
 
     def _folder(self, exp: views.Exploration, value: object) -> ConceptFolder:
         """The SAE a client chose by its name (the first by default), among this model's."""
         folders = concept_folders(exp.analysis.variant)
         if not folders:
-            raise runtime.error(self.lacks(exp) or "No sparse autoencoder for this model.")
+            raise runtime.error(f"{self.lacks(exp) or 'No sparse autoencoder for this model'}.")
         if value in (None, ""):
             return folders[0]
         chosen = next((f for f in folders if isinstance(value, str) and f.name == value), None)
