@@ -207,6 +207,21 @@ class SwinAnalysis:
             out.append(received / real.sum())
         return out
 
+    def attention_to(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Each token's share of its layer's attention that goes to the tokens `keys` (bool [N_s], raster
+        order of the stage's grid), heads averaged: [N_s], sum_j∈keys A[i, j] of `global_attention`'s
+        rows, summed window by window without the global matrix."""
+        a, g = self.attentions[layer], self.geometries[layer]
+        if keys.shape != (g.grid[0] * g.grid[1],):
+            raise ValueError(f"keys must be [{g.grid[0] * g.grid[1]}] for layer {layer}'s {g.grid} grid, got {list(keys.shape)}")
+        tokens = g.window_tokens(a.device)  # [windows, M²], -1 for padding
+        real = tokens >= 0
+        on = keys.to(a.device)[tokens.clamp_min(0)] & real  # [windows, M²]: the keys of each window
+        per_query = (a * on[:, None, None, :].to(a.dtype)).sum(dim=-1).mean(dim=1)  # [windows, M²]: each row's share, heads averaged
+        share = torch.zeros(g.grid[0] * g.grid[1], dtype=a.dtype, device=a.device)
+        share[tokens[real]] = per_query[real]
+        return share
+
     def window_of(self, layer: int, row: int, col: int) -> torch.Tensor:
         """The cells of the layer's stage grid that the query at (row, col) of that grid attends to
         (its window, the shift undone, less what the mask separates): bool [gh_s, gw_s]."""

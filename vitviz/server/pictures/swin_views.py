@@ -23,6 +23,8 @@ The maps for a class are `vitviz.server.explaining`'s (one forward and one backw
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 from pathlib import Path
 
@@ -334,8 +336,11 @@ def render_outliers(exp: Exploration, *, layer: int) -> tuple[Image.Image, str]:
     index, stage = layer - 1, a.stages[layer - 1]
     same_stage = layer < a.num_layers and a.stages[layer] == stage
     reading = index + 1 if same_stage else index
-    o = outliers(a.token_norms[index][None], a.global_attention(reading)[None], grid=a.geometries[index].grid, num_prefix_tokens=0,
-                 pooled_query=True)
+    o = outliers(a.token_norms[index][None], grid=a.geometries[index].grid, num_prefix_tokens=0, pooled_query=True)
+    if o.mask[0].any():  # the shares, window by window (the stage's whole matrix is never gathered)
+        mask = o.mask[0].flatten()
+        share = a.attention_to(reading, mask).float().cpu()
+        o = replace(o, query_share=share.mean()[None], patch_share=(share[~mask].mean() if (~mask).any() else share.new_zeros(()))[None])
     img = outlined_heat(exp, torch.from_numpy(finest(o.norms[0], a.grid, stage)), o.mask[0], cell_px=a.stage_patch_size(index) * exp.scale,
                         name=_name(exp, "high-norm-tokens", f"layer{layer}"), label="token norm")
     if same_stage:

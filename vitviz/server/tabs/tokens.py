@@ -7,13 +7,6 @@ register (Jiang et al. 2025, `vitviz.registers`) runs the model again, priced li
 more token, and the crop analysed with it. That result is kept in the server's store for the session
 (its memory counted there), so a move of the layer slider draws both sides again without running the
 model.
-
-A layer's high-norm tokens are drawn with the share of attention they receive, read from that layer's
-whole token-by-token matrix. A windowed model holds its attention window by window, and at a large
-size a first-stage layer's whole matrix is far more than the analysis holds (shapes_swin@1824: 51,984
-patches, 21.6 GB for its two heads in float32, more than twice that while it is gathered). A layer is
-drawn only when its patches are at most VITVIZ_MAX_TOKENS, the most a ViT analysed on this server may
-have (`inputs.variant`); another is one sentence.
 """
 
 from __future__ import annotations
@@ -176,7 +169,7 @@ class TokensTab(Tab):
         self.drawn.add(ref.key)
         norms_chart, norms_map = draw.render_token_norms(exp)
         features, features_caption = draw.render_features(exp)
-        outliers_img, outliers_text = self._outliers(exp, layer)
+        outliers_img, outliers_text = drawer(exp).render_outliers(exp, layer=layer)
         kept = self._kept(ref, held)
         return {
             self.received_img: draw.render_received(exp),
@@ -196,19 +189,6 @@ class TokensTab(Tab):
     def _layer(self, exp: views.Exploration, layer: object) -> int:
         """A client's layer (1-based), within the analysed model's blocks."""
         return runtime.checked(inputs.index, layer, 1, drawer(exp).explorer_bounds(exp)[0], "layer")
-
-    def _outliers(self, exp: views.Exploration, layer: int) -> tuple[object, str]:
-        """The high-norm tokens after block `layer` (1-based) and their words, or (None, why not) when
-        that layer's token-by-token matrix is over what this server holds (the module's doc)."""
-        a = exp.analysis
-        patches = int(a.token_norms[layer - 1].numel()) - a.layout.num_prefix_tokens  # that block's (a windowed model: its stage's)
-        most = self.server.settings.max_tokens
-        if patches > most:
-            return None, (f"**Not drawn.** After block {layer}, {runtime.md(a.variant)} has {patches:,} patch tokens; the attention its "
-                          f"high-norm tokens receive is read from that block's whole {patches:,} x {patches:,} matrix a head, and this "
-                          f"server holds at most {most:,} tokens attending to each other (VITVIZ_MAX_TOKENS): choose a later block, "
-                          "or a smaller size.")
-        return drawer(exp).render_outliers(exp, layer=layer)
 
     def _kept(self, ref: SessionRef, held: object) -> Registered | None:
         """The session's test-time register, when it was run for this analysis and is still kept."""
@@ -234,9 +214,9 @@ class TokensTab(Tab):
         there is one (nothing runs the model)."""
         exp = self.recall(ref)
         layer = self._layer(exp, layer)
-        picture, caption = self._outliers(exp, layer)
+        picture, caption = drawer(exp).render_outliers(exp, layer=layer)
         kept = self._kept(ref, held)
-        after = self._outliers(kept.after, layer)[0] if kept is not None else gr.skip()
+        after = drawer(kept.after).render_outliers(kept.after, layer=layer)[0] if kept is not None else gr.skip()
         return {self.outliers_img: picture, self.outliers_text: caption, self.outliers_after: after}
 
     def on_register(self, ref: SessionRef | None, neurons: float, layer: float, held: RegisterRef | None = None,
@@ -274,7 +254,7 @@ class TokensTab(Tab):
             self.register_note: register_caption(exp, kept),
             self.rollout_before: gr.update(value=before_img, visible=True),
             self.rollout_after: gr.update(value=after_img, visible=True),
-            self.outliers_after: gr.update(value=self._outliers(kept.after, layer)[0], visible=True),
+            self.outliers_after: gr.update(value=drawer(kept.after).render_outliers(kept.after, layer=layer)[0], visible=True),
             self.norms_after: gr.update(value=shown.render_token_norms(kept.after)[0], visible=True),
             self.held: RegisterRef(key, ref.key, self.server.name),
         }
