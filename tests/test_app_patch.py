@@ -300,8 +300,11 @@ def test_the_private_events_answer_hostile_data_with_errors_and_the_server_goes_
         (["swap", 2, 2, 2, 2, None, None], "two different patches"),
     ]
     for data, why in hostile:
-        ok, error = run(server, "on_patch", [None, *data, None], session=session)
+        ok, error = run(server, "on_patch", [None, *data, None, "resid_pre", "head"], session=session)
         assert not ok and why in error and "Traceback" not in error, (data, error)
+    for kinds in (["head", "head"], ["resid_pre", {"x": 1}], ["resid_pre", None]):  # the maps' kinds: of the page's choices only
+        ok, error = run(server, "on_patch", [None, "cover", *COVERED, 1, 1, None, None, None, *kinds], session=session)
+        assert not ok and error.strip() and "Traceback" not in error, (kinds, error)
 
     def click(event_data) -> dict:
         assert join(server, "on_patch_token", [None, None], session, event_data=event_data).status_code == 200
@@ -309,7 +312,7 @@ def test_the_private_events_answer_hostile_data_with_errors_and_the_server_goes_
         return msg
 
     assert "Run Patch first" in click({"index": [300, 60], "value": None})["output"]["error"]
-    ok, out = run(server, "on_patch", [None, "cover", *COVERED, 1, 1, None, None, None], session=session)
+    ok, out = run(server, "on_patch", [None, "cover", *COVERED, 1, 1, None, None, None, "resid_pre", "head"], session=session)
     assert ok, out
     for junk in ({"index": ["a", None], "value": None}, {"index": None}, {"index": {"x": 1}, "value": None}, "junk", [1, 2]):
         msg = click(junk)
@@ -318,3 +321,38 @@ def test_the_private_events_answer_hostile_data_with_errors_and_the_server_goes_
     assert msg["success"] and msg["output"]["data"][0]["value"]["label"] == "star", msg
     ok, out = run(server, "analyze", [upload(server, good), "shapes_p16"])
     assert ok and out[0]["label"] == "star", out
+
+
+@pytest.mark.parametrize("token_kind, head_kind", [("mlp_out", "pattern"), ("attn_out", "head")])
+def test_the_other_kinds_of_site_are_mapped_and_clicked_as_the_library_patches_them(analysed, token_kind, head_kind):
+    """The two maps' kinds are the page's choice: an MLP's or attention's output per token, a head's
+    pattern; each map is the library's, and a click patches that kind's site."""
+    from vitviz.server.app import SERVER
+
+    ref, exp, model, _ = analysed
+    tab = tabs.patch.TAB
+    out = tab.on_patch(ref, "cover", *COVERED, 1, 1, None, tabs.patch.AUTO, None, token_kind, head_kind)
+    kept = SERVER.store.get(out[tab.held].key)
+    a, pre = exp.analysis, model.spec.preprocessing
+    clean, corrupt = to_input(a.image, pre), to_input(kept.corrupt, pre)
+    want = patch(model, clean, corrupt, where=(token_kind, head_kind))
+    assert kept.result.kinds == (token_kind, head_kind)
+    for kind in (token_kind, head_kind):
+        torch.testing.assert_close(kept.result.maps[kind], want.maps[kind], atol=1e-5, rtol=1e-4)
+    layer, n = 2, 1 + 2 * 6 + 3
+    shown = tab.on_patch_token(ref, out[tab.held], _Click(*_centre(patch_maps.TokenGrid(6, 37, ("cls",), (6, 6)), layer, n)))
+    logits = patched_logits(model, clean, corrupt, [(token_kind, layer, n)])
+    assert max(shown[tab.top5]["value"].values()) == pytest.approx(float(logits.double().softmax(-1).max()), abs=1e-6)
+    assert f"block {layer + 1}" in shown[tab.site] and ("MLP" in shown[tab.site] or "attention output" in shown[tab.site])
+    grid = plots.HeadGrid(6, 3)
+    shown = tab.on_patch_head(ref, out[tab.held], _Click(grid.LEFT + 1.5 * grid.cell, grid.TOP + 4.5 * grid.cell))
+    logits = patched_logits(model, clean, corrupt, [(head_kind, 4, 1)])
+    assert max(shown[tab.top5]["value"].values()) == pytest.approx(float(logits.double().softmax(-1).max()), abs=1e-6)
+    assert "head 2 of block 5" in shown[tab.site]
+
+
+@pytest.mark.parametrize("token_kind, head_kind", [("head", "head"), ("resid_pre", "mlp_out"), (None, "head"), (["mlp_out"], "head"),
+                                                   ("resid_pre", 3)])
+def test_a_kind_of_site_that_is_not_offered_is_refused(analysed, token_kind, head_kind):
+    with pytest.raises(gr.Error, match="By layer and token"):
+        tabs.patch.TAB.on_patch(analysed[0], "cover", *COVERED, 1, 1, None, tabs.patch.AUTO, None, token_kind, head_kind)

@@ -2,9 +2,10 @@
 
 The clean image is the crop the model saw (`Analysis.image`); the corrupted one is the same crop with
 one patch covered (the model's mean colour, which it reads as zeros), with two patches swapped, or a
-second upload cut to the same crop. `vitviz.patching.patch` scores every site of two kinds: the input
-of each block at each token ("resid_pre", a layer x token map) and each head's output ("head", a
-layer x head map), by how much of the clean logit difference patching it alone from the clean run
+second upload cut to the same crop. `vitviz.patching.patch` scores every site of two kinds, one a
+layer x token map (the input of each block at each token, "resid_pre", by default; or its attention
+or MLP output) and one a layer x head map (each head's output, "head", by default; or its attention
+pattern), by how much of the clean logit difference patching it alone from the clean run
 restores. A click on a cell runs the corrupted image once with that one site patched
 (`patched_logits`) and shows its top-5. Both are priced before they run; the result is kept in the
 server's store for the session (its memory counted there), so a click does not compute the maps again.
@@ -36,7 +37,16 @@ from vitviz.sources import get_spec
 # how the corrupted copy is made: (what the page says, the value a client sends)
 MODES = [("Cover a patch", "cover"), ("Swap two patches", "swap"), ("Upload a second image", "upload")]
 MODE_VALUES = tuple(v for _, v in MODES)
-SHOWN = ("resid_pre", "head")  # the kinds of site scored: the layer x token map and the layer x head map
+# the kinds of site scored: one for the layer x token map, one for the layer x head map ((what the page says, the kind))
+TOKEN_KINDS = [("Block input", "resid_pre"), ("Attention output", "attn_out"), ("MLP output", "mlp_out")]
+HEAD_KINDS = [("Head output", "head"), ("Attention pattern", "pattern")]
+SHOWN = ("resid_pre", "head")  # by default
+# what a site of each kind is, in words: (layer, token or head) -> text
+_SITE_WORDS = {
+    "resid_pre": "the input of block {layer} at {where}", "attn_out": "the attention output of block {layer} at {where}",
+    "mlp_out": "the MLP output of block {layer} at {where}", "head": "head {h} of block {layer} (L{layer} H{h})",
+    "pattern": "the attention pattern of head {h} of block {layer} (L{layer} H{h})",
+}
 # the class followed by default: the clean run's prediction against the corrupted run's (`patch`'s target=None)
 AUTO = "(the prediction)"
 
@@ -83,10 +93,11 @@ def _inputs(model, exp: views.Exploration, corrupt: Image.Image) -> tuple[torch.
 
 
 @gpu
-def patch_on_device(server: str, exp: views.Exploration, corrupt: Image.Image, target: int | None, batch: int) -> Patching:
+def patch_on_device(server: str, exp: views.Exploration, corrupt: Image.Image, target: int | None, batch: int,
+                    kinds: tuple[str, str] = SHOWN) -> Patching:
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
     clean, corrupted = _inputs(model, exp, corrupt)
-    return patch(model, clean, corrupted, target=target, where=SHOWN, batch_size=batch, **_labels(exp.analysis))
+    return patch(model, clean, corrupted, target=target, where=kinds, batch_size=batch, **_labels(exp.analysis))
 
 
 @gpu
@@ -147,6 +158,8 @@ class PatchTab(Tab):
                                             height=200, visible=False, elem_id="vv-patch-upload")
                 self.target = gr.Dropdown([(AUTO, AUTO)], value=AUTO, label="Class followed", filterable=True, elem_id="vv-patch-class",
                                           info="Against another class: by default the clean prediction against the corrupted one.")
+                self.token_kind = gr.Radio(TOKEN_KINDS, value="resid_pre", label="By layer and token, patch", elem_id="vv-patch-token-kind")
+                self.head_kind = gr.Radio(HEAD_KINDS, value="head", label="By layer and head, patch", elem_id="vv-patch-head-kind")
                 self.run = gr.Button("Patch", variant="primary", elem_id="vv-patch-run")
             with gr.Column(scale=2, min_width=300):
                 with gr.Row(elem_classes="vv-pair"):
@@ -276,16 +289,22 @@ class PatchTab(Tab):
     # -- patching ------------------------------------------------------------------------------
 
     def on_patch(self, ref: SessionRef | None, mode: str, row: float, col: float, row2: float, col2: float, upload: str | None,
-                 target: str | None, held: PatchRef | None = None, request: gr.Request = None) -> Outputs:
-        """Every block input (layer x token) and head (layer x head) patched in turn: the two maps."""
+                 target: str | None, held: PatchRef | None = None, token_kind: str = "resid_pre", head_kind: str = "head",
+                 request: gr.Request = None) -> Outputs:
+        """Every site of the two kinds chosen patched in turn (by default every block input, layer x
+        token, and every head's output, layer x head): the two maps."""
         exp = self.recall(ref)
         a = exp.analysis
         how = self._corruption(a, mode, row, col, row2, col2, upload)
         t = self._target(a, target)
-        with self.server.job("patch", a.variant, request, patch_kinds=SHOWN) as work:
+        if token_kind not in [v for _, v in TOKEN_KINDS] or head_kind not in [v for _, v in HEAD_KINDS]:
+            raise runtime.error("By layer and token, patch a block's input, its attention output or its MLP output; by layer and "
+                                "head, a head's output or its attention pattern.")
+        kinds = (token_kind, head_kind)
+        with self.server.job("patch", a.variant, request, patch_kinds=kinds) as work:
             corrupt = self._corrupted(exp, how)
             try:
-                result = patch_on_device(self.server.name, exp, corrupt, t, work.cost.batch)
+                result = patch_on_device(self.server.name, exp, corrupt, t, work.cost.batch, kinds)
             except ValueError as exc:  # the two images score alike: nothing to restore
                 raise runtime.error(inputs.public_text(str(exc))) from None
         if isinstance(held, PatchRef):
@@ -300,8 +319,9 @@ class PatchTab(Tab):
 
     def _maps(self, exp: views.Exploration, kept: Patched) -> Outputs:
         r = kept.result
-        tokens, _ = patch_maps.token_map_image(r.maps["resid_pre"], prefix_names=r.prefix_names, grid=r.grid, label="restored")
-        heads, _ = plots.head_grid_image(r.maps["head"], label="restored")
+        token_kind, head_kind = r.kinds
+        tokens, _ = patch_maps.token_map_image(r.maps[token_kind], prefix_names=r.prefix_names, grid=r.grid, label="restored")
+        heads, _ = plots.head_grid_image(r.maps[head_kind], label="restored")
         name = r.label or str(r.target)
         return {
             self.tokens_img: gr.update(value=plots.named(tokens, views._name(exp, "patch-tokens", name)), visible=True),
@@ -323,24 +343,26 @@ class PatchTab(Tab):
         """A click on the layer x token map: the corrupted run with that block input patched."""
         exp, kept = self._kept(ref, held)
         r = kept.result
-        layers, tokens = r.maps["resid_pre"].shape
+        kind = r.kinds[0]
+        layers, tokens = r.maps[kind].shape
         cell = patch_maps.TokenGrid(layers, tokens, r.prefix_names, r.grid).cell_at(*runtime.click_xy(evt))
         if cell is None:
             return gr.skip()
         layer, n = cell
         p = len(r.prefix_names)
         where = r.prefix_names[n] if n < p else "patch row {}, column {}".format(*(v + 1 for v in divmod(n - p, r.grid[1])))
-        return self._one(exp, kept, ("resid_pre", layer, n), f"the input of block {layer + 1} at {where}", request)
+        return self._one(exp, kept, (kind, layer, n), _SITE_WORDS[kind].format(layer=layer + 1, where=where), request)
 
     def on_patch_head(self, ref: SessionRef | None, held: PatchRef | None, evt: gr.SelectData, request: gr.Request = None) -> Outputs:
         """A click on the layer x head map: the corrupted run with that head's output patched."""
         exp, kept = self._kept(ref, held)
-        layers, heads = kept.result.maps["head"].shape
+        kind = kept.result.kinds[1]
+        layers, heads = kept.result.maps[kind].shape
         cell = plots.HeadGrid(layers, heads).cell_at(*runtime.click_xy(evt))
         if cell is None:
             return gr.skip()
         layer, h = cell
-        return self._one(exp, kept, ("head", layer, h), f"head {h + 1} of block {layer + 1} (L{layer + 1} H{h + 1})", request)
+        return self._one(exp, kept, (kind, layer, h), _SITE_WORDS[kind].format(layer=layer + 1, h=h + 1), request)
 
     def _one(self, exp: views.Exploration, kept: Patched, site: tuple, words: str, request) -> Outputs:
         r = kept.result
@@ -367,7 +389,7 @@ class PatchTab(Tab):
         self.clean_img.select(self.on_patch_pick, [page.state, self.mode, self.row, self.col],
                               [*preview, self.row, self.col, self.row2, self.col2], api_visibility="private", **page.model)
         maps = [self.tokens_img, self.heads_img, self.note, self.top5, self.site]
-        self.run.click(self.on_patch, [*edit, self.upload, self.target, self.held], [*preview, *maps, self.held],
+        self.run.click(self.on_patch, [*edit, self.upload, self.target, self.held, self.token_kind, self.head_kind], [*preview, *maps, self.held],
                        api_visibility="private", **page.model)
         clicked = [self.top5, self.site]
         self.tokens_img.select(self.on_patch_token, [page.state, self.held], clicked, api_visibility="private", **page.model)
