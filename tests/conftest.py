@@ -225,6 +225,21 @@ def app():
     return app_module
 
 
+def quiet(*args, **kwargs) -> None:
+    """A progress callback that shows nothing: a page's handler called directly."""
+
+
+def analyse_example(variant: str = "shapes_p16", image: str | None = None) -> tuple:
+    """The page's analysis of `image` (the first example by default) by `variant`, its handler called
+    directly: (the session's reference, the exploration kept for it, the model, the outputs)."""
+    from vitviz.server import page, runtime
+    from vitviz.server.app import SERVER
+
+    out = page.on_analyze(image or runtime.EXAMPLES[0], variant, "mean", 0.0, progress=quiet)
+    ref = out[page.PAGE.state]
+    return ref, SERVER.store.get(ref.key), SERVER.cache.get(variant)[0], out
+
+
 @contextlib.contextmanager
 def serving(demo, **launch_kwargs):
     """`demo` served on 127.0.0.1 with `launch_kwargs`: its base URL; closed afterwards."""

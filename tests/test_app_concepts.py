@@ -10,6 +10,7 @@ import uuid
 import gradio as gr
 import pytest
 import torch
+from conftest import analyse_example, quiet
 from test_concepts_browse import FEATURES, K, LAYER, concepts_folder
 
 from vitviz.concepts.browse import concept_map, load_concepts
@@ -39,15 +40,10 @@ def app(folders):
     return app_module
 
 
-def _quiet(*args, **kwargs):
-    pass
-
 
 @pytest.fixture(scope="module")
 def analysed(app):
-    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
-    ref = out[page.PAGE.state]
-    return ref, SERVER.store.get(ref.key), SERVER.cache.get("shapes_p16")[0], out
+    return analyse_example()
 
 
 def _values(**mine):
@@ -76,7 +72,7 @@ def test_only_a_model_with_an_sae_shows_the_tab(analysed):
     tab = tabs.concepts.TAB
     out = analysed[3]
     assert out[tab.gate.note]["visible"] is False and out[tab.gate.content]["visible"] is True
-    other = page.on_analyze(runtime.EXAMPLES[0], "shapes_p8", "mean", 0.0, progress=_quiet)
+    other = page.on_analyze(runtime.EXAMPLES[0], "shapes_p8", "mean", 0.0, progress=quiet)
     line = other[tab.gate.note]["value"]
     assert line.startswith("No sparse autoencoder for shapes_p8: train one with python -m vitviz.concepts train DATA --model shapes_p8")
     assert other[tab.gate.note]["visible"] is True and other[tab.gate.content]["visible"] is False

@@ -6,6 +6,8 @@ import gradio as gr
 import pytest
 import torch
 
+from conftest import analyse_example, quiet
+
 import vitviz
 from vitviz.inside import ablate, head_importance
 
@@ -18,16 +20,9 @@ def app():
     return app_module
 
 
-def _quiet(*args, **kwargs):
-    pass
-
-
 @pytest.fixture(scope="module")
 def analysed(app):
-    from vitviz.server.app import SERVER
-    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
-    ref = out[page.PAGE.state]
-    return ref, SERVER.store.get(ref.key), SERVER.cache.get("shapes_p16")[0]
+    return analyse_example()[:3]
 
 
 class _Click:
@@ -100,7 +95,7 @@ def test_junk_is_refused_with_a_clear_message(analysed, off, mode, target, match
 
 def test_an_image_text_model_gets_its_zero_shot_lens_and_a_windowed_one_the_reason(app):
     from vitviz.server.app import SERVER
-    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_clip", "mean", 0.0, progress=_quiet)
+    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_clip", "mean", 0.0, progress=quiet)
     ref = out[page.PAGE.state]
     tab = tabs.inside.TAB
     drawn = tab.on_inside(ref, None, [], "zero")

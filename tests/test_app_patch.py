@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import analyse_example
 from vitviz.patching import patch, patched_logits
 from vitviz.preprocess import to_input
 
@@ -27,15 +28,10 @@ def app():
     return app_module
 
 
-def _quiet(*args, **kwargs):
-    pass
-
 
 @pytest.fixture(scope="module")
 def analysed(app):
-    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_p16", "mean", 0.0, progress=_quiet)
-    ref = out[page.PAGE.state]
-    return ref, app.SERVER.store.get(ref.key), app.SERVER.cache.get("shapes_p16")[0], out
+    return analyse_example()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import quiet
+
 import vitviz
 from vitviz.registers import register_neurons
 
@@ -29,9 +31,6 @@ def app():
     from vitviz.server.pictures import views
     return app_module
 
-
-def _quiet(*args, **kwargs):
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def images(tmp_path_factory):
 
 
 def _analysed(path, variant=NAME):
-    out = page.on_analyze(str(path), variant, "mean", 0.0, progress=_quiet)
+    out = page.on_analyze(str(path), variant, "mean", 0.0, progress=quiet)
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
     return ref, SERVER.store.get(ref.key)

@@ -6,6 +6,8 @@ work budget)."""
 import pytest
 from PIL import Image
 
+from conftest import quiet
+
 
 @pytest.fixture(scope="module")
 def app():
@@ -15,9 +17,6 @@ def app():
     return app_module
 
 
-def _quiet(*args, **kwargs):
-    pass
-
 
 def test_a_windowed_models_outlier_shares_are_summed_window_by_window():
     """`SwinAnalysis.attention_to`: each token's share of attention on a set of keys, from the windows,
@@ -25,7 +24,9 @@ def test_a_windowed_models_outlier_shares_are_summed_window_by_window():
     import torch
     import vitviz
 
-    a = vitviz.analyze(vitviz.load_model("shapes_swin"), runtime_example())
+    from vitviz.server.runtime import EXAMPLES
+
+    a = vitviz.analyze(vitviz.load_model("shapes_swin"), EXAMPLES[0])
     g = torch.Generator().manual_seed(0)
     for layer in range(a.num_layers):
         n = a.geometries[layer].grid[0] * a.geometries[layer].grid[1]
@@ -36,18 +37,12 @@ def test_a_windowed_models_outlier_shares_are_summed_window_by_window():
         a.attention_to(0, torch.zeros(3, dtype=torch.bool))
 
 
-def runtime_example():
-    from vitviz.server import runtime as rt
-
-    return rt.EXAMPLES[0]
-
-
 def test_a_windowed_layer_of_a_large_size_is_drawn_without_its_whole_matrix(app, monkeypatch):
     """shapes_swin@1824's first stage (51,984 patches) would be some 50 GB as one matrix: the Tokens tab
     draws its high-norm tokens from the windows alone."""
     from vitviz.swin_analysis import SwinAnalysis
 
-    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_swin@384", "mean", 0.0, progress=_quiet)
+    out = page.on_analyze(runtime.EXAMPLES[0], "shapes_swin@384", "mean", 0.0, progress=quiet)
     assert out[page.PAGE.notice] == ""
     ref = out[page.PAGE.state]
     gathered = []
