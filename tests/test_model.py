@@ -171,3 +171,17 @@ def test_summary_matches_seed_table_and_real_shapes():
     stages = [r.stage for r in vitviz.summary(small, batch=2).rows]
     assert stages.index("Prepend cls token") + 1 == stages.index("Add position embeddings")
     assert rows["Prepend cls token"] == rows["Add position embeddings"] == (2, 37, 96)
+
+
+def test_the_stream_after_a_block_is_what_encode_records_there():
+    torch.manual_seed(0)
+    model = ViT(image_size=32, patch_size=8, width=32, depth=3, heads=2, mlp_dim=48, num_classes=4, rope="axial",
+                class_token=False, pool="avg").eval()
+    x = torch.randn(2, 3, 32, 48)
+    layers: list[torch.Tensor] = []
+    with torch.no_grad():
+        model.encode(x, layers=layers)
+        for layer in range(3):
+            torch.testing.assert_close(model.stream_after(x, layer), layers[layer], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside this model's blocks 0..2"):
+        model.stream_after(x, 3)

@@ -679,6 +679,18 @@ class ViT(nn.Module):
             steps.step()
         return self.norm(x)
 
+    def stream_after(self, images: torch.Tensor, layer: int) -> torch.Tensor:
+        """The residual stream after block `layer` (0-based; no later block runs, no final norm):
+        [B, 3, H, W] -> [B, N, D], what `encode`'s `layers[layer]` holds."""
+        if not 0 <= layer < len(self.blocks):
+            raise ValueError(f"layer {layer} is outside this model's blocks 0..{len(self.blocks) - 1}")
+        x = self.tokens(images)
+        ropes = self.rotations(self.grid_for(images.shape[2], images.shape[3]))
+        for block, rope in zip(self.blocks[: layer + 1], ropes[: layer + 1]):
+            x = block(x, rope)
+            steps.step()
+        return x
+
     def rotations(self, grid: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Each block's rotary (cos, sin) for the patches of `grid` (`Rotary`); None for each block of a
         model without rotary positions. Whoever runs the blocks one by one hands block i the i-th."""

@@ -388,9 +388,7 @@ def concept_map(model: ViT | ImageTextModel, image: Any, concepts: Concepts | nn
     x = _as_input(model, image)[:1]
     grid = tower.grid_for(x.shape[2], x.shape[3])
     with torch.inference_mode():
-        s = tower.tokens(x)
-        for block, rope in list(zip(tower.blocks, tower.rotations(grid)))[: layer + 1]:
-            s = block(s, rope)
+        s = tower.stream_after(x, layer)
     return ConceptMap.of(s[0], sae, layer=layer, grid=grid, num_prefix_tokens=tower.config.num_prefix_tokens)
 
 

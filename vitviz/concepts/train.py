@@ -359,12 +359,7 @@ def _zero_shot(model: ImageTextModel, tower: ViT, labels: tuple[str, ...]):
 def _stream_after(tower: ViT, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, list]:
     """Images [B, 3, S, S] -> the residual stream after block `layer` [B, N, D] (no later block runs),
     and every block's rotary angles (for whoever runs on)."""
-    s = tower.tokens(x)
-    ropes = tower.rotations(tower.grid_for(x.shape[2], x.shape[3]))
-    for block, rope in zip(tower.blocks[: layer + 1], ropes[: layer + 1]):
-        s = block(s, rope)
-        steps.step()
-    return s, ropes
+    return tower.stream_after(x, layer), tower.rotations(tower.grid_for(x.shape[2], x.shape[3]))
 
 
 def _run_on(tower: ViT, s: torch.Tensor, ropes: list, layer: int) -> torch.Tensor:

@@ -47,14 +47,6 @@ def write_scenes(folder: Path, n: int, *, seed: int) -> None:
             Image.fromarray(image).save(folder / f"{start + i:06d}.png")
 
 
-def _layer_tokens(model, x: torch.Tensor, layer: int) -> torch.Tensor:
-    """The residual stream after block `layer` [B, N, D] (the blocks after it not run)."""
-    h = model.tokens(x)
-    for block, rope in zip(list(model.blocks)[: layer + 1], model.rotations(model.grid_for(x.shape[2], x.shape[3]))):
-        h = block(h, rope)
-    return h
-
-
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """AUROC of each column of `scores` [P, F] for each column of `labels` bool [P, A]: [A, F]
     (Mann-Whitney U over the average ranks, so tied activations, zeros mostly, count a half)."""
@@ -102,7 +94,7 @@ def measure(n: int, *, folder: Path = OUT, batch: int = 200) -> dict:
         for start in range(0, n, batch):
             images, objects, masks = shapes.generate_scenes(min(batch, n - start), seed=MEASURE_SEED, start=start)
             x = (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5
-            feats.append(_layer_tokens(model, x, layer)[:, p:].reshape(-1, model.config.width))
+            feats.append(model.stream_after(x, layer)[:, p:].reshape(-1, model.config.width))
             labels.append(_labels(objects, masks, patch))
     acts, labels = torch.cat(feats), torch.cat(labels)
     torch.manual_seed(0)
