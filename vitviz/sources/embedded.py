@@ -70,6 +70,18 @@ def assets_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "assets"
 
 
+# the command that makes each embedded variant's weights (`python -m vitviz.dev.<script>`)
+_SCRIPTS = {"shapes_p8": "train_shapes", "shapes_p16": "train_shapes", "shapes_p8_outliers": "plant_outliers",
+            "shapes_clip": "train_shapes_clip", "shapes_swin": "train_shapes_swin"}
+
+
+def _embedded(name: str, config, categories: tuple[str, ...] | None, description: str) -> VariantSpec:
+    """The record of an embedded variant: its weights in assets/<name>.pt, made by its script."""
+    return VariantSpec(name=name, config=config, preprocessing=_PREPROCESSING, categories=categories, source=EmbeddedSource.name,
+                       weights=f"embedded assets/{name}.pt (python -m vitviz.dev.{_SCRIPTS[name]})", locator=f"{name}.pt",
+                       filename=f"{name}.pt", description=description)
+
+
 @register_source
 class EmbeddedSource(WeightsSource):
     name = "embedded"
@@ -77,55 +89,17 @@ class EmbeddedSource(WeightsSource):
     def specs(self) -> list[VariantSpec]:
         from vitviz.shapes import CLASSES as SHAPE_CLASSES  # here, so that `python -m vitviz.shapes` runs it first
 
+        vit = ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=8, num_classes=len(SHAPE_CLASSES), **SHAPES_ARCH)
         return [
-            VariantSpec(
-                name=f"shapes_p{patch}",
-                config=ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=patch, num_classes=len(SHAPE_CLASSES), **SHAPES_ARCH),
-                preprocessing=_PREPROCESSING,
-                categories=SHAPE_CLASSES,
-                source=self.name,
-                weights=f"embedded assets/shapes_p{patch}.pt (python -m vitviz.dev.train_shapes)",
-                locator=f"shapes_p{patch}.pt",
-                filename=f"shapes_p{patch}.pt",
-                description=f"Shapes ViT /{patch} at {SHAPES_IMAGE_SIZE} px, 8 generated shape classes (embedded, offline)",
-            )
-            for patch in (8, 16)
-        ] + [
-            VariantSpec(
-                name="shapes_p8_outliers",
-                config=ViTConfig(image_size=SHAPES_IMAGE_SIZE, patch_size=8, num_classes=len(SHAPE_CLASSES), **SHAPES_ARCH),
-                preprocessing=_PREPROCESSING,
-                categories=SHAPE_CLASSES,
-                source=self.name,
-                weights="embedded assets/shapes_p8_outliers.pt (python -m vitviz.dev.plant_outliers)",
-                locator="shapes_p8_outliers.pt",
-                filename="shapes_p8_outliers.pt",
-                description=f"Shapes ViT /8 at {SHAPES_IMAGE_SIZE} px with high-norm tokens planted in flat patches "
-                            "(test-time registers; embedded, offline)",
-            ),
-        ] + [
-            VariantSpec(
-                name="shapes_clip",
-                config=shapes_clip_configs()[0],
-                preprocessing=_PREPROCESSING,
-                categories=None,
-                source=self.name,
-                weights="embedded assets/shapes_clip.pt (python -m vitviz.dev.train_shapes_clip)",
-                locator="shapes_clip.pt",
-                filename="shapes_clip.pt",
-                description=f"Shapes image–text model /{SHAPES_CLIP_PATCH} at {SHAPES_IMAGE_SIZE} px, captions of coloured shapes (embedded, offline)",
-            ),
-            VariantSpec(
-                name="shapes_swin",
-                config=shapes_swin_config(len(SHAPE_CLASSES)),
-                preprocessing=_PREPROCESSING,
-                categories=SHAPE_CLASSES,
-                source=self.name,
-                weights="embedded assets/shapes_swin.pt (python -m vitviz.dev.train_shapes_swin)",
-                locator="shapes_swin.pt",
-                filename="shapes_swin.pt",
-                description=f"Shapes Swin /8 at {SHAPES_IMAGE_SIZE} px, windows 6-3-3, 8 generated shape classes (embedded, offline)",
-            ),
+            *(_embedded(f"shapes_p{patch}", vit.replace(patch_size=patch), SHAPE_CLASSES,
+                        f"Shapes ViT /{patch} at {SHAPES_IMAGE_SIZE} px, 8 generated shape classes (embedded, offline)")
+              for patch in (8, 16)),
+            _embedded("shapes_p8_outliers", vit, SHAPE_CLASSES, f"Shapes ViT /8 at {SHAPES_IMAGE_SIZE} px with high-norm tokens "
+                      "planted in flat patches (test-time registers; embedded, offline)"),
+            _embedded("shapes_clip", shapes_clip_configs()[0], None, f"Shapes image–text model /{SHAPES_CLIP_PATCH} at "
+                      f"{SHAPES_IMAGE_SIZE} px, captions of coloured shapes (embedded, offline)"),
+            _embedded("shapes_swin", shapes_swin_config(len(SHAPE_CLASSES)), SHAPE_CLASSES,
+                      f"Shapes Swin /8 at {SHAPES_IMAGE_SIZE} px, windows 6-3-3, 8 generated shape classes (embedded, offline)"),
         ]
 
     def status(self, spec: VariantSpec) -> Status:
@@ -137,8 +111,7 @@ class EmbeddedSource(WeightsSource):
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
         image_text = split_size(spec.name)[0] == "shapes_clip"  # (at its own size or at another: "shapes_clip@192")
         swin = isinstance(spec.config, SwinConfig)
-        script = ("train_shapes_clip" if image_text else "train_shapes_swin" if swin
-                  else "plant_outliers" if spec.name.startswith("shapes_p8_outliers") else "train_shapes")
+        script = _SCRIPTS[split_size(spec.name)[0]]
         if not path.is_file():
             raise WeightsUnavailableError(
                 f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with `python -m vitviz.dev.{script}`."
