@@ -150,6 +150,14 @@ class ViTConfig:
         register_keep_prefix: the learned prefix tokens (cls, ...) keep their own activations at
             those neurons instead of 0 (the authors' analysis hook; their released DINOv2 wrapper
             zeroes them, the default).
+        attn_window: the blocks attend within windows of this many patches a side (Qwen2.5-VL's
+            vision tower: 8, its 112 px), cut from the grid's top-left corner (the windows of the last
+            rows and columns smaller where the grid is not a whole number of windows): a patch attends
+            only to the patches of its own window, in every block but those of `global_blocks`. None:
+            every block attends over the whole image. The attention a windowed block records stays
+            N x N, 0 outside each query's window. Takes no prefix tokens.
+        global_blocks: with `attn_window`, the 0-based blocks that attend over the whole image
+            (Qwen2.5-VL's `fullatt_block_indexes`).
     """
 
     attention: ClassVar[str] = "global"  # how its tokens attend (`vitviz.layout.TokenLayout.attention`): one N x N matrix a layer
@@ -206,6 +214,8 @@ class ViTConfig:
     pos_embed_align_corners: bool = False
     register_neurons: tuple[tuple[int, int], ...] = ()
     register_keep_prefix: bool = False
+    attn_window: int | None = None
+    global_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -250,6 +260,7 @@ class ViTConfig:
         if self.pos_embed_interpolation not in ("bicubic", "bilinear"):
             raise ValueError(f'pos_embed_interpolation must be "bicubic" or "bilinear", got {self.pos_embed_interpolation!r}')
         self._check_register_neurons()
+        self._check_windows()
         if self.rel_pos_bias and self.num_prefix_tokens > 1:
             raise ValueError("a relative position bias (BEiT's) takes one prefix token at most, the cls token")
         if self.pos_embed_prefix is None:
@@ -269,6 +280,22 @@ class ViTConfig:
                                  "MLP neurons")
         if self.register_keep_prefix and not pairs:
             raise ValueError("register_keep_prefix is an option of a test-time register (register_neurons)")
+
+    def _check_windows(self) -> None:
+        """`attn_window` a side of at least one patch, without prefix tokens; `global_blocks` sorted,
+        distinct blocks of this model (JSON gives lists), and only with windows."""
+        object.__setattr__(self, "global_blocks", tuple(sorted({int(i) for i in self.global_blocks})))
+        if self.attn_window is None:
+            if self.global_blocks:
+                raise ValueError("global_blocks names the blocks that attend globally among windowed ones (attn_window)")
+            return
+        if isinstance(self.attn_window, bool) or int(self.attn_window) != self.attn_window or self.attn_window < 1:
+            raise ValueError(f"attn_window is a window's side in patches, a whole number above 0, got {self.attn_window!r}")
+        object.__setattr__(self, "attn_window", int(self.attn_window))
+        if self.num_prefix_tokens:
+            raise ValueError(f"windowed attention (attn_window) takes no prefix tokens, got {', '.join(self.prefix_names)}")
+        if any(not 0 <= i < self.depth for i in self.global_blocks):
+            raise ValueError(f"global_blocks {self.global_blocks} are not all within this model's blocks 0..{self.depth - 1}")
 
     def _check_stem(self) -> None:
         """The stem's fields (lists, as JSON gives them, become tuples), checked against its kind."""
@@ -623,6 +650,9 @@ class VariantSpec:
         filename: the checkpoint's file name, where there is one.
         top1: reported ImageNet top-1 accuracy in %, if known.
         description: one line for menus.
+        vlm: for the vision tower of a vision–language model, the VLM's family ("shapes_vlm",
+            "idefics3", "qwen2_5_vl", "llava", ...): the model loads with its language model, and
+            questions can be asked of it (`vitviz.ask`); None for a model that is no VLM's tower.
     """
 
     name: str
@@ -635,6 +665,7 @@ class VariantSpec:
     filename: str = ""
     top1: float | None = None
     description: str = ""
+    vlm: str | None = None
 
     # the facts the rest of vitviz reads, from the config and the preprocessing
     image_size = property(lambda self: self.preprocessing.image_size)

@@ -21,6 +21,8 @@ Attention is softmax(q k^T / sqrt(D / H)) — the scale is applied to the logits
 With rotary positions (`ViTConfig.rope`), each patch's queries and keys are first turned, pair of
 channels by pair, by angles that grow with its row and column (`Rotary`), so that q·k depends on
 the offset between two patches; the prefix tokens are not turned.
+With windows (`ViTConfig.attn_window`, Qwen2.5-VL's tower), a block's patches attend only within
+square windows of the grid: the logits outside a query's window are −inf, its attention there 0.
 The softmax is its own module (`Attention.attend`), so a forward hook on it sees each layer's
 attention `[B, H, N, N]`. When nobody observes it, a fused `scaled_dot_product_attention` runs
 instead; both paths give the same output (tests hold them to it).
@@ -64,6 +66,8 @@ __all__ = [
     "stem_of",
     "recording_in_this_thread",
     "resample_pos_embed",
+    "Windowed",
+    "window_mask",
 ]
 
 _recording = threading.local()
@@ -275,6 +279,32 @@ class RelativePositionBias(nn.Module):
         return patches.flip(-2, -1)
 
 
+def window_mask(grid: tuple[int, int], window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[gh*gw, gh*gw] bool over the patches of `grid` row by row: True where the query and the key lie
+    in the same window of `window` x `window` patches, the windows cut from the grid's top-left corner
+    (those of the last rows and columns smaller where the grid is not a whole number of windows)."""
+    gh, gw = grid
+    across = -(-gw // window)  # windows per row of windows
+    rows = torch.arange(gh, device=device).repeat_interleave(gw) // window
+    cols = torch.arange(gw, device=device).repeat(gh) // window
+    cell = rows * across + cols
+    return cell[:, None] == cell[None, :]
+
+
+class Windowed:
+    """What `ViT.rotations` hands a block that attends within windows (`ViTConfig.attn_window`) in
+    place of its rotary (cos, sin): those (`rope`, or None) and `mask` [N, N] (`window_mask`), True
+    where a query may attend to a key."""
+
+    __slots__ = ("rope", "mask")
+
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor) -> None:
+        self.rope, self.mask = rope, mask
+
+    def __repr__(self) -> str:
+        return f"Windowed(rope={'None' if self.rope is None else 'cos, sin'}, mask={list(self.mask.shape)})"
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with one fused qkv projection.
 
@@ -312,8 +342,12 @@ class Attention(nn.Module):
         hooks = tuple(self.attend._forward_hooks.values()) + tuple(self.attend._forward_pre_hooks.values())
         return any(not getattr(h, "_vitviz_recorder", False) for h in hooks)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """[B, N, D] -> [B, N, D]; `rope`: the patches' rotary (cos, sin) (`Rotary`), if any."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Windowed | None = None) -> torch.Tensor:
+        """[B, N, D] -> [B, N, D]; `rope`: the patches' rotary (cos, sin) (`Rotary`), if any, or a
+        `Windowed` with them and the window's mask (no attention outside it)."""
+        window = None
+        if isinstance(rope, Windowed):
+            rope, window = rope.rope, rope.mask
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -323,24 +357,30 @@ class Attention(nn.Module):
         bias = self.rel_pos().to(q.dtype) if self.rel_pos is not None else None  # [H, N, N]
         parts = _part_reducer(self) if recording_in_this_thread() else None
         if parts is not None:
-            out = self._by_parts(q, k, v, *parts, bias=bias)
+            out = self._by_parts(q, k, v, *parts, bias=bias, window=window)
         elif self._observed():
-            attn = self.attend(self._logits(q, k, bias))  # [B, H, N, N], rows sum to 1 (float32 for a half-precision model)
+            attn = self.attend(self._logits(q, k, bias, window))  # [B, H, N, N], rows sum to 1 (float32 for a half-precision model)
             out = attn.to(v.dtype) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            mask = bias
+            if window is not None:  # a boolean mask (True: attended), or the bias with −inf outside the window
+                mask = window if bias is None else bias.masked_fill(~window, float("-inf"))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(self.norm(rearrange(out, "b h n d -> b n (h d)")))
 
-    def _logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """q kᵀ / sqrt(d) (+ the relative position bias): in float32 when the model is in half precision,
-        so that the softmax (what vitviz records) keeps float32's resolution."""
+    def _logits(self, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor | None = None) -> torch.Tensor:
+        """q kᵀ / sqrt(d) (+ the relative position bias; −inf outside the window where `window` [N, N]
+        is given): in float32 when the model is in half precision, so that the softmax (what vitviz
+        records) keeps float32's resolution."""
         if q.dtype in (torch.float16, torch.bfloat16):
             q, k, bias = q.float(), k.float(), None if bias is None else bias.float()
         logits = (q @ k.transpose(-2, -1)) * self.scale
-        return logits if bias is None else logits + bias
+        if bias is not None:
+            logits = logits + bias
+        return logits if window is None else logits.masked_fill(~window, float("-inf"))
 
     def _by_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reducer, images: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, window: torch.Tensor | None = None) -> torch.Tensor:
         """The explicit attention a few images at a time, each part's softmax output reduced while it
         is in the processor's cache (the layer's other work runs on the whole batch). The same
         arithmetic as the explicit path; hooks on `attend` see the whole layer's attention as ever,
@@ -353,7 +393,7 @@ class Attention(nn.Module):
         outs = []
         for first in range(0, batch, images):
             part = slice(first, first + images)
-            attn = self.attend(self._logits(q[part], k[part], bias))
+            attn = self.attend(self._logits(q[part], k[part], bias, window))
             reducer(attn, first, batch)
             if out is None:
                 outs.append(attn.to(v.dtype) @ v[part])
@@ -512,7 +552,7 @@ class EncoderBlock(nn.Module):
         self.mlp = mlp_of(c, layer)
         self.ls2 = LayerScale(c.width, c.layer_scale) if c.layer_scale is not None else nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | Windowed | None = None) -> torch.Tensor:
         if self.parallel:
             y = self.norm1(x)
             return x + self.ls1(self.attn(y, rope)) + self.ls2(self.mlp(y))
@@ -691,12 +731,17 @@ class ViT(nn.Module):
             steps.step()
         return x
 
-    def rotations(self, grid: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    def rotations(self, grid: tuple[int, int]) -> list[tuple[torch.Tensor, torch.Tensor] | Windowed | None]:
         """Each block's rotary (cos, sin) for the patches of `grid` (`Rotary`); None for each block of a
-        model without rotary positions. Whoever runs the blocks one by one hands block i the i-th."""
-        if self.rotary is None:
-            return [None] * len(self.blocks)
-        return self.rotary(grid)
+        model without rotary positions; for a block that attends within windows (`ViTConfig.attn_window`),
+        a `Windowed` holding those and its window mask. Whoever runs the blocks one by one hands block i
+        the i-th."""
+        ropes = [None] * len(self.blocks) if self.rotary is None else self.rotary(grid)
+        c = self.config
+        if c.attn_window is None:
+            return ropes
+        mask = window_mask(grid, c.attn_window, device=self.patch_embed.proj.weight.device)
+        return [rope if i in c.global_blocks else Windowed(rope, mask) for i, rope in enumerate(ropes)]
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The encoded tokens [B, N, D] -> the head's input [B, D] (cls and distillation token for DeiT)."""

@@ -54,6 +54,8 @@ from vitviz.sources.hf_convert import (
     convert_transformers_state_dict,
     text_config_from_transformers,
 )
+from vitviz.sources.hf_qwen import QWEN_TYPES, load_qwen_tower, qwen_from_transformers, qwen_spec
+from vitviz.sources.hf_vlm import VLM_TYPES, tower_from_transformers, tower_spec, vlm_model_class
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
 __all__ = [
@@ -255,7 +257,14 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
 
     A `CLIPModel`, `SiglipModel` or `Siglip2Model` becomes a `vitviz.imagetext.ImageTextModel` with the same `logits_per_image`; its
     spec is its image tower's (no classes) and its `tokenizer` the one given (else None).
+
+    A Qwen2.5-VL or Qwen3-VL model (or its vision model) becomes its vision tower,
+    `vitviz.sources.hf_qwen.QwenVisionTower`.
     """
+    if getattr(model.config, "model_type", None) in QWEN_TYPES:  # Qwen-VL's vision tower: vitviz.sources.hf_qwen
+        return qwen_from_transformers(model, processor=processor)
+    if getattr(model.config, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
+        return tower_from_transformers(model, processor=processor)
     if getattr(model.config, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
         from vitviz.sources.swin import swin_from_transformers
         return swin_from_transformers(model, preprocessing=preprocessing_from_processor(processor, model.config.image_size))
@@ -309,6 +318,12 @@ class HuggingFaceSource(WeightsSource):
             cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
             where = dict(weights=f"saved with save_pretrained in {folder}", processor=image_processor_config(lambda f: _read_json(folder / f)),
                          locator=str(folder), saved_in=folder.name)
+        if getattr(cfg, "model_type", None) in QWEN_TYPES:  # Qwen-VL's vision tower: vitviz.sources.hf_qwen
+            spec = qwen_spec(cfg, name=name, **where)
+            return spec.at(size) if size else spec
+        if getattr(cfg, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
+            spec = tower_spec(cfg, name=name, **where)
+            return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
             from vitviz.sources.swin import swin_spec_from_transformers
             spec = swin_spec_from_transformers(cfg, name=name, weights=where["weights"], locator=where["locator"], saved_in=where.get("saved_in", ""),
@@ -327,6 +342,8 @@ class HuggingFaceSource(WeightsSource):
     def _model_class(cfg):
         transformers = _transformers()
         archs = getattr(cfg, "architectures", None) or []
+        if cfg.model_type in VLM_TYPES:  # the whole VLM; `convert` keeps its vision tower
+            return vlm_model_class(cfg)
         if cfg.model_type in _SWIN:  # SwinModel, SwinForImageClassification, Swinv2Model, Swinv2ForImageClassification
             kind = "ForImageClassification" if any(a.endswith("ForImageClassification") for a in archs) else "Model"
             return getattr(transformers, f"Swin{'v2' if cfg.model_type == 'swinv2' else ''}{kind}")
@@ -377,7 +394,7 @@ class HuggingFaceSource(WeightsSource):
     def status(self, spec: VariantSpec) -> Status:
         if os.path.isabs(spec.locator):  # a folder of the user's own (a repo id is never absolute)
             return "cached"
-        return "cached" if cached_file(spec.locator, ("model.safetensors", "pytorch_model.bin")) else "download"
+        return "cached" if cached_file(spec.locator, ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")) else "download"
 
     def reachable(self) -> bool:
         return hub_reachable()
@@ -398,6 +415,10 @@ class HuggingFaceSource(WeightsSource):
                 why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
                 raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a folder saved with save_pretrained"))
             cfg = self._config(repo)
+        if getattr(cfg, "model_type", None) in QWEN_TYPES:  # the vision tower's weights alone: vitviz.sources.hf_qwen
+            ours = load_qwen_tower(cfg, source, name=spec.name, local=local)
+            ours.spec = spec
+            return ours
         try:
             model = self._model_class(cfg).from_pretrained(source, local_files_only=local)
         except OSError as exc:
