@@ -69,6 +69,7 @@ __all__ = [
     "Patching", "patch", "patched_logits",
     "RegisterNeurons", "register_neurons", "with_test_time_register",
     "Concepts", "ConceptMap", "load_concepts", "concept_map",
+    "Answer", "ask",
     "attention_received",
     "attention_rollout",
     "cls_map",
@@ -107,7 +108,7 @@ def __getattr__(name: str):
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
                 "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words",
-                "inside", "registers", "patching", "concepts"}:
+                "inside", "registers", "patching", "concepts", "vlm"}:
         return importlib.import_module(f"vitviz.{name}")
     if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
         return getattr(importlib.import_module("vitviz.inside"), name)
@@ -117,6 +118,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("vitviz.registers"), name)
     if name in {"Concepts", "ConceptMap", "load_concepts", "concept_map"}:  # vitviz.concepts' (training is not imported)
         return getattr(importlib.import_module("vitviz.concepts.browse"), name)
+    if name in {"Answer", "ask"}:  # vitviz.vlm.ask's
+        return getattr(importlib.import_module("vitviz.vlm.ask"), name)
     if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>` (`vitviz.sources` answers)
         try:
             return getattr(importlib.import_module("vitviz.sources"), name)

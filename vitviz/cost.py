@@ -46,6 +46,12 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   through the blocks up to the SAE's layer (`sae` = (layer, features F, k)), then its encoding and
   decoding (2 N D F each); in memory one forward's transients and three [N, F] of codes; kept, each
   token's top-k.
+- "ask": `vitviz.ask` of a vision–language model (`ask` = its `vitviz.vlm.ask.AskShape`): the vision
+  tower's forward; the greedy answer (with a key-value cache, the prompt once and each new token
+  alone; without, the whole sequence again for each token); then the prompt and the answer once more
+  with every layer's attention kept, and a backward to the attention for each token (its relevance,
+  a row through every layer). In memory the recorded forward's activations, attention and logits, a
+  token's gradients, and the kept answer (`vitviz.vlm.ask.answer_bytes`).
 - "concept_ablate": `vitviz.ablate` with features of an SAE edited: "ablate"'s two forwards, and at
   the SAE's layer in the second its encoding (2 N D F) and the edit W_dec (z' − z) (at most as much).
 
@@ -96,7 +102,7 @@ __all__ = [
 ]
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
-               "patch_one", "registers", "concepts", "concept_ablate"]
+               "patch_one", "registers", "concepts", "concept_ablate", "ask"]
 
 BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
 COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
@@ -339,7 +345,7 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
           layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0,
-          patch_kinds: Sequence[str] = ("resid_pre",), sae: tuple[int, int, int] | None = None) -> Cost:
+          patch_kinds: Sequence[str] = ("resid_pre",), sae: tuple[int, int, int] | None = None, ask=None) -> Cost:
     """The cost of a request of `kind` on `spec` (a `VariantSpec`, at the size it will be fed).
 
     Args:
@@ -356,11 +362,14 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
             for a model without one the maps that need no gradient.
         patch_kinds: "patch" and "patch_one": the kinds of site patched (`vitviz.patching.KINDS`).
         sae: "concepts" and "concept_ablate": the sparse autoencoder's (layer, features, k).
+        ask: "ask": the `vitviz.vlm.ask.AskShape` of the question asked.
     """
     if orders < 1 or phrases < 0:
         raise ValueError(f"orders are 1 or more and phrases 0 or more, got {orders} and {phrases}")
     if kind in ("concepts", "concept_ablate"):
         return _concepts_price(spec, kind, sae)
+    if kind == "ask":
+        return _ask_price(spec, ask)
     if kind in ("patch", "patch_one") and _windowed(spec):
         raise ValueError(f"activation patching runs on ViT towers; {spec.name} is a windowed model")
     if kind == "registers" and (_windowed(spec) or spec.config.rel_pos_bias):
@@ -547,3 +556,32 @@ def _concepts_price(spec, kind: str, sae: tuple[int, int, int] | None) -> Cost:
         return Cost(kind, spec.name, n, transients + codes + n * width * 4 + BASE_BYTES + COMPUTE_BYTES, kept, to_layer + 2 * encode)
     # the change W_dec (z' − z) of the edited features: at most all F columns, as much as a decoding
     return Cost(kind, spec.name, n, transients + codes + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops + 2 * encode)
+
+
+def _ask_price(spec, shape) -> Cost:
+    """"ask" (see the module's doc) of a VLM whose vision tower is `spec`, asked as `shape` says."""
+    from vitviz.vlm.ask import answer_bytes
+
+    if shape is None:
+        raise ValueError('"ask" is priced with ask=, the AskShape of the question (VLM.ask_shape)')
+    s = shape
+    t, p, n = s.tokens, s.prompt_tokens, max(1, s.new_tokens)
+
+    def run(tokens: int, context: int) -> float:  # `tokens` new positions over `context` keys: multiply-adds x 2
+        return 2.0 * s.params * tokens + 4.0 * s.layers * s.width * tokens * context
+
+    if s.cache:
+        generate = run(p, p) + sum(run(1, p + i) for i in range(1, n))
+    else:
+        generate = sum(run(p + i, p + i) for i in range(n))
+    recorded = run(t, t)
+    # each token's backward to the attention: the projections' input gradients and the attention products (as "explain")
+    backward = n * 1.5 * recorded
+    relevance = n * s.layers * (s.heads + 2) * 2.0 * t * t  # (∇A ⊙ A)⁺ over the heads and a row through each layer
+    tower = forward_flops(spec)
+    attention = s.layers * s.heads * t * t * 4
+    activations = s.layers * t * (12 * s.width + 3 * s.mlp) * 4  # what the backward reads, layer by layer
+    logits = 2 * t * s.vocab * 4
+    kept = answer_bytes(n, s.layers, s.heads, s.image_tokens)
+    peak = 3 * attention + activations + logits + kept + attention_bytes(spec) + BASE_BYTES + COMPUTE_BYTES
+    return Cost("ask", spec.name, t, peak, kept, tower + generate + recorded + backward + relevance)

@@ -30,6 +30,8 @@ NEEDS: dict[str, str] = {
     # classes scored: a classifier's, or the labels an image-text model scored zero-shot
     "classes": "scores no classes: it has no classifier, and no labels were scored (an image–text model without its tokenizer)",
     # the filters of a patch embedding that reads pixels (the paper's Figure 7, left)
+    # a vision–language model's tower: a language model reads it, and answers questions about the image
+    "language": "is not a vision–language model: it has no language model to ask a question",
     "patch_filters": ("has a convolutional stem before its patches (a hybrid): its patch embedding reads the stem's feature "
                       "map, not pixels, so it has no filters to show as images"),
 }
@@ -67,6 +69,7 @@ class TokenLayout:
         labelled: an image–text model's analysis scored a label set zero-shot (its classes).
         patch_filters: the model's patch embedding is linear filters over the pixels of a patch (not
             over a convolutional stem's feature map, as a hybrid's is).
+        language: the model is the vision tower of a vision–language model (`VariantSpec.vlm`).
     """
 
     prefix_names: tuple[str, ...]
@@ -80,6 +83,7 @@ class TokenLayout:
     text: bool = False
     labelled: bool = False
     patch_filters: bool = True
+    language: bool = False
 
     def __post_init__(self) -> None:
         if not self.grids or any(len(g) != 2 or min(g) < 1 for g in self.grids):
@@ -119,6 +123,7 @@ class TokenLayout:
             "target": self.classifier or self.text,
             "classes": self.classifier or (self.text and self.labelled),
             "patch_filters": self.patch_filters,
+            "language": self.language,
         }
         return frozenset(name for name, ok in have.items() if ok)
 

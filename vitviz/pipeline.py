@@ -59,7 +59,8 @@ def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False, l
     c = spec.config
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
                        pooled_query=c.pooled_query, classifier=spec.has_head, position_embeddings=c.abs_pos_embed,
-                       position_bias=c.rel_pos_bias, rotary=c.rope, text=text, labelled=labelled, patch_filters=c.stem is None)
+                       position_bias=c.rel_pos_bias, rotary=c.rope, text=text, labelled=labelled, patch_filters=c.stem is None,
+                       language=spec.vlm is not None)
 
 
 @dataclass

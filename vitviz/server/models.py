@@ -67,6 +67,12 @@ def prune_hub_cache(repos: "OrderedDict[str, None]", *, max_bytes: int, keep: st
 
 
 def count_params(module: torch.nn.Module) -> int:
+    """The model's parameters; for a vision–language model's tower (holding its VLM as `vlm`), the
+    whole VLM's, its language model's included."""
+    whole = module.__dict__.get("vlm")
+    whole = getattr(whole, "model", whole)
+    if isinstance(whole, torch.nn.Module):
+        module = whole
     return sum(p.numel() for p in module.parameters())
 
 
