@@ -70,6 +70,7 @@ __all__ = [
     "RegisterNeurons", "register_neurons", "with_test_time_register",
     "Concepts", "ConceptMap", "load_concepts", "concept_map",
     "Answer", "ask",
+    "Clip", "VideoError", "load_video",
     "attention_received",
     "attention_rollout",
     "cls_map",
@@ -108,7 +109,7 @@ def __getattr__(name: str):
 
     if name in {"shapes", "sources", "server", "relevance", "faithfulness", "evaluate", "plots", "analysis", "hooks", "model",
                 "pipeline", "preprocess", "images", "imagetext", "summary", "explanations", "explainers", "layout", "dev", "config", "words",
-                "inside", "registers", "patching", "concepts", "vlm"}:
+                "inside", "registers", "patching", "concepts", "vlm", "clips"}:
         return importlib.import_module(f"vitviz.{name}")
     if name in {"Ablation", "Attribution", "ablate", "head_importance"}:  # vitviz.inside's, on first use as well
         return getattr(importlib.import_module("vitviz.inside"), name)
@@ -120,6 +121,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module("vitviz.concepts.browse"), name)
     if name in {"Answer", "ask"}:  # vitviz.vlm.ask's
         return getattr(importlib.import_module("vitviz.vlm.ask"), name)
+    if name in {"Clip", "VideoError", "load_video"}:  # vitviz.clips' (PyAV is imported only for MP4 and WebM)
+        return getattr(importlib.import_module("vitviz.clips"), name)
     if name.startswith("from_"):  # a plugin family's conversion, `from_<its library>` (`vitviz.sources` answers)
         try:
             return getattr(importlib.import_module("vitviz.sources"), name)

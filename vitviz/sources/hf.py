@@ -22,6 +22,21 @@ transformers reads it (the one nested in `processor_config.json`, else `preproce
 without either, ImageNet's mean and std at the config's image size, said in the spec's description
 and by a warning); the hub and its cache are never asked, so the repo id is only the model's name.
 
+A vision–language model's repository (`vitviz.sources.hf_vlm`, `vitviz.sources.hf_qwen`) loads as its
+vision tower. Where `vitviz.ask` asks the family (Idefics3, SmolVLM, LLaVA, Qwen2.5-VL: the
+`...ForConditionalGeneration` checkpoints, `vitviz.vlm.hf.HF_VLM_TYPES`) and the processor is at hand
+(an image processor and a tokenizer saved beside the weights, in the cache, or on a reachable hub), the
+whole VLM is loaded once (`vitviz.vlm.hf.load_vlm`), the tower converted from it, and the tower holds
+the VLM's adapter as `tower.__dict__["vlm"]` (not a submodule; its spec's `vlm` is the family): the
+adapter's model follows the tower's device and dtype on its first question, and a Qwen2.5-VL
+processor's `max_pixels` is the tower's square (448 x 448 px: 256 image tokens), the crop the app
+asks about, so that a question's price (`ask_shape`) is what runs. Without the processor (or, for
+SmolVLM's processor, without num2words) the tower loads alone, its `vlm` None and its description
+saying why it cannot be asked (and a warning). LLaVA-OneVision and Qwen3-VL load as their towers alone.
+
+    vitviz.load_model("hf:HuggingFaceTB/SmolVLM-256M-Instruct")   # the tower, holding SmolVLM
+    vitviz.ask(tower, "photo.jpg", "what is in the picture?")
+
 The source registers itself, and `ViT.from_transformers`, when this module is imported. The
 conversion of the modules once in hand (configs and state dicts) is `vitviz.sources.hf_convert`.
 """
@@ -32,7 +47,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,7 +70,10 @@ from vitviz.sources.hf_convert import (
 )
 from vitviz.sources.hf_qwen import QWEN_TYPES, load_qwen_tower, qwen_from_transformers, qwen_spec
 from vitviz.sources.hf_vlm import VLM_TYPES, tower_from_transformers, tower_spec, vlm_model_class
+from vitviz.sources.hf_common import _NOT_A_REPO, _is_repo_id, _saved_folder, _size, _transformers
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
+from vitviz.video.hf import VIDEO_TYPES, folder_video_processor, hub_video_processor, video_from_transformers, video_model_class, video_spec
+from vitviz.vlm.hf import HF_VLM_TYPES
 
 __all__ = [
     "CURATED",
@@ -72,14 +89,6 @@ __all__ = [
 _SWIN = ("swin", "swinv2")  # model types converted by vitviz.sources.swin
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 _RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, as image processors store them
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("Hugging Face models need transformers: pip install 'vitviz[hf]' (or pip install transformers)") from None
-    return transformers
 
 
 def preprocessing_from_processor(processor: Any, image_size: int) -> Preprocessing:
@@ -102,17 +111,6 @@ def preprocessing_from_processor(processor: Any, image_size: int) -> Preprocessi
         return Preprocessing(image_size=side, resize_size=short, mean=mean, std=std, interpolation=interpolation)
     side = size.get("height") or size.get("shortest_edge") or image_size
     return Preprocessing(image_size=side, mode="squash", mean=mean, std=std, interpolation=interpolation)
-
-
-def _size(value: Any, key: str) -> dict[str, int]:
-    """An image processor's size (a dict, transformers' SizeDict, or one number) as a dict."""
-    if value is None:
-        return {}
-    if isinstance(value, (int, float)):
-        return {key: int(value), "width": int(value)} if key == "height" else {key: int(value)}
-    keys = ("height", "width", "shortest_edge", "longest_edge")
-    get = value.get if isinstance(value, dict) else (lambda k: getattr(value, k, None))
-    return {k: int(get(k)) for k in keys if get(k)}
 
 
 def _spec(
@@ -144,9 +142,10 @@ def _spec(
     )
 
 
-# The image–text repositories the app's menu offers by name, with what is known of them before any
-# download (their config.json and preprocessor_config.json as published), so that the menu lists them
-# offline: repo -> (model type, config overrides of transformers' defaults, image processor).
+# The repositories the app's menu offers by name (image–text models, and vision–language models
+# asked in the Ask tab), with what is known of them before any download (their config.json and
+# preprocessor_config.json as published), so that the menu lists them offline: repo -> (model type,
+# config overrides of transformers' defaults, image processor).
 _CLIP_PIXELS = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
 CURATED: dict[str, tuple[str, dict, dict]] = {
     "openai/clip-vit-base-patch16": (
@@ -162,18 +161,61 @@ CURATED: dict[str, tuple[str, dict, dict]] = {
         "siglip2", dict(text_config=dict(vocab_size=256000)),
         dict(max_num_patches=256, patch_size=16, resample=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
     ),
+    # SmolVLM-256M: SigLIP B/16 at 512 px, pixel-shuffled 4 x 4 into 64 tokens, SmolLM2-135M (Apache 2.0)
+    "HuggingFaceTB/SmolVLM-256M-Instruct": (
+        "idefics3",
+        dict(vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512,
+                                patch_size=16),
+             text_config=dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                              num_key_value_heads=3, head_dim=64, vocab_size=49280, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                              tie_word_embeddings=False),
+             scale_factor=4, image_token_id=49190, tie_word_embeddings=False),
+        dict(max_image_size={"longest_edge": 512}, size={"longest_edge": 2048}, resample=1, image_mean=[0.5, 0.5, 0.5],
+             image_std=[0.5, 0.5, 0.5]),
+    ),
+    # Qwen2.5-VL 3B: a 32-block windowed tower, merged 2 x 2, and a 36-layer language model (Qwen research licence)
+    "Qwen/Qwen2.5-VL-3B-Instruct": (
+        "qwen2_5_vl",
+        dict(vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, window_size=112,
+                                fullatt_block_indexes=[7, 15, 23, 31], out_hidden_size=2048, spatial_merge_size=2, temporal_patch_size=2),
+             text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                              vocab_size=151936, tie_word_embeddings=True),
+             tie_word_embeddings=True),
+        dict(min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2, temporal_patch_size=2, **_CLIP_PIXELS),
+    ),
 }
+# the menu's line of each curated vision–language model
+_CURATED_VLM_WORDS = {
+    "HuggingFaceTB/SmolVLM-256M-Instruct": "SmolVLM-256M, a vision–language model small enough for a CPU: ask it about the image in the "
+                                           "Ask tab; the other tabs show its SigLIP B/16 tower at 512 px",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "Qwen2.5-VL 3B, a vision–language model for a GPU: ask it about the image in the Ask tab; the other "
+                                   "tabs show its 32-block windowed tower at 448 px",
+}
+_CONFIGS = {"clip": "CLIPConfig", "siglip": "SiglipConfig", "siglip2": "Siglip2Config", "idefics3": "Idefics3Config",
+            "qwen2_5_vl": "Qwen2_5_VLConfig"}
+
+
+def _curated_config(repo: str) -> Any:
+    """The transformers config of a curated repository, from what is known of it (`CURATED`)."""
+    kind, overrides, _ = CURATED[repo]
+    return getattr(_transformers(), _CONFIGS[kind])(**overrides)
 
 
 def _curated_spec(repo: str) -> VariantSpec:
     """The spec of a curated repository from its known config (transformers' classes' defaults are
-    those of the base models: CLIP ViT-B/32, SigLIP B/16 at 224 px, SigLIP 2 B/16 NaFlex)."""
-    transformers = _transformers()
-    kind, overrides, processor = CURATED[repo]
-    cfg = {"clip": transformers.CLIPConfig, "siglip": transformers.SiglipConfig, "siglip2": transformers.Siglip2Config}[kind](**overrides)
-    model = SimpleNamespace(config=cfg)  # an image–text model's ViTConfig and spec read its config alone
-    return _spec(model, config_from_transformers(model), name=f"hf:{repo}", weights=f"Hugging Face {repo}", processor=processor,
-                 locator=repo)
+    those of the base models: CLIP ViT-B/32, SigLIP B/16 at 224 px, SigLIP 2 B/16 NaFlex); a
+    vision–language model's is its tower's, asked (`VariantSpec.vlm`), with its menu line."""
+    kind, _, processor = CURATED[repo]
+    cfg = _curated_config(repo)
+    where = dict(name=f"hf:{repo}", weights=f"Hugging Face {repo}", processor=processor, locator=repo)
+    if kind in QWEN_TYPES:
+        spec = qwen_spec(cfg, **where)
+    elif kind in VLM_TYPES:
+        spec = tower_spec(cfg, **where)
+    else:
+        model = SimpleNamespace(config=cfg)  # an image–text model's ViTConfig and spec read its config alone
+        return _spec(model, config_from_transformers(model), **where)
+    return dataclasses.replace(spec, vlm=kind, description=f"Hugging Face {repo}: {_CURATED_VLM_WORDS[repo]}")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -215,31 +257,6 @@ def _noted(spec: VariantSpec, processor: dict | None) -> VariantSpec:
     return dataclasses.replace(spec, description=f"{spec.description}; {NO_PROCESSOR}")
 
 
-def _saved_folder(weights_path: str, name: str) -> Path:
-    """`weights_path` as a folder saved with `save_pretrained` (absolute), or a clear error."""
-    folder = Path(weights_path).expanduser().absolute()
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"weights_path for {name} is a folder saved with save_pretrained (config.json beside the weights); {folder} "
-            + ("has no config.json" if folder.is_dir() else "is not a folder")
-        )
-    return folder
-
-
-_REPO_PART = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
-_NOT_A_REPO = (
-    "hf:<repo id> takes a Hugging Face repository id such as google/vit-base-patch16-224 (an owner and a name, or a name: "
-    "letters, digits, -, _ and ., at most 96 characters each), optionally with @<pixels>; a model saved on disk loads "
-    "with load_model('hf:<its repo id>', weights_path=<folder>)"
-)
-
-
-def _is_repo_id(repo: str) -> bool:
-    """Whether `repo` is a hub repository id: never a path, so nothing on this machine is looked up by it."""
-    parts = repo.split("/")
-    return len(parts) <= 2 and all(_REPO_PART.fullmatch(p) and ".." not in p and "--" not in p for p in parts)
-
-
 def _split(name: str) -> tuple[str, int | None]:
     """"hf:<repo id>[@<size>]" -> (<repo id>, size), checked before anything is fetched or opened."""
     rest = name.removeprefix("hf:")
@@ -247,6 +264,56 @@ def _split(name: str) -> tuple[str, int | None]:
     if not _is_repo_id(repo):
         raise ValueError(_NOT_A_REPO)
     return repo, split_size(name)[1]
+
+
+ASKED = "a vision–language model: its language model answers questions about the image (vitviz.ask, the app's Ask tab)"
+NOT_ASKED = ("no processor saved (an image processor and a tokenizer): the tower alone, which vitviz.ask cannot ask "
+             "(it needs the processor)")
+_WHOLE_PARAMS: dict[str, int] = {}  # a hub repository -> its whole VLM's parameters (`HuggingFaceSource.num_params`)
+
+
+def _ask_family(cfg: Any) -> str | None:
+    """The family `vitviz.ask` asks of a checkpoint of this config (its model type, `HF_VLM_TYPES`), or
+    None: another model type, or a checkpoint of the bare `...Model` (no language-model head)."""
+    kind = getattr(cfg, "model_type", None)
+    archs = getattr(cfg, "architectures", None) or []
+    if kind not in HF_VLM_TYPES or (archs and all(a.endswith("Model") for a in archs)):
+        return None
+    return kind
+
+
+def _asked(spec: VariantSpec, cfg: Any, *, at_hand: bool) -> VariantSpec:
+    """A VLM tower's spec with its `vlm` the family `vitviz.ask` asks, where the processor is
+    `at_hand` and can be made; else its description (and a warning) saying why the tower loads alone
+    (no processor saved; SmolVLM's processor without num2words)."""
+    family = _ask_family(cfg)
+    if family is None:
+        return spec
+    why = None if at_hand else NOT_ASKED
+    if why is None and family == "smolvlm" and not _transformers().utils.is_num2words_available():
+        why = "its processor (SmolVLMProcessor) needs num2words (pip install num2words): the tower alone, which vitviz.ask cannot ask"
+    if why is None:
+        return dataclasses.replace(spec, vlm=family, description=f"{spec.description}; {ASKED}")
+    warnings.warn(f"{spec.name}: {why}", stacklevel=3)
+    return dataclasses.replace(spec, description=f"{spec.description}; {why}")
+
+
+def _holding_vlm(ours: ViT, model: nn.Module, processor: Any) -> ViT:
+    """`ours`, the vision tower converted from the VLM `model`, holding the VLM's adapter as
+    `ours.__dict__["vlm"]` (`vitviz.vlm.hf.hf_vlm(model, processor, tower=ours)`: the model stays
+    where it is) and its spec's `vlm` the family, where `vitviz.ask` asks `model` and `processor` is a
+    whole processor (with a tokenizer); else `ours` as it is."""
+    if processor is None or getattr(processor, "tokenizer", None) is None or _ask_family(model.config) is None:
+        return ours
+    from vitviz.vlm.hf import hf_vlm
+
+    try:
+        vlm = hf_vlm(model, processor, tower=ours)
+    except TypeError:  # a model of another class than the family's `...ForConditionalGeneration`
+        return ours
+    ours.spec = dataclasses.replace(ours.spec, vlm=vlm.family)
+    ours.__dict__["vlm"] = vlm
+    return ours
 
 
 def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any = None) -> ViT | ImageTextModel:
@@ -259,12 +326,19 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
     spec is its image tower's (no classes) and its `tokenizer` the one given (else None).
 
     A Qwen2.5-VL or Qwen3-VL model (or its vision model) becomes its vision tower,
-    `vitviz.sources.hf_qwen.QwenVisionTower`.
+    `vitviz.sources.hf_qwen.QwenVisionTower`; an Idefics3, SmolVLM, LLaVA or LLaVA-OneVision model its
+    vision tower (`vitviz.sources.hf_vlm`). Given the whole processor (with its tokenizer) of a model
+    `vitviz.ask` asks (Idefics3, SmolVLM, LLaVA, Qwen2.5-VL `...ForConditionalGeneration`), the tower
+    holds the model's adapter (`vitviz.vlm.hf.hf_vlm`; the model is not moved) and its spec's `vlm` is
+    the family, so that `vitviz.ask(tower, ...)` asks the model.
     """
+    if getattr(model.config, "model_type", None) in VIDEO_TYPES:  # a video transformer: vitviz.video.hf (a VideoViT)
+        return video_from_transformers(model, processor=processor)
     if getattr(model.config, "model_type", None) in QWEN_TYPES:  # Qwen-VL's vision tower: vitviz.sources.hf_qwen
-        return qwen_from_transformers(model, processor=processor)
+        image_processor = getattr(processor, "image_processor", None) or processor
+        return _holding_vlm(qwen_from_transformers(model, processor=image_processor), model, processor)
     if getattr(model.config, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
-        return tower_from_transformers(model, processor=processor)
+        return _holding_vlm(tower_from_transformers(model, processor=processor), model, processor)
     if getattr(model.config, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
         from vitviz.sources.swin import swin_from_transformers
         return swin_from_transformers(model, preprocessing=preprocessing_from_processor(processor, model.config.image_size))
@@ -293,8 +367,8 @@ class HuggingFaceSource(WeightsSource):
     hub = True
 
     def specs(self) -> list[VariantSpec]:
-        """The curated image–text models (`CURATED`); any other repository by name ("hf:<repo id>"),
-        whose config is only known once fetched."""
+        """The curated image–text and vision–language models (`CURATED`); any other repository by name
+        ("hf:<repo id>"), whose config is only known once fetched."""
         try:
             _transformers()
         except ImportError:
@@ -313,16 +387,26 @@ class HuggingFaceSource(WeightsSource):
         if weights_path is None:
             cfg = self._config(repo)
             where = dict(weights=f"Hugging Face {repo}", processor=self._processor(repo), locator=repo)
+            folder = None
         else:
             folder = _saved_folder(weights_path, name)
             cfg = _transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
             where = dict(weights=f"saved with save_pretrained in {folder}", processor=image_processor_config(lambda f: _read_json(folder / f)),
                          locator=str(folder), saved_in=folder.name)
+        if getattr(cfg, "model_type", None) in VIDEO_TYPES:  # a video transformer: vitviz.video.hf (a VideoSpec)
+            processor = folder_video_processor(folder) if folder is not None else hub_video_processor(repo) or where["processor"]
+            spec = video_spec(cfg, name=name, weights=where["weights"], processor=processor, locator=where["locator"],
+                              saved_in=where.get("saved_in", ""))
+            return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) in QWEN_TYPES:  # Qwen-VL's vision tower: vitviz.sources.hf_qwen
             spec = qwen_spec(cfg, name=name, **where)
-            return spec.at(size) if size else spec
-        if getattr(cfg, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
+        elif getattr(cfg, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
             spec = tower_spec(cfg, name=name, **where)
+        else:
+            spec = None
+        if spec is not None:  # a VLM's tower, asked where its processor is at hand (an image processor and a tokenizer)
+            at_hand = _ask_family(cfg) is not None and where["processor"] is not None and self._has_tokenizer(repo, folder)
+            spec = _asked(spec, cfg, at_hand=at_hand)
             return spec.at(size) if size else spec
         if getattr(cfg, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
             from vitviz.sources.swin import swin_spec_from_transformers
@@ -342,6 +426,8 @@ class HuggingFaceSource(WeightsSource):
     def _model_class(cfg):
         transformers = _transformers()
         archs = getattr(cfg, "architectures", None) or []
+        if cfg.model_type in VIDEO_TYPES:  # the encoder, or its video classifier: vitviz.video.hf
+            return video_model_class(cfg)
         if cfg.model_type in VLM_TYPES:  # the whole VLM; `convert` keeps its vision tower
             return vlm_model_class(cfg)
         if cfg.model_type in _SWIN:  # SwinModel, SwinForImageClassification, Swinv2Model, Swinv2ForImageClassification
@@ -372,6 +458,14 @@ class HuggingFaceSource(WeightsSource):
             return None
 
     @staticmethod
+    def _has_tokenizer(repo: str, folder: Path | None) -> bool:
+        """Whether a tokenizer is at hand: saved in `folder`, or for a repository in the hub's cache or
+        on the hub when it can be reached."""
+        if folder is not None:
+            return any((folder / f).is_file() for f in _TOKENIZER_FILES)
+        return cached_file(repo, _TOKENIZER_FILES) is not None or (not hub_offline() and hub_reachable())
+
+    @staticmethod
     def _processor(repo: str) -> dict | None:
         """The repository's image processor settings (`image_processor_config`), from the cache or,
         online, the hub."""
@@ -399,10 +493,34 @@ class HuggingFaceSource(WeightsSource):
     def reachable(self) -> bool:
         return hub_reachable()
 
+    def num_params(self, spec: VariantSpec) -> int:
+        """The tower's parameters; for a VLM's tower that holds its VLM (`spec.vlm`), the whole VLM's,
+        counted on the model built without memory ("meta") from its config (a curated model's known one,
+        else the one in the hub's cache or the saved folder), once per hub repository."""
+        if spec.vlm not in HF_VLM_TYPES:
+            return super().num_params(spec)
+        key = spec.locator
+        if key in _WHOLE_PARAMS:
+            return _WHOLE_PARAMS[key]
+        transformers = _transformers()
+        try:
+            cfg = _curated_config(key) if key in CURATED else transformers.AutoConfig.from_pretrained(key, local_files_only=True)
+        except (OSError, ValueError):  # the config is gone: the tower's count (a loaded model is counted whole again)
+            return super().num_params(spec)
+        if getattr(cfg, "model_type", None) not in HF_VLM_TYPES:
+            return super().num_params(spec)
+        with torch.device("meta"):
+            model = getattr(transformers, HF_VLM_TYPES[cfg.model_type])._from_config(cfg)
+        count = sum(p.numel() for p in model.parameters())
+        if not os.path.isabs(key):  # a folder of the user's may hold another model later
+            _WHOLE_PARAMS[key] = count
+        return count
+
     def load(self, spec: VariantSpec, *, weights_path: str | None = None, progress: bool = True) -> ViT | ImageTextModel:
         """The model from the hub (through its cache), or with `weights_path` from a folder saved
         with `save_pretrained`, read alone (`local_files_only`); an image–text model with the
-        tokenizer found beside its weights (None where there is none)."""
+        tokenizer found beside its weights (None where there is none); a VLM's tower that holds its VLM
+        where `spec.vlm` says so (`_load_asked`)."""
         repo, _ = _split(spec.name)
         if weights_path is not None:
             source = str(_saved_folder(weights_path, spec.name))
@@ -415,6 +533,8 @@ class HuggingFaceSource(WeightsSource):
                 why = "VITVIZ_OFFLINE or HF_HUB_OFFLINE is set" if hub_offline() else "huggingface.co cannot be reached"
                 raise WeightsUnavailableError(missing_message(spec.name, repo, why, weights_path_hint="a folder saved with save_pretrained"))
             cfg = self._config(repo)
+        if spec.vlm in HF_VLM_TYPES:  # the whole VLM, asked: its tower holds it
+            return self._load_asked(spec, repo, weights_path)
         if getattr(cfg, "model_type", None) in QWEN_TYPES:  # the vision tower's weights alone: vitviz.sources.hf_qwen
             ours = load_qwen_tower(cfg, source, name=spec.name, local=local)
             ours.spec = spec
@@ -436,6 +556,26 @@ class HuggingFaceSource(WeightsSource):
                 ours.labels = _imagenet_categories()
         ours.spec = spec  # the spec `resolve` read (with its image processor); the converted one has none
         return ours
+
+    @staticmethod
+    def _load_asked(spec: VariantSpec, repo: str, weights_path: str | None) -> ViT:
+        """The whole VLM and its processor, loaded once (`vitviz.vlm.hf.load_vlm`, frozen), its vision
+        tower converted from it, holding its adapter as `tower.__dict__["vlm"]`: the adapter's model
+        follows the tower's device and dtype when a prompt is made (`load_model` moves the tower alone);
+        a Qwen2.5-VL processor is bounded to the tower's square (`fit_pixels(S * S)`, S the spec's image
+        size: 448 px, 256 image tokens), the crop the app asks about, so that `ask_shape` prices what runs."""
+        from vitviz.vlm.hf import hf_vlm, load_vlm
+
+        whole = load_vlm(repo, weights_path=weights_path)
+        model = whole.model.requires_grad_(False)
+        ours = from_transformers(model)  # the tower alone (no processor: nothing attached here)
+        ours.spec = spec
+        vlm = hf_vlm(model, whole.processor, tower=ours, follow=True)
+        vlm.name = repo
+        if hasattr(vlm, "fit_pixels"):
+            vlm.fit_pixels(spec.preprocessing.image_size ** 2)
+        ours.__dict__["vlm"] = vlm
+        return ours.eval()
 
     def convert(self, model: nn.Module, *, processor: Any = None, **options) -> ViT | ImageTextModel:
         return from_transformers(model, processor=processor, **options)

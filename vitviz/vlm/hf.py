@@ -26,6 +26,11 @@ with the connector's outputs in order; in each family that order is row-major ov
 `Prompt.image` is what the tower saw: the pixel values with the processor's normalisation undone
 (Qwen2.5-VL's patches put back on their grid), as uint8.
 
+An adapter made for a vitviz tower (`hf_vlm(model, processor, tower=..., follow=True)`, as
+`vitviz.load_model` makes it) moves its model to the tower's device and dtype whenever a prompt is
+made and they differ: `load_model` moves the tower alone, and the model (which holds its own copy of
+the tower's weights) follows on its first question.
+
 The language model's attention comes from the model's eager attention (`output_attentions=True`): the
 softmax each layer multiplies the values with. A model loaded with another implementation (sdpa, flash)
 is switched to eager for the duration of `forward` only and switched back after (`set_attn_implementation`
@@ -41,6 +46,7 @@ way the tokenizer marks it ("Ġ", "▁" or a word-level join).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,7 +72,7 @@ _SEQUENCE_INPUTS = {"attention_mask": 1, "mm_token_type_ids": 0, "token_type_ids
 
 
 def _transformers():
-    from vitviz.sources.hf import _transformers as imported
+    from vitviz.sources.hf_common import _transformers as imported
 
     return imported()
 
@@ -159,7 +165,7 @@ def _shown(pixels: torch.Tensor, image_processor: Any) -> np.ndarray:
 
 def _sized(value: Any) -> dict[str, int]:
     """An image processor's size (a dict, transformers' SizeDict, or one number) as a dict."""
-    from vitviz.sources.hf import _size
+    from vitviz.sources.hf_common import _size
 
     return _size(value, "height")
 
@@ -178,12 +184,14 @@ class HFVLM(VLM):
         processor: its processor (tokenizer and image processor).
         family: its model type.
         eos_ids: the ids that end its generation (its generation config's, else its tokenizer's).
+        follow: the model moves to the vitviz tower's device and dtype when a prompt is made
+            (module docstring).
     """
 
     placeholder = "<image>"  # what stands for the image in a prompt without a chat template
     processor_kwargs: dict[str, Any] = {}
 
-    def __init__(self, model: nn.Module, processor: Any) -> None:
+    def __init__(self, model: nn.Module, processor: Any, *, tower: nn.Module | None = None, follow: bool = False) -> None:
         self.model = model
         self.processor = processor
         self.family = model.config.model_type
@@ -198,8 +206,9 @@ class HFVLM(VLM):
         if eos is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]))
-        self._tower: nn.Module | None = None
-        self._tower_done = False
+        self._tower: nn.Module | None = tower
+        self._tower_done = tower is not None
+        self.follow = bool(follow) and tower is not None
         anchor = self.tokenizer.encode("a", add_special_tokens=False)
         self._anchor = int(anchor[0]) if anchor else None
 
@@ -208,14 +217,39 @@ class HFVLM(VLM):
         """The vision tower as a vitviz model (`vitviz.from_transformers`, converted on first use), or
         None where vitviz does not convert this family's tower."""
         if not self._tower_done:
-            from vitviz.sources.hf import from_transformers
+            from vitviz.sources.hf_qwen import QWEN_TYPES, qwen_from_transformers
+            from vitviz.sources.hf_vlm import VLM_TYPES, tower_from_transformers
 
+            kind = getattr(self.model.config, "model_type", None)
             try:
-                self._tower = from_transformers(self.model, processor=self.processor)
+                if kind in QWEN_TYPES:
+                    image_processor = getattr(self.processor, "image_processor", None) or self.processor
+                    self._tower = qwen_from_transformers(self.model, processor=image_processor)
+                elif kind in VLM_TYPES:
+                    self._tower = tower_from_transformers(self.model, processor=self.processor)
+                else:
+                    self._tower = None
             except (NotImplementedError, ValueError):
                 self._tower = None
+            if self._tower is not None:  # the tower holds this adapter
+                self._tower.spec = dataclasses.replace(self._tower.spec, vlm=self.family)
+                self._tower.__dict__["vlm"] = self
             self._tower_done = True
         return self._tower
+
+    def _follow_tower(self) -> None:
+        """With `follow`: the model's parameters on the tower's device and dtype; its float32 buffers
+        (rotary frequencies) stay float32, as transformers keeps them in a half-precision model."""
+        if not self.follow:
+            return
+        want = next(self._tower.parameters(), None)
+        have = next(self.model.parameters(), None)
+        if want is None or have is None or (have.device, have.dtype) == (want.device, want.dtype):
+            return
+        kept = [(m, k, b) for m in self.model.modules() for k, b in m._buffers.items() if b is not None and b.dtype == torch.float32]
+        self.model.to(device=want.device, dtype=want.dtype)
+        for module, key, buffer in kept:
+            module._buffers[key] = buffer.to(want.device)
 
     @property
     def parameters_count(self) -> int:
@@ -267,6 +301,7 @@ class HFVLM(VLM):
     def prompt(self, image: Any, question: str) -> Prompt:
         """The prompt for `question` about `image` (a path, PIL image or uint8 array), through the
         processor (module docstring)."""
+        self._follow_tower()
         inputs = self._inputs(_pil(image), question)
         ids = inputs.pop("input_ids")[0]
         positions = (ids == self.image_token_id).nonzero().flatten()
@@ -359,6 +394,25 @@ class _Qwen25(HFVLM):
         x = x.permute(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p)
         return (gh // m, gw // m), m, _shown(x, self.processor.image_processor), slice(None)
 
+    def fit_pixels(self, area: int) -> None:
+        """The processor bounded to `area` pixels an image (`max_pixels`, its size's "longest_edge"; the
+        least, `min_pixels`, lowered to it where it was above): an image of that area or less keeps its
+        size (rounded to multiples of a merge unit's pixels, 28 px), a larger one is shrunk to it, so that
+        `ask_shape` prices what runs."""
+        ip = self.processor.image_processor
+        area = int(area)
+        size = getattr(ip, "size", None)
+        least = min(int(_sized(size).get("shortest_edge") or getattr(ip, "min_pixels", None) or area), area)
+        if isinstance(size, dict):
+            ip.size = dict(size, longest_edge=area, shortest_edge=least)
+        elif dataclasses.is_dataclass(size):
+            ip.size = dataclasses.replace(size, longest_edge=area, shortest_edge=least)
+        else:
+            ip.size = {"longest_edge": area, "shortest_edge": least}
+        for attr, value in (("max_pixels", area), ("min_pixels", least)):
+            if getattr(ip, attr, None) is not None:
+                setattr(ip, attr, value)
+
     def _most_image_tokens(self) -> int:
         ip = self.processor.image_processor
         most = getattr(ip, "max_pixels", None) or _sized(getattr(ip, "size", None)).get("longest_edge")
@@ -393,15 +447,20 @@ class _Llava(HFVLM):
 _ADAPTERS: dict[str, type[HFVLM]] = {"idefics3": _Idefics3, "smolvlm": _Idefics3, "qwen2_5_vl": _Qwen25, "llava": _Llava}
 
 
-def hf_vlm(model: nn.Module, processor: Any = None) -> HFVLM:
+def hf_vlm(model: nn.Module, processor: Any = None, *, tower: nn.Module | None = None, follow: bool = False) -> HFVLM:
     """A transformers VLM as a `VLM` (module docstring), with `processor` (else the one attached as
-    `model.processor`); a TypeError for a model of another class, a ValueError without a processor."""
+    `model.processor`); a TypeError for a model of another class, a ValueError without a processor.
+
+    Args:
+        tower: the model's vision tower as a vitviz model (`HFVLM.tower`), when one is in hand.
+        follow: the model moves to `tower`'s device and dtype when a prompt is made (module docstring).
+    """
     family = _family(model)
     processor = processor if processor is not None else getattr(model, "processor", None)
     if processor is None:
         raise ValueError(f"asking a {type(model).__name__} needs its processor (a {_PROCESSORS[family]}): pass "
                          "hf_vlm(model, processor) or set model.processor")
-    return _ADAPTERS[family](model, processor)
+    return _ADAPTERS[family](model, processor, tower=tower, follow=follow)
 
 
 def load_vlm(repo: str, weights_path: str | Path | None = None) -> HFVLM:
@@ -415,7 +474,7 @@ def load_vlm(repo: str, weights_path: str | Path | None = None) -> HFVLM:
         weights_path: a folder saved with `save_pretrained`.
     """
     from vitviz.sources.base import WeightsUnavailableError
-    from vitviz.sources.hf import _is_repo_id, _saved_folder
+    from vitviz.sources.hf_common import _is_repo_id, _saved_folder
     from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 
     transformers = _transformers()

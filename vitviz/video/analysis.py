@@ -1,0 +1,224 @@
+"""Space-time readings of a video transformer's attention (`VideoAttention`, one clip).
+
+Tokens: p prefix tokens (the cls token, where there is one), then the patches of the (t, h, w) grid
+frame by frame, row by row: patch (t, y, x) is token p + t*h*w + y*w + x, N = p + t*h*w. A map over
+a clip is [t, h, w].
+
+Rollout (Abnar & Zuidema 2020) for every model as vitviz's image rollout: each attention step is
+A ↦ Â = 0.5·A + 0.5·I (the residual stream's equal share; rows of A sum to 1, so this is rownorm(A + I)),
+heads fused first (mean by default), and R = Â_L ··· Â_1. For TimeSformer's divided attention, each
+block is two such steps, each an N x N matrix (`space_time_rollout`).
+
+Gradient relevance (Chefer et al. 2021) of a joint-attention model with a head, as vitviz's image
+rule over all N tokens (`space_time_relevance`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vitviz import steps
+from vitviz.analysis import HeadFusion, Query, attention_rollout, fuse_heads, query_row
+from vitviz.hooks import record_attention
+from vitviz.relevance import gradient_relevance
+from vitviz.video.model import VideoAttention, VideoViT
+
+__all__ = [
+    "space_time_rollout",
+    "divided_step_matrices",
+    "frame_maps",
+    "attention_across_frames",
+    "mean_attention_distance_space_time",
+    "token_coordinates",
+    "space_time_relevance",
+]
+
+
+def token_coordinates(grid: tuple[int, int, int], device: torch.device | str | None = None) -> torch.Tensor:
+    """(t, y, x) of each patch token, frame by frame, row by row: [t*h*w, 3], long."""
+    t, h, w = grid
+    tt, yy, xx = torch.meshgrid(torch.arange(t, device=device), torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+    return torch.stack([tt.flatten(), yy.flatten(), xx.flatten()], dim=-1)
+
+
+def divided_step_matrices(time: torch.Tensor, space: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One divided block's two token-mixing matrices, [N, N] each (N = 1 + t*h*w), heads already fused.
+
+    Args:
+        time: [h*w, t, t], the time attention at each position s = y*w + x.
+        space: [t, 1 + h*w, 1 + h*w], the space attention in each frame (the cls token first).
+
+    Returns:
+        (T, S): T[(t, s), (t', s)] = time[s, t, t'], zero elsewhere in a patch's row; T's cls row is e_0
+        (the cls token skips the time attention). S[(t, s), 0] = space[t, 1 + s, 0],
+        S[(t, s), (t, s')] = space[t, 1 + s, 1 + s'] (a patch attends within its own frame and to the cls
+        token); S's cls row is the mean over frames of its rows there: S[0, 0] = mean_t space[t, 0, 0],
+        S[0, (t, s')] = space[t, 0, 1 + s'] / t (its t outputs are averaged). Rows of both sum to 1.
+    """
+    t, h, w = grid
+    s = h * w
+    n = 1 + t * s
+    index = 1 + torch.arange(t * s, device=time.device).reshape(t, s)  # index[t, s]: the token of patch s of frame t
+    steps_t = torch.zeros(n, n, dtype=time.dtype, device=time.device)
+    steps_t[0, 0] = 1.0
+    rows = index[:, None, :].expand(t, t, s)  # [t, t', s]: query (t, s)
+    cols = index[None, :, :].expand(t, t, s)  # [t, t', s]: key (t', s)
+    steps_t[rows, cols] = time.permute(1, 2, 0)  # time[s, t, t'] at [t, t', s]
+    steps_s = torch.zeros(n, n, dtype=space.dtype, device=space.device)
+    frame_cols = torch.cat([torch.zeros(t, 1, dtype=torch.long, device=space.device), index], dim=1)  # [t, 1 + s]
+    steps_s[index[:, :, None].expand(t, s, 1 + s), frame_cols[:, None, :].expand(t, s, 1 + s)] = space[:, 1:, :]
+    steps_s[0, 0] = space[:, 0, 0].mean()
+    steps_s[0, index.flatten()] = (space[:, 0, 1:] / t).flatten()
+    return steps_t, steps_s
+
+
+def space_time_rollout(attention: VideoAttention, *, head_fusion: HeadFusion = "mean") -> torch.Tensor:
+    """Attention rollout over all N tokens of a clip: R [N, N], R[i, j] how much token i after the last
+    block draws on token j at the input; rows sum to 1.
+
+    Joint attention: vitviz's rollout (`vitviz.analysis.attention_rollout`): R = Â_L ··· Â_1, Â = 0.5·A + 0.5·I
+    of the head-fused attention.
+
+    Divided attention (TimeSformer): each block is a time step then a space step, each an N x N matrix
+    (`divided_step_matrices`, from the heads fused per module):
+
+        T_l: a patch's row is the time attention over the tokens at its own position (y, x) in every
+             frame; the cls token's row is e_0, since the cls token skips the time attention
+        S_l: a patch's row is its frame's space attention, over the cls token and that frame's patches;
+             the cls token's row is the average over the t frames of its row in each frame's space
+             attention, since its t outputs are averaged
+
+    each with its residual, T̂ = 0.5·T + 0.5·I and Ŝ = 0.5·S + 0.5·I, and R = Ŝ_L T̂_L ··· Ŝ_1 T̂_1 (the time
+    step first in each block, as in the forward). The cls token's time row gives T̂'s cls row e_0. For a
+    single frame (t = 1) every T_l is the identity and S_l the frame's attention, so R is the image rollout.
+    The residuals' equal weights are the rollout's convention, not the model's (whose branches carry
+    their own projections and norms).
+    """
+    if attention.kind == "joint":
+        return attention_rollout(attention.joint, head_fusion=head_fusion, num_prefix_tokens=attention.num_prefix_tokens)
+    n = attention.num_tokens
+    eye = torch.eye(n, dtype=attention.space.dtype, device=attention.space.device)
+    rollout = eye.clone()
+    for time, space in zip(attention.time, attention.space):
+        t_step, s_step = divided_step_matrices(fuse_heads(time, head_fusion, dim=0), fuse_heads(space, head_fusion, dim=0), attention.grid)
+        rollout = (0.5 * s_step + 0.5 * eye) @ ((0.5 * t_step + 0.5 * eye) @ rollout)
+        steps.step()
+    return rollout
+
+
+def frame_maps(rollout: torch.Tensor, grid: tuple[int, int, int], query: Query = 0) -> torch.Tensor:
+    """The query's row of a token-by-token matrix over the patches, frame by frame: [t, h, w].
+
+    Args:
+        rollout: [N, N] (a rollout, or one layer's head-fused attention), N = p + t*h*w.
+        query: a token's index (0 the cls token, where there is one), or "pool": the mean of the patches' rows.
+
+    The maps sum to 1 − (the row's weight on the prefix tokens) for a matrix whose rows sum to 1.
+    """
+    t, h, w = grid
+    if rollout.ndim != 2 or rollout.shape[0] != rollout.shape[1] or rollout.shape[-1] < t * h * w:
+        raise ValueError(f"rollout must be [N, N] with N >= {t * h * w} for the grid {tuple(grid)}, got {list(rollout.shape)}")
+    p = rollout.shape[-1] - t * h * w
+    return query_row(rollout, query=query, num_prefix_tokens=p)[p:].reshape(t, h, w)
+
+
+def attention_across_frames(attention: VideoAttention, layer: int, query_t: int, query_y: int, query_x: int) -> torch.Tensor:
+    """Where patch (query_t, query_y, query_x) looks in one layer, every head: [H, t, h, w].
+
+    Joint attention: the token's row over the patches (the prefix columns left out), frame by frame.
+
+    Divided attention: the block's two attentions in one map. Frame query_t holds the space attention
+    of the query over its own frame's patches (the cls column left out); every other frame t' is zero but
+    at (query_y, query_x), where it holds the time attention from the query's frame to frame t' at that
+    position (the time attention's weight on the query's own frame is 1 − the sum of those).
+    """
+    t, h, w = attention.grid
+    if not (0 <= layer < attention.depth and 0 <= query_t < t and 0 <= query_y < h and 0 <= query_x < w):
+        raise ValueError(f"layer {layer} and patch ({query_t}, {query_y}, {query_x}) must lie within {attention.depth} layers "
+                         f"and the grid {t}x{h}x{w}")
+    p, s = attention.num_prefix_tokens, query_y * w + query_x
+    if attention.kind == "joint":
+        return attention.joint[layer, :, p + query_t * h * w + s, p:].reshape(-1, t, h, w)
+    heads = attention.space.shape[1]
+    out = attention.space.new_zeros(heads, t, h * w)
+    out[:, :, s] = attention.time[layer, :, s, query_t, :]
+    out[:, query_t] = attention.space[layer, :, query_t, p + s, p:]
+    return out.reshape(heads, t, h, w)
+
+
+def _weighted_mean(attn: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """mean over queries of Σ_j A_ij d_ij / Σ_j A_ij: [..., M, M] with [M, M] -> [...]."""
+    mass = attn.sum(dim=-1).clamp_min(torch.finfo(attn.dtype).tiny)
+    return ((attn * distance).sum(dim=-1) / mass).mean(dim=-1)
+
+
+def mean_attention_distance_space_time(
+    attention: VideoAttention, grid: tuple[int, int, int], patch_size: int, tubelet: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean attention distance in space (pixels) and in time (frames), per layer and head: ([L, H], [L, H]).
+
+    Over patch queries i and patch keys j, the attention's rows renormalised over the patches (the
+    prefix's share left out, as `vitviz.analysis.mean_attention_distance`): MAD = mean_i Σ_j A_ij d(i, j),
+    the space distance P·|(y_i, x_i) − (y_j, x_j)| (Euclidean, between patch centres) and the time
+    distance τ·|t_i − t_j| (τ = `tubelet` frames a token).
+
+    Joint attention: both from the one attention over all patches. Divided attention: the space distance
+    from the space attention (within each frame, mean over frames and queries), the time distance from
+    the time attention (at each position, mean over positions and queries); each step moves along its
+    own axis only.
+    """
+    if tuple(grid) != tuple(attention.grid):
+        raise ValueError(f"grid {tuple(grid)} is not the attention's {tuple(attention.grid)}")
+    t, h, w = grid
+    p = attention.num_prefix_tokens
+    if attention.kind == "joint":
+        attn = attention.joint[..., p:, p:].double()
+        coords = token_coordinates(grid, attn.device).double()
+        space_d = torch.cdist(coords[:, 1:], coords[:, 1:]) * patch_size
+        time_d = (coords[:, None, 0] - coords[None, :, 0]).abs() * tubelet
+        return _weighted_mean(attn, space_d).float(), _weighted_mean(attn, time_d).float()
+    space = attention.space[..., p:, p:].double()  # [L, H, t, s, s]
+    coords = token_coordinates((1, h, w), space.device).double()
+    space_d = torch.cdist(coords[:, 1:], coords[:, 1:]) * patch_size
+    frames = torch.arange(t, device=space.device, dtype=torch.float64)
+    time_d = (frames[:, None] - frames[None, :]).abs() * tubelet
+    return _weighted_mean(space, space_d).mean(dim=-1).float(), _weighted_mean(attention.time.double(), time_d).mean(dim=-1).float()
+
+
+def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Chefer et al. 2021's gradient relevance over all N tokens of each clip, R [B, N, N], of a `VideoViT`
+    with joint attention and a head.
+
+    With A_l block l's softmax output [B, H, N, N] and G_l = dy_c/dA_l the gradient of the target logit
+    y_c with respect to that same A_l: R = I, then for l = 1..L in forward order R <- R + mean_h (G_l ⊙ A_l)⁺ R
+    (`vitviz.relevance.gradient_relevance`). Row 0 is the cls token's; `frame_maps(R[b], grid)` its map
+    per tubelet. The gradients are taken with `torch.autograd.grad` from one forward: the parameters'
+    `.grad` are left as they are.
+
+    Args:
+        videos: [B, T, 3, H, W] or one clip [T, 3, H, W] (then B = 1), prepared as the model's spec says.
+        target: the class explained: one index for every clip, or one per clip [B]; None: each clip's
+            predicted class.
+    """
+    c = model.config
+    if c.attention != "joint":
+        raise ValueError(f"space_time_relevance reads joint attention; this model's is {c.attention}")
+    if not c.num_classes:
+        raise ValueError("space_time_relevance explains a class: this model has no head")
+    if videos.ndim == 4:
+        videos = videos[None]
+    videos = videos.detach().requires_grad_(True)  # so that the attention is on the graph whatever the parameters' flags
+    with torch.enable_grad(), record_attention(model, graph=True) as rec:
+        logits = model(videos)
+    b = logits.shape[0]
+    if target is None:
+        target = logits.detach().argmax(dim=-1)
+    target = torch.as_tensor(target, device=logits.device).long().reshape(-1)
+    if target.numel() not in (1, b):
+        raise ValueError(f"target is one class or one per clip ({b}), not {target.numel()}")
+    target = target.expand(b)
+    if ((target < 0) | (target >= c.num_classes)).any():
+        raise ValueError(f"target must lie in 0..{c.num_classes - 1}, got {target.tolist()}")
+    attn = rec.graph_attentions
+    grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), attn)
+    return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
