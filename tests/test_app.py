@@ -653,8 +653,8 @@ def test_a_class_picked_during_the_analysis_chain_stays(app, example):
 
 
 @pytest.mark.parametrize("change, lacking", [
-    (dict(position_embeddings=False), {"positions", "find"}),  # shapes_p16 has no text tower: Find says so as ever
-    (dict(classifier=False), {"find", "inside", "patch"}),  # no class and no phrase: nothing to attribute
+    (dict(position_embeddings=False), {"positions", "find", "ask"}),  # shapes_p16 has no text tower (Find) and no language model (Ask)
+    (dict(classifier=False), {"find", "inside", "patch", "ask"}),  # no class and no phrase: nothing to attribute
 ])
 def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app, example, monkeypatch, change, lacking):
     """A model without what a tab needs: the tab stays, its content hidden behind the one line

@@ -900,3 +900,43 @@ def test_a_person_clicks_a_patch_then_a_feature(url, page):
     assert top5.is_visible() and top5.inner_text().strip()
     _settled(page)
     _no_label_covers_a_picture(page)
+
+
+def test_a_person_asks_the_image_and_picks_a_word(url, page, tmp_path):
+    """shapes_vlm from the menu, a scene uploaded; in the Ask tab a question: the answer, its words as
+    choices, and the first word's map; another word and the attention of one layer redraw the map.
+    A plain ViT hides the tab's content behind one line saying why."""
+    from PIL import Image
+
+    from vitviz.shapes import render_scene
+
+    base, example = url
+    image, objects, _ = render_scene(seed=4000, index=3)
+    scene = tmp_path / "scene.png"
+    Image.fromarray(image).save(scene)
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.locator("#vv-image input[type=file]").set_input_files(example)
+    _analysed(page, "shapes_p16")
+    page.get_by_role("tab", name="Ask", exact=True).click()
+    _says(page, "#vv-ask-lacks", "is not a vision–language model")
+    _choose(page, "Model variant", "shapes_vlm ")
+    page.locator("#vv-image input[type=file]").set_input_files(str(scene))
+    _analysed(page, "shapes_vlm")
+    page.get_by_role("tab", name="Ask", exact=True).click()
+    page.locator("#vv-ask-question textarea").fill("where is the {} {} ?".format(*objects[0]))
+    page.locator("#vv-ask-run").click()
+    _says(page, "#vv-ask-answer", "shapes_vlm")
+    page.wait_for_function("(() => { const i = document.querySelector('#vv-ask-map img'); return i && i.complete && i.naturalWidth > 0; })()")
+    first = _src(page, "#vv-ask-map")
+    words = page.locator("#vv-ask-word label")
+    assert words.count() >= 3, words.count()  # the whole answer and its words
+    words.nth(2).click()
+    page.wait_for_function(f"document.querySelector('#vv-ask-map img')?.getAttribute('src') !== {first!r}")
+    second = _src(page, "#vv-ask-map")
+    page.locator("#vv-ask-method").get_by_label("Attention").check()
+    page.wait_for_function(f"document.querySelector('#vv-ask-map img')?.getAttribute('src') !== {second!r}")
+    assert page.locator("#vv-ask-layer").is_visible()
+    _says(page, "#vv-ask-top", "Image tokens that count most")
+    _settled(page)
+    _no_label_covers_a_picture(page)

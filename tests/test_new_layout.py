@@ -120,7 +120,7 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
     lacking = {"find": "has no text tower", "inside": "attends within local windows", "patch": "attends within local windows",
-               "concepts": "attends within local windows"}
+               "concepts": "attends within local windows", "ask": "is not a vision–language model"}
     for tab in tabs.TABS:
         note, content = out[tab.gate.note], out[tab.gate.content]
         if tab.id in lacking:

@@ -10,8 +10,17 @@ shipped with vitviz, offline. `python -m vitviz.dev.train_shapes` makes their we
 to write them into flat patches, and the later blocks' attention made to sink into them), for the
 test-time registers (`vitviz.registers`); `python -m vitviz.dev.plant_outliers` makes its weights.
 
+`shapes_vlm` is a small vision–language model (`vitviz.vlm.model.ShapesVLM`: `shapes_clip`'s image
+tower, a connector and a word-level decoder) that answers questions about scenes of coloured shapes;
+it loads as its vision tower (a ViT, which every view reads) holding the whole model as `vlm`, which
+`vitviz.ask` asks. `python -m vitviz.dev.train_shapes_vlm` makes its weights.
+
 `shapes_swin` is a small Swin Transformer (`vitviz.swin.Swin`) trained on the same data;
 `python -m vitviz.dev.train_shapes_swin` makes its weights.
+
+The embedded video model `shapes_video` (assets/shapes_video.pt, a `vitviz.video.VideoViT`) is not
+one of these variants, which make the image models' menu: `vitviz.video.shapes.load_shapes_video`
+loads it; `python -m vitviz.dev.train_shapes_video` makes its weights.
 """
 
 from __future__ import annotations
@@ -72,14 +81,14 @@ def assets_dir() -> Path:
 
 # the command that makes each embedded variant's weights (`python -m vitviz.dev.<script>`)
 _SCRIPTS = {"shapes_p8": "train_shapes", "shapes_p16": "train_shapes", "shapes_p8_outliers": "plant_outliers",
-            "shapes_clip": "train_shapes_clip", "shapes_swin": "train_shapes_swin"}
+            "shapes_clip": "train_shapes_clip", "shapes_swin": "train_shapes_swin", "shapes_vlm": "train_shapes_vlm"}
 
 
-def _embedded(name: str, config, categories: tuple[str, ...] | None, description: str) -> VariantSpec:
+def _embedded(name: str, config, categories: tuple[str, ...] | None, description: str, vlm: str | None = None) -> VariantSpec:
     """The record of an embedded variant: its weights in assets/<name>.pt, made by its script."""
     return VariantSpec(name=name, config=config, preprocessing=_PREPROCESSING, categories=categories, source=EmbeddedSource.name,
                        weights=f"embedded assets/{name}.pt (python -m vitviz.dev.{_SCRIPTS[name]})", locator=f"{name}.pt",
-                       filename=f"{name}.pt", description=description)
+                       filename=f"{name}.pt", description=description, vlm=vlm)
 
 
 @register_source
@@ -100,6 +109,8 @@ class EmbeddedSource(WeightsSource):
                       f"{SHAPES_IMAGE_SIZE} px, captions of coloured shapes (embedded, offline)"),
             _embedded("shapes_swin", shapes_swin_config(len(SHAPE_CLASSES)), SHAPE_CLASSES,
                       f"Shapes Swin /8 at {SHAPES_IMAGE_SIZE} px, windows 6-3-3, 8 generated shape classes (embedded, offline)"),
+            _embedded("shapes_vlm", shapes_clip_configs()[0], None, f"Shapes vision–language model /{SHAPES_CLIP_PATCH} at "
+                      f"{SHAPES_IMAGE_SIZE} px: asks of coloured shapes (its vision tower; embedded, offline)", vlm="shapes_vlm"),
         ]
 
     def status(self, spec: VariantSpec) -> Status:
@@ -109,6 +120,8 @@ class EmbeddedSource(WeightsSource):
         """The variant's ViT; for `shapes_clip` an `ImageTextModel` with its `WordTokenizer`; for
         `shapes_swin` a `vitviz.swin.Swin`."""
         path = Path(weights_path) if weights_path is not None else assets_dir() / spec.filename
+        if spec.vlm == "shapes_vlm":
+            return self._vlm_tower(spec, path)
         image_text = split_size(spec.name)[0] == "shapes_clip"  # (at its own size or at another: "shapes_clip@192")
         swin = isinstance(spec.config, SwinConfig)
         script = _SCRIPTS[split_size(spec.name)[0]]
@@ -135,3 +148,24 @@ class EmbeddedSource(WeightsSource):
         except RuntimeError as exc:
             raise ValueError(f"the checkpoint does not fit {spec.name} ({spec.description}): {exc}") from exc
         return model
+
+    def _vlm_tower(self, spec: VariantSpec, path: Path) -> ViT:
+        """`shapes_vlm`'s vision tower, holding the whole model as `vlm` (not a submodule: the tower is
+        the VLM's)."""
+        from vitviz.vlm.model import ShapesVLM, shapes_vlm_config
+
+        if not path.is_file():
+            raise WeightsUnavailableError(
+                f"Embedded weights for {spec.name} are missing: expected {path}. Recreate them with "
+                f"`python -m vitviz.dev.{_SCRIPTS['shapes_vlm']}`.")
+        vlm = ShapesVLM(shapes_vlm_config())
+        try:
+            vlm.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        except RuntimeError as exc:
+            raise ValueError(f"the checkpoint does not fit {spec.name} ({spec.description}): {exc}") from exc
+        vlm.eval()
+        vlm.spec = spec
+        tower = vlm.tower
+        tower.spec = spec
+        tower.__dict__["vlm"] = vlm
+        return tower

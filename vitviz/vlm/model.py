@@ -24,6 +24,7 @@ from einops import rearrange
 from torch import nn
 
 from vitviz.config import ViTConfig
+from vitviz.imagetext import TextAttention
 from vitviz.model import ViT
 from vitviz.shapes import CLASSES, COLORS
 from vitviz.vlm.protocol import VLM, AskShape, Prompt
@@ -76,6 +77,8 @@ class ShapesVLMConfig:
     Attributes:
         vision: the vision tower's config (no head).
         merge: r: the connector merges r x r patches into one language-model token.
+        feature_layer: the tower's block whose output the connector reads (0-based; -1: the last,
+            after the tower's final norm; an earlier block's output is read before any norm).
         width, depth, heads, mlp_dim: the decoder's.
         max_len: the longest sequence (prompt and answer) the decoder takes.
     """
@@ -83,6 +86,7 @@ class ShapesVLMConfig:
     vision: ViTConfig = field(default_factory=lambda: ViTConfig(image_size=96, patch_size=8, width=96, depth=6, heads=3,
                                                                  mlp_dim=192, num_classes=0))
     merge: int = 2
+    feature_layer: int = -1
     width: int = 128
     depth: int = 3
     heads: int = 4
@@ -95,6 +99,14 @@ class ShapesVLMConfig:
             raise ValueError(f"the tower's {gh} x {gw} grid is not a whole number of {self.merge} x {self.merge} merges")
         if self.vision.num_classes:
             raise ValueError("the vision tower of a VLM has no classification head")
+        if not -1 <= self.feature_layer < self.vision.depth:
+            raise ValueError(f"feature_layer {self.feature_layer} is not one of the tower's blocks 0..{self.vision.depth - 1} (or -1)")
+
+    @property
+    def reads(self) -> tuple[int, bool]:
+        """(the block whose output the connector reads, whether after the final norm)."""
+        last = self.feature_layer in (-1, self.vision.depth - 1)
+        return (self.vision.depth - 1 if self.feature_layer == -1 else self.feature_layer), self.feature_layer == -1 and last
 
     @property
     def token_grid(self) -> tuple[int, int]:
@@ -106,12 +118,13 @@ class ShapesVLMConfig:
         return self.token_grid[0] * self.token_grid[1]
 
 
-def shapes_vlm_config() -> ShapesVLMConfig:
+def shapes_vlm_config(feature_layer: int = 3) -> ShapesVLMConfig:
     """The architecture of the embedded `shapes_vlm`: `shapes_clip`'s image tower (patch 16 at 96 px,
-    a 6 x 6 grid), one language-model token a patch (merge 1), a decoder of 3 blocks, 128 wide, 4
-    heads, sequences of at most 64 tokens."""
+    a 6 x 6 grid) read after its block 3 (`feature_layer`, of 0-5: tokens still local, before the
+    last blocks mix the scene into every token), one language-model token a patch (merge 1), a
+    decoder of 3 blocks, 128 wide, 4 heads, sequences of at most 64 tokens."""
     vision = ViTConfig(image_size=96, patch_size=16, width=96, depth=6, heads=3, mlp_dim=192, num_classes=0)  # shapes_clip's
-    return ShapesVLMConfig(vision=vision, merge=1, width=128, depth=3, heads=4, mlp_dim=256, max_len=64)
+    return ShapesVLMConfig(vision=vision, merge=1, feature_layer=feature_layer, width=128, depth=3, heads=4, mlp_dim=256, max_len=64)
 
 
 def pixel_shuffle(tokens: torch.Tensor, grid: tuple[int, int], r: int) -> torch.Tensor:
@@ -122,35 +135,26 @@ def pixel_shuffle(tokens: torch.Tensor, grid: tuple[int, int], r: int) -> torch.
     return rearrange(tokens, "b (h r1 w r2) d -> b (h w) (r1 r2 d)", h=gh // r, r1=r, w=gw // r, r2=r)
 
 
-class _CausalAttention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.scale = (width // heads) ** -0.5
-        self.qkv = nn.Linear(width, 3 * width)
-        self.attend = nn.Softmax(dim=-1)
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor, keep: list[torch.Tensor] | None) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        n = x.shape[1]
-        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-        a = self.attend(((q @ k.transpose(-2, -1)) * self.scale).masked_fill(future, float("-inf")))
-        if keep is not None:
-            keep.append(a)
-        return self.proj(rearrange(a @ v, "b h n d -> b n (h d)"))
-
-
 class _DecoderBlock(nn.Module):
     def __init__(self, c: ShapesVLMConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(c.width)
-        self.attn = _CausalAttention(c.width, c.heads)
+        self.attn = TextAttention(width=c.width, heads=c.heads)
         self.norm2 = nn.LayerNorm(c.width)
         self.mlp = nn.Sequential(nn.Linear(c.width, c.mlp_dim), nn.GELU(), nn.Linear(c.mlp_dim, c.width))
 
     def forward(self, x: torch.Tensor, keep: list[torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), keep)
+        n = x.shape[1]
+        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        causal = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill(future, torch.finfo(x.dtype).min)
+        if keep is None:
+            x = x + self.attn(self.norm1(x), causal)
+        else:  # the softmax's output, the tensor the values are multiplied with (in the autograd graph)
+            hook = self.attn.attend.register_forward_hook(lambda _m, _i, out: keep.append(out))
+            try:
+                x = x + self.attn(self.norm1(x), causal)
+            finally:
+                hook.remove()
         return x + self.mlp(self.norm2(x))
 
 
@@ -166,8 +170,8 @@ class ShapesVLM(nn.Module):
         super().__init__()
         self.config = c = config or ShapesVLMConfig()
         self.tower = ViT(c.vision)
-        self.tower.tower_info = TowerInfo(family="shapes_vlm", feature_layer=c.vision.depth - 1, final_norm=True, drop_prefix=True,
-                                          merge=c.merge)
+        layer, normed = c.reads
+        self.tower.tower_info = TowerInfo(family="shapes_vlm", feature_layer=layer, final_norm=normed, drop_prefix=True, merge=c.merge)
         self.words = VLMWords()
         self.connector = nn.Sequential(nn.Linear(c.vision.width * c.merge**2, c.width), nn.GELU(), nn.Linear(c.width, c.width))
         self.embed = nn.Embedding(len(self.words), c.width)
@@ -179,7 +183,9 @@ class ShapesVLM(nn.Module):
 
     def image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] -> the language model's image tokens [B, M, width]."""
-        tokens = self.tower.encode(images)[:, self.tower.config.num_prefix_tokens :]
+        layer, normed = self.config.reads
+        tokens = self.tower.encode(images) if normed else self.tower.stream_after(images, layer)
+        tokens = tokens[:, self.tower.config.num_prefix_tokens :]
         return self.connector(pixel_shuffle(tokens, self.config.vision.grid, self.config.merge))
 
     def forward(self, images: torch.Tensor, ids: torch.Tensor, *, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -236,20 +242,23 @@ class ShapesVLMRunner(VLM):
             raise ValueError(f"the question is {ids.numel() - c.image_tokens - 1} words; shapes_vlm takes at most "
                              f"{c.max_len - c.image_tokens - 2}")
         positions = (ids == self.model.words.image_id).nonzero().flatten()
-        return Prompt(ids=ids, inputs={"images": x[None].to(self._device(), next(self.model.parameters()).dtype)},
+        images = x[None].to(self._device(), param.dtype)
+        with torch.no_grad():  # the tower and the connector once; the answer and its relevance run the decoder
+            image_tokens = self.model.image_tokens(images)
+        return Prompt(ids=ids, inputs={"images": images, "image_tokens": image_tokens},
                       image_positions=positions, token_grid=c.token_grid, merge=c.merge, image=np.asarray(seen.convert("RGB")))
 
     def forward(self, prompt: Prompt, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         keep: list[torch.Tensor] = []
-        return self.model(prompt.inputs["images"], ids, keep=keep), keep
+        return self.model.decode(ids, prompt.inputs["image_tokens"], keep=keep), keep
 
     def generate(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         ids = prompt.ids[None]
-        images = prompt.inputs["images"]
+        image_tokens = prompt.inputs["image_tokens"]
         out: list[int] = []
         room = self.model.config.max_len - ids.shape[1]
         for _ in range(min(max_new_tokens, room)):
-            nxt = int(self.model(images, ids)[0, -1].argmax())
+            nxt = int(self.model.decode(ids, image_tokens)[0, -1].argmax())
             out.append(nxt)
             if nxt == self.model.words.end_id:
                 break
