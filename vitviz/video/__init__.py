@@ -14,6 +14,7 @@ from vitviz.video.analysis import (
     divided_step_matrices,
     frame_maps,
     mean_attention_distance_space_time,
+    space_time_relevance,
     space_time_rollout,
     token_coordinates,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "VIDEO_TYPES",
     "video_from_transformers",
     "space_time_rollout",
+    "space_time_relevance",
     "divided_step_matrices",
     "frame_maps",
     "attention_across_frames",
