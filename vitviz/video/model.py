@@ -38,6 +38,7 @@ from vitviz import steps
 from vitviz.config import Preprocessing
 from vitviz.hooks import record_attention
 from vitviz.model import Attention, _activation
+from vitviz.imagetext import TextAttention
 
 __all__ = [
     "VideoConfig",
@@ -396,30 +397,11 @@ class DividedBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class _PoolerAttention(nn.Module):
-    """The attentive pooler's self-attention: softmax(q kᵀ / sqrt(d)) v, then a projection (its own
-    class, not `vitviz.model.Attention`, so that recorders of the encoder's layers leave it out)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.scale = (width // heads) ** -0.5
-        self.qkv = nn.Linear(width, 3 * width)
-        self.attend = nn.Softmax(dim=-1)
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = self.attend((q @ k.transpose(-2, -1)) * self.scale)
-        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, d))
-
-
 class _PoolerBlock(nn.Module):
     def __init__(self, c: VideoConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(c.width, eps=c.eps)
-        self.attn = _PoolerAttention(c.width, c.heads)
+        self.attn = TextAttention(width=c.width, heads=c.heads)  # not `vitviz.model.Attention`: recorders of the encoder leave it out
         self.norm2 = nn.LayerNorm(c.width, eps=c.eps)
         self.mlp = _mlp(c.width, c.pool_mlp_dim, c.act)
 
