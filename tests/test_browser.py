@@ -940,3 +940,52 @@ def test_a_person_asks_the_image_and_picks_a_word(url, page, tmp_path):
     _says(page, "#vv-ask-top", "Image tokens that count most")
     _settled(page)
     _no_label_covers_a_picture(page)
+
+
+def test_a_person_runs_a_clip_in_the_video_tab(url, page, tmp_path):
+    """The Video tab: a GIF of a shape moving right uploaded and run; the prediction, the frame strip and the
+    GIF to download appear; the frame slider moved and a patch of the shown frame clicked each redraw
+    the across-frames picture (from the kept run). Labels never cover a picture."""
+    from PIL import Image
+
+    from vitviz.server.tabs import TABS
+    from vitviz.video.shapes import MOTIONS, generate_clips
+
+    if TABS.by_id("video") is None or TABS.by_id("video").page is None:
+        pytest.skip("the Video tab is not on the page (vitviz/server/tabs/__init__.py registers it)")
+    frames = next(f[0] for f, labels, _ in (generate_clips(1, 9001, i) for i in range(200)) if MOTIONS[int(labels[0])] == "right")
+    clip = tmp_path / "right.gif"
+    pictures = [Image.fromarray(f) for f in frames]
+    pictures[0].save(clip, save_all=True, append_images=pictures[1:], duration=100, loop=0)
+    base, _ = url
+    page.set_viewport_size({"width": 1280, "height": 1000})
+    page.goto(base)
+    page.get_by_role("tab", name="Video", exact=True).click()
+    page.locator("#vv-video-clip input[type=file]").set_input_files(str(clip))
+    _settled(page)
+    page.locator("#vv-video-run").click()
+    loaded = "(() => { const i = document.querySelector('%s img'); return i && i.complete && i.naturalWidth > 0; })()"
+    page.wait_for_function(loaded % "#vv-video-strip")
+    page.wait_for_function(loaded % "#vv-video-across")
+    _says(page, "#vv-video-prediction", "right")
+    strip = page.locator("#vv-video-strip img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
+    assert strip[0] >= 8 * 192 and strip[1] >= 192, strip
+    assert page.locator("#vv-video-gif a").first.get_attribute("href"), "no GIF to download"
+    _says(page, "#vv-video-note", "Frame 1 (tubelet 1)")
+    before = _src(page, "#vv-video-across")
+    page.locator("#vv-video-frame input[type=range]").focus()
+    for _ in range(5):
+        page.keyboard.press("ArrowRight")
+    _says(page, "#vv-video-note", "Frame 6 (tubelet 3)")
+    page.wait_for_function(f"document.querySelector('#vv-video-across img')?.getAttribute('src') !== {before!r}")
+    moved = _src(page, "#vv-video-across")
+    shown = page.locator("#vv-video-query img")
+    shown.scroll_into_view_if_needed()
+    box = shown.bounding_box()
+    shown.click(position={"x": box["width"] * 4.5 / 6, "y": box["height"] * 1.5 / 6})  # the 6x6 grid's row 2, column 5
+    _says(page, "#vv-video-note", "row 2, column 5")
+    page.wait_for_function(f"document.querySelector('#vv-video-across img')?.getAttribute('src') !== {moved!r}")
+    page.wait_for_function("document.querySelector('#vv-video-row input').value === '2' && "
+                           "document.querySelector('#vv-video-col input').value === '5'")
+    _settled(page)
+    _no_label_covers_a_picture(page)

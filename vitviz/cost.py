@@ -54,6 +54,12 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   token's gradients, and the kept answer (`vitviz.vlm.ask.answer_bytes`).
 - "concept_ablate": `vitviz.ablate` with features of an SAE edited: "ablate"'s two forwards, and at
   the SAE's layer in the second its encoding (2 N D F) and the edit W_dec (z' − z) (at most as much).
+- "video": a video model (`vitviz.video.VideoSpec`) on one clip (the app's Video tab): a forward for
+  the prediction and one with every layer's attention recorded (each the tubelet embedding, 2 x
+  weights x N and the attention products: 4 L N^2 D for joint attention; for divided attention each
+  block's time and space attentions over their own tokens), then the space-time rollout (2 L N^3).
+  In memory the attention stack (joint: L H N^2 x 4 bytes) twice (recorded, then stacked), the
+  rollout's matrices and a forward's activations; kept, the stack, the rollout and the frames.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -102,7 +108,7 @@ __all__ = [
 ]
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
-               "patch_one", "registers", "concepts", "concept_ablate", "ask"]
+               "patch_one", "registers", "concepts", "concept_ablate", "ask", "video"]
 
 BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
 COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
@@ -370,6 +376,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return _concepts_price(spec, kind, sae)
     if kind == "ask":
         return _ask_price(spec, ask)
+    if kind == "video":
+        return _video_price(spec)
     if kind in ("patch", "patch_one") and _windowed(spec):
         raise ValueError(f"activation patching runs on ViT towers; {spec.name} is a windowed model")
     if kind == "registers" and (_windowed(spec) or spec.config.rel_pos_bias):
@@ -585,3 +593,31 @@ def _ask_price(spec, shape) -> Cost:
     kept = answer_bytes(n, s.layers, s.heads, s.image_tokens)
     peak = 3 * attention + activations + logits + kept + attention_bytes(spec) + BASE_BYTES + COMPUTE_BYTES
     return Cost("ask", spec.name, t, peak, kept, tower + generate + recorded + backward + relevance)
+
+
+def _video_price(spec) -> Cost:
+    """"video" (see the module's doc) of a video model `spec` (a `vitviz.video.VideoSpec`) on one clip."""
+    c = spec.config
+    t, h, w = c.grid
+    p = c.num_prefix_tokens
+    n = c.num_tokens
+    depth, heads, width = c.depth, c.heads, c.width
+    patches = t * h * w
+    block_weights = 4 * width * width + 2 * width * c.mlp_dim
+    embed = 2.0 * 3 * c.tubelet * c.patch_size**2 * width * patches
+    if c.attention == "joint":
+        products = 4.0 * depth * n * n * width
+        stack = depth * heads * n * n * 4
+    else:  # each block: time attention over t tokens at each position, then space attention within each frame
+        block_weights += 4 * width * width
+        products = 4.0 * depth * width * (h * w * t * t + t * (p + h * w) ** 2)
+        stack = depth * heads * (h * w * t * t + t * (p + h * w) ** 2) * 4
+    head = 2.0 * width * spec.num_classes
+    forward = embed + 2.0 * depth * block_weights * n + products + head
+    rollout = 2.0 * depth * n**3
+    token_row = n * width * 4
+    frames = spec.frames * 3 * spec.image_size**2 * 4
+    activations = 12 * token_row + 2 * n * c.mlp_dim * 4
+    kept = stack + n * n * 4 + frames
+    peak = 2 * stack + 3 * n * n * 4 + activations + frames + BASE_BYTES + COMPUTE_BYTES
+    return Cost("video", spec.name, n, peak, kept, 2 * forward + rollout)

@@ -33,8 +33,11 @@ IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a",
 
 def looks_like_image(head: bytes) -> bool:
     """Whether a file's first bytes are those of a format the image gate accepts (JPEG, PNG, GIF,
-    WebP, BMP, TIFF)."""
-    return head.startswith(IMAGE_SIGNATURES) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+    WebP, BMP, TIFF), or the clip gate's MP4 or WebM (`vitviz.clips`; the Video tab's uploads): each
+    gate reads the file again and refuses what is not its own."""
+    from vitviz.clips import _sniff
+
+    return head.startswith(IMAGE_SIGNATURES) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP") or _sniff(head) in ("MP4", "WebM")
 
 
 class UploadLimit:
@@ -144,7 +147,7 @@ class UploadLimit:
                 self.claim(f"address {address}", uploaded)
         if seen["refused"] and not seen["started"]:
             if seen["refused"] == "kind":
-                await _plain(send, 415, "Only images can be uploaded here (JPEG, PNG, WebP, GIF, BMP or TIFF).")
+                await _plain(send, 415, "Only images and clips can be uploaded here (JPEG, PNG, WebP, GIF, BMP or TIFF; MP4 or WebM).")
             else:
                 await _plain(send, 413, "An upload may carry one image per request.")
         elif self.after is not None:

@@ -5,6 +5,6 @@ The page (`vitviz.server.page`) builds, fills and wires every registered tab in 
 """
 
 from vitviz.server.tabs.base import Analysed, Tab, TABS, register_tab
-from vitviz.server.tabs import predict, explain, find, explorer, tokens, distance, positions, architecture, compare, patch, inside, concepts, ask  # noqa: F401  (registers them)
+from vitviz.server.tabs import predict, explain, find, explorer, tokens, distance, positions, architecture, compare, patch, inside, concepts, ask, video  # noqa: F401  (registers them)
 
 __all__ = ["Analysed", "Tab", "TABS", "register_tab"]

@@ -1,0 +1,262 @@
+"""The Video tab: a generated GIF of a shape moving right, run through shapes_video: the prediction is the
+library's on the same frames, the class token's frame strip holds every frame, the across-frames
+picture is redrawn from the kept run; junk from a client (files that are no clip, paths that were
+not uploaded, frames, rows and layers out of range, a model off the menu) is refused in one sentence,
+through the handlers and through raw HTTP; the "video" price holds what a run does."""
+
+import shutil
+import uuid
+from types import SimpleNamespace
+
+import gradio as gr
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def app():
+    global video
+    from vitviz.server.tabs import video  # registers the tab (before the page is built, if it is not yet)
+    from vitviz.server import app as app_module
+
+    if video.TAB.page is None:
+        pytest.skip("the Video tab is not on the page (register it in vitviz/server/tabs/__init__.py)")
+    return app_module
+
+
+def _rightward() -> np.ndarray:
+    """A generated clip of shapes_video's own kind whose shape moves right: uint8 [T, S, S, 3]."""
+    from vitviz.video.shapes import MOTIONS, generate_clips
+
+    for index in range(200):
+        frames, labels, _ = generate_clips(1, 9001, index)
+        if MOTIONS[int(labels[0])] == "right":
+            return frames[0]
+    raise AssertionError("no rightward clip in 200")
+
+
+@pytest.fixture(scope="module")
+def gif(tmp_path_factory):
+    """The rightward clip as an animated GIF, in a folder of pytest's."""
+    frames = _rightward()
+    path = tmp_path_factory.mktemp("video") / "right.gif"
+    pictures = [Image.fromarray(f) for f in frames]
+    pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=100, loop=0)
+    return path
+
+
+@pytest.fixture()
+def uploaded(app):
+    """Copies a file into Gradio's upload folder (as an upload lands there): its path; removed afterwards."""
+    from vitviz.server.guards.gradio_io import upload_folder
+
+    folder = upload_folder() / f"vv-test-video-{uuid.uuid4().hex}"
+    folder.mkdir(parents=True)
+
+    def put(source=None, *, name="clip.gif", data: bytes | None = None) -> str:
+        target = folder / name
+        if data is not None:
+            target.write_bytes(data)
+        else:
+            shutil.copy(source, target)
+        return str(target)
+
+    yield put
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _one_sentence(message: str) -> None:
+    assert message.strip() and "Traceback" not in message and "\n" not in message.strip() and len(message) < 500, message
+
+
+@pytest.fixture(scope="module")
+def ran(app, gif, tmp_path_factory):
+    from vitviz.server.guards.gradio_io import upload_folder
+
+    folder = upload_folder() / f"vv-test-video-{uuid.uuid4().hex}"
+    folder.mkdir(parents=True)
+    path = folder / "right.gif"
+    shutil.copy(gif, path)
+    try:
+        out = video.TAB.on_video_run(str(path), "shapes_video", 1, 4, 3, 3, None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def test_the_prediction_is_the_librarys_and_the_strip_holds_every_frame(ran, gif):
+    from vitviz.clips import clip_tensor, load_video
+    from vitviz.server.app import SERVER
+    from vitviz.video.analysis import frame_maps, space_time_rollout
+    from vitviz.video.shapes import load_shapes_video
+
+    tab = video.TAB
+    model = load_shapes_video()
+    clip = load_video(str(gif), frames=model.spec.frames, sampling=model.spec.sampling)
+    videos = clip_tensor(clip, model.spec.preprocessing)
+    with torch.no_grad():
+        probs = model(videos[None]).softmax(-1)[0]
+    want = {model.spec.categories[i]: float(probs[i]) for i in probs.topk(5).indices.tolist()}
+    got = ran[tab.prediction]
+    assert list(got) == list(want) and list(got)[0] == "right"
+    for name, p in want.items():
+        assert got[name] == pytest.approx(p, abs=1e-5)
+    kept = SERVER.store.get(ran[tab.held].key)
+    torch.testing.assert_close(kept.maps, frame_maps(space_time_rollout(model.attention(videos)), model.spec.grid).float())
+    strip = ran[tab.strip]["value"]
+    frames = model.spec.frames
+    side = model.spec.image_size * video.SCALE
+    assert strip.width >= frames * side + (frames - 1) * 6 and strip.height >= side
+    assert ran[tab.frame]["maximum"] == frames and ran[tab.layer]["maximum"] == model.spec.depth
+    assert ran[tab.row]["maximum"] == model.spec.grid[1] and ran[tab.col]["maximum"] == model.spec.grid[2]
+    gif_out = ran[tab.gif]["value"]
+    shown = Image.open(gif_out)
+    assert gif_out.endswith(".gif") and shown.n_frames == frames and shown.size == (side, side)
+    assert ran[tab.across]["value"].width == strip.width
+
+
+def test_the_across_frames_picture_is_redrawn_from_the_kept_run(ran):
+    from vitviz.server.app import SERVER
+    from vitviz.video.analysis import attention_across_frames
+
+    tab = video.TAB
+    held = ran[tab.held]
+    first = np.asarray(ran[tab.across]["value"])
+    other = tab.on_video_view(6, 4, 3, 3, held)
+    assert not np.array_equal(np.asarray(other[tab.across]["value"]), first)
+    assert "Frame 6 (tubelet 3), row 3, column 3, layer 4" in other[tab.note]
+    layer = tab.on_video_view(6, 1, 3, 3, held)
+    assert not np.array_equal(np.asarray(layer[tab.across]["value"]), np.asarray(other[tab.across]["value"]))
+    kept = SERVER.store.get(held.key)
+    assert attention_across_frames(kept.attention, 0, 2, 2, 2).shape == (3, *kept.attention.grid)
+    # a click on the shown frame (drawn at SCALE px a pixel): the patch under it
+    k = video.SCALE * kept.patch_size
+    picked = tab.on_video_pick(6, 4, held, SimpleNamespace(index=[4.5 * k, 1.5 * k]))
+    assert picked[tab.row] == 2 and picked[tab.col] == 5 and "row 2, column 5" in picked[tab.note]
+    assert tab.on_video_pick(6, 4, held, SimpleNamespace(index=[10_000, 5])) == gr.skip()
+
+
+@pytest.mark.parametrize("frame, layer, row, col, match", [
+    (0, 1, 1, 1, "frame must be a whole number from 1 to 8"),
+    (99, 1, 1, 1, "frame must be a whole number from 1 to 8"),
+    (1, 99, 1, 1, "layer must be a whole number from 1 to 4"),
+    (1, 0, 1, 1, "layer must be a whole number from 1 to 4"),
+    (1, 1, 7, 1, "row must be a whole number from 1 to 6"),
+    (1, 1, 1, -1, "column must be a whole number from 1 to 6"),
+    (2.5, 1, 1, 1, "whole number"),
+    ("three", 1, 1, 1, "whole number"),
+    (float("nan"), 1, 1, 1, "whole number"),
+    (1, float("inf"), 1, 1, "whole number"),
+])
+def test_a_query_out_of_range_is_refused(ran, frame, layer, row, col, match):
+    with pytest.raises(gr.Error, match=match) as caught:
+        video.TAB.on_video_view(frame, layer, row, col, ran[video.TAB.held])
+    _one_sentence(caught.value.message)
+
+
+def test_views_and_clicks_without_a_run_or_with_junk_are_refused(ran):
+    tab = video.TAB
+    for held in (None, "key", video.VideoRef("no-such-key", "x")):
+        with pytest.raises(gr.Error, match="Run a clip first"):
+            tab.on_video_view(1, 1, 1, 1, held)
+    for index in (None, [1], ["a", 2], [float("nan"), 1]):
+        with pytest.raises(gr.Error, match="pixel"):
+            tab.on_video_pick(1, 1, ran[tab.held], SimpleNamespace(index=index))
+
+
+def test_files_that_are_no_clip_are_refused_in_one_sentence(app, uploaded, tmp_path):
+    import zipfile
+
+    tab = video.TAB
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("clip.gif", b"GIF89a" + b"\0" * 64)
+    cases = [(uploaded(archive, name="renamed.gif"), "not a video"), (uploaded(name="empty.gif", data=b""), None),
+             (uploaded(name="truncated.gif", data=b"GIF89a\x10\x00\x10\x00"), None)]
+    for path, match in cases:
+        with pytest.raises(gr.Error, match=match) as caught:
+            tab.on_video_run(path, "shapes_video", 1, 1, 1, 1, None)
+        _one_sentence(caught.value.message)
+    outside = tmp_path / "outside.gif"
+    outside.write_bytes(b"GIF89a")
+    for path in (str(outside), "/etc/passwd", {"path": "/etc/passwd"}, 7):
+        with pytest.raises(gr.Error) as caught:
+            tab.on_video_run(path, "shapes_video", 1, 1, 1, 1, None)
+        assert caught.value.message == video.CLIP_REFUSED
+    with pytest.raises(gr.Error, match="Upload a clip first"):
+        tab.on_video_run(None, "shapes_video", 1, 1, 1, 1, None)
+    for name in ("shapes_p16", "", None, ["shapes_video"], "../shapes_video"):
+        with pytest.raises(gr.Error, match="Choose a video model from the menu"):
+            tab.on_video_run(str(outside), name, 1, 1, 1, 1, None)
+
+
+def test_the_upload_component_takes_uploads_only(app, uploaded):
+    from gradio.data_classes import FileData
+
+    clip = video.TAB.clip
+    path = uploaded(name="x.gif", data=b"GIF89a")
+    assert clip.preprocess(FileData(path=path)) == path and clip.preprocess(None) is None
+    for payload in (FileData(path="/etc/passwd"), FileData(path=path + "/../../../../etc/passwd"),
+                    FileData(path="", url="data:image/gif;base64,R0lGODlh")):
+        with pytest.raises(gr.Error) as caught:
+            clip.preprocess(payload)
+        assert caught.value.message == video.CLIP_REFUSED
+
+
+def test_the_price_holds_what_a_run_does():
+    """Within 1.5x of the multiply-adds torch counts (FlopCounterMode) for the tab's run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vitviz.cost import price
+    from vitviz.server.tabs import video as tab_module
+    from vitviz.video.shapes import to_videos
+
+    frames = _rightward()
+    videos = to_videos(frames)[0]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _, attention, _ = tab_module.run_on_device("shapes_video", videos)
+    counted = counter.get_total_flops()
+    cost = price(tab_module.model_of("shapes_video").spec, "video")
+    assert counted / 1.5 <= cost.flops <= counted * 1.5, (cost.flops, counted)
+    assert cost.kind == "video" and cost.kept_bytes >= attention.joint.numel() * 4
+    assert cost.bytes >= 2 * attention.joint.numel() * 4
+
+
+@pytest.mark.slow
+def test_the_private_event_refuses_hostile_data_and_the_server_goes_on(app, gif, tmp_path):
+    """Over raw HTTP: a FileData naming /etc/passwd (never uploaded), a zip renamed .gif and an empty file,
+    a frame of 99 and a model off the menu: each an error with its reason; then the GIF runs."""
+    from conftest import run, serving, upload
+
+    archive = tmp_path / "renamed.gif"
+    import zipfile
+
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("x.txt", "hello")
+    empty = tmp_path / "empty.gif"
+    empty.write_bytes(b"")
+    import httpx
+
+    with serving(app.demo, **app.LAUNCH_KWARGS) as server:
+        passwd = {"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}
+        cases = [([passwd, "shapes_video"], "")]
+        for junk in (archive, empty):  # the server's upload guard may refuse them already (415: not a picture's bytes)
+            try:
+                cases.append(([upload(server, junk), "shapes_video"], ""))
+            except httpx.HTTPStatusError as exc:
+                assert exc.response.status_code == 415 and "Only images" in exc.response.text
+        cases.append(([upload(server, gif), "<script>"], "shapes_video"))  # Gradio's menu check, or the tab's
+        for data, why in cases:
+            ok, error = run(server, "on_video_run", [*data, 1, 1, 1, 1, None])
+            assert not ok and error and why in error and "Traceback" not in error and "root:" not in error, (data, error)
+        session = uuid.uuid4().hex
+        ok, out = run(server, "on_video_run", [upload(server, gif), "shapes_video", 3, 4, 2, 2, None], session=session)
+        assert ok, out
+        for data in ([99, 1, 1, 1], [0, 1, 1, 1], [1, 99, 1, 1], [1, 1, 7, 1]):  # Gradio's slider bounds, or the tab's
+            ok, error = run(server, "on_video_view", [*data, None], session=session)
+            assert not ok and error and "Traceback" not in error and ("whole number" in error or "imum value" in error), (data, error)
+        ok, out = run(server, "on_video_view", [8, 2, 3, 4, None], session=session)
+        assert ok, out

@@ -1,0 +1,345 @@
+"""The Video tab: a clip through a video transformer (`vitviz.video`), its prediction, where its class
+token looks in each frame, and where one patch looks across the frames.
+
+The clip (MP4, WebM, GIF or animated WebP) is an upload only (`UploadedClip`: a path inside Gradio's
+upload folder, else refused), read by `vitviz.clips.load_video` with the model's frame count and
+sampling (its refusals, `VideoError`, are the tab's one-sentence errors) and priced ("video":
+`vitviz.cost`) before the model runs. The run gives the top classes, the class token's row of the
+space-time rollout over each frame (`frame_maps`; a frame shows the map of the tubelet it belongs to)
+as a strip and as an animated GIF to download, and keeps the attention in the server's store for the
+session: the across-frames picture (`attention_across_frames`, heads averaged) of the query patch
+picked with the frame and layer sliders, the row and column boxes or a click on the shown frame is
+drawn from what is kept, without running the model again.
+
+The tab needs no image analysis (`waits = False`); its models are the menu's (`MODELS`), each loaded
+once per process and kept.
+"""
+
+from __future__ import annotations
+
+import io
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import gradio as gr
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from vitviz import plots
+from vitviz.clips import VideoError, clip_tensor, load_video
+from vitviz.cost import price
+from vitviz.server import runtime
+from vitviz.server.guards import inputs
+from vitviz.server.guards.gradio_io import UPLOAD_REFUSED, file_stem, secret_name, uploaded_path
+from vitviz.server.runtime import Outputs, gpu
+from vitviz.server.tabs.base import Tab, figure, register_tab
+from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout
+from vitviz.video.model import VideoAttention, VideoViT
+
+__all__ = ["VideoTab", "UploadedClip", "VideoResult", "MODELS", "model_of", "TAB"]
+
+
+def _shapes_video() -> VideoViT:
+    from vitviz.video.shapes import load_shapes_video
+
+    return load_shapes_video()
+
+
+MODELS: dict[str, Callable[[], VideoViT]] = {"shapes_video": _shapes_video}  # the menu: name -> loader
+DEFAULT = "shapes_video"
+TOP = 5  # classes shown
+SCALE = 2  # each model-size frame drawn at this many screen pixels a pixel
+CLIP_TYPES = [".mp4", ".webm", ".gif", ".webp"]
+
+CLIP_REFUSED = UPLOAD_REFUSED.replace("The image", "The clip")  # the house's refusal of what was not uploaded, for a clip
+
+_LOADED: dict[str, VideoViT] = {}
+_LOCK = threading.Lock()
+
+
+def model_of(name: str) -> VideoViT:
+    """The menu's model `name`, loaded once per process and kept (a lock keeps two loads from racing)."""
+    with _LOCK:
+        if name not in _LOADED:
+            _LOADED[name] = MODELS[name]()
+        return _LOADED[name]
+
+
+class UploadedClip(gr.File):
+    """A clip input: the path of a file uploaded to this app, and nothing else (server paths, data:
+    URLs and web addresses are refused with `UPLOAD_REFUSED`); `load_video` checks the bytes."""
+
+    def get_block_name(self) -> str:
+        return "file"  # the frontend is Gradio's own file component
+
+    def preprocess(self, payload):
+        if payload is None:
+            return None
+        url = getattr(payload, "url", None)
+        if isinstance(url, str) and url.strip().lower().startswith("data:"):
+            raise gr.Error(CLIP_REFUSED)
+        return uploaded_clip(getattr(payload, "path", None))
+
+
+def uploaded_clip(path: object) -> str:
+    """`path` if it names a file uploaded to this app (`uploaded_path`), else `CLIP_REFUSED`."""
+    try:
+        return uploaded_path(path)
+    except gr.Error:
+        raise gr.Error(CLIP_REFUSED) from None
+
+
+@dataclass(frozen=True)
+class VideoResult:
+    """One clip's run, kept for the session: the frames as the model saw them, the attention, the class
+    token's maps and the top classes."""
+
+    model: str
+    frames: np.ndarray  # uint8 [T, S, S, 3]
+    attention: VideoAttention
+    maps: torch.Tensor  # [t, h, w]
+    top: dict[str, float]
+    tubelet: int
+    patch_size: int
+
+    @property
+    def nbytes(self) -> int:
+        a = self.attention
+        held = sum(x.numel() * x.element_size() for x in (a.joint, a.time, a.space, a.pool) if x is not None)
+        return held + self.frames.nbytes + self.maps.numel() * 4 + 4096
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """What the session holds of its run (the run itself is in the server's store)."""
+
+    key: str
+    server: str
+
+
+def _forget(held: object) -> None:
+    if isinstance(held, VideoRef):
+        runtime.server_named(held.server).store.drop(held.key)
+
+
+@gpu
+def run_on_device(name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
+    """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S]."""
+    model = model_of(name)
+    device = next(model.parameters()).device
+    videos = videos.to(device)
+    with torch.no_grad():
+        probs = model(videos[None]).softmax(-1)[0].float().cpu()
+    attention = model.attention(videos)
+    rollout = space_time_rollout(attention)
+    return probs, attention, frame_maps(rollout, attention.grid).float().cpu()
+
+
+def _seen(videos: torch.Tensor, pre) -> np.ndarray:
+    """The frames as the model saw them, uint8 [T, S, S, 3] (its normalisation undone)."""
+    mean = torch.tensor(pre.mean).view(1, 3, 1, 1)
+    std = torch.tensor(pre.std).view(1, 3, 1, 1)
+    pixels = (videos * std + mean).clamp(0, 1) * 255
+    return pixels.round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def _shown(frame: np.ndarray) -> Image.Image:
+    img = Image.fromarray(frame)
+    return img.resize((img.width * SCALE, img.height * SCALE), Image.NEAREST)
+
+
+def _overlaid(r: VideoResult, maps: torch.Tensor) -> list[Image.Image]:
+    """Each frame with the map of its tubelet over it, one colour scale for all."""
+    vmin, vmax = float(maps.min()), float(maps.max())
+    vmax = max(vmax, vmin + 1e-12)
+    return [plots.overlay(_shown(f), maps[k // r.tubelet], vmin=vmin, vmax=vmax) for k, f in enumerate(r.frames)]
+
+
+def _strip(r: VideoResult, maps: torch.Tensor, label: str, name: str) -> Image.Image:
+    pictures = _overlaid(r, maps)
+    strip = plots.mosaic(pictures, cols=len(pictures), labels=[f"frame {k + 1}" for k in range(len(pictures))])
+    vmin, vmax = float(maps.min()), float(maps.max())
+    strip = plots.with_colorbar(strip, vmin=vmin, vmax=max(vmax, vmin + 1e-12), label=label)
+    return plots.named(strip, name)
+
+
+def _gif(r: VideoResult, cache: str) -> str:
+    """The overlaid frames as an animated GIF, written as the app writes its pictures (under a secret
+    name in Gradio's cache, which only a page that was sent it can fetch): its path."""
+    frames = _overlaid(r, r.maps)
+    with io.BytesIO() as buf:
+        frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+        data = buf.getvalue()
+    folder = Path(cache) / secret_name(data)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{file_stem(f'vitviz-{r.model}-rollout')}.gif"
+    path.write_bytes(data)
+    return str(path)
+
+
+class VideoTab(Tab):
+    id = "video"
+    label = "Video"
+    waits = False
+
+    def build(self, page) -> None:
+        gr.Markdown(
+            "**Video**: upload a short clip (MP4, WebM, GIF or animated WebP) and run a video transformer on it: its top "
+            "classes, where its class token looks in each frame (the space-time rollout of its attention, a frame drawn "
+            "with the map of the tubelet it belongs to), and, for one patch of one frame (pick it with the sliders or "
+            "click the frame), its attention over every frame at one layer (heads averaged).",
+            elem_classes="vv-caption",
+        )
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=260):
+                self.clip = UploadedClip(label="Clip", file_types=CLIP_TYPES, type="filepath", elem_id="vv-video-clip")
+                self.model = gr.Dropdown(list(MODELS), value=DEFAULT, label="Video model", elem_id="vv-video-model")
+                self.run = gr.Button("Run", variant="primary", elem_id="vv-video-run")
+                self.prediction = gr.Label(num_top_classes=TOP, label="Prediction", elem_id="vv-video-prediction")
+                self.gif = gr.File(label="Animated map (GIF)", interactive=False, visible=False, elem_id="vv-video-gif")
+            with gr.Column(scale=3, min_width=300):
+                self.strip = figure(label="Where the class token looks, frame by frame (space-time rollout)", visible=False,
+                                    elem_id="vv-video-strip")
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=1, min_width=200):
+                        self.frame = gr.Slider(1, 8, value=1, step=1, label="Frame", elem_id="vv-video-frame")
+                        self.layer = gr.Slider(1, 4, value=1, step=1, label="Layer", elem_id="vv-video-layer")
+                        with gr.Row():
+                            self.row = gr.Number(1, precision=0, minimum=1, label="Row", elem_id="vv-video-row")
+                            self.col = gr.Number(1, precision=0, minimum=1, label="Column", elem_id="vv-video-col")
+                    with gr.Column(scale=1, min_width=200):
+                        self.query = figure(label="The query patch (click to pick another)", visible=False,
+                                            elem_id="vv-video-query")
+                self.across = figure(label="Where the patch looks across the frames (one layer, heads averaged)", visible=False,
+                                     elem_id="vv-video-across")
+                self.note = gr.Markdown("", elem_id="vv-video-note")
+        self.held = gr.State(None, time_to_live=3600, delete_callback=_forget)
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _model_name(value: object) -> str:
+        if not isinstance(value, str) or value not in MODELS:
+            raise runtime.error(f"Choose a video model from the menu ({', '.join(MODELS)}).")
+        return value
+
+    def _kept(self, held: object) -> VideoResult:
+        kept = self.server.store.get(held.key) if isinstance(held, VideoRef) else None
+        if not isinstance(kept, VideoResult):
+            raise runtime.error("Run a clip first (a run is kept a while for the session).")
+        return kept
+
+    @staticmethod
+    def _query(r: VideoResult, frame: object, layer: object, row: object, col: object) -> tuple[int, int, int, int]:
+        """(frame, layer, row, col), 0-based, each checked against the kept run."""
+        t, h, w = r.attention.grid
+        f = runtime.checked(inputs.index, frame, 1, len(r.frames), "frame")
+        lay = runtime.checked(inputs.index, layer, 1, r.attention.depth, "layer")
+        y = runtime.checked(inputs.index, row, 1, h, "row")
+        x = runtime.checked(inputs.index, col, 1, w, "column")
+        return f - 1, lay - 1, y - 1, x - 1
+
+    # -- drawing ----------------------------------------------------------------------------------
+
+    def _draw(self, r: VideoResult, frame: object, layer: object, row: object, col: object) -> Outputs:
+        f, lay, y, x = self._query(r, frame, layer, row, col)
+        maps = attention_across_frames(r.attention, lay, f // r.tubelet, y, x).mean(0)
+        across = _strip(r, maps, "attention", f"vitviz-{r.model}-frame{f + 1}-r{y + 1}c{x + 1}-l{lay + 1}")
+        k = SCALE * r.patch_size
+        shown = _shown(r.frames[f])
+        ImageDraw.Draw(shown).rectangle((x * k, y * k, (x + 1) * k - 1, (y + 1) * k - 1), outline="#00e5ff", width=2)
+        query = plots.named(shown, f"vitviz-{r.model}-frame{f + 1}")
+        return {self.query: gr.update(value=query, visible=True), self.across: gr.update(value=across, visible=True),
+                self.note: f"Frame {f + 1} (tubelet {f // r.tubelet + 1}), row {y + 1}, column {x + 1}, layer {lay + 1}: "
+                           "its attention over every frame, heads averaged."}
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def on_video_run(self, clip: object, model: object, frame: object, layer: object, row: object, col: object,
+               held: VideoRef | None = None, request: gr.Request = None) -> Outputs:
+        name = self._model_name(model)
+        if clip is None:
+            raise runtime.error("Upload a clip first (MP4, WebM, GIF or animated WebP).")
+        path = uploaded_clip(clip)
+        net = model_of(name)
+        spec = net.spec
+        try:
+            loaded = load_video(path, frames=spec.frames, sampling=spec.sampling, stride=spec.frame_stride)
+        except VideoError as exc:
+            raise runtime.error(inputs.public_text(str(exc))) from None
+        videos = clip_tensor(loaded, spec.preprocessing)
+        with self.server.priced(price(spec, "video"), request):
+            probs, attention, maps = run_on_device(name, videos)
+        values, order = probs.topk(min(TOP, probs.numel()))
+        cats = spec.categories or tuple(str(i) for i in range(probs.numel()))
+        result = VideoResult(name, _seen(videos, spec.preprocessing), attention, maps,
+                             {cats[i]: float(v) for v, i in zip(values.tolist(), order.tolist())},
+                             spec.config.tubelet, spec.config.patch_size)
+        if isinstance(held, VideoRef):
+            self.server.store.drop(held.key)
+        key = self.server.store.put(result, result.nbytes, key=secrets.token_urlsafe(24))
+        t, h, w = attention.grid
+        frames = len(result.frames)
+        f = min(max(_whole(frame, 1), 1), frames)
+        lay = min(max(_whole(layer, attention.depth), 1), attention.depth)
+        y = min(max(_whole(row, h // 2 + 1), 1), h)
+        x = min(max(_whole(col, w // 2 + 1), 1), w)
+        out = {
+            self.held: VideoRef(key, self.server.name),
+            self.prediction: result.top,
+            self.strip: gr.update(value=_strip(result, maps, "rollout", f"vitviz-{name}-rollout"), visible=True),
+            self.gif: gr.update(value=_gif(result, self.gif.GRADIO_CACHE), visible=True),
+            self.frame: gr.update(maximum=frames, value=f),
+            self.layer: gr.update(maximum=attention.depth, value=lay),
+            self.row: gr.update(maximum=h, value=y),
+            self.col: gr.update(maximum=w, value=x),
+        }
+        out.update(self._draw(result, f, lay, y, x))
+        return out
+
+    def on_video_view(self, frame: object, layer: object, row: object, col: object, held: VideoRef | None) -> Outputs:
+        """Another frame, layer or patch: drawn from the kept run (no model runs)."""
+        return self._draw(self._kept(held), frame, layer, row, col)
+
+    def on_video_pick(self, frame: object, layer: object, held: VideoRef | None, evt: gr.SelectData) -> Outputs:
+        """A click on the shown frame: the patch under it becomes the query."""
+        r = self._kept(held)
+        x, y = runtime.click_xy(evt)
+        t, h, w = r.attention.grid
+        k = SCALE * r.patch_size
+        if not (0 <= x < w * k and 0 <= y < h * k):
+            return gr.skip()
+        row, col = int(y // k) + 1, int(x // k) + 1
+        out = self._draw(r, frame, layer, row, col)
+        out[self.row] = row
+        out[self.col] = col
+        return out
+
+    def wire(self, page) -> None:
+        private = dict(api_visibility="private", **page.model)
+        drawn = [self.query, self.across, self.note]
+        self.run.click(self.on_video_run, [self.clip, self.model, self.frame, self.layer, self.row, self.col, self.held],
+                       [self.held, self.prediction, self.strip, self.gif, self.frame, self.layer, self.row, self.col, *drawn],
+                       **private)
+        view = [self.frame, self.layer, self.row, self.col, self.held]
+        for control in (self.frame, self.layer):
+            control.input(self.on_video_view, view, drawn, trigger_mode="always_last", **private)
+        for box in (self.row, self.col):
+            box.submit(self.on_video_view, view, drawn, **private)
+        self.query.select(self.on_video_pick, [self.frame, self.layer, self.held], [self.row, self.col, *drawn], **private)
+
+
+def _whole(value: object, default: int) -> int:
+    """A slider's or box's value as a whole number for a new run (the run's own range clamps it)."""
+    try:
+        n = float(value)
+        return int(n) if n == n and abs(n) < 1e9 else default
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+TAB = register_tab(VideoTab())
