@@ -339,3 +339,21 @@ def test_qwen3_through_hf_folder(qwen3_vlm, tmp_path):
     torch.testing.assert_close(tokens, ref["features"], **TOL)
     with torch.no_grad():
         torch.testing.assert_close(model.merge(tokens[None], ref["grid"])[0], ref["embeddings"], **TOL)
+
+
+def test_the_explorer_is_told_each_blocks_window(qwen25_vlm, tmp_path):
+    """The explorer's value of a tower analysis: each block's window side in patches (0 for the blocks
+    that attend globally), which the page outlines around the query; a model without windows all 0."""
+    from vitviz.server.models import ModelFacts
+    from vitviz.server.pictures import explorer_data, views
+
+    tower = vitviz.from_transformers(qwen25_vlm)
+    tower.spec = tower.spec.at(112)
+    exp = views.Exploration(vitviz.analyze(tower, Image.new("RGB", (112, 112), (120, 40, 200))), ModelFacts.of(tower))
+    value = explorer_data.write_payload(exp, key="k", folder=tmp_path)
+    c = tower.config
+    side = c.attn_window
+    assert side and value["windows"] == [0 if layer in c.global_blocks else side for layer in range(c.depth)]
+    assert 0 in value["windows"] and side in value["windows"]
+    plain = ViTConfig(image_size=32, patch_size=8, width=16, depth=2, heads=2, mlp_dim=32)
+    assert explorer_data.windows_of(plain, 2) == [0, 0]

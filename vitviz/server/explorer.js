@@ -384,6 +384,20 @@
     }
   }
 
+  function outlineWindow(img, query, layer) {
+    // a block that attends within windows of the grid (Qwen2.5-VL's tower): the query's window framed, 1 px
+    const side = (meta.windows || [])[layer - 1] || 0, p = meta.prefix.length;
+    if (!side || query < p) return;
+    const px = meta.patch_px, d = img.data, width = img.width;
+    const r = Math.floor((query - p) / meta.grid[1]), c = (query - p) % meta.grid[1];
+    const r0 = Math.floor(r / side) * side, c0 = Math.floor(c / side) * side;
+    const x0 = c0 * px, y0 = r0 * px;
+    const x1 = Math.min(c0 + side, meta.grid[1]) * px - 1, y1 = Math.min(r0 + side, meta.grid[0]) * px - 1;
+    const paint = (x, y) => { const k = 4 * (y * width + x); d[k] = 255; d[k + 1] = 255; d[k + 2] = 255; };
+    for (let x = x0; x <= x1; x++) { paint(x, y0); paint(x, y1); }
+    for (let y = y0; y <= y1; y++) { paint(x0, y); paint(x1, y); }
+  }
+
   function drawBar(lo, hi) { paintBar(barCanvas, ticks, meta.lut, lo, hi); }
 
   let drawing = 0;          // the newest draw: one that waited for its layer is not drawn over a newer one
@@ -417,6 +431,7 @@
     const img = new ImageData(base.width, base.height);
     blend(img, base, pixelPatch, indices(v, lo, hi));
     outline(img, want.query);
+    outlineWindow(img, want.query, want.layer);
     mapCanvas.width = base.width;
     mapCanvas.height = base.height;
     mapCanvas.getContext("2d").putImageData(img, 0, 0);

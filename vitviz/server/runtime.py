@@ -394,7 +394,8 @@ class _Early:
         try:  # the forward goes on whatever happens here: `after` tries again from the finished analysis
             tokens = layout_of(self.spec, self.grid)  # as the analysis will name its queries
             value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
-                                           patch_px=self.spec.patch_size * self.pictures["scale"])
+                                           patch_px=self.spec.patch_size * self.pictures["scale"],
+                                           windows=explorer_data.windows_of(self.spec.config, layout.layers))
             value.update(self.pictures, data=str(path))
             value["first"] = explorer_data.first_shown(value)
         except Exception:

@@ -275,14 +275,25 @@ def _write_all(file: io.RawIOBase, array: np.ndarray) -> None:
         data = data[file.write(data):]
 
 
-def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int) -> dict:
+def windows_of(config, depth: int) -> list[int]:
+    """Each block's attention window, its side in patches (0: the block attends over the whole image):
+    a model whose blocks attend within windows of the grid (`ViTConfig.attn_window`, but in
+    `global_blocks`: Qwen2.5-VL's tower), which the explorer outlines around the query."""
+    side = getattr(config, "attn_window", None) or 0
+    every = set(getattr(config, "global_blocks", ()) or ())
+    return [0 if layer in every else int(side) for layer in range(depth)]
+
+
+def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int,
+             windows: list[int] | None = None) -> dict:
     """The explorer's value for an analysis of `layout`, named `key`: what the page draws it by,
     without its files' paths (`write_payload` adds them). `query_names`: `Analysis.query_names`;
-    `patch_px`: a patch's side in display pixels."""
+    `patch_px`: a patch's side in display pixels; `windows`: each layer's window (`windows_of`)."""
     heads = layout.views - 2
     return dict(
         id=key, mode=layout.mode, depth=layout.layers, heads=heads, views=layout.views, tokens=layout.tokens, patches=layout.patches,
         grid=list(grid), prefix=list(query_names), patch_px=int(patch_px),
+        windows=list(windows) if windows is not None else [0] * layout.layers,
         lut=lut(CMAP).reshape(-1).tolist(),
     )
 
@@ -295,7 +306,8 @@ def write_payload(exp, *, key: str, folder, budget: int | None = None) -> dict:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layout = layout_of(a, budget=budget)
-    value = value_of(layout, key=key, grid=a.grid, query_names=a.query_names, patch_px=a.patch_size * exp.scale)
+    value = value_of(layout, key=key, grid=a.grid, query_names=a.query_names, patch_px=a.patch_size * exp.scale,
+                     windows=windows_of(exp.facts.spec.config, layout.layers))
     if layout.mode == "server":
         value["note"] = (
             f"{a.variant}'s attention is too large to hold in the browser ({layout.layer_bytes / 2**20:.0f} MB a layer); "
