@@ -185,3 +185,15 @@ def test_scenes_questions_have_one_answer():
             ys, xs = np.nonzero(masks[q.target])
             assert q.answer == where_words(masks[q.target])
             assert q.answer.startswith("top" if ys.mean() < 48 else "bottom")
+
+
+def test_the_servers_bounds_count_the_whole_vlm():
+    """The model cache's parameter bound and byte budget count a VLM's language model, not its tower
+    alone (the tower is the embedded model's own: counted once)."""
+    import vitviz
+    from vitviz.server.models import ModelCache, count_params
+
+    tower = vitviz.load_model("shapes_vlm", device="cpu")
+    whole = tower.__dict__["vlm"]
+    assert count_params(tower) == sum(p.numel() for p in whole.parameters()) > sum(p.numel() for p in tower.parameters())
+    assert ModelCache._bytes(tower) == sum(p.numel() * p.element_size() for p in whole.parameters())

@@ -158,7 +158,14 @@ class ModelCache:
 
     @staticmethod
     def _bytes(model: ViT) -> int:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        """The weights the model holds: a VLM's tower's and its whole VLM's (each tensor once; a Hugging
+        Face VLM's tower is a converted copy beside the model's own)."""
+        whole = model.__dict__.get("vlm")
+        whole = getattr(whole, "model", whole)
+        held = {id(p): p for p in model.parameters()}
+        if isinstance(whole, torch.nn.Module):
+            held.update((id(p), p) for p in whole.parameters())
+        return sum(p.numel() * p.element_size() for p in held.values())
 
     def loaded(self) -> list[str]:
         with self._lock:
