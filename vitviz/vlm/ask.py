@@ -30,8 +30,7 @@ those patches its token's value (`Answer.map`); the tower's own attention is not
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -96,7 +95,7 @@ class Answer:
     merge: int
     image: np.ndarray
     model: str = ""
-    ends: bool = field(default=False)
+    ends: bool = False
 
     @property
     def text(self) -> str:
@@ -271,11 +270,3 @@ def _per_token(attentions: Sequence[torch.Tensor], rows: torch.Tensor, cols: tor
     """[tokens, layers, heads, image tokens]: each layer's attention at `rows` and `cols`."""
     per_layer = [a.detach()[0][:, rows][:, :, cols].float().cpu() for a in attentions]  # [H, n, M] each
     return torch.stack(per_layer).permute(2, 0, 1, 3).contiguous()
-
-
-def grid_side(count: int) -> int:
-    """The side of a square grid of `count` tokens, or a ValueError."""
-    side = math.isqrt(count)
-    if side * side != count:
-        raise ValueError(f"{count} image tokens make no square grid")
-    return side
