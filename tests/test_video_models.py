@@ -13,6 +13,7 @@ from vitviz.video import (
     VideoSpec,
     VideoViT,
     attention_across_frames,
+    attention_across_frames_all,
     frame_maps,
     mean_attention_distance_space_time,
     space_time_rollout,
@@ -260,6 +261,46 @@ def test_attention_across_frames_of_a_divided_model_joins_its_two_steps():
     for frame in (0, 2):
         torch.testing.assert_close(across[:, frame, 1, 0], attention.time[2, :, 2, 1, frame])
         assert across[:, frame].sum().item() == pytest.approx(across[:, frame, 1, 0].sum().item())
+
+
+@pytest.mark.parametrize("attention_kind", ["joint", "divided"])
+def test_every_querys_attention_across_frames_at_once_is_each_querys(attention_kind):
+    if attention_kind == "divided":
+        model = _divided_model(frames=3)
+        x = torch.randn(3, 3, 16, 16)
+    else:
+        torch.manual_seed(0)
+        model = VideoViT(VideoConfig(frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=2, heads=2, mlp_dim=32)).eval()
+        x = torch.randn(4, 3, 16, 16)
+    attention = model.attention(x)
+    t, h, w = attention.grid
+    for layer in range(attention.depth):
+        every = attention_across_frames_all(attention, layer)
+        assert every.shape == (attention.heads, t * h * w, t, h, w)
+        for q in range(t * h * w):
+            assert torch.equal(every[:, q], attention_across_frames(attention, layer, q // (h * w), q % (h * w) // w, q % w)), (layer, q)
+    with pytest.raises(ValueError, match="layer"):
+        attention_across_frames_all(attention, attention.depth)
+
+
+@pytest.mark.parametrize("attention_kind", ["joint", "divided"])
+def test_the_attentions_forward_gives_the_logits_of_a_plain_forward(attention_kind):
+    """`VideoViT.attention` keeps the output of the forward that recorded it: the logits a forward without
+    recording gives (the fused attention's path), so that one forward serves both."""
+    if attention_kind == "divided":
+        model = _divided_model(frames=3)
+        model.head = torch.nn.Linear(16, 5)
+        x = torch.randn(3, 3, 16, 16)
+    else:
+        torch.manual_seed(0)
+        model = VideoViT(VideoConfig(frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=2, heads=2, mlp_dim=32,
+                                     num_classes=5)).eval()
+        x = torch.randn(4, 3, 16, 16)
+    attention = model.attention(x)
+    with torch.no_grad():
+        plain = model(x[None])[0]
+    assert attention.logits.shape == plain.shape == (5,)
+    torch.testing.assert_close(attention.logits, plain, atol=1e-5, rtol=1e-5)
 
 
 def _one_hot(rows: list[int]) -> torch.Tensor:

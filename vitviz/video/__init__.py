@@ -11,6 +11,7 @@ over to it) and the space-time analyses of their attention (`vitviz.video.analys
 
 from vitviz.video.analysis import (
     attention_across_frames,
+    attention_across_frames_all,
     divided_step_matrices,
     frame_maps,
     mean_attention_distance_space_time,
@@ -33,6 +34,7 @@ __all__ = [
     "divided_step_matrices",
     "frame_maps",
     "attention_across_frames",
+    "attention_across_frames_all",
     "mean_attention_distance_space_time",
     "token_coordinates",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "divided_step_matrices",
     "frame_maps",
     "attention_across_frames",
+    "attention_across_frames_all",
     "mean_attention_distance_space_time",
     "token_coordinates",
     "space_time_relevance",
@@ -144,6 +145,29 @@ def attention_across_frames(attention: VideoAttention, layer: int, query_t: int,
     out[:, :, s] = attention.time[layer, :, s, query_t, :]
     out[:, query_t] = attention.space[layer, :, query_t, p + s, p:]
     return out.reshape(heads, t, h, w)
+
+
+def attention_across_frames_all(attention: VideoAttention, layer: int) -> torch.Tensor:
+    """`attention_across_frames` of every patch query of one layer at once, every head:
+    [H, t*h*w, t, h, w], query q = t_q*h*w + y_q*w + x_q (the patches' token order, prefix left out).
+
+    Joint attention: the layer's rows of the patches over the patches. Divided attention: for query
+    (t_q, s_q), s_q = y_q*w + x_q, each frame t' holds the time attention time[s_q, t_q, t'] at s_q, then
+    frame t_q is overwritten with the space attention over its patches, as `attention_across_frames` builds it.
+    """
+    t, h, w = attention.grid
+    if not 0 <= layer < attention.depth:
+        raise ValueError(f"layer {layer} must lie within the {attention.depth} layers")
+    p, s = attention.num_prefix_tokens, h * w
+    if attention.kind == "joint":
+        return attention.joint[layer, :, p:, p:].reshape(-1, t * s, t, h, w)
+    heads = attention.space.shape[1]
+    out = attention.space.new_zeros(heads, t, s, t, s)  # [H, t_q, s_q, t', s']
+    at = torch.arange(s, device=out.device)
+    out[:, :, at, :, at] = attention.time[layer].transpose(0, 1)  # [s_q, H, t_q, t']: time[H, s_q, t_q, t'] at s' = s_q
+    frames = torch.arange(t, device=out.device)
+    out[:, frames, :, frames, :] = attention.space[layer, :, :, p:, p:].transpose(0, 1)  # [t_q, H, s_q, s'] at t' = t_q
+    return out.reshape(heads, t * s, t, h, w)
 
 
 def _weighted_mean(attn: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,8 @@ class VideoAttention:
             token (index 0) and that frame's patches (index p + y*w + x).
         pool: V-JEPA 2's attentive pooler: the query's attention over the N encoded tokens [H, N], after
             the pooler's own self-attention blocks; None for other models.
+        logits: the output of the forward that recorded the attention [classes] (the pooled features [D]
+            for a model without a head); None when it was not kept.
     """
 
     grid: tuple[int, int, int]
@@ -244,6 +246,7 @@ class VideoAttention:
     time: torch.Tensor | None = None
     space: torch.Tensor | None = None
     pool: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         divided = self.time is not None and self.space is not None
@@ -574,7 +577,8 @@ class VideoViT(nn.Module):
         return self.head_logits(self.encode(videos))
 
     def attention(self, videos: torch.Tensor) -> VideoAttention:
-        """One clip's attention, every layer and head (`VideoAttention`), from one forward without gradients.
+        """One clip's attention, every layer and head (`VideoAttention`), and that forward's output
+        (`VideoAttention.logits`), from one forward without gradients.
 
         Args:
             videos: [1, T, 3, H, W] or [T, 3, H, W].
@@ -590,7 +594,7 @@ class VideoViT(nn.Module):
             handle = self.attn_pool.cross.attend.register_forward_hook(lambda m, i, out: pooled.append(out.detach()))
         try:
             with torch.no_grad(), record_attention(self) as rec:
-                self(videos)
+                out = self(videos)[0]
         finally:
             if handle is not None:
                 handle.remove()
@@ -598,8 +602,8 @@ class VideoViT(nn.Module):
         pool = pooled[-1][0, :, 0].float() if pooled else None
         p = self.config.num_prefix_tokens
         if self.config.attention == "joint":
-            return VideoAttention(grid, p, joint=torch.stack([a[0] for a in layers]).float(), pool=pool)
+            return VideoAttention(grid, p, joint=torch.stack([a[0] for a in layers]).float(), pool=pool, logits=out)
         t, h, w = grid
         time = torch.stack([a.reshape(h * w, -1, t, t).transpose(0, 1) for a in layers[0::2]]).float()  # [L, H, s, t, t]
         space = torch.stack([a.reshape(t, -1, p + h * w, p + h * w).transpose(0, 1) for a in layers[1::2]]).float()
-        return VideoAttention(grid, p, time=time, space=space, pool=pool)
+        return VideoAttention(grid, p, time=time, space=space, pool=pool, logits=out)
