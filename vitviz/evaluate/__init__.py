@@ -61,6 +61,13 @@ traceback. Every CSV cell of text that a spreadsheet would read as a formula (it
 -, @, a tab or a carriage return) is written with a leading ' (OWASP's rule).
 
     summary = vitviz.evaluate.summarize("results/")     # the same summary, from Python
+
+A video model (`shapes_video`, an `hf:` TimeSformer, VideoMAE, ViViT or V-JEPA 2) is scored over a
+folder of clips instead, on one process, by `vitviz.video.evaluate` (its doc: the clips, their masks
+a frame at a time, the methods rollout and gradient, the metrics distance in space and time, pointing
+per tubelet, deletion and insertion over space-time patches, the model's accuracy); --protocol,
+--text, --captions and --workers are refused for it. `python -m vitviz.video.shapes CLIPS --n 100`
+writes such a folder.
 """
 
 from vitviz.evaluate.cli import main

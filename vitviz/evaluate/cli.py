@@ -17,22 +17,24 @@ from vitviz.evaluate.run import evaluate
 def _report(out: Path, run: dict) -> str:
     """The line that ends a run: the images scored and failed now (and in all), the rate, what is left."""
     scored, failed, scored_now, failed_now = run["scored"], run["failed"], run["scored_now"], run["failed_now"]
-    why = f"why: {out / 'per_image.csv'}, column error"
+    clips = run.get("kind") == "clips"  # a video model's run (vitviz.video.evaluate)
+    unit, rate = ("clip", "clips/s") if clips else ("image", "img/s")
+    why = f"why: {out / ('per_clip.csv' if clips else 'per_image.csv')}, column error"
     if scored_now + failed_now == 0:
-        return (f"Every image was already scored (in {out / 'shards'}): {scored} scored, {failed} failed"
+        return (f"Every {unit} was already scored (in {out / ('rows.jsonl' if clips else 'shards')}): {scored} scored, {failed} failed"
                 f"{f' ({why})' if failed else ''}; the summary was written again.")
-    now = f"{_plural(scored_now, 'image')} scored, {failed_now} failed{f' ({why})' if failed_now else ''}"
+    now = f"{_plural(scored_now, unit)} scored, {failed_now} failed{f' ({why})' if failed_now else ''}"
     everything = ""
     if (scored, failed) != (scored_now, failed_now):
-        everything = f" (all {run['images']} images: {scored} scored, {failed} failed{f'; {why}' if failed and not failed_now else ''})"
+        everything = f" (all {_plural(run['images'], unit)}: {scored} scored, {failed} failed{f'; {why}' if failed and not failed_now else ''})"
     left = run["images"] - scored - failed
-    todo = f"; {_plural(left, 'image')} still to score: run the same command again to go on" if left else ""
+    todo = f"; {_plural(left, unit)} still to score: run the same command again to go on" if left else ""
     s = run["sessions"][-1]
     plain = s["plain_forward_images_per_second"]
-    ratio = f"; plain batched forwards {plain:.1f} img/s, {s['images_per_second'] / plain:.3g}x" if plain else ""
+    ratio = f"; plain {'' if clips else 'batched '}forwards {plain:.1f} {rate}, {s['images_per_second'] / plain:.3g}x" if plain else ""
     both = s.get("plain_forward_backward_images_per_second")
-    ratio += f"; plain forwards and backwards {both:.1f} img/s, {s['images_per_second'] / both:.3g}x" if both else ""
-    return (f"{now} in {s['seconds']:.1f} s on {_plural(s['world_size'], 'process')}: {s['images_per_second']:.1f} img/s{ratio}"
+    ratio += f"; plain forwards and backwards {both:.1f} {rate}, {s['images_per_second'] / both:.3g}x" if both else ""
+    return (f"{now} in {s['seconds']:.1f} s on {_plural(s['world_size'], 'process')}: {s['images_per_second']:.1f} {rate}{ratio}"
             f"{everything}; results in {out}{todo}")
 
 
@@ -42,8 +44,8 @@ PROG = "vitviz.evaluate"
 def main(argv: list[str] | None = None) -> None:
     ap = ranked.parser(PROG, "python -m vitviz.evaluate --help lists the options", prog="python -m vitviz.evaluate", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks)")
-    ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>")
+    ap.add_argument("data", type=Path, help="a folder of images (ImageFolder layout for classes; masks/ for object masks), or of clips for a video model")
+    ap.add_argument("--model", required=True, help="a variant name, timm:<name> or hf:<repo id>; shapes_video or an hf: video model for clips")
     ap.add_argument("--methods", default="rollout,gradient",
                     help="comma-separated, of attention, rollout, gradient, grad_rollout and any a plugin registers (VITVIZ_PLUGINS)")
     ap.add_argument("--metrics", default=None, help=f"comma-separated, of {', '.join(METRICS + EXTRA_METRICS)} (default: "

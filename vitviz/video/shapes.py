@@ -14,6 +14,7 @@ over the distractor, which lies clear of its path. Each frame has its own pixel 
 of 2 at 96 px, patch 16 (4 x 6 x 6 tokens and a cls token), joint space-time attention, 4 blocks of
 width 96 with 3 heads; it tells the moving shape's motion, one of `MOTIONS`.
 `python -m vitviz.dev.train_shapes_video` makes its weights, assets/shapes_video.pt.
+`python -m vitviz.video.shapes DIR --n 100` writes clips with their masks for `python -m vitviz.evaluate`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "shapes_video_config",
     "shapes_video_spec",
     "load_shapes_video",
+    "write_clips",
 ]
 
 MOTIONS: tuple[str, ...] = ("left", "right", "up", "down", "still")
@@ -202,3 +204,47 @@ def load_shapes_video(*, device: str | torch.device = "cpu", weights_path: str |
         raise ValueError(f"the checkpoint does not fit shapes_video ({spec.description}): {exc}") from exc
     model.spec = spec
     return model.eval().to(device)
+
+
+def write_clips(folder, n: int, *, seed: int = 2024, start: int = 0) -> list[str]:
+    """`n` clips (`render_clip`) as a folder the evaluator reads (`vitviz.video.evaluate`):
+    `<folder>/<motion>/<i>.webp`, each an animated lossless WebP of `FRAMES` frames (so that the frames
+    read back are the frames made), and its object masks `<folder>/masks/<motion>/<i>/<k>.png` for
+    frame k (white on the moving shape). Seeds 21, 22 and 5000 are the training, check and measuring
+    clips; any other gives clips never trained on. Returns the clips' paths."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    folder = Path(folder)
+    paths = []
+    for i in range(n):
+        frames, label, masks = render_clip(seed=seed, index=start + i)
+        path = folder / MOTIONS[label] / f"{start + i:06d}.webp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        images = [Image.fromarray(f) for f in frames]
+        images[0].save(path, format="WEBP", save_all=True, append_images=images[1:], lossless=True, duration=125, loop=0)
+        mask_folder = folder / "masks" / MOTIONS[label] / f"{start + i:06d}"
+        mask_folder.mkdir(parents=True, exist_ok=True)
+        for k, mask in enumerate(masks):
+            Image.fromarray(mask.astype(np.uint8) * 255).save(mask_folder / f"{k}.png")
+        paths.append(str(path))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Writes generated clips of a moving shape, with their per-frame object masks, "
+                                             "as a folder of clips by motion (python -m vitviz.evaluate reads it).")
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--n", type=int, default=200, help="clips")
+    ap.add_argument("--seed", type=int, default=2024, help="training used 21 and 22, the measure 5000; any other gives unseen clips")
+    args = ap.parse_args(argv)
+    paths = write_clips(args.folder, args.n, seed=args.seed)
+    print(f"wrote {len(paths)} clips and their masks under {args.folder}")
+
+
+if __name__ == "__main__":
+    main()
