@@ -1,4 +1,4 @@
-"""The evaluator over a folder of clips (`vitviz.video.evaluate`, reached by `python -m vitviz.evaluate`
+"""The evaluator over a folder of clips (`vitviz.evaluate.clips`, reached by `python -m vitviz.evaluate`
 with a video model): each figure recomputed here by an independent route from the same clips, the
 run resumed and refused as the image evaluator's is, and hostile clips an error in their own row."""
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from vitviz.evaluate import EvaluateError, EvaluateWarning, evaluate, summarize
 from vitviz.video import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout
-from vitviz.video.evaluate import scan_clips
+from vitviz.evaluate.clips import scan_clips
 from vitviz.video.shapes import MOTIONS, load_shapes_video, render_clip, to_videos, write_clips
 
 SEED = 7171  # never trained on
@@ -214,7 +214,7 @@ def test_without_masks_the_pointing_game_is_left_out_with_a_warning(folder, tmp_
 
 def test_the_random_maps_chance_is_the_dilated_masks_patch_share():
     """`_expected_hits` on a mask of one pixel: the patches within one patch of it, counted."""
-    from vitviz.video.evaluate import _expected_hits
+    from vitviz.evaluate.clips import _expected_hits
 
     mask = torch.zeros(1, 48, 48, dtype=torch.bool)
     mask[0, 20, 30] = True

@@ -63,7 +63,7 @@ traceback. Every CSV cell of text that a spreadsheet would read as a formula (it
     summary = vitviz.evaluate.summarize("results/")     # the same summary, from Python
 
 A video model (`shapes_video`, an `hf:` TimeSformer, VideoMAE, ViViT or V-JEPA 2) is scored over a
-folder of clips instead, on one process, by `vitviz.video.evaluate` (its doc: the clips, their masks
+folder of clips instead, on one process, by `vitviz.evaluate.clips` (its doc: the clips, their masks
 a frame at a time, the methods rollout and gradient, the metrics distance in space and time, pointing
 per tubelet, deletion and insertion over space-time patches, the model's accuracy); --protocol,
 --text, --captions and --workers are refused for it. `python -m vitviz.video.shapes CLIPS --n 100`
@@ -74,8 +74,9 @@ from vitviz.evaluate.cli import main
 from vitviz.evaluate.data import (
     EXTRA_METRICS, MAX_TEXT_CHARS, METRICS, PROTOCOLS, Z95, EvalDataset, EvaluateError, EvaluateWarning, Item, Protocol, scan,
 )
-from vitviz.evaluate.figures import summarize, wilson
-from vitviz.evaluate.run import evaluate, read_captions
+from vitviz.evaluate.entry import evaluate, summarize
+from vitviz.evaluate.figures import wilson
+from vitviz.evaluate.run import read_captions
 
 __all__ = ["METRICS", "EXTRA_METRICS", "PROTOCOLS", "Protocol", "MAX_TEXT_CHARS", "Item", "EvaluateError", "EvaluateWarning", "scan", "read_captions",
            "EvalDataset", "Z95", "wilson", "evaluate", "summarize", "main"]

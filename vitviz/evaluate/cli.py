@@ -10,14 +10,14 @@ from pathlib import Path
 
 from vitviz.evaluate.data import EXTRA_METRICS, EvaluateError, EvaluateWarning, METRICS, PROTOCOLS, _plural
 from vitviz import ranked
-from vitviz.evaluate.run import evaluate
+from vitviz.evaluate.entry import evaluate
 
 
 
 def _report(out: Path, run: dict) -> str:
     """The line that ends a run: the images scored and failed now (and in all), the rate, what is left."""
     scored, failed, scored_now, failed_now = run["scored"], run["failed"], run["scored_now"], run["failed_now"]
-    clips = run.get("kind") == "clips"  # a video model's run (vitviz.video.evaluate)
+    clips = run.get("kind") == "clips"  # a video model's run (vitviz.evaluate.clips)
     unit, rate = ("clip", "clips/s") if clips else ("image", "img/s")
     why = f"why: {out / ('per_clip.csv' if clips else 'per_image.csv')}, column error"
     if scored_now + failed_now == 0:

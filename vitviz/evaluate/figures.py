@@ -99,14 +99,10 @@ def _columns(methods, metrics, *, text: bool = False) -> list[str]:
     return columns + ["sha256", "mask_sha256"]
 
 
-def summarize(out: str | Path) -> list[dict]:
+def summarize_images(out: str | Path) -> list[dict]:
     """The summary of a finished run, from its per_image.csv: [{method, metric, n, mean, ci95_low, ci95_high}]."""
     out = Path(out)
     run = json.loads((out / "run.json").read_text())
-    if run.get("kind") == "clips":  # a video model's run
-        from vitviz.video.evaluate import summarize_clips
-
-        return summarize_clips(out)
     with open(out / "per_image.csv", newline="") as f:
         table = list(csv.DictReader(f))
     order = _order(run["methods"], run["metrics"])

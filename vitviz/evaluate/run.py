@@ -341,7 +341,7 @@ def _totals(sessions: list[dict]) -> dict:
     return dict(timed_images=images, seconds=seconds, images_per_second=images / max(1e-9, seconds), **rates)
 
 
-def evaluate(
+def evaluate_images(
     data: str | Path,
     *,
     model: str,
@@ -383,17 +383,6 @@ def evaluate(
         EvaluateWarning: on rank 0, a metric left out for some or all images (the pointing game
             without masks); run.json's "warnings" lists them too.
     """
-    from vitviz.video.evaluate import evaluate_clips, is_video_model
-
-    if is_video_model(model):  # a folder of clips: vitviz.video.evaluate, on one process
-        given = [name for name, v in (("--protocol", protocol), ("--text", text), ("--captions", captions), ("--workers", workers)) if v is not None]
-        if given:
-            raise EvaluateError(f"{model} is a video model, scored over a folder of clips without {' and '.join(given)}: leave "
-                                f"{'it' if len(given) == 1 else 'them'} out")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise EvaluateError(f"{model} is a video model: its clips are scored on one process (run it without torchrun)")
-        return evaluate_clips(data, model=model, out=out, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size,
-                              max_clips=max_images, compare=compare, progress=progress, rescan=rescan)
     data, out = Path(data), Path(out)
     plan = _plan(data, out, model=model, methods=methods, metrics=metrics, steps=steps, batch_size=batch_size, workers=workers,
                  max_images=max_images, protocol=protocol, text=text, captions=captions)

@@ -207,7 +207,7 @@ def load_shapes_video(*, device: str | torch.device = "cpu", weights_path: str |
 
 
 def write_clips(folder, n: int, *, seed: int = 2024, start: int = 0) -> list[str]:
-    """`n` clips (`render_clip`) as a folder the evaluator reads (`vitviz.video.evaluate`):
+    """`n` clips (`render_clip`) as a folder the evaluator reads (`vitviz.evaluate.clips`):
     `<folder>/<motion>/<i>.webp`, each an animated lossless WebP of `FRAMES` frames (so that the frames
     read back are the frames made), and its object masks `<folder>/masks/<motion>/<i>/<k>.png` for
     frame k (white on the moving shape). Seeds 21, 22 and 5000 are the training, check and measuring
