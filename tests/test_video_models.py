@@ -343,3 +343,39 @@ def test_unsupported_clips_and_configs_say_so():
         VideoConfig(attention="divided", class_token=False)
     with pytest.raises(ValueError, match="one clip"):
         model.attention(torch.randn(2, 4, 3, 16, 16))
+
+
+@pytest.fixture
+def hub_timesformer(tmp_path, monkeypatch):
+    """A tiny random TimeSformer classifier in an offline Hugging Face cache: its `hf:` name."""
+    from huggingface_hub import constants
+
+    from conftest import write_hub_cache
+
+    model = _randomise(_models()["timesformer-classifier"]())
+    root = tmp_path / "hub"
+    model.save_pretrained(write_hub_cache(root, "someone/timesformer-tiny", {}))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return "hf:someone/timesformer-tiny"
+
+
+def test_the_image_tabs_refuse_a_video_model_and_the_model_cache_keeps_one_without_image_facts(hub_timesformer):
+    from vitviz.server.guards.inputs import InputError, variant
+    from vitviz.server.models import ModelCache
+
+    with pytest.raises(InputError, match="is a video model: the Video tab runs video models on a clip"):
+        variant(hub_timesformer)
+    cache = ModelCache(max_models=2, device="cpu")
+    model, facts = cache.get(hub_timesformer)
+    assert isinstance(model, VideoViT) and facts is None and cache.loaded() == [hub_timesformer]
+    assert cache.get(hub_timesformer)[0] is model  # kept: loaded once
+    calls = []
+
+    def load(name, *, device=None):
+        calls.append(name)
+        return vitviz.load_model(name, device=device)
+
+    again = ModelCache(max_models=2, device="cpu")
+    assert isinstance(again.get(hub_timesformer, load=load)[0], VideoViT) and calls == [hub_timesformer]

@@ -6,6 +6,7 @@ import shutil
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from vitviz.model import ViT
 from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
+from vitviz.video.model import VideoViT
 
 __all__ = ["ModelFacts", "ModelCache", "TooLarge", "prune_hub_cache"]
 
@@ -171,8 +173,13 @@ class ModelCache:
         with self._lock:
             return list(self._models)
 
-    def get(self, name: str) -> tuple[ViT, ModelFacts]:
-        """The model and its facts, loading (and maybe downloading) on first use."""
+    def get(self, name: str, *, load: Callable[..., torch.nn.Module] | None = None) -> tuple[ViT, ModelFacts | None]:
+        """The model and its facts, loading (and maybe downloading) on first use.
+
+        Args:
+            load: how `name` is loaded, `load(name, device=...)`; default `vitviz.load_model`. A model
+                that is no image model (a `vitviz.video.VideoViT`) is kept without facts (None).
+        """
         with self._lock:
             if name in self._models:
                 self._models.move_to_end(name)
@@ -183,7 +190,7 @@ class ModelCache:
                 if name in self._models:
                     self._models.move_to_end(name)
                     return self._models[name]
-            model = load_model(name, device=self.device)
+            model = (load or load_model)(name, device=self.device)
             repo = _repo(model.spec)
             count = count_params(model)
             if self.max_params is not None and count > self.max_params:
@@ -195,7 +202,7 @@ class ModelCache:
                 model = model.to(torch.bfloat16)  # half the memory and the time; attention and its records in float32
             if isinstance(model, ImageTextModel) and model.labels is not None:
                 model.label_embeddings(model.labels)  # zero-shot labels encoded with the load, not inside a request
-            entry = (model, ModelFacts.of(model))
+            entry = (model, None if isinstance(model, VideoViT) else ModelFacts.of(model))
             with self._lock:
                 self._models[name] = entry
                 self._evict(keep=name)

@@ -11,6 +11,7 @@ import tempfile
 
 from vitviz.server.menus import head_choices
 from vitviz.sources import UnknownVariant, WeightsUnavailableError, checkpoint_dir, get_spec, list_variants, source_of
+from vitviz.video.model import VideoSpec
 
 __all__ = ["InputError", "variant", "public_text", "is_menu_name", "fusion", "ratio", "index", "head", "share"]
 
@@ -43,6 +44,8 @@ def variant(value: object, *, max_params: int | None = None, max_tokens: int | N
         raise InputError(unknown_name(value)) from None
     except (ValueError, ImportError, NotImplementedError, TypeError, OSError) as exc:
         raise InputError(public_text(str(exc))) from None
+    if isinstance(spec, VideoSpec):  # (a clip's model: the image tabs have no frames to give it)
+        raise InputError(f"{_shown(value)} is a video model: the Video tab runs video models on a clip.")
     if max_params is not None and (params := source_of(spec).num_params(spec)) > max_params:
         raise InputError(f"{value} has {params:,} parameters, all its towers together; this server loads models of up to "
                          f"{max_params:,} (VITVIZ_MAX_PARAMS).")
