@@ -137,3 +137,18 @@ def test_a_40_megapixel_float_tiff_is_converted_without_a_float_copy(tmp_path):
     # and the ramp survives: black at the top, white at the bottom
     arr = np.asarray(load_image(path).resize((8, 50)))
     assert arr[0, 0, 0] < 5 and arr[-1, 0, 0] > 250 and 100 < arr[25, 0, 0] < 155
+
+
+def test_sources_that_are_no_bytes_are_refused_in_one_sentence_by_both_gates():
+    import io
+
+    from vitviz.clips import VideoError, load_video
+
+    for source, gate, error, noun in ((io.StringIO("GIF89a"), load_image, ImageError, "an image"),
+                                      (io.StringIO("GIF89a"), lambda s: load_video(s, frames=2), VideoError, "a video"),
+                                      (3.5, load_image, ImageError, "an image")):
+        with pytest.raises(error, match=f"cannot read {noun} from") as caught:
+            gate(source)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(ImageError, match=r"the file is over 20 MB; accepted"):
+        load_image(io.BytesIO(b"\x89PNG" + bytes(MAX_BYTES)))

@@ -50,7 +50,6 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Union
 
 import numpy as np
@@ -58,7 +57,7 @@ import torch
 from PIL import Image
 
 from vitviz.config import Preprocessing
-from vitviz.images import MIN_SIDE
+from vitviz.images import MIN_SIDE, read_bounded
 from vitviz.preprocess import preprocess
 
 __all__ = [
@@ -158,28 +157,7 @@ def _check_request(frames: int, sampling: str, stride: int | None) -> None:
 
 
 def _read(source: VideoSource) -> bytes:
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise VideoError(f"no such video file: {path}")
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise _refuse(f"the file is {size / 1e6:.1f} MB")
-        data = path.read_bytes()
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-    elif hasattr(source, "read"):
-        data = source.read(MAX_BYTES + 1)
-        if not isinstance(data, (bytes, bytearray)):
-            raise VideoError(f"cannot read a video from a file opened in text mode ({type(source).__name__})")
-        data = bytes(data)
-    else:
-        raise VideoError(f"cannot read a video from {type(source).__name__}")
-    if len(data) == 0:
-        raise _refuse("the file is empty (0 bytes)")
-    if len(data) > MAX_BYTES:
-        raise _refuse(f"the file is over {MAX_BYTES // (1024 * 1024)} MB")
-    return data
+    return read_bounded(source, max_bytes=MAX_BYTES, noun="video", refuse=_refuse, error=VideoError)
 
 
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")

@@ -19,7 +19,7 @@ import io
 import os
 import warnings
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, Callable, Union
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -48,25 +48,45 @@ def describe_limits() -> str:
     )
 
 
-def _open(source: ImageSource) -> Image.Image:
+def read_bounded(source, *, max_bytes: int, noun: str, refuse: Callable[[str], Exception], error: Callable[[str], Exception]) -> bytes:
+    """The bytes of a file at most `max_bytes` long, from a path, bytes or a binary file object (read
+    no further than one byte past the bound): how the image gate and the video gate (`vitviz.clips`)
+    read what they are given.
+
+    Args:
+        noun: what is read ("image", "video"), for the messages.
+        refuse: the error for a file outside the bounds, given the reason (the gate adds its limits).
+        error: the error for a source that is no file to read (a missing path, a text-mode file).
+    """
+    article = "an" if noun[:1] in "aeiou" else "a"
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ImageError(f"no such image file: {path}")
+            raise error(f"no such {noun} file: {path}")
         size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise ImageError(f"the file is {size / 1e6:.1f} MB; {describe_limits()}")
-        data = path.read_bytes()
-    elif isinstance(source, (bytes, bytearray)):
+        if size > max_bytes:
+            raise refuse(f"the file is {size / 1e6:.1f} MB")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif hasattr(source, "read"):
-        data = source.read(MAX_BYTES + 1)
+        data = source.read(max_bytes + 1)
+        if not isinstance(data, (bytes, bytearray)):
+            raise error(f"cannot read {article} {noun} from a file opened in text mode ({type(source).__name__})")
+        data = bytes(data)
     else:
-        raise ImageError(f"cannot read an image from {type(source).__name__}")
+        raise error(f"cannot read {article} {noun} from {type(source).__name__}")
     if len(data) == 0:
-        raise ImageError(f"the file is empty (0 bytes); {describe_limits()}")
-    if len(data) > MAX_BYTES:
-        raise ImageError(f"the file is over {MAX_BYTES // (1024 * 1024)} MB; {describe_limits()}")
+        raise refuse("the file is empty (0 bytes)")
+    if len(data) > max_bytes:
+        raise refuse(f"the file is over {max_bytes // (1024 * 1024)} MB")
+    return data
+
+
+def _open(source: ImageSource) -> Image.Image:
+    data = read_bounded(source, max_bytes=MAX_BYTES, noun="image", refuse=lambda why: ImageError(f"{why}; {describe_limits()}"),
+                        error=ImageError)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -25,13 +25,13 @@ from starlette.requests import HTTPConnection
 
 from vitviz.server.guards.gradio_io import client_address, uploaded_path
 
-__all__ = ["BodyLimit", "KnownEvents", "SESSION_HASH", "SessionHashes", "UploadLimit", "looks_like_image"]
+__all__ = ["BodyLimit", "KnownEvents", "SESSION_HASH", "SessionHashes", "UploadLimit", "looks_like_upload"]
 
 
 IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
-def looks_like_image(head: bytes) -> bool:
+def looks_like_upload(head: bytes) -> bool:
     """Whether a file's first bytes are those of a format the image gate accepts (JPEG, PNG, GIF,
     WebP, BMP, TIFF), or the clip gate's MP4 or WebM (`vitviz.clips`; the Video tab's uploads): each
     gate reads the file again and refuses what is not its own."""
@@ -41,12 +41,12 @@ def looks_like_image(head: bytes) -> bool:
 
 
 class UploadLimit:
-    """ASGI middleware: an upload request carries one image of at most `max_bytes`, and one address
+    """ASGI middleware: an upload request carries one image or clip of at most `max_bytes`, and one address
     uploads at most `per_minute` bytes a minute.
 
     The request must state its length (411 otherwise) and stay within `max_bytes` plus `overhead`
     for the multipart framing (413 otherwise, before a byte is read); an address past its minute's
-    volume is answered 429 before a byte is read; a part whose first bytes are not an image's is
+    volume is answered 429 before a byte is read; a part whose first bytes are not an image's or a clip's is
     cut off there (415), and so is a body with more than one part, as soon as the second part's
     boundary arrives (413). `after()` runs after each upload that went through (a disk sweep);
     `claim(owner, paths)` is told the files it made, as the uploading address's ("address ...") until
@@ -111,7 +111,7 @@ class UploadLimit:
                 at = body.find(b"\r\n\r\n", body.find(delimiter) + len(delimiter)) if delimiter in body else -1
                 if at >= 0 and len(body) >= at + 4 + 16:
                     seen["sniffed"] = True
-                    if not looks_like_image(body[at + 4 : at + 4 + 16]):
+                    if not looks_like_upload(body[at + 4 : at + 4 + 16]):
                         return "kind"
                     seen["head"] = b""
                 elif len(body) > 64 * 1024:
