@@ -36,24 +36,11 @@
   const SETTLE_MS = 150;    // how long the view stays on a layer not fetched before its file is asked for ("layers")
 
 
-  // a picture of `explorer_data.rgb_file` (uint32 width, uint32 height, then RGB rows) as ImageData,
-  // each pixel drawn k x k times (nearest neighbour, as the server's `views.display_of`)
+  // a picture of `explorer_data.rgb_file` fetched as ImageData, each pixel drawn k x k times (`rgbPicture`)
   async function pictureData(url, k = 1) {
     const response = await fetch(url);
     if (!response.ok) throw new Error(`${response.status} for the explorer's pictures`);
-    const buffer = await response.arrayBuffer();
-    const head = new DataView(buffer, 0, Math.min(8, buffer.byteLength));
-    const [w, h] = buffer.byteLength >= 8 ? [head.getUint32(0, true), head.getUint32(4, true)] : [0, 0];
-    if (buffer.byteLength !== 8 + 3 * w * h) throw new Error("the explorer's picture is incomplete");
-    const src = new Uint8Array(buffer, 8), W = w * k, out = new ImageData(W, h * k), d = out.data;
-    for (let y = 0; y < h * k; y++) {
-      const row = 3 * w * Math.floor(y / k);
-      for (let x = 0, o = 4 * W * y; x < W; x++, o += 4) {
-        const i = row + 3 * Math.floor(x / k);
-        d[o] = src[i]; d[o + 1] = src[i + 1]; d[o + 2] = src[i + 2]; d[o + 3] = 255;
-      }
-    }
-    return out;
+    return rgbPicture(await response.arrayBuffer(), k);
   }
 
   const pictures = (paths) => Number.isInteger(paths.scale) && paths.scale > 0
@@ -372,16 +359,9 @@
     // the query patch framed as PIL's rectangle(outline, width) frames it: inside the patch's box
     const p = meta.prefix.length;
     if (query < p) return;
-    const px = meta.patch_px, w = Math.max(1, Math.floor(px / 8)), side = img.width, d = img.data;
+    const px = meta.patch_px;
     const r = Math.floor((query - p) / meta.grid[1]), c = (query - p) % meta.grid[1];
-    const x0 = c * px, y0 = r * px;
-    for (let y = y0; y < y0 + px; y++) {
-      for (let x = x0; x < x0 + px; x++) {
-        if (x - x0 >= w && x0 + px - 1 - x >= w && y - y0 >= w && y0 + px - 1 - y >= w) continue;
-        const k = 4 * (y * side + x);
-        d[k] = 0; d[k + 1] = 229; d[k + 2] = 255;
-      }
-    }
+    frameCell(img, c * px, r * px, px, Math.max(1, Math.floor(px / 8)));
   }
 
   function outlineWindow(img, query, layer) {

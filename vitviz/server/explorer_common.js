@@ -1,11 +1,29 @@
-// What both of the page's explorers draw with: the global one (explorer.js) and the windowed one
-// (swin_explorer.js) are each loaded after this file (`explorer_data.widget_files`,
-// `swin_explorer.widget_files`). The colour rule is the server's own pictures' (`vitviz.plots.overlay`
-// on 8-bit rows), so the browser and the server give the same pixels: index = floor((v - lo) /
-// (hi - lo) * 255 + 1/2), pixel = floor((2 * image + 3 * colour + 2) / 5).
+// What the page's explorers draw with: the global one (explorer.js), the windowed one
+// (swin_explorer.js) and the Video tab's (video_explorer.js) are each loaded after this file
+// (`explorer_data.widget_files`, `swin_explorer.widget_files`, `video_explorer.widget_files`). The
+// colour rule is the server's own pictures' (`vitviz.plots.overlay` on 8-bit rows), so the browser and
+// the server give the same pixels: index = floor((v - lo) / (hi - lo) * 255 + 1/2), pixel =
+// floor((2 * image + 3 * colour + 2) / 5).
 
 // a file of Gradio's upload folder, by its path
 const fileUrl = (path) => new URL("gradio_api/file=" + path, document.baseURI).href;
+
+// a picture of `explorer_data.rgb_file` (uint32 width, uint32 height, then RGB rows) as ImageData,
+// each pixel drawn k x k times (nearest neighbour, as the server's `views.display_of`)
+function rgbPicture(buffer, k = 1) {
+  const head = new DataView(buffer, 0, Math.min(8, buffer.byteLength));
+  const [w, h] = buffer.byteLength >= 8 ? [head.getUint32(0, true), head.getUint32(4, true)] : [0, 0];
+  if (buffer.byteLength !== 8 + 3 * w * h) throw new Error("the explorer's picture is incomplete");
+  const src = new Uint8Array(buffer, 8), W = w * k, out = new ImageData(W, h * k), d = out.data;
+  for (let y = 0; y < h * k; y++) {
+    const row = 3 * w * Math.floor(y / k);
+    for (let x = 0, o = 4 * W * y; x < W; x++, o += 4) {
+      const i = row + 3 * Math.floor(x / k);
+      d[o] = src[i]; d[o + 1] = src[i + 1]; d[o + 2] = src[i + 2]; d[o + 3] = 255;
+    }
+  }
+  return out;
+}
 
 // a map's own min..max
 function ownRange(v) {
@@ -32,6 +50,19 @@ function blendCells(target, baseData, cellOf, idx, lut) {
     dst[k + 1] = Math.floor((2 * src[k + 1] + 3 * lut[c + 1] + 2) / 5);
     dst[k + 2] = Math.floor((2 * src[k + 2] + 3 * lut[c + 2] + 2) / 5);
     dst[k + 3] = 255;
+  }
+}
+
+// the square cell of `side` px at (x0, y0) framed in cyan, `width` px inside its box (as PIL's
+// rectangle(outline="#00e5ff", width) frames it)
+function frameCell(img, x0, y0, side, width) {
+  const d = img.data;
+  for (let y = y0; y < y0 + side; y++) {
+    for (let x = x0; x < x0 + side; x++) {
+      if (x - x0 >= width && x0 + side - 1 - x >= width && y - y0 >= width && y0 + side - 1 - y >= width) continue;
+      const k = 4 * (y * img.width + x);
+      d[k] = 0; d[k + 1] = 229; d[k + 2] = 255;
+    }
   }
 }
 
