@@ -260,3 +260,63 @@ def test_the_private_event_refuses_hostile_data_and_the_server_goes_on(app, gif,
             assert not ok and error and "Traceback" not in error and ("whole number" in error or "imum value" in error), (data, error)
         ok, out = run(server, "on_video_view", [8, 2, 3, 4, None], session=session)
         assert ok, out
+
+
+def test_the_browsers_explorer_data_is_the_librarys_within_8_bits(ran):
+    """The run's explorer value, decoded as video_explorer.js decodes it, is the library's head-averaged
+    attention across frames of every layer and patch query, each weight within half an 8-bit step of its
+    row's maximum; the frames are the model's, and the size is the one `vitviz.cost` prices."""
+    from vitviz import cost
+    from vitviz.server.app import SERVER
+    from vitviz.server.pictures import video_explorer
+    from vitviz.video.analysis import attention_across_frames
+
+    tab = video.TAB
+    value = ran[tab.live]
+    kept = SERVER.store.get(ran[tab.held].key)
+    assert value["mode"] == "browser" and ran[tab.on_server]["visible"] is False
+    t, h, w = kept.attention.grid
+    assert value["grid"] == [t, h, w] == [4, 6, 6] and value["depth"] == kept.attention.depth == 4 and value["frames"] == 8
+    assert value["first"] == {"frame": 1, "layer": 4, "row": 3, "col": 3}  # the run's query, as the server drew it
+    want = cost.video_explorer_bytes(depth=4, grid=(4, 6, 6), frames=8, image_size=96)
+    assert value["bytes"] == want == 4 * 144 * (4 + 144) + 8 * (8 + 3 * 96 * 96) == 306_496
+    assert len(value["data"]) + sum(len(p) for p in value["pictures"]) < 4 / 3 * want + 64  # base64 of those bytes
+    frames = video_explorer.read_frames(value)
+    assert np.array_equal(np.stack([np.asarray(f) for f in frames]), kept.frames)
+    top, rows = video_explorer.read_data(value)
+    worst = 0.0
+    for layer in range(kept.attention.depth):
+        for query in range(t * h * w):
+            exact = attention_across_frames(kept.attention, layer, query // (h * w), query % (h * w) // w, query % w).mean(0).double()
+            got = video_explorer.map_values(value, layer=layer, query=query)
+            step = float(top[layer, query]) / 255
+            assert float(top[layer, query]) == pytest.approx(float(exact.max()), rel=1e-6)
+            err = float(np.abs(got - exact.numpy()).max())
+            assert err <= step / 2 + 1e-7, (layer, query, err, step)
+            worst = max(worst, err / step)
+    assert worst > 0.4  # the bound is reached: the rows are quantised, not sent whole
+    tiles = video_explorer.strip_tiles(value, layer=3, query=2 * 36 + 1 * 6 + 4)
+    assert len(tiles) == 8 and tiles[0].size == (96, 96) and not np.array_equal(np.asarray(tiles[0]), np.asarray(frames[0]))
+
+
+def test_a_clip_over_the_browsers_bound_is_explored_by_the_server(ran, gif, uploaded, monkeypatch):
+    """Data over `VIDEO_BROWSER_BYTES`: a note instead of the data, and the server's explorer shown; the
+    widget's value is no event's input (nothing a client sends reaches it)."""
+    from vitviz import cost
+    from vitviz.server.app import demo
+    from vitviz.server.pictures import video_explorer
+    from vitviz.server.app import SERVER
+
+    kept = SERVER.store.get(ran[video.TAB.held].key)
+    args = dict(model="shapes_video", tubelet=2, patch_size=16, scale=2)
+    assert video_explorer.payload(kept.attention, kept.frames, budget=306_496, **args)["mode"] == "browser"
+    small = video_explorer.payload(kept.attention, kept.frames, budget=306_495, **args)
+    assert small["mode"] == "server" and "too large" in small["note"] and "data" not in small and "pictures" not in small
+    with pytest.raises(ValueError, match="frames must be"):
+        video_explorer.payload(kept.attention, kept.frames[:, :48], **args)
+    monkeypatch.setattr(cost, "VIDEO_BROWSER_BYTES", 1000)
+    out = video.TAB.on_video_run(uploaded(gif), "shapes_video", 2, 3, 4, 5, None)
+    assert out[video.TAB.live]["mode"] == "server" and out[video.TAB.on_server]["visible"] is True
+    assert "Frame 2 (tubelet 1), row 4, column 5, layer 3" in out[video.TAB.note]
+    live = video.TAB.live._id
+    assert all(live not in [c._id for c in fn.inputs] for fn in demo.fns.values())

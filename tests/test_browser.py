@@ -942,10 +942,9 @@ def test_a_person_asks_the_image_and_picks_a_word(url, page, tmp_path):
     _no_label_covers_a_picture(page)
 
 
-def test_a_person_runs_a_clip_in_the_video_tab(url, page, tmp_path):
-    """The Video tab: a GIF of a shape moving right uploaded and run; the prediction, the frame strip and the
-    GIF to download appear; the frame slider moved and a patch of the shown frame clicked each redraw
-    the across-frames picture (from the kept run). Labels never cover a picture."""
+def _clip_in_the_video_tab(page, url, tmp_path):
+    """A GIF of a shape moving right uploaded in the Video tab and run: the prediction, the frame strip and
+    the GIF to download appear."""
     from PIL import Image
 
     from vitviz.server.tabs import TABS
@@ -966,17 +965,121 @@ def test_a_person_runs_a_clip_in_the_video_tab(url, page, tmp_path):
     page.locator("#vv-video-run").click()
     loaded = "(() => { const i = document.querySelector('%s img'); return i && i.complete && i.naturalWidth > 0; })()"
     page.wait_for_function(loaded % "#vv-video-strip")
-    page.wait_for_function(loaded % "#vv-video-across")
     _says(page, "#vv-video-prediction", "right")
     strip = page.locator("#vv-video-strip img").evaluate("i => [i.naturalWidth, i.naturalHeight]")
     assert strip[0] >= 8 * 192 and strip[1] >= 192, strip
     assert page.locator("#vv-video-gif a").first.get_attribute("href"), "no GIF to download"
+
+
+def _video_view(page, **want):
+    """Waits until the Video tab's explorer says it shows `want` (its frame's data-* attributes)."""
+    checks = " && ".join(f"c.dataset.{k} === {str(v)!r}" for k, v in want.items())
+    page.wait_for_function(f"(() => {{ const c = document.querySelector('#vv-video-live canvas.vvv-shown'); return c && {checks}; }})()")
+
+
+def _video_drawn(page, value, *, frame, layer, row, col):
+    """The explorer's shown frame and strip, once they show this view, are what the payload `value` gives:
+    the frame as the server's query picture draws it (`SCALE` times, the patch framed 2 px inside), and
+    each of the strip's frames `video_explorer.strip_tiles` (the decoded row, one colour scale). Returns
+    the strip's pixels."""
+    import numpy as np
+    from PIL import ImageDraw
+
+    from vitviz.server.pictures import video_explorer
+    from vitviz.server.tabs import video
+
+    _video_view(page, frame=frame, layer=layer, row=row, col=col)
+    t, h, w = value["grid"]
+    query = (frame - 1) // value["tubelet"] * h * w + (row - 1) * w + col - 1
+    frames = video_explorer.read_frames(value)
+    shown = frames[frame - 1].resize((96 * video.SCALE,) * 2, resample=0)
+    k = video.SCALE * 16
+    ImageDraw.Draw(shown).rectangle(((col - 1) * k, (row - 1) * k, col * k - 1, row * k - 1), outline="#00e5ff", width=2)
+    got = _canvas(page, "#vv-video-live canvas.vvv-shown")
+    assert np.array_equal(got, np.asarray(shown)), (frame, row, col)
+    strip = _canvas(page, "#vv-video-live canvas.vvv-strip")
+    for i, tile in enumerate(video_explorer.strip_tiles(value, layer=layer - 1, query=query)):
+        x = i * (96 + 6)
+        want = np.asarray(tile)
+        assert np.array_equal(strip[:96, x : x + 96], want), (frame, layer, row, col, i, np.abs(strip[:96, x : x + 96].astype(int) - want).max())
+    return strip
+
+
+def test_a_person_runs_a_clip_in_the_video_tab(url, page, tmp_path, monkeypatch):
+    """The Video tab: a GIF of a shape moving right run; its explorer, drawn in the browser from the run's
+    payload, shows the run's query patch; the frame slider moved by keyboard, the layer slider dragged,
+    a patch of the shown frame hovered and a click that pins it each redraw the frame and the strip of
+    the patch's attention over every frame, pixel for pixel what the payload gives (which
+    tests/test_app_video.py holds to the library's attention within 8 bits), with no call to the server.
+    Labels never cover a picture."""
+    import numpy as np
+
+    from vitviz.server.pictures import video_explorer
+
+    sent = []  # the explorer's values the server sent
+    payload = video_explorer.payload
+    monkeypatch.setattr(video_explorer, "payload", lambda *a, **kw: (sent.append(payload(*a, **kw)), sent[-1])[1])
+    _clip_in_the_video_tab(page, url, tmp_path)
+    page.wait_for_function("document.querySelector('#vv-video-live .vvv')?.dataset.clip")
+    value = sent[-1]
+    assert value["mode"] == "browser" and page.locator("#vv-video-live .vvv").get_attribute("data-clip") == value["id"]
+    assert not page.locator("#vv-video-across").is_visible() and not page.locator("#vv-video-frame").is_visible()
+    first = _video_drawn(page, value, frame=1, layer=1, row=1, col=1)  # the run's query (the server's controls' values)
+    calls = []
+    page.on("request", lambda r: calls.append(r.url) if "/gradio_api/" in r.url and "heartbeat" not in r.url else None)
+    slider = page.locator("#vv-video-live input.vvv-frame")
+    slider.focus()
+    for _ in range(5):
+        page.keyboard.press("ArrowRight")
+    moved = _video_drawn(page, value, frame=6, layer=1, row=1, col=1)
+    assert not np.array_equal(moved, first)
+    _says(page, "#vv-video-live .vvv-query", "Frame 6 (tubelet 3), row 1, column 1, layer 1")
+    layer = page.locator("#vv-video-live input.vvv-layer").bounding_box()
+    page.mouse.move(layer["x"] + 4, layer["y"] + layer["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(layer["x"] + layer["width"] + 40, layer["y"] + layer["height"] / 2, steps=8)  # dragged past its right end: layer 4
+    page.mouse.up()
+    moved = _video_drawn(page, value, frame=6, layer=4, row=1, col=1)
+    shown = page.locator("#vv-video-live canvas.vvv-shown")
+    shown.scroll_into_view_if_needed()
+    box = shown.bounding_box()
+    at = (box["x"] + box["width"] * 4.5 / 6, box["y"] + box["height"] * 1.5 / 6)  # the 6x6 grid's row 2, column 5
+    page.mouse.move(*at)
+    hovered = _video_drawn(page, value, frame=6, layer=4, row=2, col=5)
+    assert not np.array_equal(hovered, moved)
+    _says(page, "#vv-video-live .vvv-query", "Frame 6 (tubelet 3), row 2, column 5, layer 4")
+    page.mouse.click(*at)  # pinned: moving away keeps the patch
+    _video_view(page, pinned="true", row=2, col=5)
+    page.mouse.move(box["x"] + 5, box["y"] + 5)
+    _video_drawn(page, value, frame=6, layer=4, row=2, col=5)
+    page.mouse.click(*at)  # let go: the pointer leads again
+    _video_view(page, pinned="false")
+    page.mouse.move(box["x"] + 5, box["y"] + 5)
+    _video_drawn(page, value, frame=6, layer=4, row=1, col=1)
+    assert calls == [], calls  # every view drawn in the browser
+    _settled(page)
+    _no_label_covers_a_picture(page)
+
+
+def test_a_clip_too_large_for_the_browser_is_explored_by_the_server(url, page, tmp_path, monkeypatch):
+    """A clip whose explorer data is over the browser's bound (set smaller here): the explorer says so,
+    and the server's views follow the frame slider and a click on the shown frame (from the kept run)."""
+    from vitviz import cost
+
+    monkeypatch.setattr(cost, "VIDEO_BROWSER_BYTES", 1000)
+    _clip_in_the_video_tab(page, url, tmp_path)
+    _says(page, "#vv-video-live .vvv-status", "too large to hold in the browser")
+    loaded = "(() => { const i = document.querySelector('%s img'); return i && i.complete && i.naturalWidth > 0; })()"
+    page.wait_for_function(loaded % "#vv-video-across")
     _says(page, "#vv-video-note", "Frame 1 (tubelet 1)")
     before = _src(page, "#vv-video-across")
+    calls = []
+    page.on("request", lambda r: calls.append(r.url) if "/gradio_api/" in r.url and "heartbeat" not in r.url else None)
     page.locator("#vv-video-frame input[type=range]").focus()
     for _ in range(5):
         page.keyboard.press("ArrowRight")
     _says(page, "#vv-video-note", "Frame 6 (tubelet 3)")
+    assert calls, "the server's views came without a call that the other test's listener would have seen"
     page.wait_for_function(f"document.querySelector('#vv-video-across img')?.getAttribute('src') !== {before!r}")
     moved = _src(page, "#vv-video-across")
     shown = page.locator("#vv-video-query img")

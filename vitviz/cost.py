@@ -54,12 +54,14 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   token's gradients, and the kept answer (`vitviz.vlm.ask.answer_bytes`).
 - "concept_ablate": `vitviz.ablate` with features of an SAE edited: "ablate"'s two forwards, and at
   the SAE's layer in the second its encoding (2 N D F) and the edit W_dec (z' − z) (at most as much).
-- "video": a video model (`vitviz.video.VideoSpec`) on one clip (the app's Video tab): a forward for
-  the prediction and one with every layer's attention recorded (each the tubelet embedding, 2 x
+- "video": a video model (`vitviz.video.VideoSpec`) on one clip (the app's Video tab): one forward
+  with every layer's attention recorded, whose logits are the prediction (the tubelet embedding, 2 x
   weights x N and the attention products: 4 L N^2 D for joint attention; for divided attention each
   block's time and space attentions over their own tokens), then the space-time rollout (2 L N^3).
   In memory the attention stack (joint: L H N^2 x 4 bytes) twice (recorded, then stacked), the
-  rollout's matrices and a forward's activations; kept, the stack, the rollout and the frames.
+  rollout's matrices and a forward's activations, and the browser's explorer data when it is within
+  `VIDEO_BROWSER_BYTES` (`video_explorer_bytes`, and one layer's rows in float32 while it is made);
+  kept, the stack, the rollout and the frames.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -105,6 +107,8 @@ __all__ = [
     "explorer_layout",
     "explorer_layout_of",
     "explorer_bytes",
+    "VIDEO_BROWSER_BYTES",
+    "video_explorer_bytes",
 ]
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
@@ -116,6 +120,7 @@ FLOAT32_ATTENTION_BYTES = 64 * 2**20  # an export keeps attention in float32 up 
 FULL_ROLLOUT_TOKENS = 1024  # an export holds the whole N x N rollout up to this many tokens, the prefix rows beyond
 FAITHFULNESS_BATCH = 64  # perturbed images per forward, at most
 BROWSER_BYTES = 24 * 2**20  # the explorer's data a browser is sent at once
+VIDEO_BROWSER_BYTES = 4 * 2**20  # the Video tab's explorer data, sent inline with a run's outputs (base64: 4/3 of it)
 FAITHFULNESS_ORDERS = len(METHODS) + 1  # the built-in methods' maps and a random order (`price(orders=)` counts plugins' too)
 LEGRAD_LAYERS = -LEGRAD_START_LAYER  # the layers LeGrad differentiates by default (the last two)
 # A windowed model's product through the network (rollout, relevance; `vitviz.swin_global._through_network`)
@@ -472,6 +477,16 @@ def explorer_bytes(spec) -> int:
     return sum(l.places * 4 + 8 * l.tokens + (l.heads + 2) * (l.tokens * (4 + l.area) + 4 + l.tokens) for l in _layers(spec))
 
 
+def video_explorer_bytes(*, depth: int, grid: tuple[int, int, int], frames: int, image_size: int) -> int:
+    """The Video tab's explorer data for one clip (`vitviz.server.pictures.video_explorer`) of a model of
+    `depth` layers and token `grid` (t, h, w), `frames` frames of `image_size` px: per layer, each patch
+    query's head-averaged row over the patches (float32 maxima [L, Q], uint8 [L, Q, Q], Q = t*h*w), and
+    each frame as the model sees it (an `rgb_file`: 8 + 3 S² bytes)."""
+    t, h, w = grid
+    q = t * h * w
+    return depth * q * (4 + q) + frames * (8 + 3 * image_size**2)
+
+
 def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attentions: bool, orders: int, phrases: int) -> Cost:
     """`price` for a windowed model: the same kinds, from each layer's own shapes (`_layers`); its
     rollout through the merges (drawn by an analysis, a view and an export) and its relevance (in an
@@ -619,5 +634,7 @@ def _video_price(spec) -> Cost:
     frames = spec.frames * 3 * spec.image_size**2 * 4
     activations = 12 * token_row + 2 * n * c.mlp_dim * 4
     kept = stack + n * n * 4 + frames
-    peak = 2 * stack + 3 * n * n * 4 + activations + frames + BASE_BYTES + COMPUTE_BYTES
-    return Cost("video", spec.name, n, peak, kept, 2 * forward + rollout)
+    explorer = video_explorer_bytes(depth=depth, grid=c.grid, frames=spec.frames, image_size=spec.image_size)
+    explorer = explorer + heads * patches * patches * 4 if explorer <= VIDEO_BROWSER_BYTES else 0
+    peak = 2 * stack + 3 * n * n * 4 + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
+    return Cost("video", spec.name, n, peak, kept, forward + rollout)

@@ -4,12 +4,21 @@ token looks in each frame, and where one patch looks across the frames.
 The clip (MP4, WebM, GIF or animated WebP) is an upload only (`UploadedClip`: a path inside Gradio's
 upload folder, else refused), read by `vitviz.clips.load_video` with the model's frame count and
 sampling (its refusals, `VideoError`, are the tab's one-sentence errors) and priced ("video":
-`vitviz.cost`) before the model runs. The run gives the top classes, the class token's row of the
-space-time rollout over each frame (`frame_maps`; a frame shows the map of the tubelet it belongs to)
-as a strip and as an animated GIF to download, and keeps the attention in the server's store for the
-session: the across-frames picture (`attention_across_frames`, heads averaged) of the query patch
-picked with the frame and layer sliders, the row and column boxes or a click on the shown frame is
-drawn from what is kept, without running the model again.
+`vitviz.cost`) before the model runs, once: the forward that records the attention gives the logits
+too. The run gives the top classes, the class token's row of the space-time rollout over each frame
+(`frame_maps`; a frame shows the map of the tubelet it belongs to) as a strip and as an animated GIF to
+download, and the explorer of where one patch looks across the frames (`attention_across_frames`, heads
+averaged), in one of two ways:
+
+- in the browser (`video_explorer.js`), when the clip's data fits `vitviz.cost.VIDEO_BROWSER_BYTES`:
+  the frames and every patch query's rows of every layer in 8 bits go with the run's outputs to the
+  page that ran it (`vitviz.server.pictures.video_explorer`); hovering a patch of the shown frame draws
+  its attention over every frame, a click pins it, and the frame and layer sliders redraw, all without
+  a call to the server;
+- by the server otherwise: the run's attention is kept in the server's store for the session, and the
+  query patch picked with the frame and layer sliders, the row and column boxes or a click on the
+  shown frame is drawn from it without running the model again. These events are the API's too,
+  whichever way the page shows the explorer.
 
 The tab needs no image analysis (`waits = False`); its models are the menu's (`MODELS`), each loaded
 once per process and kept.
@@ -35,6 +44,7 @@ from vitviz.cost import price
 from vitviz.server import runtime
 from vitviz.server.guards import inputs
 from vitviz.server.guards.gradio_io import UPLOAD_REFUSED, file_stem, secret_name, uploaded_path
+from vitviz.server.pictures import video_explorer
 from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
 from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout
@@ -128,13 +138,11 @@ def _forget(held: object) -> None:
 
 @gpu
 def run_on_device(name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
-    """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S]."""
+    """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S], from one forward."""
     model = model_of(name)
     device = next(model.parameters()).device
-    videos = videos.to(device)
-    with torch.no_grad():
-        probs = model(videos[None]).softmax(-1)[0].float().cpu()
-    attention = model.attention(videos)
+    attention = model.attention(videos.to(device))
+    probs = attention.logits.float().softmax(-1).cpu()
     rollout = space_time_rollout(attention)
     return probs, attention, frame_maps(rollout, attention.grid).float().cpu()
 
@@ -190,8 +198,10 @@ class VideoTab(Tab):
         gr.Markdown(
             "**Video**: upload a short clip (MP4, WebM, GIF or animated WebP) and run a video transformer on it: its top "
             "classes, where its class token looks in each frame (the space-time rollout of its attention, a frame drawn "
-            "with the map of the tubelet it belongs to), and, for one patch of one frame (pick it with the sliders or "
-            "click the frame), its attention over every frame at one layer (heads averaged).",
+            "with the map of the tubelet it belongs to), and, for one patch of one frame, its attention over every frame "
+            "at one layer (heads averaged): pick the frame and layer with the sliders, hover over a patch of the frame, "
+            "click to pin it (click again to let go; by keyboard, Tab to the frame, then arrows, Enter and Escape). "
+            "Drawn in your browser from the run (8 bits per weight); for a model too large for that, by the server.",
             elem_classes="vv-caption",
         )
         with gr.Row(equal_height=False):
@@ -204,20 +214,29 @@ class VideoTab(Tab):
             with gr.Column(scale=3, min_width=300):
                 self.strip = figure(label="Where the class token looks, frame by frame (space-time rollout)", visible=False,
                                     elem_id="vv-video-strip")
-                with gr.Row(equal_height=False):
-                    with gr.Column(scale=1, min_width=200):
-                        self.frame = gr.Slider(1, 8, value=1, step=1, label="Frame", elem_id="vv-video-frame")
-                        self.layer = gr.Slider(1, 4, value=1, step=1, label="Layer", elem_id="vv-video-layer")
-                        with gr.Row():
-                            self.row = gr.Number(1, precision=0, minimum=1, label="Row", elem_id="vv-video-row")
-                            self.col = gr.Number(1, precision=0, minimum=1, label="Column", elem_id="vv-video-col")
-                    with gr.Column(scale=1, min_width=200):
-                        self.query = figure(label="The query patch (click to pick another)", visible=False,
-                                            elem_id="vv-video-query")
-                self.across = figure(label="Where the patch looks across the frames (one layer, heads averaged)", visible=False,
-                                     elem_id="vv-video-across")
-                self.note = gr.Markdown("", elem_id="vv-video-note")
+                files = video_explorer.widget_files()
+                self.live = gr.HTML(value=None, html_template=files["html"], css_template=files["css"], js_on_load=files["js"],
+                                    elem_id="vv-video-live")
+                with gr.Column(visible=False) as self.on_server:  # the server's explorer, for a clip too large for the browser
+                    self._server_explorer()
         self.held = gr.State(None, time_to_live=3600, delete_callback=_forget)
+
+    def _server_explorer(self) -> None:
+        """The frame and layer sliders, the row and column boxes, the query patch's frame (a click picks
+        another) and its attention across the frames, each drawn by the server."""
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=200):
+                self.frame = gr.Slider(1, 8, value=1, step=1, label="Frame", elem_id="vv-video-frame")
+                self.layer = gr.Slider(1, 4, value=1, step=1, label="Layer", elem_id="vv-video-layer")
+                with gr.Row():
+                    self.row = gr.Number(1, precision=0, minimum=1, label="Row", elem_id="vv-video-row")
+                    self.col = gr.Number(1, precision=0, minimum=1, label="Column", elem_id="vv-video-col")
+            with gr.Column(scale=1, min_width=200):
+                self.query = figure(label="The query patch (click to pick another)", visible=False,
+                                    elem_id="vv-video-query")
+        self.across = figure(label="Where the patch looks across the frames (one layer, heads averaged)", visible=False,
+                             elem_id="vv-video-across")
+        self.note = gr.Markdown("", elem_id="vv-video-note")
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -272,11 +291,14 @@ class VideoTab(Tab):
         except VideoError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
         videos = clip_tensor(loaded, spec.preprocessing)
+        seen = _seen(videos, spec.preprocessing)
         with self.server.priced(price(spec, "video"), request):
             probs, attention, maps = run_on_device(name, videos)
+            live = video_explorer.payload(attention, seen, model=name, tubelet=spec.config.tubelet,
+                                          patch_size=spec.config.patch_size, scale=SCALE)
         values, order = probs.topk(min(TOP, probs.numel()))
         cats = spec.categories or tuple(str(i) for i in range(probs.numel()))
-        result = VideoResult(name, _seen(videos, spec.preprocessing), attention, maps,
+        result = VideoResult(name, seen, attention, maps,
                              {cats[i]: float(v) for v, i in zip(values.tolist(), order.tolist())},
                              spec.config.tubelet, spec.config.patch_size)
         if isinstance(held, VideoRef):
@@ -288,8 +310,11 @@ class VideoTab(Tab):
         lay = min(max(_whole(layer, attention.depth), 1), attention.depth)
         y = min(max(_whole(row, h // 2 + 1), 1), h)
         x = min(max(_whole(col, w // 2 + 1), 1), w)
+        live["first"] = dict(frame=f, layer=lay, row=y, col=x)  # the browser's first view: the server's below
         out = {
             self.held: VideoRef(key, self.server.name),
+            self.live: live,
+            self.on_server: gr.update(visible=live["mode"] == "server"),
             self.prediction: result.top,
             self.strip: gr.update(value=_strip(result, maps, "rollout", f"vitviz-{name}-rollout"), visible=True),
             self.gif: gr.update(value=_gif(result, self.gif.GRADIO_CACHE), visible=True),
@@ -323,7 +348,8 @@ class VideoTab(Tab):
         private = dict(api_visibility="private", **page.model)
         drawn = [self.query, self.across, self.note]
         self.run.click(self.on_video_run, [self.clip, self.model, self.frame, self.layer, self.row, self.col, self.held],
-                       [self.held, self.prediction, self.strip, self.gif, self.frame, self.layer, self.row, self.col, *drawn],
+                       [self.held, self.live, self.on_server, self.prediction, self.strip, self.gif, self.frame, self.layer,
+                        self.row, self.col, *drawn],
                        **private)
         view = [self.frame, self.layer, self.row, self.col, self.held]
         for control in (self.frame, self.layer):
