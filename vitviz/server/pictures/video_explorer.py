@@ -20,8 +20,9 @@ ran the clip (nothing is written or served); `data` in base64, little-endian:
 
 and `pictures`: each frame an `explorer_data.rgb_file` in base64. Its size is
 `vitviz.cost.video_explorer_bytes`: for shapes_video (4 layers, grid 4x6x6, 8 frames of 96 px) 85,248
-bytes of attention and 221,248 of frames, 306,496 in all (408,664 in base64). A clip whose data is over
-`vitviz.cost.VIDEO_BROWSER_BYTES` gets a note instead, and the tab's views are the server's.
+bytes of attention and 221,248 of frames, 306,496 in all (408,672 in base64; the value, 412 kB of
+JSON). A clip whose data is over `vitviz.cost.VIDEO_BROWSER_BYTES` gets a note instead, and the tab's
+views are the server's.
 """
 
 from __future__ import annotations
