@@ -205,7 +205,7 @@ def test_the_upload_component_takes_uploads_only(app, uploaded):
         assert caught.value.message == video.CLIP_REFUSED
 
 
-def test_the_price_holds_what_a_run_does():
+def test_the_price_holds_what_a_run_does(app):
     """Within 1.5x of the multiply-adds torch counts (FlopCounterMode) for the tab's run."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -217,9 +217,9 @@ def test_the_price_holds_what_a_run_does():
     videos = to_videos(frames)[0]
     counter = FlopCounterMode(display=False)
     with counter:
-        _, attention, _ = tab_module.run_on_device("shapes_video", videos)
+        _, attention, _ = tab_module.run_on_device(app.SERVER.name, "shapes_video", videos)
     counted = counter.get_total_flops()
-    cost = price(tab_module.model_of("shapes_video").spec, "video")
+    cost = price(tab_module.spec_of("shapes_video"), "video")
     assert counted / 1.5 <= cost.flops <= counted * 1.5, (cost.flops, counted)
     assert cost.kind == "video" and cost.kept_bytes >= attention.joint.numel() * 4
     assert cost.bytes >= 2 * attention.joint.numel() * 4
@@ -320,3 +320,40 @@ def test_a_clip_over_the_browsers_bound_is_explored_by_the_server(ran, gif, uplo
     assert "Frame 2 (tubelet 1), row 4, column 5, layer 3" in out[video.TAB.note]
     live = video.TAB.live._id
     assert all(live not in [c._id for c in fn.inputs] for fn in demo.fns.values())
+
+
+def test_the_menus_hub_models_run_from_the_cache_and_say_so_when_they_cannot_be_had(app, gif, uploaded, no_network, monkeypatch):
+    """The menu's Hugging Face models: without the network or a cached copy, one sentence; with a copy in
+    the hub's cache (here a tiny random TimeSformer under the menu's name) the tab runs it, its classes
+    the config's, the model kept in the server's model cache beside the image models."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import write_hub_cache
+    from vitviz.sources import load_model
+    from vitviz.video.analysis import frame_maps, space_time_rollout
+    from vitviz.clips import clip_tensor, load_video
+
+    tab = video.TAB
+    name = "hf:facebook/timesformer-base-finetuned-k400"
+    assert name in video.MODELS and "hf:MCG-NJU/videomae-base-finetuned-kinetics" in video.MODELS
+    path = uploaded(gif)
+    with pytest.raises(gr.Error) as caught:
+        tab.on_video_run(path, name, 1, 1, 1, 1, None)
+    assert caught.value.message == f"{name} is not on this server and cannot be downloaded now: choose shapes_video."
+    torch.manual_seed(0)
+    cfg = transformers.TimesformerConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                         image_size=32, patch_size=8, num_frames=4, num_labels=3, attn_implementation="eager")
+    cfg.id2label = {0: "juggling", 1: "surfing", 2: "knitting"}
+    cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    transformers.TimesformerForVideoClassification(cfg).save_pretrained(write_hub_cache(no_network, name[3:], {}))
+    out = tab.on_video_run(path, name, 1, 2, 1, 1, None)
+    assert set(out[tab.prediction]) == {"juggling", "surfing", "knitting"}
+    assert name in app.SERVER.cache.loaded()
+    model = load_model(name)
+    clip = clip_tensor(load_video(gif, frames=4, sampling=model.spec.sampling), model.spec.preprocessing)
+    attention = model.attention(clip)
+    kept = app.SERVER.store.get(out[tab.held].key)
+    torch.testing.assert_close(kept.maps, frame_maps(space_time_rollout(attention), attention.grid).float())
+    probs = attention.logits.softmax(-1)
+    for k, label in cfg.id2label.items():
+        assert out[tab.prediction][label] == pytest.approx(float(probs[k]), abs=1e-5)
+    app.SERVER.store.drop(out[tab.held].key)

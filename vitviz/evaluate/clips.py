@@ -61,16 +61,17 @@ from vitviz.faithfulness import auc
 from vitviz.images import MAX_BYTES as MAX_IMAGE_BYTES, ImageError, load_image
 from vitviz.preprocess import Preprocessing, crop
 from vitviz.video.analysis import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout
+from vitviz.video.load import EMBEDDED_VIDEO_MODELS, load_video_model
 from vitviz.video.model import VideoViT
 
 __all__ = ["VIDEO_METHODS", "VIDEO_METRICS", "CLIP_SUFFIXES", "VIDEO_MODELS", "ClipItem", "scan_clips", "is_video_model",
-           "load_video_model", "evaluate_clips", "summarize_clips"]
+           "evaluate_clips", "summarize_clips"]
 
 VIDEO_METHODS = ("rollout", "gradient")
 VIDEO_METRICS = ("distance", "pointing", "deletion", "insertion")
 CLIP_SUFFIXES = {".mp4", ".webm", ".gif", ".webp"}
 MASK_SUFFIXES = {".png", ".gif", ".webp", ".bmp", ".jpg", ".jpeg", ".tif", ".tiff"}
-VIDEO_MODELS = ("shapes_video",)  # the embedded video models, by name; `hf:` names are read from their config
+VIDEO_MODELS = EMBEDDED_VIDEO_MODELS  # by name; `hf:` names are read from their config
 KIND = "clips"  # run.json's "kind": a run over clips
 
 
@@ -137,20 +138,6 @@ def is_video_model(name: str) -> bool:
         return isinstance(get_spec(name), VideoSpec)
     except Exception:  # noqa: BLE001 - whatever stops reading the config, the image path says it with its own words
         return False
-
-
-def load_video_model(name: str, *, device: str | torch.device = "cpu") -> VideoViT:
-    """The video model `name` in eval mode (`shapes_video`, or `hf:<repo>` through `vitviz.load_model`)."""
-    if name == "shapes_video":
-        from vitviz.video.shapes import load_shapes_video
-
-        return load_shapes_video(device=device)
-    from vitviz.sources import load_model
-
-    model = load_model(name, device=device)
-    if not isinstance(model, VideoViT):
-        raise EvaluateError(f"--model: {name} is not a video model")
-    return model
 
 
 def _check(data: Path, out: Path, *, methods, metrics, steps, batch_size, max_clips) -> None:
@@ -411,7 +398,10 @@ def evaluate_clips(
     if not is_video_model(model):
         raise EvaluateError(f"--model: {model} is not a video model (the video models: {', '.join(VIDEO_MODELS)}, or hf: TimeSformer, "
                             f"VideoMAE, ViViT, V-JEPA 2)")
-    net = load_video_model(model, device="cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        net = load_video_model(model, device="cuda" if torch.cuda.is_available() else "cpu")
+    except ValueError as exc:
+        raise EvaluateError(f"--model: {exc}") from None
     spec, c = net.spec, net.config
     if "gradient" in methods and (c.attention != "joint" or not spec.has_head):
         why = "divided (time then space) attention" if c.attention != "joint" else "no head"

@@ -20,18 +20,18 @@ averaged), in one of two ways:
   shown frame is drawn from it without running the model again. These events are the API's too,
   whichever way the page shows the explorer.
 
-The tab needs no image analysis (`waits = False`); its models are the menu's (`MODELS`), each loaded
-once per process and kept.
+The tab needs no image analysis (`waits = False`); its models are the menu's (`MODELS`: `shapes_video`,
+and Hugging Face's VideoMAE and TimeSformer fine-tuned on Kinetics-400, fetched on first use), priced
+from their records before they load, and kept in the server's model cache with the image models.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import secrets
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import gradio as gr
 import numpy as np
@@ -48,18 +48,21 @@ from vitviz.server.pictures import video_explorer
 from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
 from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout
-from vitviz.video.model import VideoAttention, VideoViT
+from vitviz.server.models import TooLarge
+from vitviz.sources import WeightsUnavailableError, get_spec
+from vitviz.video.load import load_video_model
+from vitviz.video.model import VideoAttention, VideoSpec, VideoViT
 
-__all__ = ["VideoTab", "UploadedClip", "VideoResult", "MODELS", "model_of", "TAB"]
+__all__ = ["VideoTab", "UploadedClip", "VideoResult", "MODELS", "spec_of", "model_of", "TAB"]
+
+LOG = logging.getLogger("vitviz.server")
 
 
-def _shapes_video() -> VideoViT:
-    from vitviz.video.shapes import load_shapes_video
-
-    return load_shapes_video()
-
-
-MODELS: dict[str, Callable[[], VideoViT]] = {"shapes_video": _shapes_video}  # the menu: name -> loader
+MODELS: tuple[str, ...] = (  # the menu: the embedded model, then Hugging Face video classifiers (fetched on first use)
+    "shapes_video",
+    "hf:MCG-NJU/videomae-base-finetuned-kinetics",
+    "hf:facebook/timesformer-base-finetuned-k400",
+)
 DEFAULT = "shapes_video"
 TOP = 5  # classes shown
 SCALE = 2  # each model-size frame drawn at this many screen pixels a pixel
@@ -67,16 +70,24 @@ CLIP_TYPES = [".mp4", ".webm", ".gif", ".webp"]
 
 CLIP_REFUSED = UPLOAD_REFUSED.replace("The image", "The clip")  # the house's refusal of what was not uploaded, for a clip
 
-_LOADED: dict[str, VideoViT] = {}
-_LOCK = threading.Lock()
 
+def spec_of(name: str) -> VideoSpec:
+    """The menu's model `name`'s record, without its weights (a Hugging Face model's config is read
+    from the hub's cache, or fetched); a `runtime.error` when it cannot be had."""
+    if name == "shapes_video":
+        from vitviz.video.shapes import shapes_video_spec
 
-def model_of(name: str) -> VideoViT:
-    """The menu's model `name`, loaded once per process and kept (a lock keeps two loads from racing)."""
-    with _LOCK:
-        if name not in _LOADED:
-            _LOADED[name] = MODELS[name]()
-        return _LOADED[name]
+        return shapes_video_spec()
+    try:
+        spec = get_spec(name)
+    except WeightsUnavailableError as exc:
+        LOG.info("%s", exc)
+        raise runtime.error(f"{name} is not on this server and cannot be downloaded now: choose {DEFAULT}.") from None
+    except (ValueError, ImportError, OSError) as exc:
+        raise runtime.error(inputs.public_text(str(exc))) from None
+    if not isinstance(spec, VideoSpec):
+        raise runtime.error(f"{name} is not a video model.")
+    return spec
 
 
 class UploadedClip(gr.File):
@@ -136,10 +147,16 @@ def _forget(held: object) -> None:
         runtime.server_named(held.server).store.drop(held.key)
 
 
+def model_of(server: str, name: str) -> VideoViT:
+    """The video model `name`, from the server's model cache (loaded once, evicted with the image models
+    as the cache's bounds say; `vitviz.video.load.load_video_model`)."""
+    return runtime.server_named(server).cache.get(name, load=load_video_model)[0]
+
+
 @gpu
-def run_on_device(name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
+def run_on_device(server: str, name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
     """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S], from one forward."""
-    model = model_of(name)
+    model = model_of(server, name)
     device = next(model.parameters()).device
     attention = model.attention(videos.to(device))
     probs = attention.logits.float().softmax(-1).cpu()
@@ -284,8 +301,7 @@ class VideoTab(Tab):
         if clip is None:
             raise runtime.error("Upload a clip first (MP4, WebM, GIF or animated WebP).")
         path = uploaded_clip(clip)
-        net = model_of(name)
-        spec = net.spec
+        spec = spec_of(name)
         try:
             loaded = load_video(path, frames=spec.frames, sampling=spec.sampling, stride=spec.frame_stride)
         except VideoError as exc:
@@ -293,7 +309,11 @@ class VideoTab(Tab):
         videos = clip_tensor(loaded, spec.preprocessing)
         seen = _seen(videos, spec.preprocessing)
         with self.server.priced(price(spec, "video"), request):
-            probs, attention, maps = run_on_device(name, videos)
+            try:
+                probs, attention, maps = run_on_device(self.server.name, name, videos)
+            except (WeightsUnavailableError, TooLarge) as exc:
+                LOG.info("%s", exc)
+                raise runtime.error(inputs.public_text(str(exc))) from None
             live = video_explorer.payload(attention, seen, model=name, tubelet=spec.config.tubelet,
                                           patch_size=spec.config.patch_size, scale=SCALE)
         values, order = probs.topk(min(TOP, probs.numel()))
