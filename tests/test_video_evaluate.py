@@ -239,12 +239,12 @@ def test_a_hub_timesformer_is_scored_over_the_clips_and_its_divided_attention_re
     cfg.id2label = dict(enumerate(MOTIONS))
     cfg.label2id = {v: k for k, v in cfg.id2label.items()}
     root = tmp_path / "hub"
-    snap = write_hub_cache(root, "someone/timesformer-tiny", {})
+    snap = write_hub_cache(root, "someone/timesformer-motions", {})
     transformers.TimesformerForVideoClassification(cfg).eval().save_pretrained(snap)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    name = "hf:someone/timesformer-tiny"
+    name = "hf:someone/timesformer-motions"
     with pytest.raises(EvaluateError, match="divided"):
         evaluate(folder, out=tmp_path / "refused", model=name, methods=("gradient",), compare=False, progress=False)
     out = tmp_path / "out"

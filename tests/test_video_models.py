@@ -379,3 +379,31 @@ def test_the_image_tabs_refuse_a_video_model_and_the_model_cache_keeps_one_witho
 
     again = ModelCache(max_models=2, device="cpu")
     assert isinstance(again.get(hub_timesformer, load=load)[0], VideoViT) and calls == [hub_timesformer]
+
+
+@pytest.mark.parametrize("kind", ["joint", "divided"])
+def test_a_querys_rollout_row_is_the_matrixs_row_without_the_matrix_product(kind):
+    from vitviz.video.analysis import space_time_relevance, space_time_rollout_row
+
+    torch.manual_seed(1)
+    if kind == "divided":
+        model = _divided_model(3)
+    else:
+        model = VideoViT(VideoConfig(frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=3, heads=2, mlp_dim=32,
+                                     class_token=True, pool="cls", num_classes=4)).eval()
+    x = torch.randn(model.config.frames, 3, 16, 16)
+    attention = model.attention(x)
+    for fusion in ("mean", "max"):
+        matrix = space_time_rollout(attention, head_fusion=fusion)
+        for query in (0, 3, "pool"):
+            row = space_time_rollout_row(attention, query=query, head_fusion=fusion)
+            want = matrix[query] if query != "pool" else matrix[1:].mean(0)
+            torch.testing.assert_close(row, want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(frame_maps(row, attention.grid), frame_maps(matrix, attention.grid, query=query))
+    if kind == "joint":
+        batch = torch.randn(2, *x.shape)
+        whole = space_time_relevance(model, batch, torch.tensor([1, 3]))
+        for query in (0, "pool"):
+            rows = space_time_relevance(model, batch, torch.tensor([1, 3]), query=query)
+            want = whole[:, 0] if query == 0 else whole[:, 1:].mean(1)
+            torch.testing.assert_close(rows, want, atol=1e-6, rtol=1e-5)

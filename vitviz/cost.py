@@ -57,11 +57,12 @@ over the base, `python -m vitviz.dev.bench --serving`). With
 - "video": a video model (`vitviz.video.VideoSpec`) on one clip (the app's Video tab): one forward
   with every layer's attention recorded, whose logits are the prediction (the tubelet embedding, 2 x
   weights x N and the attention products: 4 L N^2 D for joint attention; for divided attention each
-  block's time and space attentions over their own tokens), then the space-time rollout (2 L N^3).
-  In memory the attention stack (joint: L H N^2 x 4 bytes) twice (recorded, then stacked), the
-  rollout's matrices and a forward's activations, and the browser's explorer data when it is within
-  `VIDEO_BROWSER_BYTES` (`video_explorer_bytes`, and one layer's rows in float32 while it is made);
-  kept, the stack, the rollout and the frames.
+  block's time and space attentions over their own tokens), then the query's row of the space-time
+  rollout (`space_time_rollout_row`: 2 L N^2, twice for divided attention). In memory the attention
+  stack (joint: L H N^2 x 4 bytes) twice (recorded, then stacked), the heads fused (joint: L N^2 x 4;
+  divided: a block's two N x N steps) and a forward's activations, and the browser's explorer data
+  when it is within `VIDEO_BROWSER_BYTES` (`video_explorer_bytes`, and one layer's rows in float32
+  while it is made); kept, the stack and the frames.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -629,12 +630,14 @@ def _video_price(spec) -> Cost:
         stack = depth * heads * (h * w * t * t + t * (p + h * w) ** 2) * 4
     head = 2.0 * width * spec.num_classes
     forward = embed + 2.0 * depth * block_weights * n + products + head
-    rollout = 2.0 * depth * n**3
+    joint = c.attention == "joint"
+    rollout = 2.0 * depth * n * n * (1 if joint else 2)  # a query's row: a vector times each step (`space_time_rollout_row`)
+    fused = depth * n * n * 4 if joint else 2 * n * n * 4  # the heads fused, every layer at once; or one block's two steps
     token_row = n * width * 4
     frames = spec.frames * 3 * spec.image_size**2 * 4
     activations = 12 * token_row + 2 * n * c.mlp_dim * 4
-    kept = stack + n * n * 4 + frames
+    kept = stack + frames
     explorer = video_explorer_bytes(depth=depth, grid=c.grid, frames=spec.frames, image_size=spec.image_size)
     explorer = explorer + heads * patches * patches * 4 if explorer <= VIDEO_BROWSER_BYTES else 0
-    peak = 2 * stack + 3 * n * n * 4 + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
+    peak = 2 * stack + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
     return Cost("video", spec.name, n, peak, kept, forward + rollout)

@@ -60,7 +60,7 @@ from vitviz.evaluate.run import _check_out, _check_previous, _previous, _whole, 
 from vitviz.faithfulness import auc
 from vitviz.images import MAX_BYTES as MAX_IMAGE_BYTES, ImageError, load_image
 from vitviz.preprocess import Preprocessing, crop
-from vitviz.video.analysis import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout
+from vitviz.video.analysis import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout_row
 from vitviz.video.load import EMBEDDED_VIDEO_MODELS, load_video_model
 from vitviz.video.model import VideoViT
 
@@ -257,10 +257,9 @@ def _score(model: VideoViT, item: ClipItem, target_of: dict[str, int | None], *,
     maps = {}
     for method in methods:
         if method == "rollout":
-            maps[method] = frame_maps(space_time_rollout(attention), attention.grid, query=query).cpu()
+            maps[method] = frame_maps(space_time_rollout_row(attention, query=query), attention.grid).cpu()
         else:
-            relevance = space_time_relevance(model, x, target)[0]
-            maps[method] = frame_maps(relevance, attention.grid, query=query).cpu()
+            maps[method] = frame_maps(space_time_relevance(model, x, target, query=query)[0], attention.grid).cpu()
     generator = torch.Generator().manual_seed(_seed(item.file))
     maps["random"] = torch.rand(attention.grid, generator=generator)
     if "pointing" in metrics and masks is not None:

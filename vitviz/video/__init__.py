@@ -17,6 +17,7 @@ from vitviz.video.analysis import (
     mean_attention_distance_space_time,
     space_time_relevance,
     space_time_rollout,
+    space_time_rollout_row,
     token_coordinates,
 )
 from vitviz.video.hf import VIDEO_TYPES, video_from_transformers
@@ -30,6 +31,7 @@ __all__ = [
     "VIDEO_TYPES",
     "video_from_transformers",
     "space_time_rollout",
+    "space_time_rollout_row",
     "space_time_relevance",
     "divided_step_matrices",
     "frame_maps",

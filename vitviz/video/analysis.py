@@ -20,11 +20,12 @@ import torch
 from vitviz import steps
 from vitviz.analysis import HeadFusion, Query, attention_rollout, fuse_heads, query_row
 from vitviz.hooks import record_attention
-from vitviz.relevance import gradient_relevance
+from vitviz.relevance import gradient_relevance, relevance_layer
 from vitviz.video.model import VideoAttention, VideoViT
 
 __all__ = [
     "space_time_rollout",
+    "space_time_rollout_row",
     "divided_step_matrices",
     "frame_maps",
     "attention_across_frames",
@@ -107,16 +108,47 @@ def space_time_rollout(attention: VideoAttention, *, head_fusion: HeadFusion = "
     return rollout
 
 
+def _query_vector(query: Query, n: int, p: int, like: torch.Tensor) -> torch.Tensor:
+    """The weights a query's row takes of a matrix's rows, [N]: one-hot, or the patches' mean for "pool"."""
+    return query_row(torch.eye(n, dtype=like.dtype, device=like.device), query=query, num_prefix_tokens=p)
+
+
+def space_time_rollout_row(attention: VideoAttention, *, query: Query = 0, head_fusion: HeadFusion = "mean") -> torch.Tensor:
+    """One query's row of `space_time_rollout(attention)`, [N] (0: the cls token's, or token 0's; "pool":
+    the mean of the patches' rows), without the N x N product: the query's weights times each step,
+    the last block's first (q·R = ((q·Â_L)·Â_(L-1))···Â_1: N² a step instead of N³). Equal to the
+    matrix's row to float rounding (tested)."""
+    n, p = attention.num_tokens, attention.num_prefix_tokens
+    if attention.kind == "joint":
+        fused = fuse_heads(attention.joint, head_fusion, dim=1)  # [L, N, N]
+        v = _query_vector(query, n, p, fused)
+        for a in reversed(fused):  # Â = rownorm(A + I) (`vitviz.analysis.rollout_fused`): v·Â = (v / d)·A + v / d
+            w = v / (a.sum(dim=-1) + 1.0)
+            v = w @ a + w
+            steps.step()
+        return v
+    v = _query_vector(query, n, p, attention.space)
+    for time, space in zip(reversed(attention.time), reversed(attention.space)):  # R = Ŝ_L T̂_L ··· Ŝ_1 T̂_1, from the left
+        t_step, s_step = divided_step_matrices(fuse_heads(time, head_fusion, dim=0), fuse_heads(space, head_fusion, dim=0), attention.grid)
+        v = 0.5 * (v @ s_step) + 0.5 * v
+        v = 0.5 * (v @ t_step) + 0.5 * v
+        steps.step()
+    return v
+
+
 def frame_maps(rollout: torch.Tensor, grid: tuple[int, int, int], query: Query = 0) -> torch.Tensor:
     """The query's row of a token-by-token matrix over the patches, frame by frame: [t, h, w].
 
     Args:
-        rollout: [N, N] (a rollout, or one layer's head-fused attention), N = p + t*h*w.
+        rollout: [N, N] (a rollout, or one layer's head-fused attention), N = p + t*h*w; or one row of
+            such a matrix [N] (`space_time_rollout_row`), whose patches' part is returned (`query` unread).
         query: a token's index (0 the cls token, where there is one), or "pool": the mean of the patches' rows.
 
     The maps sum to 1 − (the row's weight on the prefix tokens) for a matrix whose rows sum to 1.
     """
     t, h, w = grid
+    if rollout.ndim == 1 and rollout.shape[0] >= t * h * w:  # a query's row already (`space_time_rollout_row`)
+        return rollout[rollout.shape[0] - t * h * w :].reshape(t, h, w)
     if rollout.ndim != 2 or rollout.shape[0] != rollout.shape[1] or rollout.shape[-1] < t * h * w:
         raise ValueError(f"rollout must be [N, N] with N >= {t * h * w} for the grid {tuple(grid)}, got {list(rollout.shape)}")
     p = rollout.shape[-1] - t * h * w
@@ -209,7 +241,8 @@ def mean_attention_distance_space_time(
     return _weighted_mean(space, space_d).mean(dim=-1).float(), _weighted_mean(attention.time.double(), time_d).mean(dim=-1).float()
 
 
-def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None = None) -> torch.Tensor:
+def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None = None, *,
+                         query: Query | None = None) -> torch.Tensor:
     """Chefer et al. 2021's gradient relevance over all N tokens of each clip, R [B, N, N], of a `VideoViT`
     with joint attention and a head.
 
@@ -223,6 +256,9 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
         videos: [B, T, 3, H, W] or one clip [T, 3, H, W] (then B = 1), prepared as the model's spec says.
         target: the class explained: one index for every clip, or one per clip [B]; None: each clip's
             predicted class.
+        query: None: the whole R [B, N, N]; a token (0) or "pool": that query's row of R only, [B, N],
+            as a vector times each layer's term from the last (q·R = q·(I + Ā_L)···(I + Ā_1): N² a layer
+            instead of N³).
     """
     c = model.config
     if c.attention != "joint":
@@ -245,4 +281,11 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
         raise ValueError(f"target must lie in 0..{c.num_classes - 1}, got {target.tolist()}")
     attn = rec.graph_attentions
     grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), attn)
-    return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
+    if query is None:
+        return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
+    terms = [relevance_layer(a.detach().float(), g.float()) for a, g in zip(attn, grads)]  # [B, N, N] each
+    v = _query_vector(query, terms[0].shape[-1], c.num_prefix_tokens, terms[0]).expand(b, -1)
+    for term in reversed(terms):
+        v = v + torch.bmm(v[:, None], term)[:, 0]
+        steps.step()
+    return v

@@ -47,7 +47,7 @@ from vitviz.server.guards.gradio_io import UPLOAD_REFUSED, file_stem, secret_nam
 from vitviz.server.pictures import video_explorer
 from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
-from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout
+from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout_row
 from vitviz.server.models import TooLarge
 from vitviz.sources import WeightsUnavailableError, get_spec
 from vitviz.video.load import load_video_model
@@ -160,8 +160,8 @@ def run_on_device(server: str, name: str, videos: torch.Tensor) -> tuple[torch.T
     device = next(model.parameters()).device
     attention = model.attention(videos.to(device))
     probs = attention.logits.float().softmax(-1).cpu()
-    rollout = space_time_rollout(attention)
-    return probs, attention, frame_maps(rollout, attention.grid).float().cpu()
+    row = space_time_rollout_row(attention, query=0 if attention.num_prefix_tokens else "pool")  # the cls token's, or the patches' mean
+    return probs, attention, frame_maps(row, attention.grid).float().cpu()
 
 
 def _seen(videos: torch.Tensor, pre) -> np.ndarray:
