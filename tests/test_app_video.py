@@ -130,7 +130,7 @@ def test_the_across_frames_picture_is_redrawn_from_the_kept_run(ran):
     layer = tab.on_video_view(6, 1, 3, 3, held)
     assert not np.array_equal(np.asarray(layer[tab.across]["value"]), np.asarray(other[tab.across]["value"]))
     kept = SERVER.store.get(held.key)
-    assert attention_across_frames(kept.attention, 0, 2, 2, 2).shape == (3, *kept.attention.grid)
+    assert attention_across_frames(kept.attention, 0, 2, 2, 2).shape == (1, *kept.attention.grid)  # kept with its heads averaged
     # a click on the shown frame (drawn at SCALE px a pixel): the patch under it
     k = video.SCALE * kept.patch_size
     picked = tab.on_video_pick(6, 4, held, SimpleNamespace(index=[4.5 * k, 1.5 * k]))

@@ -407,3 +407,20 @@ def test_a_querys_rollout_row_is_the_matrixs_row_without_the_matrix_product(kind
             rows = space_time_relevance(model, batch, torch.tensor([1, 3]), query=query)
             want = whole[:, 0] if query == 0 else whole[:, 1:].mean(1)
             torch.testing.assert_close(rows, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["joint", "divided"])
+@pytest.mark.parametrize("fusion", ["mean", "max"])
+def test_attention_recorded_with_its_heads_fused_is_the_fused_attention(kind, fusion):
+    from vitviz.analysis import fuse_heads
+
+    torch.manual_seed(2)
+    model = _divided_model(2) if kind == "divided" else VideoViT(VideoConfig(
+        frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=2, heads=2, mlp_dim=32, class_token=False, num_classes=3)).eval()
+    x = torch.randn(model.config.frames, 3, 16, 16)
+    whole, fused = model.attention(x), model.attention(x, head_fusion=fusion)
+    assert fused.heads == 1 and whole.heads == 2
+    torch.testing.assert_close(fused.logits, whole.logits)
+    for name in ("joint", "time", "space"):
+        if getattr(whole, name) is not None:
+            torch.testing.assert_close(getattr(fused, name)[:, 0], fuse_heads(getattr(whole, name), fusion, dim=1))

@@ -58,11 +58,12 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   with every layer's attention recorded, whose logits are the prediction (the tubelet embedding, 2 x
   weights x N and the attention products: 4 L N^2 D for joint attention; for divided attention each
   block's time and space attentions over their own tokens), then the query's row of the space-time
-  rollout (`space_time_rollout_row`: 2 L N^2, twice for divided attention). In memory the attention
-  stack (joint: L H N^2 x 4 bytes) twice (recorded, then stacked), the heads fused (joint: L N^2 x 4;
-  divided: a block's two N x N steps) and a forward's activations, and the browser's explorer data
-  when it is within `VIDEO_BROWSER_BYTES` (`video_explorer_bytes`, and one layer's rows in float32
-  while it is made); kept, the stack and the frames.
+  rollout (`space_time_rollout_row`: 2 L N^2, twice for divided attention). In memory one layer's
+  attention (joint: H N^2 x 4 bytes) twice while its heads are averaged, the stack of the averaged
+  layers (joint: L N^2 x 4) twice (recorded, then stacked), a rollout step's matrices and a forward's
+  activations, and the browser's explorer data when it is within `VIDEO_BROWSER_BYTES`
+  (`video_explorer_bytes`, and one layer's rows in float32 while it is made); kept, the stack and the
+  frames.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -623,21 +624,22 @@ def _video_price(spec) -> Cost:
     embed = 2.0 * 3 * c.tubelet * c.patch_size**2 * width * patches
     if c.attention == "joint":
         products = 4.0 * depth * n * n * width
-        stack = depth * heads * n * n * 4
+        layer = heads * n * n * 4
     else:  # each block: time attention over t tokens at each position, then space attention within each frame
         block_weights += 4 * width * width
         products = 4.0 * depth * width * (h * w * t * t + t * (p + h * w) ** 2)
-        stack = depth * heads * (h * w * t * t + t * (p + h * w) ** 2) * 4
+        layer = heads * (h * w * t * t + t * (p + h * w) ** 2) * 4
+    stack = depth * layer // heads  # each layer's heads averaged as it is recorded
     head = 2.0 * width * spec.num_classes
     forward = embed + 2.0 * depth * block_weights * n + products + head
     joint = c.attention == "joint"
     rollout = 2.0 * depth * n * n * (1 if joint else 2)  # a query's row: a vector times each step (`space_time_rollout_row`)
-    fused = depth * n * n * 4 if joint else 2 * n * n * 4  # the heads fused, every layer at once; or one block's two steps
+    fused = 2 * n * n * 4  # a step's matrices (divided: a block's two, dense)
     token_row = n * width * 4
     frames = spec.frames * 3 * spec.image_size**2 * 4
     activations = 12 * token_row + 2 * n * c.mlp_dim * 4
     kept = stack + frames
     explorer = video_explorer_bytes(depth=depth, grid=c.grid, frames=spec.frames, image_size=spec.image_size)
-    explorer = explorer + heads * patches * patches * 4 if explorer <= VIDEO_BROWSER_BYTES else 0
-    peak = 2 * stack + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
+    explorer = explorer + patches * patches * 4 if explorer <= VIDEO_BROWSER_BYTES else 0
+    peak = 2 * stack + 2 * layer + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
     return Cost("video", spec.name, n, peak, kept, forward + rollout)

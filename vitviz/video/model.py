@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from vitviz import steps
+from vitviz.analysis import fuse_heads
 from vitviz.config import Preprocessing
 from vitviz.hooks import record_attention
 from vitviz.model import Attention, _activation
@@ -576,12 +577,15 @@ class VideoViT(nn.Module):
         """Logits [B, classes], or the pooled features [B, D] when the model has no head."""
         return self.head_logits(self.encode(videos))
 
-    def attention(self, videos: torch.Tensor) -> VideoAttention:
+    def attention(self, videos: torch.Tensor, *, head_fusion: str | None = None) -> VideoAttention:
         """One clip's attention, every layer and head (`VideoAttention`), and that forward's output
         (`VideoAttention.logits`), from one forward without gradients.
 
         Args:
             videos: [1, T, 3, H, W] or [T, 3, H, W].
+            head_fusion: None: every head; "mean", "max" or "min": each layer's heads fused as soon as
+                it is computed (`vitviz.analysis.fuse_heads`), kept as one head (H = 1): 1/H of the
+                memory, for what reads the heads fused (the rollout, the Video tab).
         """
         if videos.ndim == 4:
             videos = videos[None]
@@ -593,7 +597,8 @@ class VideoViT(nn.Module):
         if self.attn_pool is not None:
             handle = self.attn_pool.cross.attend.register_forward_hook(lambda m, i, out: pooled.append(out.detach()))
         try:
-            with torch.no_grad(), record_attention(self) as rec:
+            reduce = None if head_fusion is None else (lambda a: fuse_heads(a, head_fusion, dim=1).unsqueeze(1))
+            with torch.no_grad(), record_attention(self, reduce=reduce) as rec:
                 out = self(videos)[0]
         finally:
             if handle is not None:

@@ -158,7 +158,7 @@ def run_on_device(server: str, name: str, videos: torch.Tensor) -> tuple[torch.T
     """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S], from one forward."""
     model = model_of(server, name)
     device = next(model.parameters()).device
-    attention = model.attention(videos.to(device))
+    attention = model.attention(videos.to(device), head_fusion="mean")  # what every view reads: the heads averaged
     probs = attention.logits.float().softmax(-1).cpu()
     row = space_time_rollout_row(attention, query=0 if attention.num_prefix_tokens else "pool")  # the cls token's, or the patches' mean
     return probs, attention, frame_maps(row, attention.grid).float().cpu()
