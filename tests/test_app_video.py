@@ -4,6 +4,7 @@ picture is redrawn from the kept run; junk from a client (files that are no clip
 not uploaded, frames, rows and layers out of range, a model off the menu) is refused in one sentence,
 through the handlers and through raw HTTP; the "video" price holds what a run does."""
 
+import io
 import shutil
 import uuid
 from types import SimpleNamespace
@@ -332,6 +333,9 @@ def test_the_menus_hub_models_run_from_the_cache_and_say_so_when_they_cannot_be_
     from vitviz.video.analysis import frame_maps, space_time_rollout
     from vitviz.clips import clip_tensor, load_video
 
+    from vitviz.server.models import ModelCache
+
+    monkeypatch.setattr(app.SERVER, "cache", ModelCache(max_models=2))  # the random model under the menu's name goes with the test
     tab = video.TAB
     name = "hf:facebook/timesformer-base-finetuned-k400"
     assert name in video.MODELS and "hf:MCG-NJU/videomae-base-finetuned-kinetics" in video.MODELS
@@ -357,3 +361,26 @@ def test_the_menus_hub_models_run_from_the_cache_and_say_so_when_they_cannot_be_
     for k, label in cfg.id2label.items():
         assert out[tab.prediction][label] == pytest.approx(float(probs[k]), abs=1e-5)
     app.SERVER.store.drop(out[tab.held].key)
+
+
+def test_frames_the_models_crop_cannot_take_are_a_video_error_in_one_sentence():
+    """A strip of 16383 x 16 px frames passes the gate; a model that resizes the shorter side to 224 px
+    cannot crop it (`vitviz.preprocess.MAX_RESIZED`): the tab and the evaluator catch `VideoError`."""
+    from vitviz.clips import VideoError, clip_tensor, load_video
+    from vitviz.config import Preprocessing
+
+    frames = [Image.new("RGB", (16383, 16), (30 * k, 120, 60)) for k in range(4)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    clip = load_video(buf.getvalue(), frames=4)
+    with pytest.raises(VideoError) as caught:
+        clip_tensor(clip, Preprocessing(224, resize_size=224))
+    assert str(caught.value) == "the clip's frames are 16383x16 px, too elongated to prepare for a model that sees 224x224 px"
+
+
+def test_the_video_menus_hub_repositories_are_kept_in_the_hub_cache_like_the_image_menus():
+    from vitviz.server.models import ModelCache
+
+    kept = ModelCache().menu_repos
+    assert {"MCG-NJU/videomae-base-finetuned-kinetics", "facebook/timesformer-base-finetuned-k400"} <= kept
+    assert all(name.removeprefix("hf:") in kept for name in video.MODELS if name.startswith("hf:"))

@@ -12,9 +12,8 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from vitviz.evaluate import EvaluateError, EvaluateWarning, evaluate, summarize
+from vitviz.evaluate import EvaluateError, EvaluateWarning, evaluate, summarize, wilson
 from vitviz.video import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout
 from vitviz.evaluate.clips import scan_clips
 from vitviz.video.shapes import MOTIONS, load_shapes_video, render_clip, to_videos, write_clips
@@ -111,7 +110,9 @@ def test_every_figure_of_a_clip_is_its_own_computation(folder, done, model):
     assert _by(summary, "model", "accuracy")["n"] == N
     for method in ("rollout", "gradient", "random"):
         r = _by(summary, method, "pointing")
-        assert r["mean"] == pytest.approx(np.mean([row[f"{method}_pointing"] for row in rows.values()]))
+        shares = [row[f"{method}_pointing"] for row in rows.values()]
+        assert r["mean"] == pytest.approx(np.mean(shares))
+        assert (r["ci95_low"], r["ci95_high"]) == pytest.approx(wilson(sum(shares), len(shares)))
         assert 0 <= r["ci95_low"] <= r["mean"] <= r["ci95_high"] <= 1
     assert _by(summary, "rollout", "pointing")["mean"] > _by(summary, "random", "pointing")["mean"]
     with open(out / "summary.csv", newline="") as f:
@@ -210,17 +211,6 @@ def test_without_masks_the_pointing_game_is_left_out_with_a_warning(folder, tmp_
     with pytest.warns(EvaluateWarning, match="pointing skipped"):
         summary = evaluate(data, out=tmp_path / "out", methods=("rollout",), metrics=("pointing", "distance"), **FAST)
     assert {(r["method"], r["metric"]) for r in summary} == {("model", "accuracy"), ("model", "distance_space"), ("model", "distance_time")}
-
-
-def test_the_random_maps_chance_is_the_dilated_masks_patch_share():
-    """`_expected_hits` on a mask of one pixel: the patches within one patch of it, counted."""
-    from vitviz.evaluate.clips import _expected_hits
-
-    mask = torch.zeros(1, 48, 48, dtype=torch.bool)
-    mask[0, 20, 30] = True
-    dilated = F.max_pool2d(mask.float()[:, None], 33, 1, 16)[0, 0] > 0
-    centres = [(y * 16 + 8, x * 16 + 8) for y in range(3) for x in range(3)]
-    assert float(_expected_hits(mask, 16)[0]) == pytest.approx(sum(bool(dilated[c]) for c in centres) / 9)
 
 
 def test_a_hub_timesformer_is_scored_over_the_clips_and_its_divided_attention_refuses_gradients(folder, tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ import torch
 from PIL import Image
 
 from vitviz.config import Preprocessing
-from vitviz.images import MIN_SIDE, read_bounded
+from vitviz.images import MIN_SIDE, ImageError, read_bounded
 from vitviz.preprocess import preprocess
 
 __all__ = [
@@ -612,5 +612,14 @@ def load_video(source: VideoSource, *, frames: int, sampling: str = "uniform", s
 def clip_tensor(clip: Clip, pre: Preprocessing) -> torch.Tensor:
     """The clip as a model takes it: float [T, 3, S, S] (for mode "fit", [T, 3, h, w]), each frame
     through `vitviz.preprocess.preprocess`. The frames share one size, so each gets the same resize
-    and crop."""
-    return torch.stack([preprocess(Image.fromarray(frame), pre)[0] for frame in clip.frames])
+    and crop.
+
+    Raises:
+        VideoError: frames the crop cannot take (too elongated for it), in one sentence.
+    """
+    try:
+        return torch.stack([preprocess(Image.fromarray(frame), pre)[0] for frame in clip.frames])
+    except ImageError:
+        height, width = clip.frames.shape[1:3]
+        raise VideoError(f"the clip's frames are {width}x{height} px, too elongated to prepare for a model that sees "
+                         f"{pre.image_size}x{pre.image_size} px") from None

@@ -62,8 +62,8 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   attention (joint: H N^2 x 4 bytes) twice while its heads are averaged, the stack of the averaged
   layers (joint: L N^2 x 4) twice (recorded, then stacked), a rollout step's matrices and a forward's
   activations, and the browser's explorer data when it is within `VIDEO_BROWSER_BYTES`
-  (`video_explorer_bytes`, and one layer's rows in float32 while it is made); kept, the stack and the
-  frames.
+  (`video_explorer_bytes`: its parts, joined, and in base64; while a layer is quantised, its Q x Q rows
+  in float32 twice and in float64, 17 Q^2 bytes); kept, the stack and the frames.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -640,6 +640,7 @@ def _video_price(spec) -> Cost:
     activations = 12 * token_row + 2 * n * c.mlp_dim * 4
     kept = stack + frames
     explorer = video_explorer_bytes(depth=depth, grid=c.grid, frames=spec.frames, image_size=spec.image_size)
-    explorer = explorer + patches * patches * 4 if explorer <= VIDEO_BROWSER_BYTES else 0
+    # its bytes, joined, then in base64; while a layer is quantised, its rows in float32 (twice) and float64 and its bytes
+    explorer = explorer * 10 // 3 + 17 * patches * patches if explorer <= VIDEO_BROWSER_BYTES else 0
     peak = 2 * stack + 2 * layer + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
     return Cost("video", spec.name, n, peak, kept, forward + rollout)

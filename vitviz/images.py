@@ -70,6 +70,8 @@ def read_bounded(source, *, max_bytes: int, noun: str, refuse: Callable[[str], E
             data = f.read(max_bytes + 1)
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
+    elif isinstance(source, io.TextIOBase):  # (before reading: a text file's characters are not its bytes)
+        raise error(f"cannot read {article} {noun} from a file opened in text mode ({type(source).__name__})")
     elif hasattr(source, "read"):
         data = source.read(max_bytes + 1)
         if not isinstance(data, (bytes, bytearray)):

@@ -54,14 +54,14 @@ import torch
 
 from vitviz.analysis import pointing_game
 from vitviz.clips import MAX_BYTES as MAX_CLIP_BYTES, VideoError, clip_tensor, load_video
-from vitviz.evaluate.data import FORMAT, EvaluateError, EvaluateWarning, _plural, _seed
+from vitviz.evaluate.data import FORMAT, EvaluateError, mask_preprocessing, EvaluateWarning, _plural, _seed
 from vitviz.evaluate.figures import _cell, _normal_interval, _write_csv, wilson
-from vitviz.evaluate.run import _check_out, _check_previous, _previous, _whole, _write_json
+from vitviz.evaluate.run import _check_out, _check_previous, _plain_rate, _previous, _whole, _write_json
 from vitviz.faithfulness import auc
 from vitviz.images import MAX_BYTES as MAX_IMAGE_BYTES, ImageError, load_image
 from vitviz.preprocess import Preprocessing, crop
 from vitviz.video.analysis import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout_row
-from vitviz.video.load import EMBEDDED_VIDEO_MODELS, load_video_model
+from vitviz.video.load import EMBEDDED_VIDEO_MODELS, load_video_model, video_spec
 from vitviz.video.model import VideoViT
 
 __all__ = ["VIDEO_METHODS", "VIDEO_METRICS", "CLIP_SUFFIXES", "VIDEO_MODELS", "ClipItem", "scan_clips", "is_video_model",
@@ -203,7 +203,7 @@ def _curves(model: VideoViT, x: torch.Tensor, maps: torch.Tensor, target: int, *
     c = model.config
     t, h, w = maps.shape
     m = t * h * w
-    order = maps.reshape(m).float().argsort(descending=True, stable=True)
+    order = maps.reshape(m).float().cpu().argsort(descending=True, stable=True)  # (on the CPU: ties broken alike on any device)
     counts = torch.round(torch.arange(steps + 1) / steps * m).long()
     rank = torch.empty(m, dtype=torch.long)
     rank[order] = torch.arange(m)
@@ -212,7 +212,7 @@ def _curves(model: VideoViT, x: torch.Tensor, maps: torch.Tensor, target: int, *
     out = {}
     with torch.no_grad():
         for mode in ("deletion", "insertion"):
-            keep = (~gone if mode == "deletion" else gone).to(x.dtype)  # [S + 1, T, S, S]
+            keep = (~gone if mode == "deletion" else gone).to(x.device, x.dtype)  # [S + 1, T, S, S]
             probs = []
             for i in range(0, steps + 1, batch_size):
                 clips = x[None] * keep[i : i + batch_size, :, None]
@@ -236,18 +236,19 @@ def _score(model: VideoViT, item: ClipItem, target_of: dict[str, int | None], *,
     row["sha256"] = hashlib.sha256(data).hexdigest()[:32]
     try:
         x, masks, row["mask_error"] = _read_clip(data, item, spec, mask_pre)
-    except VideoError as exc:
+    except VideoError as exc:  # the gate's refusal, or frames too elongated for the model's crop
         row["error"] = str(exc)  # kept while the clip is unchanged
         return row
     device = next(model.parameters()).device
     x = x.to(device)
-    attention = model.attention(x)
-    with torch.no_grad():
-        probs = model(x[None]).float().softmax(-1)[0].cpu()
-    known = target_of.get(item.label) if item.label is not None else None
-    target = known if known is not None else int(probs.argmax())
-    row.update(target=target, predicted=int(probs.argmax()), probability=float(probs[target]),
-               correct=None if known is None else bool(int(probs.argmax()) == known))
+    attention = model.attention(x)  # the forward that records it gives the logits too
+    target = None
+    if spec.has_head:
+        probs = attention.logits.float().softmax(-1).cpu()
+        known = target_of.get(item.label) if item.label is not None else None
+        target = known if known is not None else int(probs.argmax())
+        row.update(target=target, predicted=int(probs.argmax()), probability=float(probs[target]),
+                   correct=None if known is None else bool(int(probs.argmax()) == known))
     if "distance" in metrics:
         space, frames = mean_attention_distance_space_time(attention, attention.grid, c.patch_size, c.tubelet)
         row.update(distance_space=space.tolist(), distance_time=frames.tolist())
@@ -398,10 +399,10 @@ def evaluate_clips(
         raise EvaluateError(f"--model: {model} is not a video model (the video models: {', '.join(VIDEO_MODELS)}, or hf: TimeSformer, "
                             f"VideoMAE, ViViT, V-JEPA 2)")
     try:
-        net = load_video_model(model, device="cuda" if torch.cuda.is_available() else "cpu")
+        spec = video_spec(model)  # the refusals below before any weights are read
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
-    spec, c = net.spec, net.config
+    c = spec.config
     if "gradient" in methods and (c.attention != "joint" or not spec.has_head):
         why = "divided (time then space) attention" if c.attention != "joint" else "no head"
         raise EvaluateError(f"--methods gradient: Chefer et al.'s relevance of a video model needs joint attention and a head; "
@@ -409,6 +410,7 @@ def evaluate_clips(
     if not spec.has_head and {"deletion", "insertion"} & set(metrics):
         raise EvaluateError(f"{spec.name} has no classifier: deletion and insertion measure a class probability; leave them out")
     items = scan_clips(data)
+    net = load_video_model(model, device="cuda" if torch.cuda.is_available() else "cpu")
     if not items:
         raise EvaluateError(f"no clips ({', '.join(sorted(CLIP_SUFFIXES))}) under {data}: put clips there (DATA/<class>/<clip> gives "
                             f"classes), or write some with python -m vitviz.video.shapes {data} --n 100")
@@ -430,8 +432,7 @@ def evaluate_clips(
     done = _read_rows(rows_path, items)
     categories = spec.categories or ()
     target_of = {item.label: (list(categories).index(item.label) if item.label in categories else None) for item in items}
-    mask_pre = Preprocessing(spec.preprocessing.image_size, spec.preprocessing.resize_size, spec.preprocessing.mode,
-                             interpolation="nearest")
+    mask_pre = mask_preprocessing(spec.preprocessing)
     todo = [item for item in items if item.file not in done]
     if max_clips is not None:
         todo = todo[:max_clips]
@@ -451,14 +452,9 @@ def evaluate_clips(
             scored += not row["error"]
     seconds = time.perf_counter() - start
     plain = None
-    if compare and scored:
-        x = torch.zeros(1, spec.frames, 3, spec.image_size, spec.image_size, device=next(net.parameters()).device)
-        with torch.no_grad():
-            net(x)
-            t0 = time.perf_counter()
-            for _ in range(3):
-                net(x)
-            plain = 3 / (time.perf_counter() - t0)
+    if compare and scored:  # one clip a forward, as the run takes them
+        device = next(net.parameters()).device
+        plain = _plain_rate(net, torch.zeros(1, spec.frames, 3, spec.image_size, spec.image_size), 3, device)
     rows = [done[item.file] for item in items if item.file in done]
     summary = _summary(rows, methods, metrics)
     _write(out, rows, summary, run)

@@ -94,6 +94,11 @@ class EvaluateWarning(UserWarning):
     """A metric that cannot be computed for some or all images (e.g. the pointing game without masks)."""
 
 
+def mask_preprocessing(pre: Preprocessing) -> Preprocessing:
+    """How an object mask is cropped to lie on its image's crop: `pre`'s geometry, nearest neighbours."""
+    return replace(pre, interpolation="nearest")
+
+
 @dataclass(frozen=True)
 class Item:
     """One image of DATA.
@@ -215,7 +220,7 @@ class EvalDataset(torch.utils.data.Dataset):
         self.items = items
         self.pre = pre
         self.to_input = _to_input_as_their_scripts if as_their_scripts else to_input
-        self.mask_pre = Preprocessing(pre.image_size, pre.resize_size, pre.mode, interpolation="nearest")
+        self.mask_pre = mask_preprocessing(pre)
 
     def __len__(self) -> int:
         return len(self.items)

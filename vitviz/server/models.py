@@ -21,6 +21,7 @@ from vitviz.model import ViT
 from vitviz.pipeline import image_tower
 from vitviz.sources import VariantSpec, list_variants, load_model, source_of
 from vitviz.summary import summary
+from vitviz.video.load import VIDEO_MENU
 from vitviz.video.model import VideoViT
 
 __all__ = ["ModelFacts", "ModelCache", "TooLarge", "prune_hub_cache"]
@@ -152,7 +153,9 @@ class ModelCache:
         self.device = device
         self.hub_bytes = hub_bytes
         # the hub repositories of the menu's models: never removed, whoever named them
-        self.menu_repos = {_repo(s) for s in list_variants() if _repo(s)} if keep_repos is None else set(keep_repos)
+        if keep_repos is None:  # the image menu's and the Video tab's (`vitviz.video.load.VIDEO_MENU`)
+            keep_repos = {_repo(s) for s in list_variants() if _repo(s)} | {n.removeprefix("hf:") for n in VIDEO_MENU if n.startswith("hf:")}
+        self.menu_repos = set(keep_repos)
         self._models: OrderedDict[str, tuple[ViT, ModelFacts]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from vitviz import steps
-from vitviz.analysis import HeadFusion, Query, attention_rollout, fuse_heads, query_row
+from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, fuse_heads, query_row
 from vitviz.hooks import record_attention
 from vitviz.relevance import gradient_relevance, relevance_layer
 from vitviz.video.model import VideoAttention, VideoViT
@@ -109,8 +109,16 @@ def space_time_rollout(attention: VideoAttention, *, head_fusion: HeadFusion = "
 
 
 def _query_vector(query: Query, n: int, p: int, like: torch.Tensor) -> torch.Tensor:
-    """The weights a query's row takes of a matrix's rows, [N]: one-hot, or the patches' mean for "pool"."""
-    return query_row(torch.eye(n, dtype=like.dtype, device=like.device), query=query, num_prefix_tokens=p)
+    """The weights a query's row takes of a matrix's rows, [N]: one-hot, or for "pool" the patches'
+    mean (`vitviz.analysis.query_row`'s rows, as weights)."""
+    v = torch.zeros(n, dtype=like.dtype, device=like.device)
+    if query == POOL:
+        v[p:] = 1.0 / (n - p)
+    elif isinstance(query, int) and not isinstance(query, bool) and 0 <= query < n:
+        v[query] = 1.0
+    else:
+        raise ValueError(f"a query is a token index below {n} or {POOL!r}, got {query!r}")
+    return v
 
 
 def space_time_rollout_row(attention: VideoAttention, *, query: Query = 0, head_fusion: HeadFusion = "mean") -> torch.Tensor:

@@ -5,11 +5,36 @@ from __future__ import annotations
 
 import torch
 
-from vitviz.video.model import VideoViT
+from vitviz.video.model import VideoSpec, VideoViT
 
-__all__ = ["EMBEDDED_VIDEO_MODELS", "load_video_model"]
+__all__ = ["EMBEDDED_VIDEO_MODELS", "VIDEO_MENU", "video_spec", "load_video_model"]
 
 EMBEDDED_VIDEO_MODELS = ("shapes_video",)
+VIDEO_MENU: tuple[str, ...] = (  # the app's Video tab: the embedded model, then Hugging Face video classifiers
+    "shapes_video",
+    "hf:MCG-NJU/videomae-base-finetuned-kinetics",
+    "hf:facebook/timesformer-base-finetuned-k400",
+)
+
+
+def video_spec(name: str) -> VideoSpec:
+    """The record of the video model `name`, without its weights (an `hf:` model's config from the
+    hub's cache, or fetched).
+
+    Raises:
+        ValueError: `name` is not a video model (or not a model).
+        WeightsUnavailableError: its config is neither at hand nor downloadable.
+    """
+    if name == "shapes_video":
+        from vitviz.video.shapes import shapes_video_spec
+
+        return shapes_video_spec()
+    from vitviz.sources import get_spec
+
+    spec = get_spec(name)
+    if not isinstance(spec, VideoSpec):
+        raise ValueError(f"{name} is not a video model")
+    return spec
 
 
 def load_video_model(name: str, *, device: str | torch.device | None = None) -> VideoViT:

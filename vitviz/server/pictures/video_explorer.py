@@ -69,8 +69,8 @@ def payload(attention: VideoAttention, frames: np.ndarray, *, model: str, tubele
         value.update(mode="server", note=f"{model}'s attention across frames is too large to hold in the browser "
                                          f"({size / 2**20:.1f} MB, over {budget / 2**20:.1f} MB): the views below are drawn by the server.")
         return value
-    q, top = quantise_rows(torch.stack([layer_rows(attention, layer) for layer in range(attention.depth)]))
-    data = top.astype("<f4").tobytes() + q.tobytes()
+    parts = [quantise_rows(layer_rows(attention, layer)) for layer in range(attention.depth)]  # a layer at a time: [Q, Q], [Q]
+    data = np.stack([top for _, top in parts]).astype("<f4").tobytes() + np.stack([q for q, _ in parts]).tobytes()
     value.update(mode="browser", model=model, grid=[t, h, w], depth=attention.depth, tubelet=int(tubelet), frames=int(count),
                  image_size=int(side), scale=int(scale), patch_px=int(patch_size * scale), outline=OUTLINE,
                  lut=lut(CMAP).reshape(-1).tolist(), data=base64.b64encode(data).decode("ascii"),

@@ -5,7 +5,8 @@ The clip (MP4, WebM, GIF or animated WebP) is an upload only (`UploadedClip`: a 
 upload folder, else refused), read by `vitviz.clips.load_video` with the model's frame count and
 sampling (its refusals, `VideoError`, are the tab's one-sentence errors) and priced ("video":
 `vitviz.cost`) before the model runs, once: the forward that records the attention gives the logits
-too. The run gives the top classes, the class token's row of the space-time rollout over each frame
+too. The run gives the top classes, the cls token's row of the space-time rollout (for a model without
+one, such as VideoMAE, the patches' mean row) over each frame
 (`frame_maps`; a frame shows the map of the tubelet it belongs to) as a strip and as an animated GIF to
 download, and the explorer of where one patch looks across the frames (`attention_across_frames`, heads
 averaged), in one of two ways:
@@ -49,8 +50,8 @@ from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
 from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout_row
 from vitviz.server.models import TooLarge
-from vitviz.sources import WeightsUnavailableError, get_spec
-from vitviz.video.load import load_video_model
+from vitviz.sources import WeightsUnavailableError
+from vitviz.video.load import VIDEO_MENU, load_video_model, video_spec
 from vitviz.video.model import VideoAttention, VideoSpec, VideoViT
 
 __all__ = ["VideoTab", "UploadedClip", "VideoResult", "MODELS", "spec_of", "model_of", "TAB"]
@@ -58,11 +59,7 @@ __all__ = ["VideoTab", "UploadedClip", "VideoResult", "MODELS", "spec_of", "mode
 LOG = logging.getLogger("vitviz.server")
 
 
-MODELS: tuple[str, ...] = (  # the menu: the embedded model, then Hugging Face video classifiers (fetched on first use)
-    "shapes_video",
-    "hf:MCG-NJU/videomae-base-finetuned-kinetics",
-    "hf:facebook/timesformer-base-finetuned-k400",
-)
+MODELS = VIDEO_MENU  # the menu (`vitviz.video.load.VIDEO_MENU`): its hub repositories are kept in the hub's cache like the image menu's
 DEFAULT = "shapes_video"
 TOP = 5  # classes shown
 SCALE = 2  # each model-size frame drawn at this many screen pixels a pixel
@@ -72,22 +69,15 @@ CLIP_REFUSED = UPLOAD_REFUSED.replace("The image", "The clip")  # the house's re
 
 
 def spec_of(name: str) -> VideoSpec:
-    """The menu's model `name`'s record, without its weights (a Hugging Face model's config is read
-    from the hub's cache, or fetched); a `runtime.error` when it cannot be had."""
-    if name == "shapes_video":
-        from vitviz.video.shapes import shapes_video_spec
-
-        return shapes_video_spec()
+    """The menu's model `name`'s record, without its weights (`vitviz.video.load.video_spec`); a
+    `runtime.error` when it cannot be had."""
     try:
-        spec = get_spec(name)
+        return video_spec(name)
     except WeightsUnavailableError as exc:
         LOG.info("%s", exc)
         raise runtime.error(f"{name} is not on this server and cannot be downloaded now: choose {DEFAULT}.") from None
     except (ValueError, ImportError, OSError) as exc:
         raise runtime.error(inputs.public_text(str(exc))) from None
-    if not isinstance(spec, VideoSpec):
-        raise runtime.error(f"{name} is not a video model.")
-    return spec
 
 
 class UploadedClip(gr.File):
@@ -155,7 +145,8 @@ def model_of(server: str, name: str) -> VideoViT:
 
 @gpu
 def run_on_device(server: str, name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
-    """The probabilities, the attention and the class token's maps of one clip [T, 3, S, S], from one forward."""
+    """The probabilities, the attention (heads averaged) and the rollout's maps of one clip [T, 3, S, S]
+    (the cls token's row, or the patches' mean without one), from one forward."""
     model = model_of(server, name)
     device = next(model.parameters()).device
     attention = model.attention(videos.to(device), head_fusion="mean")  # what every view reads: the heads averaged
@@ -214,7 +205,7 @@ class VideoTab(Tab):
     def build(self, page) -> None:
         gr.Markdown(
             "**Video**: upload a short clip (MP4, WebM, GIF or animated WebP) and run a video transformer on it: its top "
-            "classes, where its class token looks in each frame (the space-time rollout of its attention, a frame drawn "
+            "classes, where it looks in each frame (the space-time rollout of its cls token, or of its patches' mean, a frame drawn "
             "with the map of the tubelet it belongs to), and, for one patch of one frame, its attention over every frame "
             "at one layer (heads averaged): pick the frame and layer with the sliders, hover over a patch of the frame, "
             "click to pin it (click again to let go; by keyboard, Tab to the frame, then arrows, Enter and Escape). "
@@ -229,7 +220,7 @@ class VideoTab(Tab):
                 self.prediction = gr.Label(num_top_classes=TOP, label="Prediction", elem_id="vv-video-prediction")
                 self.gif = gr.File(label="Animated map (GIF)", interactive=False, visible=False, elem_id="vv-video-gif")
             with gr.Column(scale=3, min_width=300):
-                self.strip = figure(label="Where the class token looks, frame by frame (space-time rollout)", visible=False,
+                self.strip = figure(label="Where the model looks, frame by frame (space-time rollout)", visible=False,
                                     elem_id="vv-video-strip")
                 files = video_explorer.widget_files()
                 self.live = gr.HTML(value=None, html_template=files["html"], css_template=files["css"], js_on_load=files["js"],
@@ -304,9 +295,9 @@ class VideoTab(Tab):
         spec = spec_of(name)
         try:
             loaded = load_video(path, frames=spec.frames, sampling=spec.sampling, stride=spec.frame_stride)
+            videos = clip_tensor(loaded, spec.preprocessing)
         except VideoError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
-        videos = clip_tensor(loaded, spec.preprocessing)
         seen = _seen(videos, spec.preprocessing)
         with self.server.priced(price(spec, "video"), request):
             try:
