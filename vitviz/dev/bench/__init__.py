@@ -11,6 +11,7 @@
     python -m vitviz.dev.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
     python -m vitviz.dev.bench --families        # DINOv3 B/16 and SigLIP 2 B/16 NaFlex at 512 px against timm's and transformers' forwards
     python -m vitviz.dev.bench --patching        # vitviz.patch over every resid_pre site of --arch against one forward
+    python -m vitviz.dev.bench --video           # VideoMAE-B/16 at 16 frames: the Video tab's analysis and relevance against a forward
     python -m vitviz.dev.bench --device cuda     # any row above on CUDA only (cpu: GPUs hidden; auto, the default: as each row says)
 
 Each round runs every candidate once, in a rotating order, so that drifts in clock speed and
@@ -35,8 +36,9 @@ from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
 from vitviz.dev.bench.serving import flood_table, serving_table
 from vitviz.dev.bench.training import training_table
+from vitviz.dev.bench.video import video_table
 
 
 __all__ = ["measure", "main", "model_path_table", "relevance_table", "handler_table", "app_table", "browser_table",
            "evaluate_table", "evaluator_pass_table", "attention_part_table", "serving_table", "flood_table", "inputs_table",
-           "training_table", "families_table", "patching_table"]
+           "training_table", "families_table", "patching_table", "video_table"]

@@ -17,6 +17,7 @@ from vitviz.dev.bench.evaluator import attention_part_table, evaluate_table, eva
 from vitviz.dev.bench.families import SIDE, families_table
 from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.patching import patching_table
+from vitviz.dev.bench.video import video_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
 from vitviz.dev.bench.serving import FLOODS, flood_table, serving_table
 from vitviz.dev.bench.training import training_table
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
                                                             "against their library's forward")
+    ap.add_argument("--video", action="store_true", help="VideoMAE-B/16 at 16 frames: the Video tab's analysis and relevance against a forward")
+    ap.add_argument("--small", action="store_true", help="--video: a tiny video ViT instead (the dry run's)")
     ap.add_argument("--patching", action="store_true", help="vitviz.patch over every resid_pre site of --arch against one forward")
     ap.add_argument("--batch", type=int, default=None,
                     help="the batch of --relevance and of --evaluate's passes in memory (default 8), of --training (default 64)")
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vitviz.dev.bench --families, {SIDE} px, batch 1, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
         for d in both:
             _print_table(title(d), families_table(d, rounds=args.rounds * (5 if d.type == "cuda" else 1)))
+        return
+    if args.video:
+        print(f"vitviz.dev.bench --video, one clip, {args.rounds} rounds; {time.strftime('%Y-%m-%d')}; {_machine()}")
+        for d in both:
+            _print_table(title(d), video_table(d, rounds=args.rounds, small=args.small))
         return
     if args.patching:
         print(f"vitviz.dev.bench --patching {args.arch}, {args.rounds} rounds of the forward, 1 of the patching; "
