@@ -149,10 +149,10 @@ def test_space_time_relevance_is_chefers_rule_on_an_independent_forward():
 
 
 def test_space_time_relevance_says_what_it_cannot_explain():
-    with pytest.raises(ValueError, match="joint attention"):
+    with pytest.raises(ValueError, match="a token index below 9 or 'pool'"):
         space_time_relevance(VideoViT(VideoConfig(frames=2, tubelet=1, image_size=16, patch_size=8, width=16, depth=1, heads=2,
                                                   mlp_dim=32, attention="divided", class_token=True, pool="cls", num_classes=2)),
-                             torch.zeros(1, 2, 3, 16, 16))
+                             torch.zeros(1, 2, 3, 16, 16), query=9)
     with pytest.raises(ValueError, match="no head"):
         space_time_relevance(VideoViT(VideoConfig(frames=2, tubelet=2, image_size=16, patch_size=8, width=16, depth=1, heads=2,
                                                   mlp_dim=32)), torch.zeros(1, 2, 3, 16, 16))

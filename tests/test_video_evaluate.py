@@ -213,9 +213,9 @@ def test_without_masks_the_pointing_game_is_left_out_with_a_warning(folder, tmp_
     assert {(r["method"], r["metric"]) for r in summary} == {("model", "accuracy"), ("model", "distance_space"), ("model", "distance_time")}
 
 
-def test_a_hub_timesformer_is_scored_over_the_clips_and_its_divided_attention_refuses_gradients(folder, tmp_path, monkeypatch):
+def test_a_hub_timesformer_is_scored_over_the_clips_with_its_divided_attention(folder, tmp_path, monkeypatch):
     """A tiny random TimeSformer in an offline hub cache: `hf:` names a video model to the evaluator, its
-    divided attention is rolled out and its distances are its own; Chefer et al.'s relevance is refused."""
+    divided attention is rolled out and explained, and its distances are its own."""
     transformers = pytest.importorskip("transformers")
     from huggingface_hub import constants
 
@@ -235,12 +235,11 @@ def test_a_hub_timesformer_is_scored_over_the_clips_and_its_divided_attention_re
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     name = "hf:someone/timesformer-motions"
-    with pytest.raises(EvaluateError, match="divided"):
-        evaluate(folder, out=tmp_path / "refused", model=name, methods=("gradient",), compare=False, progress=False)
     out = tmp_path / "out"
-    summary = evaluate(folder, out=out, model=name, methods=("rollout",), metrics=("distance", "deletion"), steps=2, compare=False,
-                       progress=False)
+    summary = evaluate(folder, out=out, model=name, methods=("rollout", "gradient"), metrics=("distance", "deletion"), steps=2,
+                       compare=False, progress=False)
     assert _by(summary, "model", "accuracy")["n"] == N and _by(summary, "rollout", "deletion")["n"] == N
+    assert _by(summary, "gradient", "deletion")["n"] == N  # divided attention's relevance: each block's two steps
     model = load_model(name)
     row = json.loads((out / "rows.jsonl").read_text().splitlines()[0])
     clip = clip_tensor(load_video(folder / row["file"], frames=model.spec.frames, sampling=model.spec.sampling), model.spec.preprocessing)

@@ -185,11 +185,12 @@ def test_a_saved_vjepa2_encoder_without_a_processor_loads_with_its_family_defaul
         assert _relative(ours.encode(x), _hf_forward(model, x).last_hidden_state) < 1e-4
 
 
-def _divided_model(frames: int) -> VideoViT:
+def _divided_model(frames: int, num_classes: int = 0) -> VideoViT:
     """A small random TimeSformer-like model whose attention is far from uniform."""
     torch.manual_seed(frames)
     model = VideoViT(VideoConfig(frames=frames, tubelet=1, image_size=16, patch_size=8, width=16, depth=3, heads=2, mlp_dim=32,
-                                 attention="divided", class_token=True, positions="divided")).eval()
+                                 attention="divided", class_token=True, positions="divided", pool="cls",
+                                 num_classes=num_classes)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("qkv.weight"):
@@ -424,3 +425,55 @@ def test_attention_recorded_with_its_heads_fused_is_the_fused_attention(kind, fu
     for name in ("joint", "time", "space"):
         if getattr(whole, name) is not None:
             torch.testing.assert_close(getattr(fused, name)[:, 0], fuse_heads(getattr(whole, name), fusion, dim=1))
+
+
+def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_token():
+    """TimeSformer's relevance against the rule written out token by token in float64: each block's
+    time term T (a patch's row over its own position in every frame; the cls row 0) then its space term
+    S (a patch's row over its frame and the cls token; the cls row the mean over frames of its rows,
+    its frame columns divided by t), R <- R + T R, R <- R + S R."""
+    from vitviz.hooks import record_attention
+    from vitviz.relevance import relevance_layer
+    from vitviz.video.analysis import space_time_relevance
+
+    model = _divided_model(2, num_classes=3)
+    torch.manual_seed(5)
+    x = torch.randn(1, 2, 3, 16, 16)
+    target = 2
+    inp = x.clone().requires_grad_(True)
+    with torch.enable_grad(), record_attention(model, graph=True) as rec:
+        logits = model(inp)
+    attn = rec.graph_attentions
+    grads = torch.autograd.grad(logits[0, target], attn)
+    t, h, w = model.grid_for(x)
+    s = h * w
+    n = 1 + t * s
+
+    def token(f: int, pos: int) -> int:
+        return 1 + f * s + pos
+
+    r = torch.eye(n, dtype=torch.float64)
+    for layer in range(len(attn) // 2):
+        time = relevance_layer(attn[2 * layer].detach().double(), grads[2 * layer].double())  # [s, t, t]
+        space = relevance_layer(attn[2 * layer + 1].detach().double(), grads[2 * layer + 1].double())  # [t, 1 + s, 1 + s]
+        big_t = torch.zeros(n, n, dtype=torch.float64)
+        for pos in range(s):
+            for fq in range(t):
+                for fk in range(t):
+                    big_t[token(fq, pos), token(fk, pos)] = time[pos, fq, fk]
+        big_s = torch.zeros(n, n, dtype=torch.float64)
+        for f in range(t):
+            big_s[0, 0] += space[f, 0, 0] / t
+            for pk in range(s):
+                big_s[0, token(f, pk)] = space[f, 0, 1 + pk] / t
+            for pq in range(s):
+                big_s[token(f, pq), 0] = space[f, 1 + pq, 0]
+                for pk in range(s):
+                    big_s[token(f, pq), token(f, pk)] = space[f, 1 + pq, 1 + pk]
+        r = r + big_t @ r
+        r = r + big_s @ r
+    ours = space_time_relevance(model, x, target)[0]
+    torch.testing.assert_close(ours.double(), r, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(space_time_relevance(model, x, target, query=0)[0].double(), r[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(space_time_relevance(model, x, target, query="pool")[0].double(), r[1:].mean(0), atol=1e-5, rtol=1e-4)
+    assert r[0, 1:].abs().sum() > 1e-3  # the cls token's relevance reaches the patches: the check is not of an identity

@@ -17,7 +17,7 @@ frame k (0-based; any image format; white on the object; the size of the clip's 
 the model samples must each have one. A tubelet's mask is the union of its frames' masks.
 
 Methods (`VIDEO_METHODS`): "rollout", the space-time rollout (`space_time_rollout`), and "gradient",
-Chefer et al. 2021's relevance (`space_time_relevance`: joint attention and a head only); each map is
+Chefer et al. 2021's relevance (`space_time_relevance`, for a model with a head); each map is
 the cls token's row, or for a model without one the mean of the patches' rows (`frame_maps(...,
 query="pool")`), [t, h, w] over the tubelets. A "random" map is scored beside them: seeded by the
 clip's relative path for deletion and insertion; for the pointing game its expected hit, the share of
@@ -403,10 +403,9 @@ def evaluate_clips(
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
     c = spec.config
-    if "gradient" in methods and (c.attention != "joint" or not spec.has_head):
-        why = "divided (time then space) attention" if c.attention != "joint" else "no head"
-        raise EvaluateError(f"--methods gradient: Chefer et al.'s relevance of a video model needs joint attention and a head; "
-                            f"{spec.name} has {why}: use --methods rollout")
+    if "gradient" in methods and not spec.has_head:
+        raise EvaluateError(f"--methods gradient: Chefer et al.'s relevance explains a class, and {spec.name} has no head: use "
+                            f"--methods rollout")
     if not spec.has_head and {"deletion", "insertion"} & set(metrics):
         raise EvaluateError(f"{spec.name} has no classifier: deletion and insertion measure a class probability; leave them out")
     items = scan_clips(data)

@@ -9,8 +9,9 @@ A ↦ Â = 0.5·A + 0.5·I (the residual stream's equal share; rows of A sum to 
 heads fused first (mean by default), and R = Â_L ··· Â_1. For TimeSformer's divided attention, each
 block is two such steps, each an N x N matrix (`space_time_rollout`).
 
-Gradient relevance (Chefer et al. 2021) of a joint-attention model with a head, as vitviz's image
-rule over all N tokens (`space_time_relevance`).
+Gradient relevance (Chefer et al. 2021) of a model with a head, as vitviz's image rule over all N
+tokens (`space_time_relevance`); for divided attention each block is two steps of the rule, placed
+on the N tokens as the rollout places them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from vitviz import steps
 from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, fuse_heads, query_row
 from vitviz.hooks import record_attention
-from vitviz.relevance import gradient_relevance, relevance_layer
+from vitviz.relevance import gradient_relevance, relevance_from_layers, relevance_layer
 from vitviz.video.model import VideoAttention, VideoViT
 
 __all__ = [
@@ -249,16 +250,41 @@ def mean_attention_distance_space_time(
     return _weighted_mean(space, space_d).mean(dim=-1).float(), _weighted_mean(attention.time.double(), time_d).mean(dim=-1).float()
 
 
+def _divided_terms(attn: list[torch.Tensor], grads: list[torch.Tensor], grid: tuple[int, int, int], b: int) -> list[torch.Tensor]:
+    """Each step's term of the rule for divided attention, in forward order (a block's time step, then
+    its space step), [B, N, N] each: mean_h (G ⊙ A)⁺ of the step's attention placed on all N tokens as
+    `divided_step_matrices` places the attention itself, the time term's cls row 0 (the cls token takes
+    no part in the time attention, so its relevance does not change there)."""
+    t, h, w = grid
+    s = h * w
+    terms = []
+    for time_a, time_g, space_a, space_g in zip(attn[0::2], grads[0::2], attn[1::2], grads[1::2]):
+        time = relevance_layer(time_a.detach().float(), time_g.float()).reshape(b, s, t, t)  # rows of position s: [B, s, t, t]
+        space = relevance_layer(space_a.detach().float(), space_g.float()).reshape(b, t, 1 + s, 1 + s)
+        pairs = [divided_step_matrices(time[i], space[i], grid) for i in range(b)]
+        time_terms = torch.stack([pair[0] for pair in pairs])
+        time_terms[:, 0, 0] = 0.0
+        terms += [time_terms, torch.stack([pair[1] for pair in pairs])]
+    return terms
+
+
 def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None = None, *,
                          query: Query | None = None) -> torch.Tensor:
     """Chefer et al. 2021's gradient relevance over all N tokens of each clip, R [B, N, N], of a `VideoViT`
-    with joint attention and a head.
+    with a head.
 
     With A_l block l's softmax output [B, H, N, N] and G_l = dy_c/dA_l the gradient of the target logit
     y_c with respect to that same A_l: R = I, then for l = 1..L in forward order R <- R + mean_h (G_l ⊙ A_l)⁺ R
     (`vitviz.relevance.gradient_relevance`). Row 0 is the cls token's; `frame_maps(R[b], grid)` its map
     per tubelet. The gradients are taken with `torch.autograd.grad` from one forward: the parameters'
     `.grad` are left as they are.
+
+    Divided attention (TimeSformer): each block is two steps of the rule, its time attention's then its
+    space attention's, each term mean_h (G ⊙ A)⁺ of that attention placed on the N tokens as the
+    rollout places the attention (`divided_step_matrices`: a patch's time row over its own position in
+    every frame, its space row over its frame and the cls token; the cls token's space row the mean of
+    its rows in the frames, whose outputs it averages), the time term's cls row 0 (the cls token takes
+    no part in it): R <- R + T_l R, then R <- R + S_l R.
 
     Args:
         videos: [B, T, 3, H, W] or one clip [T, 3, H, W] (then B = 1), prepared as the model's spec says.
@@ -269,8 +295,6 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
             instead of N³).
     """
     c = model.config
-    if c.attention != "joint":
-        raise ValueError(f"space_time_relevance reads joint attention; this model's is {c.attention}")
     if not c.num_classes:
         raise ValueError("space_time_relevance explains a class: this model has no head")
     if videos.ndim == 4:
@@ -289,9 +313,14 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
         raise ValueError(f"target must lie in 0..{c.num_classes - 1}, got {target.tolist()}")
     attn = rec.graph_attentions
     grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), attn)
-    if query is None:
+    if c.attention == "joint" and query is None:
         return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
-    terms = [relevance_layer(a.detach().float(), g.float()) for a, g in zip(attn, grads)]  # [B, N, N] each
+    if c.attention == "joint":
+        terms = [relevance_layer(a.detach().float(), g.float()) for a, g in zip(attn, grads)]  # [B, N, N] each
+    else:
+        terms = _divided_terms(list(attn), list(grads), model.grid_for(videos), b)
+    if query is None:
+        return relevance_from_layers(terms)
     v = _query_vector(query, terms[0].shape[-1], c.num_prefix_tokens, terms[0]).expand(b, -1)
     for term in reversed(terms):
         v = v + torch.bmm(v[:, None], term)[:, 0]
