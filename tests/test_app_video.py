@@ -251,10 +251,13 @@ def test_the_private_event_refuses_hostile_data_and_the_server_goes_on(app, gif,
                 assert exc.response.status_code == 415 and "Only images" in exc.response.text
         cases.append(([upload(server, gif), "<script>"], "shapes_video"))  # Gradio's menu check, or the tab's
         for data, why in cases:
-            ok, error = run(server, "on_video_run", [*data, 1, 1, 1, 1, None])
+            ok, error = run(server, "on_video_run", [*data, 1, 1, 1, 1, None, "rollout"])
             assert not ok and error and why in error and "Traceback" not in error and "root:" not in error, (data, error)
+        for shown in ("saliency", None, ["relevance"]):  # the map: one of the radio's choices only
+            ok, error = run(server, "on_video_run", [upload(server, gif), "shapes_video", 1, 1, 1, 1, None, shown])
+            assert not ok and error and "Traceback" not in error and ("rollout" in error or "choices" in error), (shown, error)
         session = uuid.uuid4().hex
-        ok, out = run(server, "on_video_run", [upload(server, gif), "shapes_video", 3, 4, 2, 2, None], session=session)
+        ok, out = run(server, "on_video_run", [upload(server, gif), "shapes_video", 3, 4, 2, 2, None, "relevance"], session=session)
         assert ok, out
         for data in ([99, 1, 1, 1], [0, 1, 1, 1], [1, 99, 1, 1], [1, 1, 7, 1]):  # Gradio's slider bounds, or the tab's
             ok, error = run(server, "on_video_view", [*data, None], session=session)
@@ -384,3 +387,30 @@ def test_the_video_menus_hub_repositories_are_kept_in_the_hub_cache_like_the_ima
     kept = ModelCache().menu_repos
     assert {"MCG-NJU/videomae-base-finetuned-kinetics", "facebook/timesformer-base-finetuned-k400"} <= kept
     assert all(name.removeprefix("hf:") in kept for name in video.MODELS if name.startswith("hf:"))
+
+
+def test_the_relevance_map_is_the_librarys_for_the_top_class_and_priced_as_it_runs(app, gif, uploaded):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vitviz.clips import clip_tensor, load_video
+    from vitviz.cost import price
+    from vitviz.video.analysis import frame_maps, space_time_relevance
+    from vitviz.video.shapes import load_shapes_video, to_videos
+
+    tab = video.TAB
+    out = tab.on_video_run(uploaded(gif), "shapes_video", 1, 1, 1, 1, None, "relevance")
+    model = load_shapes_video()
+    videos = clip_tensor(load_video(str(gif), frames=model.spec.frames, sampling=model.spec.sampling), model.spec.preprocessing)
+    top = model.spec.categories.index(next(iter(out[tab.prediction])))
+    kept = app.SERVER.store.get(out[tab.held].key)
+    torch.testing.assert_close(kept.maps, frame_maps(space_time_relevance(model, videos, top)[0], model.spec.grid), atol=1e-6, rtol=1e-5)
+    assert out[tab.strip]["label"].startswith("What made the top class") and out[tab.gif]["value"].endswith("-relevance.gif")
+    app.SERVER.store.drop(out[tab.held].key)
+    with pytest.raises(gr.Error, match="Choose a map: rollout or relevance"):
+        tab.on_video_run(uploaded(gif), "shapes_video", 1, 1, 1, 1, None, "saliency<script>")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        video.run_on_device(app.SERVER.name, "shapes_video", to_videos(_rightward())[0], "relevance")
+    cost = price(model.spec, "video_relevance")
+    assert counter.get_total_flops() / 1.5 <= cost.flops <= counter.get_total_flops() * 1.5, (cost.flops, counter.get_total_flops())
+    assert cost.bytes > price(model.spec, "video").bytes

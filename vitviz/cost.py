@@ -64,6 +64,10 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   activations, and the browser's explorer data when it is within `VIDEO_BROWSER_BYTES`
   (`video_explorer_bytes`: its parts, joined, and in base64; while a layer is quantised, its Q x Q rows
   in float32 twice and in float64, 17 Q^2 bytes); kept, the stack and the frames.
+- "video_relevance": "video", then the map of the top class by Chefer et al.'s rule
+  (`space_time_relevance`, one row): a forward keeping every layer on the graph and a backward to the
+  input (3 forwards' work), the terms and the row; in memory each layer's attention and its gradient,
+  its activations and the terms (divided attention: a block's two dense N x N).
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -114,7 +118,7 @@ __all__ = [
 ]
 
 Kind = Literal["analyse", "explain", "faithfulness", "export", "explorer", "explorer_layer", "view", "ablate", "importance", "patch",
-               "patch_one", "registers", "concepts", "concept_ablate", "ask", "video"]
+               "patch_one", "registers", "concepts", "concept_ablate", "ask", "video", "video_relevance"]
 
 BASE_BYTES = 4 * 2**20  # any request: buffers, the pictures, a file's copy in memory beyond what each kind counts
 COMPUTE_BYTES = 8 * 2**20  # besides, a request that runs the model or draws a figure: thread buffers, the figure
@@ -383,8 +387,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return _concepts_price(spec, kind, sae)
     if kind == "ask":
         return _ask_price(spec, ask)
-    if kind == "video":
-        return _video_price(spec)
+    if kind in ("video", "video_relevance"):
+        return _video_price(spec, kind)
     if kind in ("patch", "patch_one") and _windowed(spec):
         raise ValueError(f"activation patching runs on ViT towers; {spec.name} is a windowed model")
     if kind == "registers" and (_windowed(spec) or spec.config.rel_pos_bias):
@@ -612,8 +616,8 @@ def _ask_price(spec, shape) -> Cost:
     return Cost("ask", spec.name, t, peak, kept, tower + generate + recorded + backward + relevance)
 
 
-def _video_price(spec) -> Cost:
-    """"video" (see the module's doc) of a video model `spec` (a `vitviz.video.VideoSpec`) on one clip."""
+def _video_price(spec, kind: str = "video") -> Cost:
+    """"video" or "video_relevance" (see the module's doc) of a video model `spec` (a `vitviz.video.VideoSpec`) on one clip."""
     c = spec.config
     t, h, w = c.grid
     p = c.num_prefix_tokens
@@ -643,4 +647,11 @@ def _video_price(spec) -> Cost:
     # its bytes, joined, then in base64; while a layer is quantised, its rows in float32 (twice) and float64 and its bytes
     explorer = explorer * 10 // 3 + 17 * patches * patches if explorer <= VIDEO_BROWSER_BYTES else 0
     peak = 2 * stack + 2 * layer + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
-    return Cost("video", spec.name, n, peak, kept, forward + rollout)
+    if kind == "video":
+        return Cost(kind, spec.name, n, peak, kept, forward + rollout)
+    # "video_relevance": then a forward keeping every layer on the graph (its attention and activations), a backward to
+    # the input, each layer's gradient beside its attention, the rule's terms (divided: a block's two dense N x N) and the row
+    graph = depth * (2 * layer + activations) + (1 if joint else 2) * depth * n * n * 4
+    terms = depth * layer / 4 + rollout  # (G ⊙ A)⁺ averaged over heads, then the row through each term
+    return Cost(kind, spec.name, n, max(peak, graph + stack + frames + explorer + BASE_BYTES + COMPUTE_BYTES), kept,
+                forward + rollout + 3.0 * forward + terms)

@@ -24,7 +24,7 @@
   let rows = null;      // Uint8Array [L * Q * Q]: the rows
   let shown = [];       // per frame, ImageData `scale` times as wide
   let tiles = [];       // per frame, ImageData at the model's size
-  let shownPatch = null, tilePatch = null;  // Int32Array: the patch (y * w + x) of each pixel
+  let tilePatch = null;  // Int32Array: the patch (y * w + x) of each pixel of a frame tile
   const view = { frame: 1, layer: 1, query: 0, pinned: false };  // query: the patch y * w + x of the shown frame
 
   const bytesOf = (text) => Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
@@ -62,7 +62,6 @@
     top = new Float32Array(data.buffer.slice(0, 4 * layers * q));
     rows = new Uint8Array(data.buffer, 4 * layers * q, layers * q * q);
     meta = value;
-    shownPatch = patchIndex(shown[0].width, shown[0].height, h, w);
     tilePatch = patchIndex(tiles[0].width, tiles[0].height, h, w);
     const first = value.first || { frame: 1, layer: layers, row: 1, col: 1 };
     Object.assign(view, { frame: first.frame, layer: first.layer, query: (first.row - 1) * w + first.col - 1, pinned: false });

@@ -6,7 +6,8 @@ upload folder, else refused), read by `vitviz.clips.load_video` with the model's
 sampling (its refusals, `VideoError`, are the tab's one-sentence errors) and priced ("video":
 `vitviz.cost`) before the model runs, once: the forward that records the attention gives the logits
 too. The run gives the top classes, the cls token's row of the space-time rollout (for a model without
-one, such as VideoMAE, the patches' mean row) over each frame
+one, such as VideoMAE, the patches' mean row), or with the Map "relevance" of the top class's relevance
+(`space_time_relevance`; priced "video_relevance"), over each frame
 (`frame_maps`; a frame shows the map of the tubelet it belongs to) as a strip and as an animated GIF to
 download, and the explorer of where one patch looks across the frames (`attention_across_frames`, heads
 averaged), in one of two ways:
@@ -48,7 +49,7 @@ from vitviz.server.guards.gradio_io import UPLOAD_REFUSED, file_stem, secret_nam
 from vitviz.server.pictures import video_explorer
 from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
-from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_rollout_row
+from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_relevance, space_time_rollout_row
 from vitviz.server.models import TooLarge
 from vitviz.sources import WeightsUnavailableError
 from vitviz.video.load import VIDEO_MENU, load_video_model, video_spec
@@ -61,6 +62,9 @@ LOG = logging.getLogger("vitviz.server")
 
 MODELS = VIDEO_MENU  # the menu (`vitviz.video.load.VIDEO_MENU`): its hub repositories are kept in the hub's cache like the image menu's
 DEFAULT = "shapes_video"
+SHOWN = {"rollout": "rollout", "relevance": "relevance of the top class"}  # the map over the frames: its colour bar's label
+STRIP_LABELS = {"rollout": "Where the model looks, frame by frame (space-time rollout)",
+                "relevance": "What made the top class, frame by frame (relevance, Chefer et al. 2021)"}
 TOP = 5  # classes shown
 SCALE = 2  # each model-size frame drawn at this many screen pixels a pixel
 CLIP_TYPES = [".mp4", ".webm", ".gif", ".webp"]
@@ -144,14 +148,20 @@ def model_of(server: str, name: str) -> VideoViT:
 
 
 @gpu
-def run_on_device(server: str, name: str, videos: torch.Tensor) -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
-    """The probabilities, the attention (heads averaged) and the rollout's maps of one clip [T, 3, S, S]
-    (the cls token's row, or the patches' mean without one), from one forward."""
+def run_on_device(server: str, name: str, videos: torch.Tensor, shown: str = "rollout") -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
+    """The probabilities, the attention (heads averaged) and the maps of one clip [T, 3, S, S]: the
+    rollout's (one forward), or with `shown` "relevance" the top class's relevance (Chefer et al.; a
+    forward and a backward more); each the cls token's row, or the patches' mean without one."""
     model = model_of(server, name)
     device = next(model.parameters()).device
-    attention = model.attention(videos.to(device), head_fusion="mean")  # what every view reads: the heads averaged
+    videos = videos.to(device)
+    attention = model.attention(videos, head_fusion="mean")  # what every view reads: the heads averaged
     probs = attention.logits.float().softmax(-1).cpu()
-    row = space_time_rollout_row(attention, query=0 if attention.num_prefix_tokens else "pool")  # the cls token's, or the patches' mean
+    query = 0 if attention.num_prefix_tokens else "pool"  # the cls token's row, or the patches' mean
+    if shown == "relevance":
+        row = space_time_relevance(model, videos, int(probs.argmax()), query=query)[0]
+    else:
+        row = space_time_rollout_row(attention, query=query)
     return probs, attention, frame_maps(row, attention.grid).float().cpu()
 
 
@@ -183,7 +193,7 @@ def _strip(r: VideoResult, maps: torch.Tensor, label: str, name: str) -> Image.I
     return plots.named(strip, name)
 
 
-def _gif(r: VideoResult, cache: str) -> str:
+def _gif(r: VideoResult, cache: str, shown: str = "rollout") -> str:
     """The overlaid frames as an animated GIF, written as the app writes its pictures (under a secret
     name in Gradio's cache, which only a page that was sent it can fetch): its path."""
     frames = _overlaid(r, r.maps)
@@ -192,7 +202,7 @@ def _gif(r: VideoResult, cache: str) -> str:
         data = buf.getvalue()
     folder = Path(cache) / secret_name(data)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{file_stem(f'vitviz-{r.model}-rollout')}.gif"
+    path = folder / f"{file_stem(f'vitviz-{r.model}-{shown}')}.gif"
     path.write_bytes(data)
     return str(path)
 
@@ -216,11 +226,13 @@ class VideoTab(Tab):
             with gr.Column(scale=1, min_width=260):
                 self.clip = UploadedClip(label="Clip", file_types=CLIP_TYPES, type="filepath", elem_id="vv-video-clip")
                 self.model = gr.Dropdown(list(MODELS), value=DEFAULT, label="Video model", elem_id="vv-video-model")
+                self.shown = gr.Radio(list(SHOWN), value="rollout", label="Map", elem_id="vv-video-map",
+                                      info="rollout: where the model looks; relevance: what made its top class (a backward more). For the next run.")
                 self.run = gr.Button("Run", variant="primary", elem_id="vv-video-run")
                 self.prediction = gr.Label(num_top_classes=TOP, label="Prediction", elem_id="vv-video-prediction")
                 self.gif = gr.File(label="Animated map (GIF)", interactive=False, visible=False, elem_id="vv-video-gif")
             with gr.Column(scale=3, min_width=300):
-                self.strip = figure(label="Where the model looks, frame by frame (space-time rollout)", visible=False,
+                self.strip = figure(label=STRIP_LABELS["rollout"], visible=False,
                                     elem_id="vv-video-strip")
                 files = video_explorer.widget_files()
                 self.live = gr.HTML(value=None, html_template=files["html"], css_template=files["css"], js_on_load=files["js"],
@@ -287,8 +299,10 @@ class VideoTab(Tab):
     # -- events -----------------------------------------------------------------------------------
 
     def on_video_run(self, clip: object, model: object, frame: object, layer: object, row: object, col: object,
-               held: VideoRef | None = None, request: gr.Request = None) -> Outputs:
+               held: VideoRef | None = None, shown: object = "rollout", request: gr.Request = None) -> Outputs:
         name = self._model_name(model)
+        if not isinstance(shown, str) or shown not in SHOWN:
+            raise runtime.error(f"Choose a map: {' or '.join(SHOWN)}.")
         if clip is None:
             raise runtime.error("Upload a clip first (MP4, WebM, GIF or animated WebP).")
         path = uploaded_clip(clip)
@@ -299,9 +313,11 @@ class VideoTab(Tab):
         except VideoError as exc:
             raise runtime.error(inputs.public_text(str(exc))) from None
         seen = _seen(videos, spec.preprocessing)
-        with self.server.priced(price(spec, "video"), request):
+        if shown == "relevance" and not spec.has_head:
+            raise runtime.error(f"{name} has no classifier: its relevance explains a class; show the rollout.")
+        with self.server.priced(price(spec, "video_relevance" if shown == "relevance" else "video"), request):
             try:
-                probs, attention, maps = run_on_device(self.server.name, name, videos)
+                probs, attention, maps = run_on_device(self.server.name, name, videos, shown)
             except (WeightsUnavailableError, TooLarge) as exc:
                 LOG.info("%s", exc)
                 raise runtime.error(inputs.public_text(str(exc))) from None
@@ -327,8 +343,9 @@ class VideoTab(Tab):
             self.live: live,
             self.on_server: gr.update(visible=live["mode"] == "server"),
             self.prediction: result.top,
-            self.strip: gr.update(value=_strip(result, maps, "rollout", f"vitviz-{name}-rollout"), visible=True),
-            self.gif: gr.update(value=_gif(result, self.gif.GRADIO_CACHE), visible=True),
+            self.strip: gr.update(value=_strip(result, maps, SHOWN[shown], f"vitviz-{name}-{shown}"), visible=True,
+                                  label=STRIP_LABELS[shown]),
+            self.gif: gr.update(value=_gif(result, self.gif.GRADIO_CACHE, shown), visible=True),
             self.frame: gr.update(maximum=frames, value=f),
             self.layer: gr.update(maximum=attention.depth, value=lay),
             self.row: gr.update(maximum=h, value=y),
@@ -358,7 +375,7 @@ class VideoTab(Tab):
     def wire(self, page) -> None:
         private = dict(api_visibility="private", **page.model)
         drawn = [self.query, self.across, self.note]
-        self.run.click(self.on_video_run, [self.clip, self.model, self.frame, self.layer, self.row, self.col, self.held],
+        self.run.click(self.on_video_run, [self.clip, self.model, self.frame, self.layer, self.row, self.col, self.held, self.shown],
                        [self.held, self.live, self.on_server, self.prediction, self.strip, self.gif, self.frame, self.layer,
                         self.row, self.col, *drawn],
                        **private)
