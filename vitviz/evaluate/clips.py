@@ -16,10 +16,12 @@ Object masks are frames: CLIPS/masks/<the clip's relative path without its suffi
 frame k (0-based; any image format; white on the object; the size of the clip's frames). The frames
 the model samples must each have one. A tubelet's mask is the union of its frames' masks.
 
-Methods (`VIDEO_METHODS`): "rollout", the space-time rollout (`space_time_rollout`), and "gradient",
-Chefer et al. 2021's relevance (`space_time_relevance`, for a model with a head); each map is
-the cls token's row, or for a model without one the mean of the patches' rows (`frame_maps(...,
-query="pool")`), [t, h, w] over the tubelets. A "random" map is scored beside them: seeded by the
+Methods (`VIDEO_METHODS`): "rollout", the space-time rollout (`space_time_rollout_row`), and
+"gradient", Chefer et al. 2021's relevance (`space_time_relevance`, for a model with a head; joint or
+divided attention); each map is the cls token's row, or for a model without one the mean of the
+patches' rows (query "pool"), [t, h, w] over the tubelets (`frame_maps`). Each clip runs one forward
+recording its attention (whose logits are the prediction), then a forward and a backward for
+"gradient" and (steps + 1) x 2 forwards per map for deletion and insertion. A "random" map is scored beside them: seeded by the
 clip's relative path for deletion and insertion; for the pointing game its expected hit, the share of
 patches whose centre lies in the dilated mask.
 
@@ -35,8 +37,9 @@ The run's folder holds run.json (settings, the files and their stamps: the sha25
 and of its masks'), rows.jsonl (a line a clip, appended as it is scored: a run started again skips
 the clips already there, and one whose clip or masks changed is refused unless --rescan), and,
 written from the rows at the end, per_clip.csv, summary.csv (mean and 95 % interval over the clips:
-Wilson's for the accuracy and the pointing game, a clip's share of hits counted as its hit), summary.md and distance.csv. --out follows the image evaluator's rules (outside CLIPS;
-new, empty, or a run to resume).
+Wilson's for the accuracy and the pointing game, a clip's share of hits counted as its hit),
+summary.md and distance.csv. --out follows the image evaluator's rules (outside CLIPS; new, empty, or
+a run to resume). A model without a head is scored for its maps' pointing game and its distances.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import torch
 
 from vitviz.analysis import pointing_game
 from vitviz.clips import MAX_BYTES as MAX_CLIP_BYTES, VideoError, clip_tensor, load_video
-from vitviz.evaluate.data import FORMAT, EvaluateError, mask_preprocessing, EvaluateWarning, _plural, _seed
+from vitviz.evaluate.data import FORMAT, EvaluateError, EvaluateWarning, _plural, _seed, mask_preprocessing
 from vitviz.evaluate.figures import _cell, _normal_interval, _write_csv, wilson
 from vitviz.evaluate.run import _check_out, _check_previous, _plain_rate, _previous, _whole, _write_json
 from vitviz.faithfulness import auc
@@ -402,7 +405,6 @@ def evaluate_clips(
         spec = video_spec(model)  # the refusals below before any weights are read
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
-    c = spec.config
     if "gradient" in methods and not spec.has_head:
         raise EvaluateError(f"--methods gradient: Chefer et al.'s relevance explains a class, and {spec.name} has no head: use "
                             f"--methods rollout")
