@@ -333,7 +333,7 @@ def test_the_menus_hub_models_run_from_the_cache_and_say_so_when_they_cannot_be_
     transformers = pytest.importorskip("transformers")
     from conftest import write_hub_cache
     from vitviz.sources import load_model
-    from vitviz.video.analysis import frame_maps, space_time_rollout
+    from vitviz.video.analysis import frame_maps, space_time_relevance, space_time_rollout
     from vitviz.clips import clip_tensor, load_video
 
     from vitviz.server.models import ModelCache
@@ -363,6 +363,12 @@ def test_the_menus_hub_models_run_from_the_cache_and_say_so_when_they_cannot_be_
     probs = attention.logits.softmax(-1)
     for k, label in cfg.id2label.items():
         assert out[tab.prediction][label] == pytest.approx(float(probs[k]), abs=1e-5)
+    app.SERVER.store.drop(out[tab.held].key)
+    # its divided attention's relevance of the top class, the cls token's row
+    out = tab.on_video_run(path, name, 1, 2, 1, 1, None, "relevance")
+    kept = app.SERVER.store.get(out[tab.held].key)
+    want = space_time_relevance(model, clip, int(probs.argmax()), query=0)[0]
+    torch.testing.assert_close(kept.maps, frame_maps(want, attention.grid).float(), atol=1e-6, rtol=1e-5)
     app.SERVER.store.drop(out[tab.held].key)
 
 

@@ -430,8 +430,8 @@ def test_attention_recorded_with_its_heads_fused_is_the_fused_attention(kind, fu
 def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_token():
     """TimeSformer's relevance against the rule written out token by token in float64: each block's
     time term T (a patch's row over its own position in every frame; the cls row 0) then its space term
-    S (a patch's row over its frame and the cls token; the cls row the mean over frames of its rows,
-    its frame columns divided by t), R <- R + T R, R <- R + S R."""
+    S (a patch's row over its frame and the cls token; the cls row the sum over frames of its rows),
+    R <- R + T R, R <- R + S R; the rows without the matrices, and a batch of two as each clip alone."""
     from vitviz.hooks import record_attention
     from vitviz.relevance import relevance_layer
     from vitviz.video.analysis import space_time_relevance
@@ -462,10 +462,10 @@ def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_t
                 for fk in range(t):
                     big_t[token(fq, pos), token(fk, pos)] = time[pos, fq, fk]
         big_s = torch.zeros(n, n, dtype=torch.float64)
-        for f in range(t):
-            big_s[0, 0] += space[f, 0, 0] / t
+        for f in range(t):  # the cls token's row: the sum of its rows (each frame's gradient carries the mean's 1/t)
+            big_s[0, 0] += space[f, 0, 0]
             for pk in range(s):
-                big_s[0, token(f, pk)] = space[f, 0, 1 + pk] / t
+                big_s[0, token(f, pk)] = space[f, 0, 1 + pk]
             for pq in range(s):
                 big_s[token(f, pq), 0] = space[f, 1 + pq, 0]
                 for pk in range(s):
@@ -477,3 +477,9 @@ def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_t
     torch.testing.assert_close(space_time_relevance(model, x, target, query=0)[0].double(), r[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(space_time_relevance(model, x, target, query="pool")[0].double(), r[1:].mean(0), atol=1e-5, rtol=1e-4)
     assert r[0, 1:].abs().sum() > 1e-3  # the cls token's relevance reaches the patches: the check is not of an identity
+    other = torch.randn(1, 2, 3, 16, 16)
+    both = torch.cat([x, other])
+    for query in (None, 0, "pool"):
+        together = space_time_relevance(model, both, torch.tensor([target, 0]), query=query)
+        torch.testing.assert_close(together[0], space_time_relevance(model, x, target, query=query)[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(together[1], space_time_relevance(model, other, 0, query=query)[0], atol=1e-5, rtol=1e-4)

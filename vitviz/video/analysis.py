@@ -250,22 +250,53 @@ def mean_attention_distance_space_time(
     return _weighted_mean(space, space_d).mean(dim=-1).float(), _weighted_mean(attention.time.double(), time_d).mean(dim=-1).float()
 
 
-def _divided_terms(attn: list[torch.Tensor], grads: list[torch.Tensor], grid: tuple[int, int, int], b: int) -> list[torch.Tensor]:
-    """Each step's term of the rule for divided attention, in forward order (a block's time step, then
-    its space step), [B, N, N] each: mean_h (G ⊙ A)⁺ of the step's attention placed on all N tokens as
-    `divided_step_matrices` places the attention itself, the time term's cls row 0 (the cls token takes
-    no part in the time attention, so its relevance does not change there)."""
+def _divided_steps(attn: list[torch.Tensor], grads: list[torch.Tensor], grid: tuple[int, int, int], b: int):
+    """Each block's (time, space) terms of the rule for divided attention, in forward order, as the
+    attentions are shaped: mean_h (G ⊙ A)⁺, time [B, s, t, t] (position s's rows over the frames),
+    space [B, t, 1 + s, 1 + s] (frame t's rows over the cls token and its patches)."""
     t, h, w = grid
     s = h * w
-    terms = []
     for time_a, time_g, space_a, space_g in zip(attn[0::2], grads[0::2], attn[1::2], grads[1::2]):
-        time = relevance_layer(time_a.detach().float(), time_g.float()).reshape(b, s, t, t)  # rows of position s: [B, s, t, t]
-        space = relevance_layer(space_a.detach().float(), space_g.float()).reshape(b, t, 1 + s, 1 + s)
+        yield (relevance_layer(time_a.detach().float(), time_g.float()).reshape(b, s, t, t),
+               relevance_layer(space_a.detach().float(), space_g.float()).reshape(b, t, 1 + s, 1 + s))
+
+
+def _divided_terms(attn: list[torch.Tensor], grads: list[torch.Tensor], grid: tuple[int, int, int], b: int) -> list[torch.Tensor]:
+    """Each step's term on all N tokens, [B, N, N], in forward order (a block's time step, then its space
+    step), placed as `divided_step_matrices` places the attention, but for the cls token's rows: the
+    time term's is 0 (the cls token takes no part in the time attention), the space term's the SUM
+    over frames of its rows (the gradient of each frame's cls row already carries the 1/t of the mean
+    that makes its update, so each frame's G ⊙ A is that frame's whole share; the rollout, reading the
+    attention alone, takes their mean)."""
+    t = grid[0]
+    terms = []
+    for time, space in _divided_steps(attn, grads, grid, b):
         pairs = [divided_step_matrices(time[i], space[i], grid) for i in range(b)]
         time_terms = torch.stack([pair[0] for pair in pairs])
         time_terms[:, 0, 0] = 0.0
-        terms += [time_terms, torch.stack([pair[1] for pair in pairs])]
+        space_terms = torch.stack([pair[1] for pair in pairs])
+        space_terms[:, 0] *= t
+        terms += [time_terms, space_terms]
     return terms
+
+
+def _row_time(v: torch.Tensor, time: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """v·T for rows v [B, N] and a block's time term [B, s, t, t] (`_divided_steps`), without the N x N
+    matrix: Σ_f v[(f, p)] time[p, f, g] at patch (g, p); 0 at the cls token (T's cls column is 0)."""
+    t, h, w = grid
+    b, s = v.shape[0], h * w
+    by_time = torch.einsum("bfp,bpfg->bgp", v[:, 1:].reshape(b, t, s), time).reshape(b, t * s)
+    return torch.cat([torch.zeros_like(v[:, :1]), by_time], dim=1)
+
+
+def _row_space(v: torch.Tensor, space: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """v·S for rows v [B, N] and a block's space term [B, t, 1 + s, 1 + s], S as `_divided_terms` places
+    it (the cls token's row the sum over frames of its rows), without the N x N matrix."""
+    t, h, w = grid
+    b, s = v.shape[0], h * w
+    weights = torch.cat([v[:, None, :1].expand(b, t, 1), v[:, 1:].reshape(b, t, s)], dim=2)  # frame f's rows: [cls, its patches]
+    out = torch.einsum("bfj,bfjk->bfk", weights, space)  # [B, t, 1 + s]
+    return torch.cat([out[:, :, 0].sum(dim=1, keepdim=True), out[:, :, 1:].reshape(b, t * s)], dim=1)
 
 
 def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None = None, *,
@@ -282,9 +313,10 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
     Divided attention (TimeSformer): each block is two steps of the rule, its time attention's then its
     space attention's, each term mean_h (G ⊙ A)⁺ of that attention placed on the N tokens as the
     rollout places the attention (`divided_step_matrices`: a patch's time row over its own position in
-    every frame, its space row over its frame and the cls token; the cls token's space row the mean of
-    its rows in the frames, whose outputs it averages), the time term's cls row 0 (the cls token takes
-    no part in it): R <- R + T_l R, then R <- R + S_l R.
+    every frame, its space row over its frame and the cls token), but for the cls token's rows: the
+    time term's is 0 (the cls token takes no part in it) and the space term's the sum over frames of
+    its rows (each frame's gradient already carries the 1/t of the mean that makes the cls token's
+    update): R <- R + T_l R, then R <- R + S_l R.
 
     Args:
         videos: [B, T, 3, H, W] or one clip [T, 3, H, W] (then B = 1), prepared as the model's spec says.
@@ -315,14 +347,18 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
     grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), attn)
     if c.attention == "joint" and query is None:
         return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
+    grid = model.grid_for(videos)
+    if c.attention == "divided" and query is None:
+        return relevance_from_layers(_divided_terms(list(attn), list(grads), grid, b))
+    n = c.num_prefix_tokens + grid[0] * grid[1] * grid[2]
+    v = _query_vector(query, n, c.num_prefix_tokens, grads[-1].float()).expand(b, -1)
     if c.attention == "joint":
-        terms = [relevance_layer(a.detach().float(), g.float()) for a, g in zip(attn, grads)]  # [B, N, N] each
-    else:
-        terms = _divided_terms(list(attn), list(grads), model.grid_for(videos), b)
-    if query is None:
-        return relevance_from_layers(terms)
-    v = _query_vector(query, terms[0].shape[-1], c.num_prefix_tokens, terms[0]).expand(b, -1)
-    for term in reversed(terms):
-        v = v + torch.bmm(v[:, None], term)[:, 0]
+        for a, g in zip(reversed(attn), reversed(grads)):
+            v = v + torch.bmm(v[:, None], relevance_layer(a.detach().float(), g.float()))[:, 0]
+            steps.step()
+        return v
+    for time, space in reversed(list(_divided_steps(list(attn), list(grads), grid, b))):  # R = ... (I + S_l)(I + T_l) ...
+        v = v + _row_space(v, space, grid)
+        v = v + _row_time(v, time, grid)
         steps.step()
     return v
