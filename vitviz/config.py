@@ -22,6 +22,7 @@ __all__ = [
     "TextConfig",
     "Preprocessing",
     "VariantSpec",
+    "ModelRecord",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "INTERPOLATIONS",
@@ -633,8 +634,30 @@ def _use_model_class(cls: Callable[[ViTConfig], Any]) -> None:
     _model_class[:] = [cls]
 
 
+class ModelRecord:
+    """The facts the rest of vitviz reads of a model's record, from its `config`, `preprocessing` and
+    `categories`: shared by `VariantSpec` and `vitviz.video.VideoSpec`."""
+
+    image_size = property(lambda self: self.preprocessing.image_size)
+    patch_size = property(lambda self: self.config.patch_size)
+    width = property(lambda self: self.config.width)
+    depth = property(lambda self: self.config.depth)
+    heads = property(lambda self: self.config.heads)
+    num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
+    mean = property(lambda self: self.preprocessing.mean)
+    std = property(lambda self: self.preprocessing.std)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.categories) if self.categories is not None else 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.categories is not None
+
+
 @dataclass(frozen=True)
-class VariantSpec:
+class VariantSpec(ModelRecord):
     """One model variant.
 
     Attributes:
@@ -667,17 +690,9 @@ class VariantSpec:
     description: str = ""
     vlm: str | None = None
 
-    # the facts the rest of vitviz reads, from the config and the preprocessing
-    image_size = property(lambda self: self.preprocessing.image_size)
-    patch_size = property(lambda self: self.config.patch_size)
-    width = property(lambda self: self.config.width)
-    depth = property(lambda self: self.config.depth)
-    heads = property(lambda self: self.config.heads)
+    # the facts the rest of vitviz reads, from the config and the preprocessing (`ModelRecord`'s, and these)
     mlp_dim = property(lambda self: self.config.mlp_dim)
-    num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
     prefix_names = property(lambda self: self.config.prefix_names)
-    mean = property(lambda self: self.preprocessing.mean)
-    std = property(lambda self: self.preprocessing.std)
     resize_size = property(lambda self: self.preprocessing.resize_size)
     interpolation = property(lambda self: self.preprocessing.interpolation)
 
@@ -697,14 +712,6 @@ class VariantSpec:
         """The tokens of an image (for "fit", of an image with the most patches it allows)."""
         pre = self.preprocessing
         return self.num_prefix_tokens + (pre.max_patches if pre.mode == "fit" else self.grid[0] * self.grid[1])
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.categories) if self.categories is not None else 0
-
-    @property
-    def has_head(self) -> bool:
-        return self.categories is not None
 
     def at(self, image_size: int) -> "VariantSpec":
         """The same variant fed images of another size (position embeddings are resampled)."""

@@ -36,7 +36,7 @@ from torch import nn
 
 from vitviz import steps
 from vitviz.analysis import fuse_heads
-from vitviz.config import Preprocessing
+from vitviz.config import ModelRecord, Preprocessing
 from vitviz.hooks import record_attention
 from vitviz.model import Attention, _activation
 from vitviz.imagetext import TextAttention
@@ -155,7 +155,7 @@ class VideoConfig:
 
 
 @dataclass(frozen=True)
-class VideoSpec:
+class VideoSpec(ModelRecord):
     """One video model: its architecture, how each clip is sampled and each frame prepared, its class
     names and where its weights come from (the record `VariantSpec` is for a `ViT`).
 
@@ -185,23 +185,7 @@ class VideoSpec:
     locator: str = ""
     description: str = ""
 
-    image_size = property(lambda self: self.preprocessing.image_size)
-    patch_size = property(lambda self: self.config.patch_size)
-    width = property(lambda self: self.config.width)
-    depth = property(lambda self: self.config.depth)
-    heads = property(lambda self: self.config.heads)
-    num_prefix_tokens = property(lambda self: self.config.num_prefix_tokens)
-    mean = property(lambda self: self.preprocessing.mean)
-    std = property(lambda self: self.preprocessing.std)
-    grid = property(lambda self: self.config.grid)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.categories) if self.categories is not None else 0
-
-    @property
-    def has_head(self) -> bool:
-        return self.categories is not None
+    grid = property(lambda self: self.config.grid)  # (t, h, w); `ModelRecord` gives the rest
 
     def frame_indices(self, total: int) -> list[int]:
         """The indices of the frames of a video of `total` frames that make the model's clip (`sampling`)."""
