@@ -68,8 +68,8 @@ from vitviz.sources.hf_convert import (
     convert_transformers_state_dict,
     text_config_from_transformers,
 )
-from vitviz.sources.hf_qwen import QWEN_TYPES, load_qwen_tower, qwen_from_transformers, qwen_spec
-from vitviz.sources.hf_vlm import VLM_TYPES, tower_from_transformers, tower_spec, vlm_model_class
+from vitviz.sources.hf_qwen import QWEN_TYPES, load_qwen_tower, qwen_spec
+from vitviz.sources.hf_vlm import VLM_TYPES, tower_spec, vision_tower, vlm_model_class
 from vitviz.sources.hf_common import _NOT_A_REPO, _is_repo_id, _saved_folder, _size, _transformers
 from vitviz.sources.hub import cached_file, hub_offline, hub_reachable, missing_message
 from vitviz.video.hf import VIDEO_TYPES, folder_video_processor, hub_video_processor, video_from_transformers, video_model_class, video_spec
@@ -334,11 +334,8 @@ def from_transformers(model: nn.Module, *, processor: Any = None, tokenizer: Any
     """
     if getattr(model.config, "model_type", None) in VIDEO_TYPES:  # a video transformer: vitviz.video.hf (a VideoViT)
         return video_from_transformers(model, processor=processor)
-    if getattr(model.config, "model_type", None) in QWEN_TYPES:  # Qwen-VL's vision tower: vitviz.sources.hf_qwen
-        image_processor = getattr(processor, "image_processor", None) or processor
-        return _holding_vlm(qwen_from_transformers(model, processor=image_processor), model, processor)
-    if getattr(model.config, "model_type", None) in VLM_TYPES:  # a VLM: its vision tower, vitviz.sources.hf_vlm
-        return _holding_vlm(tower_from_transformers(model, processor=processor), model, processor)
+    if getattr(model.config, "model_type", None) in (*QWEN_TYPES, *VLM_TYPES):  # a VLM: its vision tower (hf_vlm, hf_qwen)
+        return _holding_vlm(vision_tower(model, processor), model, processor)
     if getattr(model.config, "model_type", None) in _SWIN:  # hierarchical, windowed: vitviz.sources.swin
         from vitviz.sources.swin import swin_from_transformers
         return swin_from_transformers(model, preprocessing=preprocessing_from_processor(processor, model.config.image_size))

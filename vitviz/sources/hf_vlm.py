@@ -279,3 +279,17 @@ def vlm_model_class(cfg: Any) -> type:
     archs = getattr(cfg, "architectures", None) or []
     kind = "Model" if archs and all(a.endswith("Model") for a in archs) else "ForConditionalGeneration"
     return getattr(transformers, f"{_CLASSES[family]}{kind}")
+
+
+def vision_tower(model: nn.Module, processor: Any = None) -> ViT | None:
+    """The vision tower of a transformers VLM as a vitviz ViT (`tower_from_transformers`, or for Qwen-VL
+    `vitviz.sources.hf_qwen.qwen_from_transformers` with the processor's image processor), or None for a
+    model of another family: what `vitviz.from_transformers` and a VLM's adapter (`vitviz.vlm.hf`) convert."""
+    from vitviz.sources.hf_qwen import QWEN_TYPES, qwen_from_transformers
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in QWEN_TYPES:
+        return qwen_from_transformers(model, processor=getattr(processor, "image_processor", None) or processor)
+    if kind in VLM_TYPES:
+        return tower_from_transformers(model, processor=processor)
+    return None

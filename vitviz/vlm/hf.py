@@ -217,18 +217,10 @@ class HFVLM(VLM):
         """The vision tower as a vitviz model (`vitviz.from_transformers`, converted on first use), or
         None where vitviz does not convert this family's tower."""
         if not self._tower_done:
-            from vitviz.sources.hf_qwen import QWEN_TYPES, qwen_from_transformers
-            from vitviz.sources.hf_vlm import VLM_TYPES, tower_from_transformers
+            from vitviz.sources.hf_vlm import vision_tower
 
-            kind = getattr(self.model.config, "model_type", None)
             try:
-                if kind in QWEN_TYPES:
-                    image_processor = getattr(self.processor, "image_processor", None) or self.processor
-                    self._tower = qwen_from_transformers(self.model, processor=image_processor)
-                elif kind in VLM_TYPES:
-                    self._tower = tower_from_transformers(self.model, processor=self.processor)
-                else:
-                    self._tower = None
+                self._tower = vision_tower(self.model, self.processor)
             except (NotImplementedError, ValueError):
                 self._tower = None
             if self._tower is not None:  # the tower holds this adapter
