@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import vitviz
-from vitviz.analysis import pointing_game
-from vitviz.dev.train_shapes_video import _random_hits, augment, token_labels
+from vitviz.analysis import pointing_chance, pointing_game
+from vitviz.dev.train_shapes_video import augment, token_labels
 from vitviz.sources.embedded import assets_dir
 from vitviz.video import VideoConfig, VideoViT, frame_maps, space_time_rollout
 from vitviz.video.analysis import space_time_relevance
@@ -204,4 +204,4 @@ def test_the_random_maps_hit_rate_is_the_pointing_game_of_every_patch_in_turn(cl
     tubes = torch.from_numpy(masks[:6, :2].any(axis=1))
     eye = torch.eye(36).reshape(36, 6, 6)
     want = torch.stack([pointing_game(eye, m[None].expand(36, -1, -1), patch_size=16).float().mean() for m in tubes])
-    assert torch.allclose(_random_hits(tubes, 16), want) and (want > 0).all() and (want < 1).all()
+    assert torch.allclose(pointing_chance(tubes, patch_size=16), want) and (want > 0).all() and (want < 1).all()

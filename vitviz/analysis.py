@@ -44,6 +44,7 @@ __all__ = [
     "position_embedding_similarity",
     "embedding_filter_components",
     "pointing_game",
+    "pointing_chance",
     "infer_grid",
     "attention_received",
 ]
@@ -393,3 +394,13 @@ def pointing_game(
     rows = (flat // gw) * patch_size + patch_size // 2
     cols = (flat % gw) * patch_size + patch_size // 2
     return dilated[torch.arange(b), rows, cols]
+
+
+def pointing_chance(masks: torch.Tensor, *, patch_size: int, dilate_patches: int = 1) -> torch.Tensor:
+    """A uniformly drawn patch's chance of a `pointing_game` hit, per mask [B, S, S] -> [B]: the share of
+    the patches whose centre pixel lies in the mask dilated as `pointing_game` dilates it (the pointing
+    game's expected score for a random map)."""
+    radius = dilate_patches * patch_size
+    dilated = F.max_pool2d(masks.float().unsqueeze(1), kernel_size=2 * radius + 1, stride=1, padding=radius)[:, 0] > 0
+    centre = patch_size // 2
+    return dilated[:, centre::patch_size, centre::patch_size].float().mean(dim=(1, 2))

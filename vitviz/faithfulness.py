@@ -119,14 +119,20 @@ def phrase_similarity(model: ImageTextModel, text_embeds: torch.Tensor) -> Score
     return score
 
 
-def _patch_mask(order: torch.Tensor, counts: torch.Tensor, grid: tuple[int, int], patch: int) -> torch.Tensor:
-    """[B, M] patch orders, [S] counts -> bool [B, S, H, W]: True where the first `count` patches lie."""
+def _patch_mask(order: torch.Tensor, counts: torch.Tensor, grid: tuple[int, ...], patch: int | tuple[int, ...]) -> torch.Tensor:
+    """[B, M] patch orders, [S] counts -> bool [B, S, *pixels]: True where the first `count` patches lie.
+
+    `grid` is the patches' grid ((gh, gw) of an image; (t, h, w) of a clip) and `patch` each patch's
+    extent along those axes (one side for all, e.g. P; or (τ, P, P) for a clip's tubelets)."""
     b, m = order.shape
     rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(m).expand(b, m))  # rank[b, j]: the position of patch j in the order
-    taken = rank[:, None, :] < counts[None, :, None]  # [B, S, M]
-    gh, gw = grid
-    return taken.reshape(b, len(counts), gh, gw).repeat_interleave(patch, 2).repeat_interleave(patch, 3)
+    rank.scatter_(1, order, torch.arange(m, device=order.device).expand(b, m))  # rank[b, j]: the position of patch j in the order
+    taken = rank[:, None, :] < counts.to(order.device)[None, :, None]  # [B, S, M]
+    sizes = (patch,) * len(grid) if isinstance(patch, int) else tuple(patch)
+    out = taken.reshape(b, len(counts), *grid)
+    for axis, size in enumerate(sizes):
+        out = out.repeat_interleave(size, 2 + axis)
+    return out
 
 
 @torch.inference_mode()

@@ -181,19 +181,9 @@ def _tubelet_masks(masks: np.ndarray, tubelet: int) -> torch.Tensor:
     return torch.from_numpy(masks.reshape(n, frames // tubelet, tubelet, s, s).any(axis=2))
 
 
-def _random_hits(masks: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """The expected pointing-game hit of a uniformly drawn patch, per mask [M, S, S] -> [M]: the share of
-    the patches whose centre pixel lies in the mask dilated by one patch (`pointing_game`'s test)."""
-    r = patch_size  # the square of side 2r + 1, as two passes of a line
-    rows = F.max_pool2d(masks.float()[:, None], kernel_size=(2 * r + 1, 1), stride=1, padding=(r, 0))
-    dilated = F.max_pool2d(rows, kernel_size=(1, 2 * r + 1), stride=1, padding=(0, r))[:, 0] > 0
-    centre = patch_size // 2
-    return dilated[:, centre::patch_size, centre::patch_size].float().mean(dim=(1, 2))
-
-
 def measure(weights: Path, n: int = 1000, *, batch_size: int = 50) -> dict:
     """Accuracy and pointing on `n` fresh clips (module docstring)."""
-    from vitviz.analysis import pointing_game
+    from vitviz.analysis import pointing_chance, pointing_game
     from vitviz.video.analysis import frame_maps, space_time_relevance, space_time_rollout
     from vitviz.video.shapes import load_shapes_video
 
@@ -220,7 +210,7 @@ def measure(weights: Path, n: int = 1000, *, batch_size: int = 50) -> dict:
     for name, found in maps.items():
         stacked = torch.stack(found)  # [m, t, h, w]
         pointing[name] = [float(pointing_game(stacked[:, k], tubes[:, k], patch_size=c.patch_size).float().mean()) for k in range(t)]
-    pointing["random"] = [float(_random_hits(tubes[:, k], c.patch_size).mean()) for k in range(t)]
+    pointing["random"] = [float(pointing_chance(tubes[:, k], patch_size=c.patch_size).mean()) for k in range(t)]
     return {"accuracy": acc, "per motion": per_motion, "clips": n, "moving clips": len(moving), "pointing": pointing}
 
 

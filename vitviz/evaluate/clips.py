@@ -55,12 +55,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitviz.analysis import pointing_game
+from vitviz.analysis import pointing_chance, pointing_game
 from vitviz.clips import MAX_BYTES as MAX_CLIP_BYTES, VideoError, clip_tensor, load_video
 from vitviz.evaluate.data import FORMAT, EvaluateError, EvaluateWarning, _plural, _seed, mask_preprocessing
 from vitviz.evaluate.figures import _cell, _normal_interval, _write_csv, wilson
 from vitviz.evaluate.run import _check_out, _check_previous, _plain_rate, _previous, _whole, _write_json
-from vitviz.faithfulness import auc
+from vitviz.faithfulness import _patch_mask, auc
 from vitviz.images import MAX_BYTES as MAX_IMAGE_BYTES, ImageError, load_image
 from vitviz.preprocess import Preprocessing, crop
 from vitviz.video.analysis import frame_maps, mean_attention_distance_space_time, space_time_relevance, space_time_rollout_row
@@ -192,26 +192,15 @@ def _read_clip(data: bytes, item: ClipItem, spec, mask_pre: Preprocessing) -> tu
     return x, stacked.reshape(-1, spec.config.tubelet, *stacked.shape[1:]).any(dim=1), ""
 
 
-def _expected_hits(masks: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """A uniformly drawn patch's chance of a pointing-game hit, per mask [M, S, S] -> [M] (`pointing_game`'s test)."""
-    r = patch_size
-    dilated = torch.nn.functional.max_pool2d(masks.float()[:, None], kernel_size=2 * r + 1, stride=1, padding=r)[:, 0] > 0
-    centre = patch_size // 2
-    return dilated[:, centre::patch_size, centre::patch_size].float().mean(dim=(1, 2))
-
-
 def _curves(model: VideoViT, x: torch.Tensor, maps: torch.Tensor, target: int, *, steps: int, batch_size: int) -> dict[str, torch.Tensor]:
     """{"deletion", "insertion": the target's probability [steps + 1]} as the clip's space-time patches
     go (set to 0, the mean colour, or revealed from 0) in decreasing order of `maps` [t, h, w]."""
     c = model.config
     t, h, w = maps.shape
     m = t * h * w
-    order = maps.reshape(m).float().cpu().argsort(descending=True, stable=True)  # (on the CPU: ties broken alike on any device)
+    order = maps.reshape(1, m).float().cpu().argsort(dim=1, descending=True, stable=True)  # (on the CPU: ties broken alike on any device)
     counts = torch.round(torch.arange(steps + 1) / steps * m).long()
-    rank = torch.empty(m, dtype=torch.long)
-    rank[order] = torch.arange(m)
-    gone = (rank[None, :] < counts[:, None]).reshape(steps + 1, t, h, w)  # [S + 1, t, h, w]: the patches taken at each step
-    gone = gone.repeat_interleave(c.tubelet, 1).repeat_interleave(c.patch_size, 2).repeat_interleave(c.patch_size, 3)
+    gone = _patch_mask(order, counts, (t, h, w), (c.tubelet, c.patch_size, c.patch_size))[0]  # [S + 1, T, S, S]: taken at each step
     out = {}
     with torch.no_grad():
         for mode in ("deletion", "insertion"):
@@ -273,7 +262,7 @@ def _score(model: VideoViT, item: ClipItem, target_of: dict[str, int | None], *,
             if not present.any():
                 row[f"{method}_pointing"] = None
             elif method == "random":
-                row[f"{method}_pointing"] = float(_expected_hits(masks[present], c.patch_size).mean())
+                row[f"{method}_pointing"] = float(pointing_chance(masks[present], patch_size=c.patch_size).mean())
             else:
                 row[f"{method}_pointing"] = float(pointing_game(m[present], masks[present], patch_size=c.patch_size).float().mean())
     if {"deletion", "insertion"} & set(metrics):
