@@ -10,7 +10,8 @@ from pathlib import Path
 from vitviz.evaluate.data import EvaluateError
 from vitviz.evaluate.figures import summarize_images
 from vitviz.evaluate.run import evaluate_images
-from vitviz.evaluate.clips import KIND, evaluate_clips, is_video_model, summarize_clips
+from vitviz.evaluate.clips import KIND, evaluate_clips, summarize_clips
+from vitviz.video.load import is_video_model
 
 
 def evaluate(data: str | Path, *, model: str, out: str | Path, methods: tuple[str, ...] = ("rollout", "gradient"),

@@ -7,7 +7,7 @@ import torch
 
 from vitviz.video.model import VideoSpec, VideoViT
 
-__all__ = ["EMBEDDED_VIDEO_MODELS", "VIDEO_MENU", "video_spec", "load_video_model"]
+__all__ = ["EMBEDDED_VIDEO_MODELS", "VIDEO_MENU", "video_spec", "is_video_model", "load_video_model"]
 
 EMBEDDED_VIDEO_MODELS = ("shapes_video",)
 VIDEO_MENU: tuple[str, ...] = (  # the app's Video tab: the embedded model, then Hugging Face video classifiers
@@ -35,6 +35,16 @@ def video_spec(name: str) -> VideoSpec:
     if not isinstance(spec, VideoSpec):
         raise ValueError(f"{name} is not a video model")
     return spec
+
+
+def is_video_model(name: str) -> bool:
+    """Whether `name` names a video model (`video_spec` reads one): whatever stops it reading a record
+    (an image model, an unknown name, a config out of reach) is said by the image path in its own words."""
+    try:
+        video_spec(name)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def load_video_model(name: str, *, device: str | torch.device | None = None) -> VideoViT:
