@@ -429,14 +429,7 @@
     // every head of the layer: on the map's colour bar, or (each map its own) its range beneath it
     const t = tileBase.width, th = tileBase.height, gap = 6, strip = 16, heads = meta.heads;
     const cols = Math.ceil(Math.sqrt(heads)), rows = Math.ceil(heads / cols);
-    mosaicCanvas.width = cols * t + (cols - 1) * gap;
-    mosaicCanvas.height = rows * (th + strip) + (rows - 1) * gap;
-    const ctx = mosaicCanvas.getContext("2d");
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, mosaicCanvas.width, mosaicCanvas.height);
-    ctx.font = "12px sans-serif";
-    ctx.textAlign = "center";
-    ctx.textBaseline = "middle";
+    const ctx = labelledCanvas(mosaicCanvas, cols * t + (cols - 1) * gap, rows * (th + strip) + (rows - 1) * gap);
     for (let h = 0; h < heads; h++) {
       const v = values(want.layer, h, want.query);
       const [lo, hi] = common || ownRange(v);

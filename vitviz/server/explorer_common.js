@@ -73,6 +73,19 @@ function fmt(v) {
   return String(parseFloat(v.toPrecision(3)));
 }
 
+// `canvas` resized to width x height, cleared to white, its context set for centred 12 px labels
+function labelledCanvas(canvas, width, height) {
+  canvas.width = width;
+  canvas.height = height;
+  const ctx = canvas.getContext("2d");
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, width, height);
+  ctx.font = "12px sans-serif";
+  ctx.textAlign = "center";
+  ctx.textBaseline = "middle";
+  return ctx;
+}
+
 // the vertical colour bar from lo (bottom) to hi (top) on `canvas`, five values beside it in `ticks`
 function paintBar(canvas, ticks, lut, lo, hi) {
   const ctx = canvas.getContext("2d");

@@ -91,14 +91,7 @@
     const idx = indices(v, lo, hi);
     // the strip: each frame with its tubelet's map, one colour scale
     const side = tiles[0].width, count = meta.frames;
-    stripCanvas.width = count * side + (count - 1) * GAP;
-    stripCanvas.height = tiles[0].height + LABEL;
-    const ctx = stripCanvas.getContext("2d");
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, stripCanvas.width, stripCanvas.height);
-    ctx.font = "12px sans-serif";
-    ctx.textAlign = "center";
-    ctx.textBaseline = "middle";
+    const ctx = labelledCanvas(stripCanvas, count * side + (count - 1) * GAP, tiles[0].height + LABEL);
     for (let k = 0; k < count; k++) {
       const img = new ImageData(side, tiles[k].height), own = Math.floor(k / meta.tubelet);
       blendCells(img, tiles[k], tilePatch, idx.subarray(own * s, (own + 1) * s), meta.lut);
