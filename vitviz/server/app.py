@@ -30,15 +30,14 @@ THEME = gr.themes.Soft().set(
     checkbox_label_background_fill_selected="*primary_600", body_text_color_subdued="*neutral_600",
 )
 
-SETTINGS = runtime.settings_from_env()
-SERVER = runtime.Server(SETTINGS)
+SERVER = runtime.Server(runtime.settings_from_env())
 demo = page.build(SERVER)
 # api_open=False: queued events cannot be called around the queue (POST /run/<name>), so every
 # client's share holds however it calls
 demo.after_event = SERVER.files_sweep  # Gradio's copies of pictures and downloads are written by every kind of event
 demo.claim_files = SERVER.files.claim  # whose they are, and whose uploads an event reads: each caller its share of the disk
-demo.queue(max_size=SETTINGS.queue_size, default_concurrency_limit=SETTINGS.concurrency, api_open=False,
-           client_jobs=SETTINGS.client_jobs, address_jobs=SETTINGS.address_jobs)
+demo.queue(max_size=SERVER.settings.queue_size, default_concurrency_limit=SERVER.settings.concurrency, api_open=False,
+           client_jobs=SERVER.settings.client_jobs, address_jobs=SERVER.settings.address_jobs)
 
 LAUNCH_KWARGS = dict(
     css=CSS,
@@ -48,14 +47,14 @@ LAUNCH_KWARGS = dict(
     max_file_size=MAX_BYTES,
     # Gradio's sessions, the least recently used dropped first: as many as their price lets beside the
     # analyses kept for them in VITVIZ_STATE_MB (`Settings.sessions`, docs/serving.md)
-    state_session_capacity=SETTINGS.sessions,
+    state_session_capacity=SERVER.settings.sessions,
     ssr_mode=False,
     mcp_server=os.environ.get("VITVIZ_MCP", "").strip().lower() in ("1", "true", "yes", "on"),  # agents: /gradio_api/mcp/
     app_kwargs={"middleware": [
-        Middleware(BodyLimit, max_bytes=SETTINGS.body_bytes),
+        Middleware(BodyLimit, max_bytes=SERVER.settings.body_bytes),
         Middleware(SessionHashes, blocks=demo),  # a session hash of 1 to 64 [A-Za-z0-9_-], or 400 before Gradio keeps it
         Middleware(KnownEvents, blocks=demo),  # an unknown API name, event or session: 404 and why, not a 500
-        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SETTINGS.upload_bytes_per_minute, after=demo.after_any,
+        Middleware(UploadLimit, max_bytes=MAX_BYTES, per_minute=SERVER.settings.upload_bytes_per_minute, after=demo.after_any,
                    claim=SERVER.files.claim),
     ]},
 )

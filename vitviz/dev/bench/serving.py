@@ -205,7 +205,7 @@ def flood_table(victim: str = "vit_b_16", floods=("swin", "find"), *, rounds: in
                 name, variant, text = FLOODS[flood]
                 theirs = client("127.0.0.2")
                 their_picture = upload(theirs)
-                sessions = [uuid.uuid4().hex for _ in range(app.SETTINGS.address_jobs // 2)]
+                sessions = [uuid.uuid4().hex for _ in range(app.SERVER.settings.address_jobs // 2)]
                 if text is not None:  # (each session's analysis first, its flood of phrases after)
                     for session in sessions:
                         call(theirs, "session_analyze", [their_picture, variant, "mean", 0.0, None], session)
