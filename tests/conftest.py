@@ -69,6 +69,23 @@ def sources_kept():
             base._generation += 1  # the caches of `vitviz.sources` are made again
 
 
+def _cpu_attention(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def counted_flops(fn) -> float:
+    """The flops `fn()` runs, as torch's FlopCounterMode counts them (the CPU's fused attention counted
+    by the formula torch uses for CUDA's kernels, which it counts and the CPU's it does not)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention}
+    with FlopCounterMode(display=False, custom_mapping=cpu) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
 def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
     """A randomly initialised torchvision ViT with a non-zero head (torchvision zero-inits it)."""
     import torchvision

@@ -78,6 +78,25 @@ def test_the_library_analyses_and_explains_it_through_its_architecture(frames, i
     assert torch.allclose(one.distances()[0, 0], (places - places[gh * gw]).norm(dim=1).mean())
 
 
+def test_its_requests_are_priced_by_the_tokens_its_config_says_the_blocks_see(frames, image):
+    """Every price is made from the record alone, before a model is built: the plugin's config says its
+    blocks see each patch once a frame (`tokens_of`), so an analysis and an export are priced over
+    both frames; the flops they run (counted by torch) are within their price and the price within
+    1.5x of them. Priced as one frame, an analysis would be priced at about half its work."""
+    from conftest import counted_flops
+    from vitviz.cost import price
+
+    spec = vitviz.sources.get_spec(NAME)
+    gh, gw = spec.grid
+    assert spec.num_tokens == 1 + 2 * gh * gw and spec.at(64).num_tokens == 1 + 2 * 8 * 8
+    model = vitviz.load_model(NAME, device="cpu")
+    analysed = vitviz.analyze(model, image)
+    assert analysed.attentions.shape[-1] == spec.num_tokens
+    for kind, run in {"analyse": lambda: vitviz.analyze(model, image).rollout(), "view": lambda: analysed.rollout()}.items():
+        work, priced = counted_flops(run), price(spec, kind).flops
+        assert work <= priced <= 1.5 * work, (kind, work, priced)
+
+
 def test_every_function_of_the_drawer_protocol_draws_it(frames, image, tmp_path):
     from vitviz.server.pictures import drawers
     from vitviz.server.models import ModelCache

@@ -5,7 +5,6 @@ orderings, phrases and rollouts a price counts."""
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import vitviz
 from vitviz import cost
@@ -14,20 +13,7 @@ from vitviz.explainers import methods as registered_methods
 from vitviz.explanations import relevance_maps
 from vitviz.server.guards.work import LineTimes, ModelWork
 from vitviz.sources import get_spec
-
-
-def _cpu_attention(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-# torch counts the fused attention of CUDA's kernels, not of the CPU's: counted here by the same formula
-_CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention}
-
-
-def _counted(fn) -> float:
-    with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as counter:
-        fn()
-    return float(counter.get_total_flops())
+from conftest import counted_flops
 
 
 def _image(spec):
@@ -48,12 +34,12 @@ def test_each_kind_is_priced_within_its_counted_work(name):
     everything = list(registered_methods())
     recorded = vitviz.analyze(model, picture)
     counted = {
-        "analyse": _counted(lambda: vitviz.analyze(model, picture).rollout()),
-        "explain": _counted(lambda: relevance_maps(model, x, methods=everything)),
-        "view": _counted(lambda: recorded.rollout()),
-        "export": _counted(lambda: (recorded.rollout(), recorded.distances())),
-        "ablate": _counted(lambda: vitviz.inside.ablate(model, x[0], [(0, 0)])),
-        "importance": _counted(lambda: vitviz.inside.head_importance(model, x[0])),
+        "analyse": counted_flops(lambda: vitviz.analyze(model, picture).rollout()),
+        "explain": counted_flops(lambda: relevance_maps(model, x, methods=everything)),
+        "view": counted_flops(lambda: recorded.rollout()),
+        "export": counted_flops(lambda: (recorded.rollout(), recorded.distances())),
+        "ablate": counted_flops(lambda: vitviz.inside.ablate(model, x[0], [(0, 0)])),
+        "importance": counted_flops(lambda: vitviz.inside.head_importance(model, x[0])),
     }
     for kind, work in counted.items():
         priced = price(spec, kind, layer_gradients=True).flops
@@ -187,11 +173,11 @@ def test_patching_is_priced_within_its_counted_work():
     y = vitviz.preprocess(PIL.Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
                           spec.preprocessing)[0][None]
     for kinds in (("resid_pre",), ("head", "pattern"), KINDS):
-        work = _counted(lambda: patch(model, x[0], y[0], where=kinds))
+        work = counted_flops(lambda: patch(model, x[0], y[0], where=kinds))
         priced = price(spec, "patch", patch_kinds=kinds).flops
         assert work > 0 and work <= priced <= 1.5 * work, (kinds, work, priced, priced / work)
     sites = [("head", 2, 1), ("pattern", 3, 0), ("resid_pre", 1, 5)]
-    work = _counted(lambda: patched_logits(model, x[0], y[0], sites))
+    work = counted_flops(lambda: patched_logits(model, x[0], y[0], sites))
     priced = price(spec, "patch_one", patch_kinds=("head", "pattern", "resid_pre")).flops
     assert work > 0 and work <= priced <= 1.5 * work, ("patch_one", work, priced, priced / work)
     budgeted = price(spec, "patch", patch_kinds=("head_token",), budget=20 * 2**20)
@@ -221,7 +207,7 @@ def test_a_test_time_register_is_priced_within_its_counted_work():
         vitviz.analyze(with_test_time_register(model, found), picture).rollout()
         before.rollout()
 
-    work = _counted(run)
+    work = counted_flops(run)
     priced = price(spec, "registers")
     assert work > 0 and work <= priced.flops <= 1.5 * work, (work, priced.flops, priced.flops / work)
     assert priced.tokens == spec.num_tokens + 1 and priced.kept_bytes > price(spec, "analyse").kept_bytes
@@ -243,7 +229,7 @@ def test_concepts_are_priced_within_their_counted_work():
         sae = TopKSAE(spec.config.width, features, k)
         for kind, run in (("concepts", lambda: concept_map(model, x[0], sae, layer=layer)),
                           ("concept_ablate", lambda: vitviz.inside.ablate(model, x[0], features=[1, 2], concepts=sae, layer=layer))):
-            work = _counted(run)
+            work = counted_flops(run)
             priced = price(spec, kind, sae=(layer, features, k)).flops
             assert work > 0 and work <= priced <= 1.5 * work, (kind, layer, features, work, priced, priced / work)
     small, large = price(spec, "concepts", sae=(1, 64, 4)), price(spec, "concepts", sae=(1, 4096, 4))

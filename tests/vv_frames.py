@@ -29,7 +29,17 @@ from vitviz.sources.base import split_size
 
 ATTENTION = "frames"
 FRAMES = 2
-CONFIG = ViTConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, mlp_dim=64, num_classes=3)
+
+
+@dataclass(frozen=True)
+class FramesConfig(ViTConfig):
+    """A ViT's config whose blocks see every patch once a frame: what each price reads before the model is built."""
+
+    def tokens_of(self, patches: int) -> int:
+        return self.num_prefix_tokens + FRAMES * patches
+
+
+CONFIG = FramesConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, mlp_dim=64, num_classes=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -39,7 +49,7 @@ class FramesViT(ViT):
     """A ViT over two frames: [cls, the image's patches, its mirror's patches], the second frame's
     patches shifted by a learned frame embedding."""
 
-    def __init__(self, config: ViTConfig) -> None:
+    def __init__(self, config: FramesConfig) -> None:
         super().__init__(config)
         self.frame_embed = torch.nn.Parameter(torch.randn(1, 1, config.width) * 0.5)
 
@@ -188,7 +198,7 @@ def relevance_maps(model: FramesViT, x: torch.Tensor, *, methods=METHODS, target
 def summary_rows(model: FramesViT) -> list[list[str]]:
     c = model.config
     gh, gw = model.spec.grid
-    n = 1 + FRAMES * gh * gw
+    n = c.tokens_of(gh * gw)
     return [["Two frames", "the image and its mirror", f"[B, {FRAMES}, 3, {c.image_size}, {c.image_size}]", "--"],
             ["Encoder", f"{c.depth} blocks over (t, h, w)", f"[B, {n}, {c.width}]", f"{sum(p.numel() for p in model.blocks.parameters()):,}"]]
 

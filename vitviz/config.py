@@ -401,7 +401,14 @@ class ViTConfig:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefix_tokens + self.grid[0] * self.grid[1]
+        return self.tokens_of(self.grid[0] * self.grid[1])
+
+    def tokens_of(self, patches: int) -> int:
+        """The tokens the blocks see for an image cut into `patches` patches: the prefix tokens and a
+        token a patch. Every price reads it (through `VariantSpec.num_tokens`), before any model is
+        built: a family whose model sees other tokens (two frames of each image, a second view) says
+        how many by overriding it in its config's class."""
+        return self.num_prefix_tokens + patches
 
     @property
     def num_params(self) -> int:
@@ -711,7 +718,7 @@ class VariantSpec(ModelRecord):
     def num_tokens(self) -> int:
         """The tokens of an image (for "fit", of an image with the most patches it allows)."""
         pre = self.preprocessing
-        return self.num_prefix_tokens + (pre.max_patches if pre.mode == "fit" else self.grid[0] * self.grid[1])
+        return self.config.tokens_of(pre.max_patches if pre.mode == "fit" else self.grid[0] * self.grid[1])
 
     def at(self, image_size: int) -> "VariantSpec":
         """The same variant fed images of another size (position embeddings are resampled)."""

@@ -205,7 +205,11 @@ class SwinConfig:
     @property
     def num_tokens(self) -> int:
         """Tokens of the finest grid at `image_size`."""
-        return self.grid[0] * self.grid[1]
+        return self.tokens_of(self.grid[0] * self.grid[1])
+
+    def tokens_of(self, patches: int) -> int:
+        """The first stage's tokens for `patches` patches: a token a patch (`ViTConfig.tokens_of`)."""
+        return patches
 
     @property
     def layer_stages(self) -> tuple[int, ...]:
