@@ -48,8 +48,8 @@ def test_analyze_fills_every_section(app, analysed):
     ref, out = analysed
     assert set(out) == set(page.PAGE.analysis_outputs) - {page.PAGE.image, page.PAGE.variant}  # what the user chose stays
     preds, rollout = out[tabs.predict.TAB.predictions]["value"], out[tabs.predict.TAB.rollout_img]["value"]
-    # the browser's explorer comes with the analysis; the step after it sends nothing again
-    assert all(v == gr.skip() for v in tabs.explorer.TAB.on_explorer(ref).values())
+    # the browser's explorer comes with the analysis
+    assert out[tabs.explorer.TAB.live["global"]]["id"] == ref.key
     explorer, mosaic = out[tabs.explorer.TAB.explorer_img], out[tabs.explorer.TAB.mosaic]
     layer_upd, head_upd, query, query_text = out[tabs.explorer.TAB.layer], out[tabs.explorer.TAB.head], out[tabs.explorer.TAB.query], out[tabs.explorer.TAB.query_text]
     distance, similarity, filters, grid = out[tabs.distance.TAB.distance_img], out[tabs.positions.TAB.similarity_img], out[tabs.positions.TAB.filters_img], out[tabs.architecture.TAB.grid_img]
@@ -132,7 +132,6 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     near, live = out[page.PAGE.state], out[explorer.live["global"]]
     assert live["mode"] == "layers" and "data" not in live and out[explorer.server_explorer]["visible"] is False
-    assert all(v == gr.skip() for v in explorer.on_explorer(near).values())
     assert not list(SERVER.explorer_dir.glob(f"{near.key}-*.bin"))
     whole = explorer_data.stack_file(SERVER.store.get(near.key).analysis, range(6))
     for n in (6, 2):
@@ -156,9 +155,7 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, explorer_bytes=sum(f.stat().st_size for f in kept)))
     out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
     assert sorted(SERVER.explorer_dir.glob("*")) == kept
-    far = out[page.PAGE.state]
-    assert out[explorer.live["global"]] == gr.skip()  # the step after the analysis says what the explorer is
-    shown = explorer.on_explorer(far)
+    far, shown = out[page.PAGE.state], out  # the analysis brings the server's explorer, and its first views
     live = shown[explorer.live["global"]]
     assert live["mode"] == "server" and "too large" in live["note"] and "data" not in live and "base" not in live
     assert shown[explorer.server_explorer]["visible"] is True and shown[explorer.boxes["global"]]["visible"] is True
@@ -167,6 +164,44 @@ def test_an_explorer_over_the_browsers_budget_comes_a_layer_at_a_time_or_from_th
     assert np.array_equal(np.asarray(shown[explorer.mosaic]), np.asarray(views.render_head_mosaic(exp, layer=6, query=0, scale="layer")))
     assert "no layer files" in _refused(tabs.explorer.explorer_layer([far.key, 1]))
     assert not list(SERVER.explorer_dir.glob(f"{far.key}-*"))  # not even the pictures
+
+
+def test_the_explorer_reaches_the_page_with_the_analysis_and_by_no_other_event(app):
+    """The explorer's widgets and the server's explorer are outputs of the analysis alone (and of
+    the server's views, which draw on its pictures): no step after the analysis sends them."""
+    explorer = tabs.explorer.TAB
+    live = {id(c) for c in (*explorer.live.values(), *explorer.boxes.values(), explorer.server_explorer)}
+    writers = {f.name for f in app.demo.fns.values() if live & {id(c) for c in f.outputs}}
+    assert writers == {"on_analyze"}
+
+
+def test_an_analysis_run_without_a_key_still_brings_its_explorer(app, example):
+    """`Server.run` without an explorer key (as a bench or a client's own code may call it): the
+    outputs drawn from it bring the explorer, its files named by the key the analysis is kept under."""
+    from pathlib import Path
+
+    from vitviz.server.app import SERVER
+    from vitviz.server.pictures import explorer_data
+
+    out = page.analysis_outputs(SERVER.run(example, "shapes_p16"), example, None)
+    ref, live = out[page.PAGE.state], out[tabs.explorer.TAB.live["global"]]
+    assert live["id"] == ref.key and live["mode"] == "stack" and Path(live["data"]).name == f"{ref.key}-stack.bin"
+    exp = SERVER.recall(ref)
+    assert Path(live["data"]).read_bytes() == explorer_data.stack_file(exp.analysis, range(exp.analysis.attentions.shape[0]))
+    SERVER.forget(ref)
+    assert not list(SERVER.explorer_dir.glob(f"{ref.key}-*"))  # dropped with the analysis
+
+
+def test_a_model_the_explorer_cannot_draw_empties_its_widgets(app, example, monkeypatch):
+    """An analysis the Explorer tab cannot draw: every widget emptied and the server's explorer hidden;
+    its other outputs left as they were, and every other tab drawn."""
+    explorer = tabs.explorer.TAB
+    monkeypatch.setattr(explorer, "lacks", lambda exp: "no explorer for this model")
+    out = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == ""
+    assert all(out[widget] is None for widget in explorer.live.values()) and out[explorer.server_explorer]["visible"] is False
+    assert all(out[c] == gr.skip() for c in (explorer.layer, explorer.head, explorer.query, explorer.explorer_img, explorer.mosaic))
+    assert len(out[tabs.predict.TAB.predictions]["value"]) == 5
 
 
 def _refused(answer) -> str:
@@ -697,8 +732,8 @@ def test_a_tab_whose_needs_the_model_lacks_says_why_in_place_of_its_content(app,
     assert (tabs.tokens.TAB.received_img in tokens_drawn) is ("tokens" not in lacking)
     explained = page.on_refresh_tab(ref, "explain", "star", tabs.explain.EXPLAIN_SCALES[0], 0.6)
     assert (tabs.explain.TAB.explain_imgs["gradient"] in explained) is ("explain" not in lacking)
-    if "explorer" in lacking:  # the step after the analysis clears the explorer
-        assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.live["global"]] is None
+    if "explorer" in lacking:  # the analysis clears the explorer
+        assert out[tabs.explorer.TAB.live["global"]] is None
     else:  # the analysis brought it
         assert out[tabs.explorer.TAB.live["global"]]["id"] == ref.key
 

@@ -266,8 +266,10 @@ def test_an_explorer_that_is_not_one_file_gets_nothing_early_and_the_page_is_tol
     if mode == "layers":
         assert live["mode"] == "layers" and "data" not in live
         assert new == {Path(live[p]).name for p in explorer_data.PICTURES}  # the pictures, written once; no layer yet
-    else:
-        assert live == {"__type__": "update"}  # unchanged: the step after the analysis sends the server's explorer
+    else:  # the outputs bring the server's explorer: its value, and its first views drawn
+        assert live["mode"] == "server" and "too large" in live["note"] and "data" not in live and "base" not in live
+        assert outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.server_explorer)]["visible"] is True
+        assert outputs[page.PAGE.analysis_outputs.index(tabs.explorer.TAB.explorer_img)] is not None
         assert new == set()
 
 

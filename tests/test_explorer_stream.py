@@ -15,6 +15,7 @@ from vitviz.model import Attention
 from vitviz.pipeline import image_tower
 from vitviz.server.models import ModelFacts
 from vitviz.server.pictures import explorer_data, views
+from vitviz.server.pictures.drawers import drawer
 
 IMAGE = np.random.default_rng(0).integers(0, 256, (90, 70, 3), dtype=np.uint8)
 
@@ -248,8 +249,9 @@ def _quiet(*args, **kwargs):
 
 def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, model, tmp_path, monkeypatch):
     """`runtime._Early`: the pictures before the forward, then the explorer's value, made from the spec
-    and the crop while the forward runs, equal to `write_payload`'s from the finished analysis; for
-    every model but a probe-weighted pooled one, published before the head runs."""
+    and the crop while the forward runs, equal to the one the analysis' outputs bring (its drawer's
+    `write_explorer`, from the finished analysis), every key of it; for every model but a
+    probe-weighted pooled one, published before the head runs."""
     from vitviz.server.app import SERVER
     import asyncio
 
@@ -274,7 +276,8 @@ def test_the_page_gets_the_value_the_outputs_bring_before_the_head_runs(app, mod
     finally:
         handle.remove()
     first = value.pop("first")
-    assert value == explorer_data.write_payload(views.Exploration(exp.analysis, exp.facts), key=key, folder=tmp_path)
+    outputs = drawer(exp).write_explorer(views.Exploration(exp.analysis, exp.facts), key=key, folder=tmp_path)
+    assert value == outputs and list(value) == list(outputs)
     assert all(value[k] == pictures[k] for k in pictures) and first == explorer_data.first_shown(value)
     probe = image_tower(model).attn_pool is not None and model.config.pooled_query
     assert (seen == [None]) if probe else (seen[0] is not None and seen[0]["id"] == key)
@@ -339,18 +342,41 @@ def test_the_analysis_sends_the_explorer_with_its_outputs(app):
     assert sum(Path(live[k]).stat().st_size for k in explorer_data.PICTURES) == explorer_data.pictures_bytes(base.shape[0], exp.analysis.grid)
     tile_base = explorer_data.read_rgb_file(Path(live["tile_base"]).read_bytes())
     assert np.array_equal(np.asarray(tile_base), np.asarray(exp.analysis.image.convert("RGB").resize((tile, tile), Image.BILINEAR)))
-    # the step after the analysis sends nothing again and takes no job
-    before, jobs = data.stat().st_mtime_ns, []
-    original = SERVER.job
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(SERVER, "job", lambda *args, **kwargs: jobs.append(args) or original(*args, **kwargs))
-        assert all(v == {"__type__": "update"} for v in explorer.on_explorer(ref).values())
-    assert jobs == [] and data.stat().st_mtime_ns == before
     # priced with the file: the analysis' job holds one layer's rows beside the forward
     plain, streamed = SERVER.analysis_price("shapes_p16"), SERVER.analysis_price("shapes_p16", explorer=True)
     assert streamed.bytes > plain.bytes and streamed.kept_bytes == plain.kept_bytes and streamed.flops == plain.flops
     # an explorer a layer at a time writes nothing while the forward runs: priced as the analysis alone
     assert SERVER.analysis_price("shapes_p8@288", explorer=True) == SERVER.analysis_price("shapes_p8@288")
+
+
+@pytest.mark.skipif(not (vitviz.sources.assets_dir() / "shapes_swin.pt").is_file(), reason="assets/shapes_swin.pt is not trained yet")
+def test_a_windowed_models_explorer_comes_with_the_analysis_within_its_job_and_price(app):
+    """The embedded Swin: its explorer's file is written after the forward, within the analysis' own
+    job, and its value comes with the analysis' outputs in the windowed widget (the global one
+    emptied). The analysis' price holds what writing the file takes beside the analysis'; one job
+    in all."""
+    from vitviz.cost import price
+    from vitviz.server.app import SERVER
+    from vitviz.server.pictures import swin_explorer
+
+    spec = vitviz.get_spec("shapes_swin")
+    file = price(spec, "explorer")
+    plain, priced = SERVER.analysis_price("shapes_swin"), SERVER.analysis_price("shapes_swin", explorer=True)
+    assert file.kept_bytes > 0 and priced.bytes >= plain.bytes + 2 * file.kept_bytes  # the file and its copy, beside the analysis
+    assert priced.kept_bytes == plain.kept_bytes and priced.flops >= plain.flops
+    jobs, held = [], []
+    original, stack_file = SERVER.priced, swin_explorer.stack_file
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(SERVER, "priced", lambda cost, *args, **kwargs: (jobs.append(cost), original(cost, *args, **kwargs))[1])
+        m.setattr(swin_explorer, "stack_file", lambda a: (held.append([j.cost for j in SERVER.work.running()]), stack_file(a))[1])
+        out = page.on_analyze(runtime.EXAMPLES[-2], "shapes_swin", "mean", 0.0, progress=_quiet)
+    assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
+    explorer, ref = tabs.explorer.TAB, out[page.PAGE.state]
+    live = out[explorer.live["windowed"]]
+    assert live["id"] == ref.key and live["mode"] == "stack" and Path(live["data"]).stat().st_size == file.kept_bytes
+    assert out[explorer.live["global"]] is None and out[explorer.boxes["windowed"]]["visible"] is True
+    assert out[explorer.boxes["global"]]["visible"] is False and out[explorer.server_explorer]["visible"] is False
+    assert jobs == [priced] and held == [[priced]]  # written once, within the analysis' one job
 
 
 def test_a_failed_analysis_leaves_no_explorer_file_and_the_server_goes_on(app, monkeypatch):

@@ -158,9 +158,9 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
                   tabs.tokens.TAB.features_img):
         assert isinstance(tokens[shown], Image.Image) and np.asarray(tokens[shown]).std() > 0, shown
     assert tokens[tabs.tokens.TAB.features_text].startswith("Both frames' patch features")
-    # the explorer: no browser widget for this layout, so the server's, drawn after the analysis
+    # the explorer: no browser widget for this layout, so the server's, drawn with the analysis
     explorer = tabs.explorer.TAB
-    follow = explorer.on_explorer(ref)
+    follow = out
     assert follow[explorer.server_explorer]["visible"] is True and follow[explorer.live["global"]] is None
     assert isinstance(follow[explorer.explorer_img], Image.Image) and isinstance(follow[explorer.mosaic], Image.Image)
     shown = explorer.on_view(ref, 1, "head 1", 1 + 2 * 16 - 1, tabs.explorer.SCALES[0])  # the last patch of the second frame

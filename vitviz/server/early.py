@@ -11,13 +11,14 @@ ticket's analysis publishes (`ExplorerTab.explorer_early`), in two steps:
   weighted by an attention probe), with what the first view needs inline (the shared maxima, the
   last layer's row maxima and its rows of token 0: `explorer_data.first_shown`); the page draws the
   explorer from it while the rest of the analysis runs and is drawn and sent, and fetches the rest
-  of the file after. The value is the one the outputs bring (`explorer_data.write_payload`), so the
-  page loads it once.
+  of the file after. The value is the one the outputs bring (their drawer's `write_explorer`), made
+  by the same function (`explorer_data.value_of`), so the page loads it once.
 
 A ticket that is malformed or named a second time gets nothing early; neither does an analysis
-whose explorer is not one file for the browser (a Swin's; the "layers" and "server" layouts, whose
-waits are answered as the crop is made), nor one that fails before its file is complete: the wait
-answers None, and the page takes the explorer from the outputs as before. One that fails after it
+whose explorer is not one file the forward writes (a Swin's, written after the forward; the
+"layers" and "server" layouts, whose waits are answered as the crop is made), nor one that fails
+before its file is complete: the wait answers None, and the page takes the explorer from the
+outputs, as it does every explorer. One that fails after it
 (in the last block's MLP or the head) has published its explorer; its files are removed, so the
 page's explorer keeps only the last layer it was sent, while the other results stay those of the
 previous analysis beside the error.

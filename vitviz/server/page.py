@@ -8,6 +8,7 @@ on `PAGE` (the page's own) and on each tab's object (`tabs.<name>.TAB`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -196,15 +197,10 @@ def _wire() -> None:
 
 
 def _analysis(event) -> None:
-    """After an analysis is on the page: the page goes to the results (on a narrow screen), each
-    tab's follow-up step runs (a Swin's explorer, or the server's for a model too large for the
-    browser; the browser's own explorer came with the analysis), and the tab on show is
-    drawn for it when it is one of those drawn on demand."""
+    """After an analysis is on the page (every tab's outputs, the explorer's among them, came with
+    it): the page goes to the results (on a narrow screen), and the tab on show is drawn for it when
+    it is one of those drawn on demand."""
     event.then(None, None, None, js=AFTER_ANALYSIS_JS, api_visibility="private", queue=False)
-    for tab in TABS:
-        step = tab.follow_up(PAGE)
-        if step is not None:
-            event = event.then(*step, api_visibility="private", show_progress="hidden", **PAGE.model)
     event.then(on_refresh_tab, [PAGE.state, PAGE.current_tab, *PAGE.draw_inputs], PAGE.draw_outputs, api_visibility="private",
                show_progress="minimal", **PAGE.model)
 
@@ -238,10 +234,14 @@ def on_analyze(image: str | None, variant: str, head_fusion: str, discard_ratio:
 def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None, head_fusion: str = "mean",
                      discard_ratio: float = 0.0) -> Outputs:
     """Everything an analysis draws: the page's own outputs, every gate (shown, or the line saying
-    what the model lacks) and each tab whose needs the model meets (the others are left as they are)."""
+    what the model lacks) and each tab whose needs the model meets (the others: `Tab.unfit`). An
+    analysis run without a key (`Server.analysing`'s `explorer_key`) is given one: its explorer's
+    files are named by the key it is kept under."""
     same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
     PAGE.server.forget(ref)
     a = exp.analysis
+    if exp.key is None:
+        exp = replace(exp, key=runtime.new_key())
     done = Analysed(exp, same_model=same_model, head_fusion=head_fusion, discard_ratio=discard_ratio)
     out: Outputs = {
         PAGE.state: PAGE.server.remember(exp, image),
@@ -256,10 +256,7 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
     for g in PAGE.gates:  # what the model lacks: as it was for the same model
         out.update({g.note: gr.skip(), g.content: gr.skip()} if same_model else g.outputs(exp))
     for tab in TABS:
-        if tab.lacks(exp) is None:
-            out.update(tab.analysed(done))
-        else:
-            out.update({c: gr.skip() for c in tab.analysis_outputs()})
+        out.update(tab.analysed(done) if tab.lacks(exp) is None else tab.unfit(done))
     return out
 
 

@@ -42,6 +42,7 @@ from vitviz.server.guards.settings import Settings  # noqa: E402
 from vitviz.server.guards.work import Busy, Cancelled, KeyedLocks, ModelWork, RequestRefused  # noqa: E402
 from vitviz.server.models import ModelCache, TooLarge  # noqa: E402
 from vitviz.server.pictures import explorer_data, views  # noqa: E402
+from vitviz.server.pictures.drawers import drawer  # noqa: E402
 from vitviz.sources import WeightsUnavailableError, assets_dir, default_device, default_variant, get_spec, list_variants  # noqa: E402
 
 try:  # ZeroGPU on Hugging Face Spaces; a no-op elsewhere
@@ -208,10 +209,12 @@ class Server:
         is in the price). A refusal is a `gr.Error` whose `cause` says which of the two was the problem
         ("image" or "variant"; an error of the block's own keeps its cause, else "variant").
 
-        With `explorer_key` (a new session key: see `new_key`), the explorer's file for the browser is
-        written under it while the forward runs (`views.explore`), within the analysis' own job and price;
-        with `ticket` too (one `early` opened), the explorer's value is published for the page as soon as
-        the file is complete, while the forward goes on (`_Early`)."""
+        With `explorer_key` (a new session key: see `new_key`), the explorer's files for the browser are
+        named by it, within the analysis' own job and price (`analysis_price`): a file of the whole stack
+        is written while the forward runs (`views.explore`); another layout's file (a windowed model's)
+        when the block draws the analysis (the Explorer tab, through the drawer's `write_explorer`, as
+        for every layout). With `ticket` too (one `early` opened), the explorer's value is published for
+        the page as soon as the stack's file is complete, while the forward goes on (`_Early`)."""
         variant = self._requested(image, variant)
         release_memory(keep=self.settings.heap_keep_bytes)  # what the previous requests freed, past VITVIZ_HEAP_KEEP_MB
         try:
@@ -259,12 +262,23 @@ class Server:
             raise refused from None
 
     def analysis_price(self, variant: str, *, explorer: bool = False) -> Cost:
-        """An analysis' price; with `explorer`, its explorer's file written while the forward runs: one
-        layer's rows, in float32 and float64 while quantised, held beside the forward's own peak (the file
-        goes to disk). A Swin's explorer is written after the analysis, priced on its own."""
+        """An analysis' price; with `explorer`, its explorer's file for the browser written within it
+        (`vitviz.cost.price`'s "explorer"). A file of the whole stack is written while the forward runs:
+        one layer's rows, in float32 and float64 while quantised, held beside the forward's own peak (the
+        file goes to disk). A windowed model's file is written after the forward, the analysis held: what
+        writing it holds (the file and its copy, a layer's rows while quantised) is added to the
+        analysis' bytes, and its work to the analysis'. A layout with no file for the browser (a layer's
+        file when it is asked for, or the server's views) is the analysis alone."""
         spec = get_spec(variant)
         cost = price(spec, "analyse", budget=self.work.budget_bytes)
-        if not explorer or spec.config.attention != "global" or explorer_layout_of(spec).mode != "stack":
+        if not explorer:
+            return cost
+        if spec.config.attention == "windowed":
+            file = price(spec, "explorer")
+            if not file.kept_bytes:  # too large for the browser: the server draws its views
+                return cost
+            return replace(cost, bytes=cost.bytes + file.bytes - BASE_BYTES, flops=cost.flops + file.flops)
+        if spec.config.attention != "global" or explorer_layout_of(spec).mode != "stack":
             return cost  # (only a file of the whole stack is written while the forward runs)
         file = price(spec, "explorer")
         return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
@@ -358,12 +372,13 @@ def _explorer_room(spec) -> int:
 class _Early:
     """What the page that named an analysis with `ticket` gets before its outputs (`vitviz.server.early`):
     the explorer's pictures, written from the crop before the forward runs (`on_crop`), and the
-    explorer's value once the forward has written the file (`on_file`): the value the outputs bring
-    (`explorer_data.write_payload`), with the first view's bytes inline. Without a ticket, only the
-    pictures are written.
+    explorer's value once the forward has written the file (`on_file`), with the first view's bytes
+    inline: the value the outputs bring, made by the same function (`explorer_data.value_of`) from
+    the spec and the crop. Without a ticket, only the pictures are written.
 
     Where the two calls did not reach this process (the analysis ran in ZeroGPU's worker) or the
-    value could not be made during the forward, `after` publishes both from the finished analysis.
+    value could not be made during the forward, `after` publishes both from the finished analysis,
+    the value as the outputs make it (the drawer's `write_explorer`).
 
     Only an explorer of one file ("stack") comes early: for one a layer at a time ("layers") the
     pictures are written (its outputs' explorer uses them) and the page's waits answered None at
@@ -393,10 +408,10 @@ class _Early:
             return
         try:  # the forward goes on whatever happens here: `after` tries again from the finished analysis
             tokens = layout_of(self.spec, self.grid)  # as the analysis will name its queries
-            value = explorer_data.value_of(layout, key=self.key, grid=tokens.grid, query_names=tokens.query_names,
-                                           patch_px=self.spec.patch_size * self.pictures["scale"],
-                                           windows=explorer_data.windows_of(self.spec.config, layout.layers))
-            value.update(self.pictures, data=str(path))
+            value = explorer_data.value_of(layout, key=self.key, variant=self.spec.name, grid=tokens.grid,
+                                           query_names=tokens.query_names, patch_px=self.spec.patch_size * self.pictures["scale"],
+                                           windows=explorer_data.windows_of(self.spec.config, layout.layers), pictures=self.pictures,
+                                           data=path)
             value["first"] = explorer_data.first_shown(value)
         except Exception:
             return
@@ -408,7 +423,7 @@ class _Early:
         if self.ticket is None or self.published or not stack.exists():
             return
         server = server_named(self.server)
-        value = explorer_data.write_payload(exp, key=self.key, folder=server.explorer_dir)
+        value = drawer(exp).write_explorer(exp, key=self.key, folder=server.explorer_dir)
         server.early.publish(self.ticket, "pictures", {k: value[k] for k in (*explorer_data.PICTURES, "scale")})
         server.early.publish(self.ticket, "explorer", {**value, "first": explorer_data.first_shown(value)})
         self.published = True

@@ -36,8 +36,8 @@ PROTOCOL: tuple[str, ...] = (
     "describe_query",      # (exp, query, layer=None) -> what the query index stands for, in words
     "explorer_bounds",     # (exp, layer=None) -> (layers, heads at that layer or the most of any, queries)
     "scale_refusal",       # (scale) -> None, or why this layout has no such colour scale
-    "explorer_mode",       # (exp) -> how the explorer reaches the browser: "stack" and "layers" go with the analysis; others after it
-    "write_explorer",      # (exp, *, key, folder) -> writes the explorer's files; the widget's value
+    "explorer_mode",       # (exp) -> the form of the explorer's data: "stack" (one file, written during the forward), "layers" (a file per layer when shown), "server" (none), or the layout's own
+    "write_explorer",      # (exp, *, key, folder) -> writes the explorer's files; the widget's value (sent with the analysis' outputs)
     "maps_note",           # (exp, missing) -> what the Explain tab says of the methods (titles) with no map, or ""
     "render_positions",    # (exp) -> (the learned positions' picture or None, the patch filters' components or None: `TokenLayout.patch_filters`)
     "render_bias",         # (exp, *, layer) -> one layer's position tables by offset: relative bias (`TokenLayout.position_bias`) or rotary

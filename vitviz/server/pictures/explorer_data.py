@@ -284,42 +284,50 @@ def windows_of(config, depth: int) -> list[int]:
     return [0 if layer in every else int(side) for layer in range(depth)]
 
 
-def value_of(layout: ExplorerLayout, *, key: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int,
-             windows: list[int] | None = None) -> dict:
-    """The explorer's value for an analysis of `layout`, named `key`: what the page draws it by,
-    without its files' paths (`write_payload` adds them). `query_names`: `Analysis.query_names`;
-    `patch_px`: a patch's side in display pixels; `windows`: each layer's window (`windows_of`)."""
+def value_of(layout: ExplorerLayout, *, key: str, variant: str, grid: tuple[int, int], query_names: tuple[str, ...], patch_px: int,
+             windows: list[int] | None = None, pictures: dict | None = None, data=None) -> dict:
+    """The explorer's value for an analysis of `layout` by `variant`, named `key`: what the page draws
+    it by. The one function that makes it, from the finished analysis (`write_payload`, the analysis'
+    outputs) and from the spec and the crop while the forward runs (the value published early,
+    `vitviz.server.runtime`), so the two are the same value. `query_names`: `Analysis.query_names`;
+    `patch_px`: a patch's side in display pixels; `windows`: each layer's window (`windows_of`);
+    `pictures`: `write_pictures`' answer (none in the "server" layout); `data`: the "stack" file's path."""
     heads = layout.views - 2
-    return dict(
+    value = dict(
         id=key, mode=layout.mode, depth=layout.layers, heads=heads, views=layout.views, tokens=layout.tokens, patches=layout.patches,
         grid=list(grid), prefix=list(query_names), patch_px=int(patch_px),
         windows=list(windows) if windows is not None else [0] * layout.layers,
         lut=lut(CMAP).reshape(-1).tolist(),
     )
+    if layout.mode == "server":
+        value["note"] = (
+            f"{variant}'s attention is too large to hold in the browser ({layout.layer_bytes / 2**20:.0f} MB a layer); "
+            "the views below are drawn by the server."
+        )
+    if pictures is not None:
+        value.update(pictures)
+    if data is not None:
+        value["data"] = str(data)
+    return value
 
 
 def write_payload(exp, *, key: str, folder, budget: int | None = None) -> dict:
     """Writes what the browser needs for `exp` (an `Exploration`) into `folder`, under names made
-    from `key` (the session's secret), and returns the explorer's value: its layout, the files' paths
-    and the colour map."""
+    from `key` (the session's secret): the pictures, and the "stack" file unless the forward wrote it
+    there already; returns the explorer's value (`value_of`): its layout, the files' paths and the
+    colour map."""
     a = exp.analysis
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     layout = layout_of(a, budget=budget)
-    value = value_of(layout, key=key, grid=a.grid, query_names=a.query_names, patch_px=a.patch_size * exp.scale,
-                     windows=windows_of(exp.facts.spec.config, layout.layers))
-    if layout.mode == "server":
-        value["note"] = (
-            f"{a.variant}'s attention is too large to hold in the browser ({layout.layer_bytes / 2**20:.0f} MB a layer); "
-            "the views below are drawn by the server."
-        )
-        return value
-    value.update(write_pictures(a.image, scale=exp.scale, grid=a.grid, key=key, folder=folder))
+    pictures = data = None
+    if layout.mode != "server":
+        pictures = write_pictures(a.image, scale=exp.scale, grid=a.grid, key=key, folder=folder)
     if layout.mode == "stack":
-        path = folder / f"{key}-stack.bin"
-        _write_once(path, lambda: stack_file(a, range(layout.layers)))  # one analysis, one key: written once
-        value["data"] = str(path)
-    return value
+        data = folder / f"{key}-stack.bin"
+        _write_once(data, lambda: stack_file(a, range(layout.layers)))  # one analysis, one key: written once
+    return value_of(layout, key=key, variant=a.variant, grid=a.grid, query_names=a.query_names, patch_px=a.patch_size * exp.scale,
+                    windows=windows_of(exp.facts.spec.config, layout.layers), pictures=pictures, data=data)
 
 
 PICTURES = ("base", "tile_base")

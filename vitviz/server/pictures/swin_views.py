@@ -75,7 +75,7 @@ def maps_note(exp: Exploration, missing: list[str]) -> str:
 
 
 def explorer_mode(exp: Exploration) -> str:
-    """The windowed explorer's data is one file written after the analysis ("windows")."""
+    """The windowed explorer's data is one file, written after the forward within the analysis' job ("windows")."""
     return "windows"
 
 

@@ -3,7 +3,7 @@
 A tab is one object (a `Tab` subclass, one module each): its `id` and `label`, the `needs` of the
 analysed model it depends on (names from `vitviz.layout.NEEDS`, met or not by the analysis' token
 layout, whatever the model's family), `build` (its components, inside its `gr.Tab`), `analysed` (its outputs drawn with an analysis) and/or `draw` (drawn when the tab is
-shown, for `on_demand` tabs), `follow_up` (a step after the analysis is on the page) and `wire`
+shown, for `on_demand` tabs), `unfit` (its outputs for an analysis it cannot draw) and `wire`
 (its own events). The page builds and wires every registered tab in one loop, and hides the content
 of a tab the analysed model cannot fill behind one line saying why (`Gate`): what the tab's `lacks`
 says (by default, the needs the model's layout lacks; a tab may ask more of the model, such as
@@ -127,6 +127,11 @@ class Tab:
         """The tab's outputs drawn with an analysis (only when the model meets `needs`)."""
         return {}
 
+    def unfit(self, done: Analysed) -> Outputs:
+        """The tab's outputs with an analysis it cannot draw (`lacks`): by default left as they are,
+        hidden behind the line saying why."""
+        return {c: gr.skip() for c in self.analysis_outputs()}
+
     def draw(self, ref: SessionRef, *values: Any) -> Outputs:
         """An `on_demand` tab drawn for the session's analysis (`values`: of `draw_inputs`)."""
         return {}
@@ -134,10 +139,6 @@ class Tab:
     def skip_refresh(self, ref: SessionRef) -> bool:
         """After an analysis: whether what the tab shows is already newer than the analysis's start."""
         return False
-
-    def follow_up(self, page) -> tuple[Callable, list, list] | None:
-        """A step after an analysis is on the page (function, inputs, outputs), or None."""
-        return None
 
     def wire(self, page) -> None:
         """The tab's own events."""

@@ -1,12 +1,15 @@
 """The Explorer tab: what one token attends to at one layer, drawn in the browser from the analysis's
-data (written while the analysis' forward runs, and sent with its outputs), or by the server for a
-model too large for it. The tab builds every registered browser widget (`drawers.widgets()`: "global",
-`explorer.js`; "windowed", `swin_explorer.js`, a query's attention on its layer's stage grid, its
-window outlined) and shows the one the analysis' drawer names (`EXPLORER_WIDGET`) with the value it
-writes (`write_explorer`)."""
+data, or by the server for a model too large for it. The tab builds every registered browser widget
+(`drawers.widgets()`: "global", `explorer.js`; "windowed", `swin_explorer.js`, a query's attention on
+its layer's stage grid, its window outlined) and shows the one the analysis' drawer names
+(`EXPLORER_WIDGET`) with the value it writes (`write_explorer`, the one producer of that value). The
+value goes to the page with the analysis' outputs, whatever the layout (its files written while the
+forward runs, or after it within the analysis' job); a page that named its analysis may get the
+same value earlier (`explorer_early`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -150,48 +153,41 @@ class ExplorerTab(Tab):
             self.head: "mean" if same else gr.update(choices=head_choices(heads), value="mean"),
             self.query: 0,
             self.query_text: drawer(exp).describe_query(exp, 0),
-            **self._live_now(exp, same_model=same),
+            **self._explorer(exp, same_model=same),
         }
 
-    def _sent_with_analysis(self, exp: views.Exploration) -> bool:
-        """Whether the browser's explorer goes with the analysis' own outputs: its file was written
-        during the forward (`Server.run`), or its layers are written when shown. Another layout's file
-        (a windowed model's), and the server's explorer of a model too large for the browser, follow
-        the analysis (`follow_up`)."""
-        return exp.key is not None and drawer(exp).explorer_mode(exp) in ("stack", "layers")
+    def unfit(self, done: Analysed) -> Outputs:
+        """A model the tab cannot draw: every widget emptied and the server's explorer hidden (the
+        line saying why is in their place)."""
+        return {**{c: gr.skip() for c in self.analysis_outputs()}, **{widget: None for widget in self.live.values()},
+                self.server_explorer: gr.update(visible=False)}
 
-    def _live_now(self, exp: views.Exploration, *, same_model: bool = False) -> Outputs:
-        if not self._sent_with_analysis(exp):
-            return {c: gr.skip() for c in self._live_outputs()}
+    def _explorer(self, exp: views.Exploration, *, same_model: bool = False) -> Outputs:
+        """The explorer of `exp` as its analysis brings it: the value its drawer writes (`write_explorer`;
+        the files named by `exp.key`, the stack's written while the forward ran, a windowed model's
+        now, within the analysis' job) in the widget that draws it; for a model too large for the
+        browser, the server's explorer with its first views (the last layer, the heads' mean, token 0)."""
         drawn = drawer(exp)
-        with self.server.explorer_locks.hold(exp.key):  # the file is there (`Server.run`): the pictures beside it
+        with self.server.explorer_locks.hold(exp.key):
             live = drawn.write_explorer(exp, key=exp.key, folder=self.server.explorer_dir)
-        shown = {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=False)}
-        boxes = [*self.boxes.values(), self.server_explorer]
-        return {**shown, self.explorer_img: None, self.mosaic: None, **({c: gr.skip() for c in boxes} if same_model else {})}
-
-    def follow_up(self, page):
-        return self.on_explorer, page.state, self._live_outputs()
-
-    def on_explorer(self, ref: SessionRef | None) -> Outputs:
-        """After an analysis is on the page: the explorer's data of a layout written after the analysis
-        (a windowed model's, once per analysis), or, for a model too large for the browser, the server's explorer. The browser's
-        explorer came with the analysis (`_live_now`): nothing is sent again, and no job is taken."""
-        if not isinstance(ref, SessionRef):
-            return {widget: gr.skip() for widget in self.live.values()}
-        exp = self.server.recall(ref)
-        if self.lacks(exp) is not None:  # the tab says why there is no explorer
-            return {**{widget: None for widget in self.live.values()}, self.server_explorer: gr.update(visible=False)}
-        if self._sent_with_analysis(exp):
-            return {c: gr.skip() for c in self._live_outputs()}
-        drawn = drawer(exp)
-        with self.server.explorer_locks.hold(ref.key), self.server.job("explorer", ref.variant) as work:
-            self.server.explorer_sweep(room=work.cost.kept_bytes)
-            live = drawn.write_explorer(exp, key=ref.key, folder=self.server.explorer_dir)
         on_server = live["mode"] == "server"  # too large for the browser: the server draws the explorer
         depth = drawn.explorer_bounds(exp)[0]
         first = self._pictures(exp, depth, "mean", 0, "layer") if on_server else {self.explorer_img: None, self.mosaic: None}
-        return {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=on_server), **first}
+        shown = {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=on_server), **first}
+        return {**shown, **({c: gr.skip() for c in self.boxes.values()} if same_model else {})}
+
+    def on_explorer(self, ref: SessionRef | None) -> Outputs:
+        """The explorer's outputs for the session's analysis, as its analysis brought them (`analysed`),
+        for a caller that asks for them again; its files written again under the session's key where
+        the store dropped the analysis (priced as "explorer")."""
+        if not isinstance(ref, SessionRef):
+            return {widget: gr.skip() for widget in self.live.values()}
+        exp = self.server.recall(ref)
+        if self.lacks(exp) is not None:
+            return {**{widget: None for widget in self.live.values()}, self.server_explorer: gr.update(visible=False)}
+        with self.server.job("explorer", ref.variant) as work:
+            self.server.explorer_sweep(room=work.cost.kept_bytes)
+            return self._explorer(replace(exp, key=ref.key))
 
     def _pictures(self, exp: views.Exploration, layer: int, head: str, query: int, scale: str) -> Outputs:
         """The server's explorer: the query's map and the layer's heads (a Swin's on its stage grid, its window outlined)."""
