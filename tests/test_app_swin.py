@@ -106,7 +106,7 @@ def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
     assert "mean of its final tokens" in out[predict.predict_note] and out[predict.discard]["interactive"] is False
     reasons = {t.id: out[t.gate.note]["value"] for t in tabs.TABS if out[t.gate.note]["visible"]}
     assert reasons.get("find") == f"{NAME} has no text tower: there is no phrase to look for"
-    for shown in ("predict", "explain", "explorer", "distance", "positions", "architecture", "tokens"):
+    for shown in ("predict", "explain", "explorer", "distance", "positions", "architecture", "tokens", "inside"):
         assert shown not in reasons and out[tabs.TABS.by_id(shown).gate.content]["visible"] is True
     # distances: the library's, per layer, heads by stage, NaN where a layer has fewer heads
     table = swin_views.distance_table(a)
@@ -117,6 +117,36 @@ def test_every_tab_that_applies_shows_the_librarys_numbers(analysed):
     spec = vitviz.get_spec(NAME)
     assert a.nbytes == vitviz.cost.price(spec, "analyse").kept_bytes
     assert SERVER.store._entries[ref.key][1] == a.nbytes
+
+
+def test_the_inside_tab_reads_the_last_stage_through_the_pooled_mean(analysed):
+    """The lens and the direct logit attribution of a Swin: the library's numbers, from the last
+    stage's first block (the stream is as wide as the head's input there only), the blocks named as
+    the model's; no ablation offered, and a click or a ranking refused in one line."""
+    import gradio as gr
+
+    ref, out, exp, model, fresh = analysed
+    tab = tabs.inside.TAB
+    drawn = tab.on_inside(ref, None, [], "zero")
+    parts, first = fresh.logit_attribution(), fresh.inside.first_layer
+    assert first == len(model.blocks) - len(model.stages[-1].blocks) > 0
+    assert drawn[tab.target]["value"] == fresh.categories[parts.target]
+    assert f"logit {float(parts.logit):.2f}" in drawn[tab.note] and f"start at block {first + 1}" in drawn[tab.note]
+    rows = dict(drawn[tab.parts])
+    assert rows[f"the stream entering block {first + 1} (every block before it, merged)"] == f"{float(parts.embedding):.3f}"
+    assert rows["all heads"] == f"{float(parts.heads.sum()):.3f}" and f"MLP {len(model.blocks)}" in rows and "MLP 1" not in rows
+    heads = np.asarray(drawn[tab.heads_img])
+    assert heads.shape[0] > 40 and heads.std() > 0
+    assert isinstance(drawn[tab.lens_img], Image.Image)
+    assert drawn[tab.off]["choices"] == [] and drawn[tab.off]["interactive"] is False
+    assert drawn[tab.ablation_note].startswith("No ablation here") and drawn[tab.ablated]["visible"] is False
+    with pytest.raises(gr.Error, match="No ablation here"):
+        tab.on_rank(ref, None, "zero")
+
+    class Click:
+        index = (60, 30)
+
+    assert tab.on_click(ref, None, [], "zero", Click()) == gr.skip()  # (nothing to switch off)
 
 
 def test_rollout_options_and_the_discard_ratio(analysed):

@@ -138,7 +138,7 @@ def test_the_app_analyses_it_with_one_click_and_each_tab_draws_it_or_says_why_no
     out = page.on_analyze(str(path), NAME, "mean", 0.0, progress=_quiet)
     assert out[page.PAGE.notice] == "", out[page.PAGE.notice]
     ref = out[page.PAGE.state]
-    lacking = {"find": "has no text tower", "inside": "attends within local windows", "patch": "attends within local windows",
+    lacking = {"find": "has no text tower", "inside": "records no residual stream", "patch": "attends within local windows",
                "concepts": "attends within local windows", "ask": "is not a vision–language model"}
     for tab in tabs.TABS:
         note, content = out[tab.gate.note], out[tab.gate.content]

@@ -560,3 +560,91 @@ print(r.layout.grids, r.window_sizes[-1], r.cls_map().shape)
     kind, rel, mode, interpolation, spec_name = hf_line.split()
     assert kind == "Swin" and float(rel) < 1e-4 and mode == "squash" and interpolation == "bicubic" and spec_name == f"hf:{repo}"
     assert layout_line == "((56, 56), (28, 28), (14, 14), (7, 7)) (7, 7) torch.Size([56, 56])"
+
+
+# 40 px, P 4, M 2: grids 10 and 5; the last stage's 5 x 5 grid is padded to 6 x 6 and its second block shifted by 1
+LAST_SHIFTED = dict(image_size=40, embed_dim=16, depths=(2, 2), num_heads=(2, 4), window_size=2)
+
+
+def test_the_last_stages_lens_and_attribution_by_hand_token_by_token():
+    """The lens and direct logit attribution read through the pooled mean of the last stage: each
+    head's part of the logit computed another way, token by token from its window's recorded
+    attention over the values (a padded place's value is v's bias: the norm's output padded with
+    zeros), put through W_O, centred, divided by each final token's σ, scaled by γ, averaged over the
+    tokens and read by the head's row; the parts add up to the logit; each lens row is the head
+    applied to the stream where it was recorded."""
+    model = _ours(LAST_SHIFTED, seed=3)
+    g_last = model.geometries(40, 40)[-1]
+    assert g_last.shifted and g_last.padded != g_last.grid
+    image = (np.random.default_rng(7).random((44, 52, 3)) * 255).astype(np.uint8)
+    a = vitviz.analyze(model, image)
+    x = vitviz.preprocess(vitviz.load_image(image), model.spec.preprocessing)[0][None]
+    stage = model.stages[-1]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [b.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0].detach())) for i, b in enumerate(stage.blocks)]
+    hooks.append(stage.blocks[-1].register_forward_hook(lambda m, args, out: seen.__setitem__("out", out.detach())))
+    with torch.no_grad():
+        logits = model(x)[0].double()
+    for h in hooks:
+        h.remove()
+    target = int(logits.argmax())
+    parts = a.logit_attribution()
+    first = len(model.blocks) - len(stage.blocks)
+    assert parts.target == target and parts.first_layer == first == 2
+    assert abs(parts.total() - float(logits[target])) < 1e-5 and abs(float(parts.logit) - float(logits[target])) < 1e-5
+
+    final = seen["out"][0].flatten(0, 1).double()  # [N, D]
+    sigma = (final.var(dim=-1, unbiased=False) + model.norm.eps).sqrt()
+    gamma, row = model.norm.weight.double(), model.head.weight[target].double()
+
+    def project(part: torch.Tensor) -> float:  # [N, D] -> its share of the logit
+        centred = part - part.mean(dim=-1, keepdim=True)
+        return float((centred / sigma[:, None] * gamma).mean(dim=0) @ row)
+
+    heads = model.config.num_heads[-1]
+    for i, block in enumerate(stage.blocks):
+        layer, d = first + i, model.config.dims[-1] // heads
+        g, attn = a.geometries[layer], a.attentions[layer].double()  # [W, H, M², M²]
+        with torch.no_grad():
+            normed = block.norm1(seen[i])[0].flatten(0, 1).double()
+            w_v = block.attn.qkv.weight[2 * heads * d:].double()
+            b_v = block.attn.qkv.bias[2 * heads * d:].double()
+        v = normed @ w_v.T + b_v  # [N, D]
+        keys, (window, place) = g.window_tokens(), g.placement()
+        values = torch.where((keys >= 0)[..., None], v[keys.clamp(min=0)], b_v)  # [W, M², D]
+        w_o = block.attn.proj.weight.double()
+        for h in range(heads):
+            cols = slice(h * d, (h + 1) * d)
+            o = torch.stack([attn[window[t], h, place[t]] @ values[window[t], :, cols] for t in range(g.num_tokens)])  # [N, d]
+            assert abs(project(o @ w_o[:, cols].T) - float(parts.heads[i, h])) < 1e-5, (layer, h)
+
+    lens = a.logit_lens(logits=True)
+    assert lens.shape == (len(stage.blocks) + 1, 5)
+    with torch.no_grad():
+        for j, stream in enumerate([seen[0], seen[1], seen["out"]]):
+            assert (lens[j] - model.head(model.norm(stream).flatten(1, 2).mean(dim=1))[0]).abs().max() < 1e-5
+    assert (a.logit_lens()[-1] - a.probabilities).abs().max() < 1e-6
+
+
+def test_a_one_window_swins_lens_and_attribution_are_the_plain_vits():
+    """The one-window Swin and the plain ViT it holds: the same lens, and the same logit split part
+    by part (the embedding, every head, the output biases, the MLPs)."""
+    swin, vit = _plain_pair()
+    image = (np.random.default_rng(5).random((37, 29, 3)) * 255).astype(np.uint8)
+    ours, plain = vitviz.analyze(swin, image), vitviz.analyze(vit, image)
+    assert ours.inside.first_layer == 0 and ours.inside.readout == plain.inside.readout == "normed mean"
+    assert (ours.logit_lens() - plain.logit_lens()).abs().max() < 1e-6
+    mine, theirs = ours.logit_attribution(3), plain.logit_attribution(3)
+    for name in ("embedding", "heads", "attn_biases", "mlps", "norm_bias", "logit"):
+        assert (getattr(mine, name) - getattr(theirs, name)).abs().max() < 1e-5, name
+    assert [r[:3] for r in mine.rows()] == [r[:3] for r in theirs.rows()]
+
+
+def test_a_swin_v2s_lens_works_and_its_attribution_says_why_not():
+    model = _ours(dict(LAST_SHIFTED, version=2), seed=4)
+    a = vitviz.analyze(model, (np.random.default_rng(1).random((40, 40, 3)) * 255).astype(np.uint8))
+    assert (a.logit_lens()[-1] - a.probabilities).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="res-post-norm"):
+        a.logit_attribution()
+    features = _ours(LAST_SHIFTED, classes=0)
+    assert vitviz.analyze(features, np.zeros((40, 40, 3), dtype=np.uint8)).inside is None

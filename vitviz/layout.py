@@ -32,6 +32,8 @@ NEEDS: dict[str, str] = {
     # the filters of a patch embedding that reads pixels (the paper's Figure 7, left)
     # a vision–language model's tower: a language model reads it, and answers questions about the image
     "language": "is not a vision–language model: it has no language model to ask a question",
+    # the residual stream its classifier reads, recorded with the analysis (`Analysis.inside`): the logit lens, direct logit attribution
+    "stream": "records no residual stream for its classifier to read: there is no logit lens or attribution for it",
     "patch_filters": ("has a convolutional stem before its patches (a hybrid): its patch embedding reads the stem's feature "
                       "map, not pixels, so it has no filters to show as images"),
 }
@@ -70,6 +72,8 @@ class TokenLayout:
         patch_filters: the model's patch embedding is linear filters over the pixels of a patch (not
             over a convolutional stem's feature map, as a hybrid's is).
         language: the model is the vision tower of a vision–language model (`VariantSpec.vlm`).
+        stream: the analysis recorded the residual stream its classifier reads (`inside`, a
+            `vitviz.inside.Stream`: the logit lens and direct logit attribution).
     """
 
     prefix_names: tuple[str, ...]
@@ -84,6 +88,7 @@ class TokenLayout:
     labelled: bool = False
     patch_filters: bool = True
     language: bool = False
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if not self.grids or any(len(g) != 2 or min(g) < 1 for g in self.grids):
@@ -124,6 +129,7 @@ class TokenLayout:
             "classes": self.classifier or (self.text and self.labelled),
             "patch_filters": self.patch_filters,
             "language": self.language,
+            "stream": self.stream,
         }
         return frozenset(name for name, ok in have.items() if ok)
 

@@ -49,18 +49,19 @@ def spec_of(model: ViT | ImageTextModel) -> VariantSpec:
     return model.spec
 
 
-def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False, labelled: bool = False) -> TokenLayout:
+def layout_of(spec: VariantSpec, grid: tuple[int, int], *, text: bool = False, labelled: bool = False, stream: bool = False) -> TokenLayout:
     """The token layout of a vitviz ViT fed an image of `grid` patches: global attention, learned
     position embeddings unless its positions are rotary or relative alone, its relative position bias
     (BEiT's) and rotary kind, its prefix tokens, a
     classifier when it has a head, a text tower when it is the image tower of an image–text model
-    (`text`) that scored a label set (`labelled`), and patch filters over pixels unless a
-    convolutional stem comes first (a hybrid)."""
+    (`text`) that scored a label set (`labelled`), patch filters over pixels unless a
+    convolutional stem comes first (a hybrid), and whether the analysis recorded the residual stream
+    its classifier reads (`stream`)."""
     c = spec.config
     return TokenLayout(prefix_names=tuple(spec.prefix_names), grids=(tuple(grid),), attention="global",
                        pooled_query=c.pooled_query, classifier=spec.has_head, position_embeddings=c.abs_pos_embed,
                        position_bias=c.rel_pos_bias, rotary=c.rope, text=text, labelled=labelled, patch_filters=c.stem is None,
-                       language=spec.vlm is not None)
+                       language=spec.vlm is not None, stream=stream)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Analysis:
     def __post_init__(self) -> None:
         if self.layout is None:
             self.layout = TokenLayout(prefix_names=tuple(self.prefix_names), grids=(tuple(self.grid),),
-                                      pooled_query=self.pooled_query, classifier=self.probabilities is not None)
+                                      pooled_query=self.pooled_query, classifier=self.probabilities is not None, stream=self.inside is not None)
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -386,7 +387,7 @@ def _analyze_input(
         device=str(param.device),
         model_seconds=seconds,
         pooled_query=spec.config.pooled_query,
-        layout=layout_of(spec, (gh, gw), text=text, labelled=labels is not None),
+        layout=layout_of(spec, (gh, gw), text=text, labelled=labels is not None, stream=stream.stream is not None),
         pool_attention=pool_attention,
         inside=stream.stream,
         layer_tokens=kept,

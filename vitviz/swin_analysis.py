@@ -11,9 +11,11 @@ final tokens: its row of any such product is the mean of their rows, a map over 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from PIL import Image
@@ -24,7 +26,7 @@ from vitviz.hooks import record_attention
 from vitviz.images import ImageSource, load_image
 from vitviz.layout import Architecture, TokenLayout, register_architecture
 from vitviz.preprocess import preprocess, to_input
-from vitviz.swin import Swin, WindowGeometry
+from vitviz.swin import Swin, WindowGeometry, _unpartition
 from vitviz.swin_global import (  # noqa: F401  (the maths of windows and merges, `vitviz.swin_global`)
     SLICE_ELEMENTS,
     merge_map,
@@ -34,6 +36,9 @@ from vitviz.swin_global import (  # noqa: F401  (the maths of windows and merges
     swin_rollout,
     window_to_global,
 )
+
+if TYPE_CHECKING:  # (vitviz.inside is imported where it is used)
+    from vitviz.inside import Attribution, Stream
 
 __all__ = [
     "SwinAnalysis",
@@ -50,6 +55,7 @@ __all__ = [
     "swin_relevance",
     "swin_relevance_maps",
     "swin_summary_rows",
+    "record_swin_stream",
 ]
 
 # the explanation methods a Swin answers (`vitviz.explain`, `vitviz.relevance_maps`)
@@ -85,6 +91,9 @@ class SwinAnalysis:
         tokens: the final tokens after the final norm [N_last, D].
         token_norms: the L2 norm of every token after each block, before the final norm: one [N_s]
             per layer, raster order of its stage's grid (where high-norm tokens appear).
+        inside: what the classifier's pooled mean gathered through the last stage's blocks, recorded
+            in the same forward (`vitviz.inside.Stream`, `first_layer` the stage's first block: the
+            stream is as wide as the head's input there only), or None without a head.
         patch_size: P, the finest grid's patch side; stage s's tokens cover P 2^s pixels.
         device: where the model ran; model_seconds: time of the recorded forward.
         layout: the tokens and what the model offers: windowed attention, each stage's grid, a
@@ -105,11 +114,13 @@ class SwinAnalysis:
     model_seconds: float
     layout: TokenLayout | None = None
     token_norms: list[torch.Tensor] = field(default_factory=list, repr=False)
+    inside: Stream | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
             self.layout = TokenLayout(prefix_names=(), grids=self.stage_grids, attention="windowed", pooled_query=True,
-                                      classifier=self.probabilities is not None, position_embeddings=False, position_bias=True)
+                                      classifier=self.probabilities is not None, position_embeddings=False, position_bias=True,
+                                      stream=self.inside is not None)
 
     prefix_names = property(lambda self: ())
     num_prefix_tokens = property(lambda self: 0)
@@ -230,6 +241,22 @@ class SwinAnalysis:
             raise ValueError(f"({row}, {col}) is outside layer {layer}'s grid {g.grid}")
         return g.visible_from(row * g.grid[1] + col).reshape(g.grid)
 
+    def logit_lens(self, *, logits: bool = False) -> torch.Tensor:
+        """What the model would predict from its stream before the last stage's first block and after
+        each of its blocks [L_last+1, C] (the final norm, the mean and the head applied there; the
+        last row: `probabilities`): probabilities, or logits (`vitviz.inside.lens_of`). Earlier
+        stages' tokens are narrower than the head's input: they have no lens."""
+        from vitviz.inside import lens_of
+
+        return lens_of(self.inside, logits=logits)
+
+    def logit_attribution(self, target: int | str | None = None) -> Attribution:
+        """The target logit (index or class name; default the prediction) split exactly into what
+        entered the last stage, each of its heads, its MLPs and the biases (`vitviz.inside.attribution_of`)."""
+        from vitviz.inside import attribution_of
+
+        return attribution_of(self.inside, target)
+
     def relative_position_bias(self, layer: int) -> torch.Tensor:
         """The layer's relative position bias [heads, M², M²] (query place, key place in the window)."""
         return self.biases[layer]
@@ -254,7 +281,8 @@ def _analyze_input(model: Swin, x: torch.Tensor, cropped: Image.Image) -> SwinAn
     norms: list[torch.Tensor] = []
     with torch.inference_mode():
         start = time.perf_counter()
-        with record_attention(model, reduce=lambda a: a.float().cpu()) as rec, contextlib.ExitStack() as hooks:
+        with record_attention(model, reduce=lambda a: a.float().cpu()) as rec, contextlib.ExitStack() as hooks, \
+                record_swin_stream(model) as stream:
             for block in model.blocks:  # each block's output [B, gh, gw, C]: its tokens' norms
                 hooks.callback(block.register_forward_hook(lambda _m, _i, out: norms.append(out[0].float().norm(dim=-1).flatten().cpu())).remove)
             tokens = model.encode(x)
@@ -275,12 +303,128 @@ def _analyze_input(model: Swin, x: torch.Tensor, cropped: Image.Image) -> SwinAn
         biases=biases,
         tokens=tokens[0].float().cpu(),
         token_norms=norms,
+        inside=stream.stream,
         patch_size=model.config.patch_size,
         device=str(param.device),
         model_seconds=seconds,
         layout=TokenLayout(prefix_names=(), grids=model.stage_grids(x.shape[2], x.shape[3]), attention="windowed", pooled_query=True,
-                           classifier=spec.has_head, position_embeddings=False, position_bias=True),
+                           classifier=spec.has_head, position_embeddings=False, position_bias=True, stream=stream.stream is not None),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The residual stream of the last stage, for the logit lens and direct logit attribution
+
+
+class SwinStream:
+    """What `record_swin_stream` kept: `streams` (one `vitviz.inside.Stream` per image) after the
+    block, `stream` the first's; None for a model without a head."""
+
+    def __init__(self, model: Swin | None = None) -> None:
+        self._model, self.parts, self._streams = model, {}, None
+
+    @property
+    def streams(self) -> list[Stream] | None:
+        if self._model is None:
+            return None
+        if self._streams is None:
+            if len(self.parts.get("normed", ())) != len(self._model.stages[-1].blocks) + 1:
+                raise RuntimeError("record_swin_stream captured no complete forward: run the model inside the `with` block")
+            from vitviz.inside.stream import Unembed, streams_of_parts
+
+            model = self._model
+            head = model.head
+            unembed = Unembed(weight=head.weight.detach().float().cpu()[None], bias=head.bias.detach().float().cpu()[None])
+            self._streams = streams_of_parts(
+                self.parts, readout="normed mean", norm=model.norm, blocks=model.stages[-1].blocks, heads=model.config.num_heads[-1],
+                unembed=unembed, categories=model.spec.categories if model.spec is not None else None, unsplit=_unsplit(model),
+                first_layer=len(model.blocks) - len(model.stages[-1].blocks))
+        return self._streams
+
+    @property
+    def stream(self) -> Stream | None:
+        streams = self.streams
+        return None if streams is None else streams[0]
+
+
+def _unsplit(model: Swin) -> str:
+    """Why the logit does not split into the last stage's parts, or "" (`vitviz.inside.stream.unsplit_why`)."""
+    if model.config.version == 2:
+        return "this model normalises each branch's output before adding it to the stream (Swin V2's res-post-norm), so a head's share is not linear in it"
+    return ""
+
+
+@contextlib.contextmanager
+def record_swin_stream(model: Swin) -> Iterator[SwinStream]:
+    """Records, during the block, what the classifier reads of the stream through the last stage: a
+    Swin's logits are head(mean over the final tokens of norm(x)) ("normed mean"), and only the last
+    stage's tokens are as wide as the head's input. Kept: the stream entering the stage (after its
+    merge) and after each of its blocks through the norm, the mean and the head (the lens); each
+    block's heads' outputs before W_O, put back in raster order by the block's own windows
+    (unpartitioned, unrolled, the padding cut), its MLP's output, and the final stream, a [B, N, D]
+    copy each (the attribution). Nothing for a model without a head (`streams` None).
+
+        with record_swin_stream(model) as rec:
+            model(x)
+        rec.stream.heads      # [L_last, H, 1, D]
+    """
+    if not model.config.num_classes:
+        yield SwinStream()
+        return
+    rec = SwinStream(model)
+    blocks = list(model.stages[-1].blocks)
+    owner = threading.get_ident()
+    split = not _unsplit(model)
+    windows: dict[int, torch.Tensor] = {}
+
+    def keep(x: torch.Tensor) -> torch.Tensor:  # [B, gh, gw, D] -> [B, N, D], a copy on the CPU
+        return x.flatten(1, 2).detach().to("cpu", copy=True)
+
+    def lens_input(x: torch.Tensor) -> torch.Tensor:  # [B, 1, D]: the head's input had the model stopped here
+        return model.norm(x).flatten(1, 2).mean(dim=1, keepdim=True).detach().to("cpu", copy=True)
+
+    def entering(module, args) -> None:
+        if threading.get_ident() == owner:
+            rec.parts = {"normed": [lens_input(args[0])], "attn": [None] * len(blocks), "mlp": [None] * len(blocks)}
+            if split:
+                rec.parts["embedding"] = keep(args[0])
+
+    def heads_in(i: int):
+        def hook(module, args) -> None:  # the heads' outputs [B * windows, M², D], before W_O
+            if threading.get_ident() == owner and rec.parts:
+                windows[i] = args[0]
+        return hook
+
+    def mlp_out(i: int):
+        def hook(module, args, out) -> None:
+            if threading.get_ident() == owner and rec.parts:
+                rec.parts["mlp"][i] = keep(out)
+        return hook
+
+    def after(i: int):
+        def hook(module, args, out) -> None:
+            if threading.get_ident() != owner or not rec.parts:
+                return
+            rec.parts["normed"].append(lens_input(out))
+            if split:
+                g = module.geometry((out.shape[1], out.shape[2]))
+                rec.parts["attn"][i] = keep(g.unroll(_unpartition(windows.pop(i), g.window, g.padded)))
+                if i == len(blocks) - 1:
+                    rec.parts["last"] = keep(out)
+        return hook
+
+    handles = [blocks[0].register_forward_pre_hook(entering)]
+    try:
+        for i, block in enumerate(blocks):
+            if split:
+                handles.append(block.attn.proj.register_forward_pre_hook(heads_in(i)))
+                handles.append(block.mlp.register_forward_hook(mlp_out(i)))
+            handles.append(block.register_forward_hook(after(i)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+        windows.clear()
 
 
 # ---------------------------------------------------------------------------------------------

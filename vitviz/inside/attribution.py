@@ -24,6 +24,9 @@ class Attribution:
         norm_bias: the final norm's β projected on the target's direction.
         head_bias: the head's bias for the target (an image–text model's logit bias, or 0).
         logit: the target logit of the forward.
+        first_layer: the block the parts start at (`Stream.first_layer`): heads[l] and mlps[l] are
+            block first_layer + l's, and for first_layer > 0 (a Swin's last stage) `embedding` is
+            what entered that block, everything before it together.
     """
 
     target: int
@@ -35,6 +38,7 @@ class Attribution:
     norm_bias: torch.Tensor
     head_bias: torch.Tensor
     logit: torch.Tensor
+    first_layer: int = 0
 
     @property
     def bias(self) -> torch.Tensor:
@@ -43,11 +47,13 @@ class Attribution:
 
     def rows(self) -> list[tuple[str, int | None, int | None, float]]:
         """Every part as (component, layer, head, value): "embedding", "head" (layer, head), "attn_bias"
-        (layer), "mlp" (layer), "norm_bias", "head_bias"; they sum to `logit`."""
+        (layer), "mlp" (layer), "norm_bias", "head_bias"; they sum to `logit`. Layers are the
+        model's blocks, 0-based (from `first_layer`)."""
         out: list[tuple[str, int | None, int | None, float]] = [("embedding", None, None, float(self.embedding))]
-        for layer in range(self.heads.shape[0]):
-            out += [("head", layer, h, float(v)) for h, v in enumerate(self.heads[layer].tolist())]
-            out += [("attn_bias", layer, None, float(self.attn_biases[layer])), ("mlp", layer, None, float(self.mlps[layer]))]
+        for i in range(self.heads.shape[0]):
+            layer = self.first_layer + i
+            out += [("head", layer, h, float(v)) for h, v in enumerate(self.heads[i].tolist())]
+            out += [("attn_bias", layer, None, float(self.attn_biases[i])), ("mlp", layer, None, float(self.mlps[i]))]
         return out + [("norm_bias", None, None, float(self.norm_bias)), ("head_bias", None, None, float(self.head_bias))]
 
     def total(self) -> float:
@@ -90,7 +96,7 @@ def attribution_of(stream: Stream | None, target: Target = None) -> Attribution:
         target=t, label=stream.categories[t] if stream.categories is not None else None,
         embedding=project(stream.embedding), heads=project(stream.heads), attn_biases=project(stream.attn_biases),
         mlps=project(stream.mlps), norm_bias=(rows * stream.norm_bias.double()).sum(), head_bias=torch.tensor(bias, dtype=torch.float64),
-        logit=final[t],
+        logit=final[t], first_layer=stream.first_layer,
     )
 
 

@@ -180,6 +180,9 @@ class Stream:
         categories: class names (an image–text model's labels), or None.
         unsplit: why the logit does not split into components (`unsplit_why`; the components are
             then None), or "".
+        first_layer: the block (0-based) the record starts before: 0 for a ViT, whose row 0 is the
+            embedding; for a model whose stream changes width between stages (a Swin), its last
+            stage's first block, and `embedding` is what enters it (everything before it, merged).
 
     embedding + heads.sum((0, 1)) + attn_biases.sum(0) + mlps.sum(0) is the final stream read at the
     query over σ; the components are not centred (centring is linear: `attribution_of` does it).
@@ -198,6 +201,7 @@ class Stream:
     norm_weight: torch.Tensor | None = field(default=None, repr=False)
     norm_bias: torch.Tensor | None = field(default=None, repr=False)
     unsplit: str = ""
+    first_layer: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -242,50 +246,63 @@ class StreamRecord:
 
     def _finish(self) -> list[Stream]:
         parts, model = self._parts, self._model
-        readout, q, norm = readout_of(model)
+        readout, _, norm = readout_of(model)
         if len(parts.get("normed", ())) != len(model.blocks) + 1:
             raise RuntimeError("record_stream captured no complete forward: run the model inside the `with` block")
-        unembed, categories = _unembed(self._pair, self._labels, self._template), _categories(self._pair, self._labels)
-        unsplit = unsplit_why(model)
-        if unsplit:
-            normed = torch.stack(parts["normed"]).float()  # [L+1, B, Q, D]
-            return [Stream(readout=readout, normed=normed[:, b], unembed=unembed, categories=categories, unsplit=unsplit)
-                    for b in range(normed.shape[1])]
-        heads, d = model.config.heads, model.config.width
-        with torch.no_grad():
-            last = parts["last"].float()  # [B, R, D]
-            eps = norm.eps if norm is not None else 0.0
-            centred = isinstance(norm, nn.LayerNorm)  # an RMSNorm divides by the root mean square, not centred
-            spread = last.var(dim=-1, unbiased=False) if centred else last.pow(2).mean(dim=-1)
-            sigma = (spread + eps).sqrt() if norm is not None else torch.ones(last.shape[:-1])
-            attn = torch.stack(parts["attn"]).float()  # [L, B, R, D]: the heads' outputs before W_O
-            mlp = torch.stack(parts["mlp"]).float()
-            per_head = _scaled(attn, sigma, readout).unflatten(-1, (heads, d // heads))  # [L, B, Q, H, d]
-            ones = torch.ones(last.shape)
-            biases, ls_heads, ls_mlps = [], [], []
-            for i, block in enumerate(model.blocks):
-                ls1 = _gamma(block.ls1, d)
-                w_o = block.attn.proj.weight.detach().float().cpu().unflatten(-1, (heads, d // heads))  # [D, H, d]: W_O,h = w_o[:, h]
-                b_o = block.attn.proj.bias.detach().float().cpu() if block.attn.proj.bias is not None else torch.zeros(d)
-                biases.append(_scaled(ones * b_o, sigma, readout) * ls1)
-                ls_heads.append(torch.einsum("bqhk,dhk->bhqd", per_head[i], w_o) * ls1)
-                ls_mlps.append(_scaled(mlp[i], sigma, readout) * _gamma(block.ls2, d))
-            embedding = _scaled(parts["embedding"].float(), sigma, readout)
-            normed = torch.stack(parts["normed"]).float()  # [L+1, B, Q, D]
-            gamma = norm.weight.detach().float().cpu() if norm is not None and norm.weight is not None else torch.ones(d)
-            bias = getattr(norm, "bias", None)  # (an RMSNorm has none)
-            beta = bias.detach().float().cpu() if bias is not None else torch.zeros(d)
-            return [
-                Stream(readout=readout, normed=normed[:, b], embedding=embedding[b], heads=torch.stack([h[b] for h in ls_heads]),
-                       attn_biases=torch.stack([x[b] for x in biases]), mlps=torch.stack([m[b] for m in ls_mlps]),
-                       sigma=sigma[b], centred=centred, norm_weight=gamma, norm_bias=beta,
-                       unembed=unembed, categories=categories)
-                for b in range(last.shape[0])
-            ]
+        return streams_of_parts(parts, readout=readout, norm=norm, blocks=model.blocks, heads=model.config.heads,
+                                unembed=_unembed(self._pair, self._labels, self._template),
+                                categories=_categories(self._pair, self._labels), unsplit=unsplit_why(model))
 
 
-def _gamma(ls: nn.Module, d: int) -> torch.Tensor:
-    """A LayerScale's per-channel scale [D] (ones for the identity)."""
+def streams_of_parts(parts: dict, *, readout: Readout, norm: nn.Module | None, blocks: Sequence[nn.Module], heads: int,
+                     unembed: Unembed, categories: tuple[str, ...] | None, unsplit: str = "", first_layer: int = 0) -> list[Stream]:
+    """One `Stream` per image from what a forward's hooks kept of the blocks `blocks` (every block of a
+    ViT; a Swin's last stage), each [B, R, D] as the classifier reads it (`_read`):
+
+    - "normed": the head's input had the model stopped before the first of them and after each [B, Q, D];
+    - "embedding": what entered the first of them; "last": what left the last;
+    - "attn", "mlp": each block's heads' outputs before W_O (`attn.proj`), and its MLP's output.
+
+    The blocks' own weights give the per-head products (`attn.proj`, LayerScale `ls1`/`ls2` where
+    they have one); without "embedding" (`unsplit`: the logit does not split) only the lens' rows."""
+    normed = torch.stack(parts["normed"]).float()  # [L+1, B, Q, D]
+    if unsplit:
+        return [Stream(readout=readout, normed=normed[:, b], unembed=unembed, categories=categories, unsplit=unsplit,
+                       first_layer=first_layer) for b in range(normed.shape[1])]
+    with torch.no_grad():
+        last = parts["last"].float()  # [B, R, D]
+        d = last.shape[-1]
+        eps = norm.eps if norm is not None else 0.0
+        centred = isinstance(norm, nn.LayerNorm)  # an RMSNorm divides by the root mean square, not centred
+        spread = last.var(dim=-1, unbiased=False) if centred else last.pow(2).mean(dim=-1)
+        sigma = (spread + eps).sqrt() if norm is not None else torch.ones(last.shape[:-1])
+        attn = torch.stack(parts["attn"]).float()  # [L, B, R, D]: the heads' outputs before W_O
+        mlp = torch.stack(parts["mlp"]).float()
+        per_head = _scaled(attn, sigma, readout).unflatten(-1, (heads, d // heads))  # [L, B, Q, H, d]
+        ones = torch.ones(last.shape)
+        biases, ls_heads, ls_mlps = [], [], []
+        for i, block in enumerate(blocks):
+            ls1 = _gamma(getattr(block, "ls1", None), d)
+            w_o = block.attn.proj.weight.detach().float().cpu().unflatten(-1, (heads, d // heads))  # [D, H, d]: W_O,h = w_o[:, h]
+            b_o = block.attn.proj.bias.detach().float().cpu() if block.attn.proj.bias is not None else torch.zeros(d)
+            biases.append(_scaled(ones * b_o, sigma, readout) * ls1)
+            ls_heads.append(torch.einsum("bqhk,dhk->bhqd", per_head[i], w_o) * ls1)
+            ls_mlps.append(_scaled(mlp[i], sigma, readout) * _gamma(getattr(block, "ls2", None), d))
+        embedding = _scaled(parts["embedding"].float(), sigma, readout)
+        gamma = norm.weight.detach().float().cpu() if norm is not None and norm.weight is not None else torch.ones(d)
+        bias = getattr(norm, "bias", None)  # (an RMSNorm has none)
+        beta = bias.detach().float().cpu() if bias is not None else torch.zeros(d)
+        return [
+            Stream(readout=readout, normed=normed[:, b], embedding=embedding[b], heads=torch.stack([h[b] for h in ls_heads]),
+                   attn_biases=torch.stack([x[b] for x in biases]), mlps=torch.stack([m[b] for m in ls_mlps]),
+                   sigma=sigma[b], centred=centred, norm_weight=gamma, norm_bias=beta,
+                   unembed=unembed, categories=categories, first_layer=first_layer)
+            for b in range(last.shape[0])
+        ]
+
+
+def _gamma(ls: nn.Module | None, d: int) -> torch.Tensor:
+    """A LayerScale's per-channel scale [D] (ones for the identity, or a block without one)."""
     gamma = getattr(ls, "gamma", None)
     return torch.ones(d) if gamma is None else gamma.detach().float().cpu()
 

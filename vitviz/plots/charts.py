@@ -314,15 +314,17 @@ def layer_distance_figure(distances: list[torch.Tensor] | dict[str, list[torch.T
     return ax.figure
 
 
-def lens_figure(lens: torch.Tensor, *, categories, classes: list[int], title: str = "Logit lens") -> Figure:
-    """The logit lens [L+1, C] as lines: each of `classes`' probability against depth (0: the embedding)."""
+def lens_figure(lens: torch.Tensor, *, categories, classes: list[int], title: str = "Logit lens", first: int = 0,
+                start: str = "the embedding") -> Figure:
+    """The logit lens [L+1, C] as lines: each of `classes`' probability against depth, from `first`
+    (the blocks before the first row; 0: the embedding, named `start`)."""
     ax = _chart_axes(fitted=True)
-    depth = np.arange(lens.shape[0])
+    depth = first + np.arange(lens.shape[0])
     values = lens.detach().cpu().float()
     for c in classes:
         name = categories[c] if categories is not None else f"class {c}"
         ax.plot(depth, values[:, c].numpy(), marker="o", ms=3, lw=1.5, label=str(name)[:28])
-    ax.set_xlabel("After block (0: the embedding)")
+    ax.set_xlabel(f"After block ({first}: {start})")
     ax.set_ylabel("Probability")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xticks(depth if len(depth) <= 13 else depth[:: math.ceil(len(depth) / 13)])

@@ -91,9 +91,10 @@ class HeadGrid:
 
 
 def head_grid_image(values: torch.Tensor, *, off: set[tuple[int, int]] = frozenset(), label: str = "",
-                    cmap: str = "RdBu_r") -> tuple[Image.Image, HeadGrid]:
+                    cmap: str = "RdBu_r", first_layer: int = 0) -> tuple[Image.Image, HeadGrid]:
     """A value per (layer, head) [L, H] as coloured cells (a diverging map centred on 0, the same
-    range both ways), the cells in `off` crossed out, with a colour bar; and its layout (for clicks)."""
+    range both ways), the cells in `off` crossed out, with a colour bar; and its layout (for clicks).
+    Rows are labelled from layer `first_layer` + 1 (the model's blocks, 1-based)."""
     v = values.detach().cpu().double().numpy()
     layers, heads = v.shape
     grid = HeadGrid(layers, heads)
@@ -107,7 +108,7 @@ def head_grid_image(values: torch.Tensor, *, off: set[tuple[int, int]] = frozens
             _draw_text(draw, (grid.LEFT + h * c + c / 2, grid.TOP - 4), f"H{h + 1}", font=font, anchor="ms")
     for layer in range(layers):
         y = grid.TOP + layer * c
-        _draw_text(draw, (grid.LEFT - 4, y + c / 2), f"L{layer + 1}", font=font, anchor="rm")
+        _draw_text(draw, (grid.LEFT - 4, y + c / 2), f"L{first_layer + layer + 1}", font=font, anchor="rm")
         for h in range(heads):
             x = grid.LEFT + h * c
             draw.rectangle([x, y, x + c, y + c], fill=tuple(int(u) for u in colours[layer, h]), outline=(255, 255, 255))

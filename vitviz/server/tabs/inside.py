@@ -19,7 +19,7 @@ from vitviz.server import runtime
 from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import views
 from vitviz.server.runtime import Outputs, gpu
-from vitviz.server.tabs.base import Tab, figure, register_tab
+from vitviz.server.tabs.base import Tab, figure, lacks, register_tab
 
 MAX_OFF = 64  # heads switched off at once
 MODES = ("zero", "mean")
@@ -69,8 +69,9 @@ def importance_on_device(server: str, exp: views.Exploration, mode: str, target:
 class InsideTab(Tab):
     id = "inside"
     label = "Inside"
-    needs = frozenset({"classes", "global_attention"})
+    needs = frozenset({"classes", "stream"})
     on_demand = True
+    ablation_needs = frozenset({"global_attention"})  # the heads switched off: each is one of a layer's heads over every token
 
     def build(self, page) -> None:
         gr.Markdown(
@@ -106,17 +107,10 @@ class InsideTab(Tab):
     def draw(self, ref: SessionRef, target: str | None = None, off: list | None = None, mode: str = "zero") -> Outputs:
         return self.on_inside(ref, target, off, mode)
 
-    def _why_not(self, exp: views.Exploration) -> str | None:
-        """None when the lens, the attribution and the ablations can follow a class of `exp`, else why not."""
-        why = self.lacks(exp)
-        if why is None and exp.analysis.inside is None:
-            return f"{exp.analysis.variant}: nothing was recorded for the logit lens (no classes or labels)."
-        return why
-
     def _followed(self, ref: SessionRef | None) -> views.Exploration:
         """The session's analysis, when the tab can follow a class of it; else a `gr.Error` saying why not."""
         exp = self.server.recall(ref)
-        why = self._why_not(exp)
+        why = self.lacks(exp)  # (the lens and the attribution: classes scored, the stream recorded)
         if why:
             raise runtime.error(why)
         return exp
@@ -135,35 +129,60 @@ class InsideTab(Tab):
             raise runtime.error("Pick one of the model's classes.")
         return int(a.probabilities.argmax())
 
+    def _no_ablation(self, exp: views.Exploration) -> str | None:
+        """Why the heads of `exp`'s model cannot be switched off here, or None."""
+        if lacks(exp, self.ablation_needs) is None:
+            return None
+        return (f"No ablation here: {exp.analysis.variant}'s heads attend within windows; heads are switched off in models "
+                "whose heads attend across the whole image.")
+
+    def _heads(self, exp: views.Exploration) -> tuple[int, int]:
+        """The layers and heads a head to switch off is named among (a global model's every layer)."""
+        return tuple(exp.analysis.attentions.shape[:2])
+
     def on_inside(self, ref: SessionRef | None, target: str | None, off: list | None, mode: str, request: gr.Request = None) -> Outputs:
         """The lens and the attribution from the analysis, and the ablation of the heads listed."""
         exp = self._followed(ref)
         a = exp.analysis
         t = self._target(a, target)
-        depth, heads = a.attentions.shape[:2]
-        pairs = parse_heads(off, layers=depth, heads=heads)
+        no_ablation = self._no_ablation(exp)
+        if no_ablation:
+            pairs, names = [], []
+        else:
+            depth, heads = self._heads(exp)
+            pairs = parse_heads(off, layers=depth, heads=heads)
+            names = [head_name(l, h) for l in range(depth) for h in range(heads)]
         lens = a.logit_lens()
+        first_layer = a.inside.first_layer  # 0, or a Swin's last stage's first block: the lens and the parts start there
+        start = "the embedding" if first_layer == 0 else "the last stage's input"
         shown = sorted(set(lens[-1].topk(min(4, lens.shape[-1])).indices.tolist()) | {t}, key=lambda c: -float(lens[-1, c]))
-        lens_img = plots.figure_to_image(plots.lens_figure(lens, categories=a.categories, classes=shown, title=f"{a.variant}: logit lens"))
+        lens_img = plots.figure_to_image(plots.lens_figure(lens, categories=a.categories, classes=shown, title=f"{a.variant}: logit lens",
+                                                           first=first_layer, start=start))
         out: Outputs = {
             self.target: gr.update(choices=list(a.categories), value=a.categories[t]),
             self.lens_img: plots.named(lens_img, views._name(exp, "logit-lens", a.categories[t])),
-            self.off: gr.update(choices=[head_name(l, h) for l in range(depth) for h in range(heads)], value=[head_name(*p) for p in pairs]),
+            self.off: gr.update(choices=names, value=[head_name(*p) for p in pairs], interactive=not no_ablation),
         }
         try:
             parts = a.logit_attribution(t)
-        except ValueError as exc:  # attention pooling (SigLIP) is not linear in the stream
+        except ValueError as exc:  # attention pooling (SigLIP), norms after each branch (Swin V2): not linear in the stream
             out.update({self.note: f"No attribution: {exc}", self.heads_img: None, self.parts: None})
         else:
-            grid_img, _ = plots.head_grid_image(parts.heads, off=set(pairs), label="logit")
+            grid_img, _ = plots.head_grid_image(parts.heads, off=set(pairs), label="logit", first_layer=first_layer)
             first = next((l for l in range(lens.shape[0]) if int(lens[l].argmax()) == t), None)
             out.update({
                 self.note: (f"**{a.categories[t]}**: logit {float(parts.logit):.2f} = the parts below (sum {parts.total():.2f}); "
-                            + (f"the lens first ranks it top-1 after block {first}." if first is not None else "the lens never ranks it top-1.")),
+                            + (f"the lens first ranks it top-1 after block {first_layer + first}." if first is not None
+                               else "the lens never ranks it top-1.")
+                            + (f" The lens and the parts start at block {first_layer + 1}, the last stage's first: only its "
+                               "tokens are as wide as the head's input." if first_layer else "")),
                 self.heads_img: plots.named(grid_img, views._name(exp, "attribution", a.categories[t])),
                 self.parts: [[name, f"{value:.3f}"] for name, value in _parts_rows(parts)],
             })
-        out.update(self._ablation(exp, pairs, mode, t, request))
+        if no_ablation:
+            out.update({self.ablated: gr.update(value=None, visible=False), self.ablation_note: no_ablation})
+        else:
+            out.update(self._ablation(exp, pairs, mode, t, request))
         return out
 
     def _ablation(self, exp: views.Exploration, pairs: list[tuple[int, int]], mode: object, t: int, request) -> Outputs:
@@ -182,10 +201,9 @@ class InsideTab(Tab):
                  request: gr.Request = None) -> Outputs:
         """A click on the heads x layers map: that head off (or on again), and everything redrawn."""
         exp = self.server.recall(ref)
-        a = exp.analysis
-        if self._why_not(exp):
+        if self.lacks(exp) or self._no_ablation(exp):
             return gr.skip()
-        depth, heads = a.attentions.shape[:2]
+        depth, heads = self._heads(exp)
         pairs = parse_heads(off, layers=depth, heads=heads)
         cell = plots.HeadGrid(depth, heads).cell_at(*runtime.click_xy(evt))
         if cell is None:
@@ -203,6 +221,9 @@ class InsideTab(Tab):
         """Every head switched off alone (a batch of H copies per layer): the drop of the class's probability."""
         exp = self._followed(ref)
         a = exp.analysis
+        no_ablation = self._no_ablation(exp)
+        if no_ablation:
+            raise runtime.error(no_ablation)
         mode = self._checked_mode(mode)
         t = self._target(a, target)
         with self.server.job("importance", a.variant, request):
@@ -226,10 +247,14 @@ class InsideTab(Tab):
 
 
 def _parts_rows(parts) -> list[tuple[str, float]]:
-    """The attribution by kind: the embedding, all heads, the output-projection biases, each MLP, the biases."""
-    rows = [("embedding (patches, positions, prefix)", float(parts.embedding)), ("all heads", float(parts.heads.sum())),
+    """The attribution by kind: the embedding (from a later block: what entered it), all heads, the
+    output-projection biases, each MLP, the biases."""
+    first = parts.first_layer
+    entering = ("embedding (patches, positions, prefix)" if first == 0
+                else f"the stream entering block {first + 1} (every block before it, merged)")
+    rows = [(entering, float(parts.embedding)), ("all heads", float(parts.heads.sum())),
             ("attention output biases", float(parts.attn_biases.sum()))]
-    rows += [(f"MLP {layer + 1}", float(v)) for layer, v in enumerate(parts.mlps.tolist())]
+    rows += [(f"MLP {first + layer + 1}", float(v)) for layer, v in enumerate(parts.mlps.tolist())]
     return rows + [("final norm's β and the head's bias", float(parts.bias))]
 
 
