@@ -115,6 +115,7 @@ REFUSALS = {
     "inside on a model without a head": ["--model", "shapes_clip", "--metrics", "inside"],
     "a protocol on images without a class": ["--protocol", "chefer2021", "--metrics", None],
     "deletion on a model without a classifier": ["--model", "shapes_clip", "--metrics", "deletion"],
+    "a model that attends within windows": ["--model", "shapes_swin", "--metrics", "distance"],
 }
 
 

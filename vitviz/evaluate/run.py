@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vitviz.architectures import attention_of
 from vitviz.evaluate.batch import _classes, _score, _tower
 from vitviz.evaluate.data import (
     EARLIER_FORMATS, EXTRA_METRICS, EvalDataset, EvaluateError, EvaluateWarning, FORMAT, Item, MAX_CAPTIONS_BYTES, MAX_TEXT_CHARS, METRICS, PROTOCOLS, SUFFIXES,
@@ -492,6 +493,11 @@ def _loaded(plan: _Plan, device: torch.device):
 
     net = load_model(plan.model, device=device)
     spec = net.spec
+    kind = attention_of(_tower(net))
+    if kind != "global":  # (the batch's one pass records every layer's token-by-token attention)
+        raise EvaluateError(f"--model: {spec.name}'s attention is {kind}, not one token-by-token matrix per layer, and the evaluator "
+                            f"scores globally attending models (a ViT, DeiT, CLIP, SigLIP, ...): explain it one image at a time with "
+                            f"vitviz.explain, or in the app")
     if "inside" in plan.metrics and not isinstance(net, ViT):
         raise EvaluateError(f"--metrics inside reads the residual stream of a plain ViT's blocks; {spec.name} is a "
                             f"{type(net).__name__}: leave out inside")
