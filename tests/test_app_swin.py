@@ -196,10 +196,10 @@ def test_the_explorer_data_is_the_layers_window_attention(analysed, name, grid):
     layer's global attention row (to 8 bits), zero outside the window; each token's window and
     region give exactly the library's `window_of`; the pooled row is the mean of the rows."""
     from vitviz.server.app import SERVER
-    ref = analysed[0] if name == NAME else page.on_analyze(runtime.EXAMPLES[-2], name, "mean", 0.0, progress=_quiet)[page.PAGE.state]
+    live = analysed[1] if name == NAME else page.on_analyze(runtime.EXAMPLES[-2], name, "mean", 0.0, progress=_quiet)
+    ref = live[page.PAGE.state]  # the explorer's value comes with the analysis' outputs
     exp = SERVER.store.get(ref.key)
     a = exp.analysis
-    live = tabs.explorer.TAB.on_explorer(ref)
     value = live[tabs.explorer.TAB.live["windowed"]]
     assert live[tabs.explorer.TAB.live["global"]] is None and live[tabs.explorer.TAB.boxes["windowed"]]["visible"] is True
     assert value["mode"] == "stack" and value["grid"] == [grid, grid] and value["outline"] == value["patch_px"] // 8
@@ -533,6 +533,6 @@ def test_the_embedded_shapes_swin_through_the_app(app):
     ref = out[page.PAGE.state]
     preds = out[tabs.predict.TAB.predictions]["value"]
     assert max(preds, key=preds.get) == "star"
-    assert tabs.explorer.TAB.on_explorer(ref)[tabs.explorer.TAB.live["windowed"]]["mode"] == "stack"
+    assert out[tabs.explorer.TAB.live["windowed"]]["mode"] == "stack"
     got = tabs.explain.TAB.on_explain(ref, "star")
     assert all(isinstance(got[tabs.explain.TAB.explain_imgs[m]]["value"], Image.Image) for m in vitviz.swin_analysis.SWIN_METHODS)

@@ -9,7 +9,6 @@ same value earlier (`explorer_early`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
@@ -175,19 +174,6 @@ class ExplorerTab(Tab):
         first = self._pictures(exp, depth, "mean", 0, "layer") if on_server else {self.explorer_img: None, self.mosaic: None}
         shown = {**self._shown(drawn.EXPLORER_WIDGET, live), self.server_explorer: gr.update(visible=on_server), **first}
         return {**shown, **({c: gr.skip() for c in self.boxes.values()} if same_model else {})}
-
-    def on_explorer(self, ref: SessionRef | None) -> Outputs:
-        """The explorer's outputs for the session's analysis, as its analysis brought them (`analysed`),
-        for a caller that asks for them again; its files written again under the session's key where
-        the store dropped the analysis (priced as "explorer")."""
-        if not isinstance(ref, SessionRef):
-            return {widget: gr.skip() for widget in self.live.values()}
-        exp = self.server.recall(ref)
-        if self.lacks(exp) is not None:
-            return {**{widget: None for widget in self.live.values()}, self.server_explorer: gr.update(visible=False)}
-        with self.server.job("explorer", ref.variant) as work:
-            self.server.explorer_sweep(room=work.cost.kept_bytes)
-            return self._explorer(replace(exp, key=ref.key))
 
     def _pictures(self, exp: views.Exploration, layer: int, head: str, query: int, scale: str) -> Outputs:
         """The server's explorer: the query's map and the layer's heads (a Swin's on its stage grid, its window outlined)."""
