@@ -427,6 +427,37 @@ def test_attention_recorded_with_its_heads_fused_is_the_fused_attention(kind, fu
             torch.testing.assert_close(getattr(fused, name)[:, 0], fuse_heads(getattr(whole, name), fusion, dim=1))
 
 
+@pytest.mark.parametrize("kind", ["joint", "divided", "attentive"])
+def test_attention_and_relevance_from_one_pass_are_each_on_its_own(kind):
+    """The Video tab's relevance run: the attention with its heads fused, the logits and the probe's
+    row from the relevance's own forward equal `VideoViT.attention`'s, and the relevance row
+    `space_time_relevance`'s, for the predicted class and another, the cls token and the patches' mean."""
+    from vitviz.video.analysis import attention_and_relevance, space_time_relevance
+
+    torch.manual_seed(6)
+    if kind == "divided":
+        model = _divided_model(2, num_classes=4)
+    else:
+        pool = dict(pool="attentive", pool_layers=1, pool_mlp_dim=32) if kind == "attentive" else dict(class_token=True, pool="cls")
+        model = _randomise(VideoViT(VideoConfig(frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=2, heads=2, mlp_dim=32,
+                                                num_classes=4, **pool))).eval()
+    x = torch.randn(model.config.frames, 3, 16, 16)
+    for fusion in ("mean", "max"):
+        alone = model.attention(x, head_fusion=fusion)
+        for target, query in ((None, 0 if model.config.num_prefix_tokens else "pool"), (2, "pool")):
+            attention, row = attention_and_relevance(model, x, target, query=query, head_fusion=fusion)
+            for name in ("joint", "time", "space", "pool", "logits"):
+                want = getattr(alone, name)
+                assert (want is None) == (getattr(attention, name) is None), name
+                if want is not None:
+                    torch.testing.assert_close(getattr(attention, name), want, atol=1e-6, rtol=1e-5)
+            explained = int(alone.logits.argmax()) if target is None else target
+            torch.testing.assert_close(row, space_time_relevance(model, x, explained, query=query)[0], atol=1e-6, rtol=1e-5)
+    assert (kind == "attentive") == (alone.pool is not None)
+    with pytest.raises(ValueError, match="one clip"):
+        attention_and_relevance(model, torch.randn(2, *x.shape))
+
+
 def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_token():
     """TimeSformer's relevance against the rule written out token by token in float64: each block's
     time term T (a patch's row over its own position in every frame; the cls row 0) then its space term

@@ -64,10 +64,11 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   activations, and the browser's explorer data when it is within `VIDEO_BROWSER_BYTES`
   (`video_explorer_bytes`: its parts, joined, and in base64; while a layer is quantised, its Q x Q rows
   in float32 twice and in float64, 17 Q^2 bytes); kept, the stack and the frames.
-- "video_relevance": "video", then the map of the top class by Chefer et al.'s rule
-  (`space_time_relevance`, one row): a forward keeping every layer on the graph and a backward to the
-  input (3 forwards' work), the terms and the row; in memory each layer's attention and its gradient,
-  its activations and one layer's term, and a tenth more.
+- "video_relevance": "video" with the map of the top class by Chefer et al.'s rule in place of the
+  rollout (`attention_and_relevance`, one row): one forward keeping every layer on the graph (the
+  views' attention averaged from it) and a backward to the first layer's attention (the activations'
+  gradients only, no weights': 2 forwards' work), the terms and the row; in memory each layer's attention and its gradient, its activations and one layer's term,
+  and a tenth more.
 
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
@@ -649,10 +650,13 @@ def _video_price(spec, kind: str = "video") -> Cost:
     peak = 2 * stack + 2 * layer + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
     if kind == "video":
         return Cost(kind, spec.name, n, peak, kept, forward + rollout)
-    # "video_relevance": then a forward keeping every layer on the graph (its attention and activations), a backward to
-    # the input, each layer's gradient beside its attention, and a query's row through each layer's term (a layer's
-    # attention-sized term at a time); a tenth more for what the allocator keeps besides (measured: within 4 % without it)
+    # "video_relevance": one forward keeping every layer on the graph (its attention and activations; each layer's heads
+    # averaged from it for the views), a backward to the first layer's attention (the activations' gradients: a
+    # forward's products again, no weights' gradients), each layer's gradient beside its attention, and a
+    # query's row through each layer's term (a layer's attention-sized term at a time); a tenth more for what the
+    # allocator keeps besides (measured: within 4 % without it)
     graph = 11 * (depth * (2 * layer + activations) + layer) // 10
     terms = depth * layer / 4 + rollout  # (G ⊙ A)⁺ averaged over heads, then the row through each term
+    fusing = depth * layer / 4  # each layer's heads averaged
     return Cost(kind, spec.name, n, max(peak, graph + stack + frames + explorer + BASE_BYTES + COMPUTE_BYTES), kept,
-                forward + rollout + 3.0 * forward + terms)
+                2.0 * forward + terms + fusing)

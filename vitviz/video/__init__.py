@@ -10,6 +10,7 @@ over to it) and the space-time analyses of their attention (`vitviz.video.analys
 """
 
 from vitviz.video.analysis import (
+    attention_and_relevance,
     attention_across_frames,
     attention_across_frames_all,
     divided_step_matrices,
@@ -33,6 +34,7 @@ __all__ = [
     "space_time_rollout",
     "space_time_rollout_row",
     "space_time_relevance",
+    "attention_and_relevance",
     "divided_step_matrices",
     "frame_maps",
     "attention_across_frames",

@@ -22,7 +22,7 @@ from vitviz import steps
 from vitviz.analysis import POOL, HeadFusion, Query, attention_rollout, fuse_heads, query_row
 from vitviz.hooks import record_attention
 from vitviz.relevance import gradient_relevance, relevance_from_layers, relevance_layer
-from vitviz.video.model import VideoAttention, VideoViT
+from vitviz.video.model import VideoAttention, VideoViT, pool_row
 
 __all__ = [
     "space_time_rollout",
@@ -34,6 +34,7 @@ __all__ = [
     "mean_attention_distance_space_time",
     "token_coordinates",
     "space_time_relevance",
+    "attention_and_relevance",
 ]
 
 
@@ -326,6 +327,13 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
             as a vector times each layer's term from the last (q·R = q·(I + Ā_L)···(I + Ā_1): N² a layer
             instead of N³).
     """
+    logits, attn, grads, grid = _relevance_pass(model, videos, target)
+    return _relevance_of(model, attn, grads, grid, query, logits.shape[0])
+
+
+def _relevance_pass(model: VideoViT, videos: torch.Tensor, target: int | torch.Tensor | None):
+    """One forward keeping each attention on the graph and one backward of the targets' logits:
+    (logits [B, C], the attentions, their gradients, the grid)."""
     c = model.config
     if not c.num_classes:
         raise ValueError("space_time_relevance explains a class: this model has no head")
@@ -345,9 +353,14 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
         raise ValueError(f"target must lie in 0..{c.num_classes - 1}, got {target.tolist()}")
     attn = rec.graph_attentions
     grads = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), attn)
+    return logits.detach(), attn, grads, model.grid_for(videos)
+
+
+def _relevance_of(model: VideoViT, attn, grads, grid: tuple[int, int, int], query: Query | None, b: int) -> torch.Tensor:
+    """`space_time_relevance` of `b` clips from their pass's attentions and gradients."""
+    c = model.config
     if c.attention == "joint" and query is None:
         return gradient_relevance(torch.stack([a.detach().float() for a in attn]), torch.stack([g.float() for g in grads]))
-    grid = model.grid_for(videos)
     if c.attention == "divided" and query is None:
         return relevance_from_layers(_divided_terms(list(attn), list(grads), grid, b))
     n = c.num_prefix_tokens + grid[0] * grid[1] * grid[2]
@@ -362,3 +375,22 @@ def space_time_relevance(model: VideoViT, videos: torch.Tensor, target: int | to
         v = v + _row_time(v, time, grid)
         steps.step()
     return v
+
+
+def attention_and_relevance(model: VideoViT, video: torch.Tensor, target: int | None = None, *, query: Query = 0,
+                            head_fusion: HeadFusion = "mean") -> tuple[VideoAttention, torch.Tensor]:
+    """One clip's attention, each layer's heads fused (as `VideoViT.attention(video, head_fusion=...)`,
+    its `logits` the forward's), and the relevance row of `query` for `target` (default the predicted
+    class; as `space_time_relevance(model, video, target, query=query)[0]`), from one forward and one
+    backward: what the Video tab's relevance map reads, without a second forward for the attention.
+
+    Args:
+        video: one clip [T, 3, H, W] or [1, T, 3, H, W].
+    """
+    if video.ndim == 5 and video.shape[0] != 1:
+        raise ValueError(f"attention_and_relevance reads one clip, [1, T, 3, H, W] or [T, 3, H, W]; got {list(video.shape)}")
+    with model.recording_pool() as pooled:
+        logits, attn, grads, grid = _relevance_pass(model, video, target)
+    row = _relevance_of(model, attn, grads, grid, query, 1)[0]
+    fused = [fuse_heads(a.detach(), head_fusion, dim=1).unsqueeze(1) for a in attn]
+    return model.attention_of(fused, grid, pool=pool_row(pooled), logits=logits[0]), row

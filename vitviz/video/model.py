@@ -28,6 +28,8 @@ a `VideoAttention`, which the space-time analyses (`vitviz.video.analysis`) read
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -438,6 +440,11 @@ class AttentivePooler(nn.Module):
         return self.cross(self.query.expand(tokens.shape[0], -1, -1), tokens)[:, 0]
 
 
+def pool_row(pooled: list[torch.Tensor]) -> torch.Tensor | None:
+    """The first clip's attention probe row [H, N] of the last forward `VideoViT.recording_pool` saw, or None."""
+    return pooled[-1][0, :, 0].float() if pooled else None
+
+
 class VideoViT(nn.Module):
     """A video transformer, built from a `VideoConfig` (or its fields as keywords): videos [B, T, 3, H, W]
     -> logits [B, classes], or the pooled features [B, D] for a model without a head.
@@ -576,23 +583,34 @@ class VideoViT(nn.Module):
         if videos.ndim != 5 or videos.shape[0] != 1:
             raise ValueError(f"attention reads one clip, [1, T, 3, H, W] or [T, 3, H, W]; got {list(videos.shape)}")
         grid = self.grid_for(videos)
+        reduce = None if head_fusion is None else (lambda a: fuse_heads(a, head_fusion, dim=1).unsqueeze(1))
+        with self.recording_pool() as pooled, torch.no_grad(), record_attention(self, reduce=reduce) as rec:
+            out = self(videos)[0]
+        return self.attention_of(rec.layers, grid, pool=pool_row(pooled), logits=out)
+
+    @contextmanager
+    def recording_pool(self) -> Iterator[list[torch.Tensor]]:
+        """The attention probe's attention [B, H, 1, N] of each forward run in the block (`pool_row`
+        reads the last); nothing for a model without one."""
         pooled: list[torch.Tensor] = []
         handle = None
         if self.attn_pool is not None:
             handle = self.attn_pool.cross.attend.register_forward_hook(lambda m, i, out: pooled.append(out.detach()))
         try:
-            reduce = None if head_fusion is None else (lambda a: fuse_heads(a, head_fusion, dim=1).unsqueeze(1))
-            with torch.no_grad(), record_attention(self, reduce=reduce) as rec:
-                out = self(videos)[0]
+            yield pooled
         finally:
             if handle is not None:
                 handle.remove()
-        layers = rec.layers
-        pool = pooled[-1][0, :, 0].float() if pooled else None
+
+    def attention_of(self, layers: list[torch.Tensor], grid: tuple[int, int, int], *, pool: torch.Tensor | None = None,
+                     logits: torch.Tensor | None = None) -> VideoAttention:
+        """One clip's `VideoAttention` from each attention the model ran, as `record_attention` lists them
+        (a joint model's [1, H, N, N] per layer; a divided one's time [h*w, H, t, t] and space [t, H, N_f, N_f]
+        of each block), with its attention pool's row and its output."""
         p = self.config.num_prefix_tokens
         if self.config.attention == "joint":
-            return VideoAttention(grid, p, joint=torch.stack([a[0] for a in layers]).float(), pool=pool, logits=out)
+            return VideoAttention(grid, p, joint=torch.stack([a[0] for a in layers]).float(), pool=pool, logits=logits)
         t, h, w = grid
         time = torch.stack([a.reshape(h * w, -1, t, t).transpose(0, 1) for a in layers[0::2]]).float()  # [L, H, s, t, t]
         space = torch.stack([a.reshape(t, -1, p + h * w, p + h * w).transpose(0, 1) for a in layers[1::2]]).float()
-        return VideoAttention(grid, p, time=time, space=space, pool=pool, logits=out)
+        return VideoAttention(grid, p, time=time, space=space, pool=pool, logits=logits)

@@ -7,7 +7,8 @@ sampling (its refusals, `VideoError`, are the tab's one-sentence errors) and pri
 `vitviz.cost`) before the model runs, once: the forward that records the attention gives the logits
 too. The run gives the top classes, the cls token's row of the space-time rollout (for a model without
 one, such as VideoMAE, the patches' mean row), or with the Map "relevance" of the top class's relevance
-(`space_time_relevance`; priced "video_relevance"), over each frame
+(`attention_and_relevance`: the attention and the relevance from one forward and one backward; priced
+"video_relevance"), over each frame
 (`frame_maps`; a frame shows the map of the tubelet it belongs to) as a strip and as an animated GIF to
 download, and the explorer of where one patch looks across the frames (`attention_across_frames`, heads
 averaged), in one of two ways:
@@ -49,7 +50,7 @@ from vitviz.server.guards.gradio_io import UPLOAD_REFUSED, file_stem, secret_nam
 from vitviz.server.pictures import video_explorer
 from vitviz.server.runtime import Outputs, gpu
 from vitviz.server.tabs.base import Tab, figure, register_tab
-from vitviz.video.analysis import attention_across_frames, frame_maps, space_time_relevance, space_time_rollout_row
+from vitviz.video.analysis import attention_across_frames, attention_and_relevance, frame_maps, space_time_rollout_row
 from vitviz.server.models import TooLarge
 from vitviz.sources import WeightsUnavailableError
 from vitviz.video.load import VIDEO_MENU, load_video_model, video_spec
@@ -150,18 +151,19 @@ def model_of(server: str, name: str) -> VideoViT:
 @gpu
 def run_on_device(server: str, name: str, videos: torch.Tensor, shown: str = "rollout") -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
     """The probabilities, the attention (heads averaged) and the maps of one clip [T, 3, S, S]: the
-    rollout's (one forward), or with `shown` "relevance" the top class's relevance (Chefer et al.; a
-    forward and a backward more); each the cls token's row, or the patches' mean without one."""
+    rollout's (one forward), or with `shown` "relevance" the top class's relevance (Chefer et al.; the
+    attention from the same forward, and a backward); each the cls token's row, or the patches' mean
+    without one."""
     model = model_of(server, name)
     device = next(model.parameters()).device
     videos = videos.to(device)
-    attention = model.attention(videos, head_fusion="mean")  # what every view reads: the heads averaged
-    probs = attention.logits.float().softmax(-1).cpu()
-    query = 0 if attention.num_prefix_tokens else "pool"  # the cls token's row, or the patches' mean
-    if shown == "relevance":
-        row = space_time_relevance(model, videos, int(probs.argmax()), query=query)[0]
+    query = 0 if model.config.num_prefix_tokens else "pool"  # the cls token's row, or the patches' mean
+    if shown == "relevance":  # the attention every view reads (heads averaged) from the relevance's own forward
+        attention, row = attention_and_relevance(model, videos, query=query, head_fusion="mean")
     else:
+        attention = model.attention(videos, head_fusion="mean")
         row = space_time_rollout_row(attention, query=query)
+    probs = attention.logits.float().softmax(-1).cpu()
     return probs, attention, frame_maps(row, attention.grid).float().cpu()
 
 
