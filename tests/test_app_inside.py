@@ -99,6 +99,7 @@ def test_an_image_text_model_gets_its_zero_shot_lens_and_a_windowed_one_the_reas
     ref = out[page.PAGE.state]
     tab = tabs.inside.TAB
     drawn = tab.on_inside(ref, None, [], "zero")
+    assert all(drawn[c]["visible"] is True for c in (tab.mode, tab.switches, tab.ranking))
     a = SERVER.store.get(ref.key).analysis
     assert drawn[tab.target]["choices"] == list(vitviz.shapes.CLASSES)
     torch.testing.assert_close(a.logit_lens()[-1], a.probabilities, atol=1e-5, rtol=1e-4)

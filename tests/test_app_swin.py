@@ -139,6 +139,7 @@ def test_the_inside_tab_reads_the_last_stage_through_the_pooled_mean(analysed):
     assert heads.shape[0] > 40 and heads.std() > 0
     assert isinstance(drawn[tab.lens_img], Image.Image)
     assert drawn[tab.off]["choices"] == [] and drawn[tab.off]["interactive"] is False
+    assert all(drawn[c]["visible"] is False for c in (tab.mode, tab.switches, tab.ranking))  # no control that cannot act
     assert drawn[tab.ablation_note].startswith("No ablation here") and drawn[tab.ablated]["visible"] is False
     with pytest.raises(gr.Error, match="No ablation here"):
         tab.on_rank(ref, None, "zero")

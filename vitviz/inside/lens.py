@@ -11,9 +11,10 @@ from vitviz.model import ViT
 
 
 def lens_of(stream: Stream | None, *, logits: bool = False) -> torch.Tensor:
-    """The logit lens [L+1, C]: row l is what the model would predict from its stream after block l
-    (row 0: the embedding; row L: the model's own output), probabilities (softmax over the classes;
-    an image–text model's zero-shot scores) or, with `logits`, logits."""
+    """The logit lens [L+1, C]: row l is what the model would predict from its stream after block
+    `stream.first_layer` + l (row 0: the embedding, or for a Swin what enters its last stage; row L:
+    the model's own output), probabilities (softmax over the classes; an image–text model's zero-shot
+    scores) or, with `logits`, logits."""
     stream = _stream_or_raise(stream)
     out = stream.unembed.logits(stream.normed)
     return out if logits else stream.unembed.probabilities(out)

@@ -79,7 +79,9 @@ class InsideTab(Tab):
             "model's own final norm): at which layer does it know? **Direct logit attribution**: the chosen class's "
             "logit split exactly into what each head, MLP and the embedding write to the stream (centred and divided "
             "by the final norm's σ from this forward, as TransformerLens does). **Ablation**: click a head in the "
-            "map (or list it) to switch it off and see the top-5 change; *Rank heads* switches each off alone.",
+            "map (or list it) to switch it off and see the top-5 change; *Rank heads* switches each off alone. Where tokens merge "
+            "between stages, the lens and the parts start at the last stage, the only one as wide as the classifier's input; "
+            "heads are switched off where they attend across the whole image.",
             elem_classes="vv-caption",
         )
         with gr.Row():
@@ -88,21 +90,24 @@ class InsideTab(Tab):
         self.note = gr.Markdown("", elem_id="vv-inside-note")
         with gr.Row(elem_classes="vv-pair"):
             self.lens_img = figure(label="Logit lens: probability against depth", elem_id="vv-lens")
-            self.heads_img = figure(label="Each head's part of the logit (click: switch off)", elem_id="vv-attribution")
+            self.heads_img = figure(label="Each head's part of the logit (click: switch off, where heads attend globally)",
+                                    elem_id="vv-attribution")
         self.parts = gr.Dataframe(headers=["part", "logit"], label="The logit, part by part", elem_id="vv-attribution-parts",
                                   interactive=False, wrap=True, column_widths=["72%", "28%"])
-        with gr.Row():
+        with gr.Row() as self.switches:  # the ablation's controls: shown where heads can be switched off (`_no_ablation`)
             self.off = gr.Dropdown([], value=[], multiselect=True, label="Heads switched off", elem_id="vv-heads-off", scale=3)
             self.clear = gr.Button("All on", size="sm", scale=1)
         with gr.Row(elem_classes="vv-pair"):
             self.ablated = gr.Label(num_top_classes=5, label="Top-5 with those heads off", visible=False, elem_id="vv-ablated")
             self.ablation_note = gr.Markdown("", elem_id="vv-ablation-note")
-        self.rank = gr.Button("Rank heads by ablation (each alone)", size="sm", elem_id="vv-rank-heads")
-        with gr.Row(elem_classes="vv-pair"):
-            self.rank_img = figure(label="Drop of the class's probability, each head off alone", elem_id="vv-rank")
-            self.rank_note = gr.Markdown("", elem_id="vv-rank-note")
+        with gr.Column() as self.ranking:
+            self.rank = gr.Button("Rank heads by ablation (each alone)", size="sm", elem_id="vv-rank-heads")
+            with gr.Row(elem_classes="vv-pair"):
+                self.rank_img = figure(label="Drop of the class's probability, each head off alone", elem_id="vv-rank")
+                self.rank_note = gr.Markdown("", elem_id="vv-rank-note")
         self.draw_inputs = [self.target, self.off, self.mode]
-        self.draw_outputs = [self.target, self.note, self.lens_img, self.heads_img, self.parts, self.off, self.ablated, self.ablation_note]
+        self.draw_outputs = [self.target, self.note, self.lens_img, self.heads_img, self.parts, self.off, self.ablated, self.ablation_note,
+                             self.mode, self.switches, self.ranking]
 
     def draw(self, ref: SessionRef, target: str | None = None, off: list | None = None, mode: str = "zero") -> Outputs:
         return self.on_inside(ref, target, off, mode)
@@ -133,8 +138,8 @@ class InsideTab(Tab):
         """Why the heads of `exp`'s model cannot be switched off here, or None."""
         if lacks(exp, self.ablation_needs) is None:
             return None
-        return (f"No ablation here: {exp.analysis.variant}'s heads attend within windows; heads are switched off in models "
-                "whose heads attend across the whole image.")
+        return (f"No ablation here: {exp.analysis.variant}'s heads do not attend across the whole image; heads are switched off "
+                "in models whose heads do.")
 
     def _heads(self, exp: views.Exploration) -> tuple[int, int]:
         """The layers and heads a head to switch off is named among (a global model's every layer)."""
@@ -162,6 +167,7 @@ class InsideTab(Tab):
             self.target: gr.update(choices=list(a.categories), value=a.categories[t]),
             self.lens_img: plots.named(lens_img, views._name(exp, "logit-lens", a.categories[t])),
             self.off: gr.update(choices=names, value=[head_name(*p) for p in pairs], interactive=not no_ablation),
+            **{shown: gr.update(visible=not no_ablation) for shown in (self.mode, self.switches, self.ranking)},
         }
         try:
             parts = a.logit_attribution(t)
