@@ -913,3 +913,25 @@ def test_an_image_of_any_aspect_ratio_is_drawn_in_its_shape(app, tmp_path, heigh
     assert rollout.size == (shown[0] + COLORBAR_PX, max(shown[1], 112))  # the map, its colour bar beside it (112 px at least)
     below = np.asarray(rollout)[shown[1] :, : shown[0]]
     assert below.size == 0 or (below == 255).all()  # white beneath a map too short for the bar
+
+
+def test_an_analysis_whose_pictures_fail_leaves_the_previous_one_on_the_page(app, example, monkeypatch):
+    """A tab that cannot draw the new analysis (a disk full while the explorer's files are written):
+    the session's previous analysis stays kept, and the new one's files go."""
+    from vitviz.server.app import SERVER
+
+    first = page.on_analyze(example, "shapes_p16", "mean", 0.0, progress=_quiet)[page.PAGE.state]
+    written: list[str] = []
+    drawn = tabs.explorer.TAB.analysed
+
+    def full(done):
+        drawn(done)  # its files written, then the disk is full
+        written.append(done.exp.key)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tabs.explorer.TAB, "analysed", full)
+    with pytest.raises(OSError):
+        page.on_analyze(runtime.EXAMPLES[1], "shapes_p16", "mean", 0.0, first, progress=_quiet)
+    assert SERVER.store.get(first.key) is not None and SERVER.recall(first).analysis.variant == "shapes_p16"
+    assert written and SERVER.store.get(written[0]) is None and not list(SERVER.explorer_dir.glob(f"{written[0]}-*"))
+    assert list(SERVER.explorer_dir.glob(f"{first.key}-*"))

@@ -238,11 +238,20 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
     analysis run without a key (`Server.analysing`'s `explorer_key`) is given one: its explorer's
     files are named by the key it is kept under."""
     same_model = isinstance(ref, SessionRef) and ref.variant == exp.analysis.variant
-    PAGE.server.forget(ref)
     a = exp.analysis
     if exp.key is None:
         exp = replace(exp, key=runtime.new_key())
     done = Analysed(exp, same_model=same_model, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    drawn: Outputs = {}
+    try:  # every tab drawn (the explorer's files written) before the session's previous analysis is let go
+        for g in PAGE.gates:  # what the model lacks: as it was for the same model
+            drawn.update({g.note: gr.skip(), g.content: gr.skip()} if same_model else g.outputs(exp))
+        for tab in TABS:
+            drawn.update(tab.analysed(done) if tab.lacks(exp) is None else tab.unfit(done))
+    except BaseException:  # the page keeps the previous analysis; this one's files go
+        PAGE.server.explorer_files_gone(exp.key)
+        raise
+    PAGE.server.forget(ref)
     out: Outputs = {
         PAGE.state: PAGE.server.remember(exp, image),
         PAGE.notice: "",
@@ -253,11 +262,7 @@ def analysis_outputs(exp: views.Exploration, image: str, ref: SessionRef | None,
             f"{a.model_seconds * 1e3:.0f} ms; {a.grid[0]}x{a.grid[1]} patches of {a.patch_size} px, {exp.facts.total_params:,} parameters."
         ),
     }
-    for g in PAGE.gates:  # what the model lacks: as it was for the same model
-        out.update({g.note: gr.skip(), g.content: gr.skip()} if same_model else g.outputs(exp))
-    for tab in TABS:
-        out.update(tab.analysed(done) if tab.lacks(exp) is None else tab.unfit(done))
-    return out
+    return {**out, **drawn}
 
 
 def _refused(exc: gr.Error, ref: SessionRef | None) -> Outputs:

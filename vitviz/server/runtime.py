@@ -110,7 +110,7 @@ class Server:
         self.explorer_calls = threading.BoundedSemaphore(4)
         self.early = Tickets(waiters_per_owner=2 * settings.address_jobs)
         self.store: SessionStore[views.Exploration] = SessionStore(budget_bytes=settings.state_bytes, idle_seconds=settings.state_idle,
-                                                                   on_drop=self._explorer_files_gone)
+                                                                   on_drop=self.explorer_files_gone)
         self.method_guard = explaining.MethodGuard(clock=self.work.job_clock)
         _SERVERS[name] = self
 
@@ -124,9 +124,10 @@ class Server:
 
     # -- the files it keeps --------------------------------------------------------------------
 
-    def _explorer_files_gone(self, key: str) -> None:
-        """An analysis dropped (replaced on its page, its session gone, idle, or over the store's budget):
-        its explorer's files go with it (a file being written is left to the sweep)."""
+    def explorer_files_gone(self, key: str) -> None:
+        """An analysis dropped (replaced on its page, its session gone, idle, or over the store's budget),
+        or never kept (its pictures failed): its explorer's files go with it (a file being written is left
+        to the sweep)."""
         if TICKET.fullmatch(key) is None:  # (a key, `new_key`'s, has a ticket's form: 22 URL-safe characters, never a pattern)
             return
         try:
@@ -267,7 +268,7 @@ class Server:
         one layer's rows, in float32 and float64 while quantised, held beside the forward's own peak (the
         file goes to disk). A windowed model's file is written after the forward, the analysis held: what
         writing it holds (the file and its copy, a layer's rows while quantised) is added to the
-        analysis' bytes, and its work to the analysis'. A layout with no file for the browser (a layer's
+        analysis' bytes (its work, a copy of the attention in 8 bits, is priced as none). A layout with no file for the browser (a layer's
         file when it is asked for, or the server's views) is the analysis alone."""
         spec = get_spec(variant)
         cost = price(spec, "analyse", budget=self.work.budget_bytes)
