@@ -514,3 +514,24 @@ def test_divided_relevance_is_each_blocks_time_then_space_step_placed_token_by_t
         together = space_time_relevance(model, both, torch.tensor([target, 0]), query=query)
         torch.testing.assert_close(together[0], space_time_relevance(model, x, target, query=query)[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(together[1], space_time_relevance(model, other, 0, query=query)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_the_probes_row_is_the_threads_own_clips():
+    """Two requests on one cached model at once: a forward in another thread while a clip's probe
+    row is recorded leaves that row the clip's own."""
+    import threading
+
+    from vitviz.video.model import pool_row
+
+    torch.manual_seed(8)
+    model = _randomise(VideoViT(VideoConfig(frames=4, tubelet=2, image_size=16, patch_size=8, width=16, depth=1, heads=2, mlp_dim=32,
+                                            num_classes=3, pool="attentive", pool_layers=1, pool_mlp_dim=32))).eval()
+    mine, theirs = torch.randn(1, 4, 3, 16, 16), torch.randn(1, 4, 3, 16, 16)
+    with torch.no_grad(), model.recording_pool() as pooled:
+        model(mine)
+        other = threading.Thread(target=lambda: model(theirs))
+        other.start()
+        other.join()
+    assert len(pooled) == 1
+    torch.testing.assert_close(pool_row(pooled), model.attention(mine[0]).pool)
+    assert not torch.allclose(model.attention(theirs[0]).pool, model.attention(mine[0]).pool)

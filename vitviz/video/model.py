@@ -27,6 +27,7 @@ a `VideoAttention`, which the space-time analyses (`vitviz.video.analysis`) read
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -590,12 +591,19 @@ class VideoViT(nn.Module):
 
     @contextmanager
     def recording_pool(self) -> Iterator[list[torch.Tensor]]:
-        """The attention probe's attention [B, H, 1, N] of each forward run in the block (`pool_row`
-        reads the last); nothing for a model without one."""
+        """The attention probe's attention [B, H, 1, N] of each forward this thread runs in the block
+        (`pool_row` reads the last; another thread's forwards of the same model are not seen); nothing
+        for a model without one."""
         pooled: list[torch.Tensor] = []
         handle = None
+        owner = threading.get_ident()
+
+        def keep(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if threading.get_ident() == owner:
+                pooled.append(out.detach())
+
         if self.attn_pool is not None:
-            handle = self.attn_pool.cross.attend.register_forward_hook(lambda m, i, out: pooled.append(out.detach()))
+            handle = self.attn_pool.cross.attend.register_forward_hook(keep)
         try:
             yield pooled
         finally:
