@@ -431,3 +431,27 @@ def test_the_report_runs_on_a_few_images(capsys):
     inside.main(["--report", "--variants", "shapes_p16", "--n", "12", "--ablation-images", "6", "--seed", "3538"])
     out = capsys.readouterr().out
     assert "shapes_p16: 12 fresh images" in out and "zero ablation, 6 images" in out and "L" in out
+
+
+def test_every_analysis_of_a_model_reads_one_cpu_copy_of_its_head():
+    """The head a stream reads its logits with is not copied per analysis: on a float32 CPU model it is
+    the model's own weight; on any other (a GPU's, here a float64 model) one copy serves every
+    analysis, made again when the weights change."""
+    import vitviz
+
+    model = vitviz.load_model("shapes_p16")
+    image = vitviz.shapes.render(1, seed=3, index=0, image_size=model.spec.image_size)[0]
+    first, second = vitviz.analyze(model, image).inside, vitviz.analyze(model, image).inside
+    assert first.unembed.weight.data_ptr() == second.unembed.weight.data_ptr() == model.head.weight.data_ptr()
+    wide = vitviz.load_model("shapes_p16").double()
+    one, two = vitviz.analyze(wide, image).inside, vitviz.analyze(wide, image).inside
+    assert one.unembed.weight.dtype == torch.float32 and one.unembed.weight.data_ptr() == two.unembed.weight.data_ptr()
+    assert one.unembed.weight.data_ptr() != wide.head.weight.data_ptr()
+    with torch.no_grad():
+        wide.head.weight.mul_(2)
+    three = vitviz.analyze(wide, image).inside
+    torch.testing.assert_close(three.unembed.weight, 2 * one.unembed.weight)
+    x = vitviz.preprocess(vitviz.load_image(image), wide.spec.preprocessing)[0][None].double()
+    with torch.no_grad():
+        logits = wide(x)[0].float()
+    torch.testing.assert_close(inside.lens_of(three, logits=True)[-1], logits, atol=1e-4, rtol=1e-4)

@@ -330,11 +330,10 @@ class SwinStream:
         if self._streams is None:
             if len(self.parts.get("normed", ())) != len(self._model.stages[-1].blocks) + 1:
                 raise RuntimeError("record_swin_stream captured no complete forward: run the model inside the `with` block")
-            from vitviz.inside.stream import Unembed, streams_of_parts
+            from vitviz.inside.stream import Unembed, on_cpu, streams_of_parts
 
             model = self._model
-            head = model.head
-            unembed = Unembed(weight=head.weight.detach().float().cpu()[None], bias=head.bias.detach().float().cpu()[None])
+            unembed = Unembed(weight=on_cpu(model.head.weight)[None], bias=on_cpu(model.head.bias)[None])
             self._streams = streams_of_parts(
                 self.parts, readout="normed mean", norm=model.norm, blocks=model.stages[-1].blocks, heads=model.config.num_heads[-1],
                 unembed=unembed, categories=model.spec.categories if model.spec is not None else None, unsplit=_unsplit(model),
@@ -348,10 +347,11 @@ class SwinStream:
 
 
 def _unsplit(model: Swin) -> str:
-    """Why the logit does not split into the last stage's parts, or "" (`vitviz.inside.stream.unsplit_why`)."""
-    if model.config.version == 2:
-        return "this model normalises each branch's output before adding it to the stream (Swin V2's res-post-norm), so a head's share is not linear in it"
-    return ""
+    """Why the logit does not split into the last stage's parts, or "": Swin V2's norm after each
+    branch (res-post-norm), said as `vitviz.inside.stream.unsplit_why` says it of a ViT."""
+    from vitviz.inside.stream import POST_NORM_UNSPLIT
+
+    return POST_NORM_UNSPLIT if model.config.version == 2 else ""
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,8 +56,12 @@ def unsplit_why(model: ViT) -> str:
     if model.config.attn_norm:
         return "this model normalises its heads' outputs together (a LayerNorm before W_O), so a head's share is not linear in it"
     if model.config.post_norm:
-        return "this model normalises each branch's output before adding it to the stream (res-post-norm), so a head's share is not linear in it"
+        return POST_NORM_UNSPLIT
     return ""
+
+
+POST_NORM_UNSPLIT = ("this model normalises each branch's output before adding it to the stream (res-post-norm), so a head's "
+                     "share is not linear in it")
 
 
 def _read(x: torch.Tensor, readout: Readout, q: int, p: int) -> torch.Tensor:
@@ -136,6 +141,26 @@ class Unembed:
         return self.weight[:, target].double() / q, float(self.bias[:, target].double().mean())
 
 
+_CPU_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(parameter) -> (the parameter, its version, the copy)
+_CPU_LOCK = threading.Lock()
+
+
+def on_cpu(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter detached, as float32 on the CPU, one tensor for every analysis of its model: the
+    parameter itself (a view) on a float32 CPU model, else one copy kept while the parameter lives and
+    made again when it changes (its version). So a `Stream` holds no head of its own on a GPU either."""
+    key = id(weight)
+    with _CPU_LOCK:
+        kept = _CPU_COPIES.get(key)
+        if kept is not None and kept[0]() is weight and kept[1] == weight._version:
+            return kept[2]
+        copy = weight.detach().float().cpu()
+        if kept is None or kept[0]() is not weight:
+            weakref.finalize(weight, _CPU_COPIES.pop, key, None)
+        _CPU_COPIES[key] = (weakref.ref(weight), weight._version, copy)
+        return copy
+
+
 def _unembed(pair: ViT | ImageTextModel, labels: Sequence[str] | None, template: str | None) -> Unembed:
     """The last step of `pair` (its head; for an image–text model its projection and the label set's text embeddings), detached on the CPU."""
     if isinstance(pair, ImageTextModel):
@@ -149,10 +174,9 @@ def _unembed(pair: ViT | ImageTextModel, labels: Sequence[str] | None, template:
             logit_bias=None if pair.logit_bias is None else float(pair.logit_bias.detach()),
         )
     heads = [pair.head] + ([pair.head_dist] if pair.config.distill_token else [])
-    if len(heads) == 1:  # a view of the head's weights (no copy on the CPU)
-        return Unembed(weight=pair.head.weight.detach().float().cpu()[None], bias=pair.head.bias.detach().float().cpu()[None])
-    return Unembed(weight=torch.stack([h.weight.detach().float().cpu() for h in heads]),
-                   bias=torch.stack([h.bias.detach().float().cpu() for h in heads]))
+    if len(heads) == 1:  # the model's one CPU copy of the head's weights (`on_cpu`)
+        return Unembed(weight=on_cpu(pair.head.weight)[None], bias=on_cpu(pair.head.bias)[None])
+    return Unembed(weight=torch.stack([on_cpu(h.weight) for h in heads]), bias=torch.stack([on_cpu(h.bias) for h in heads]))
 
 
 # ----------------------------------------------------------------------------- the recorded stream
@@ -205,7 +229,8 @@ class Stream:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the stream's own tensors (the head's weights are shared with the model on the CPU)."""
+        """Bytes held by the stream's own tensors (the head's weights are the model's one CPU copy, `on_cpu`;
+        a DeiT's two heads stacked, or an image–text model's label embeddings, are not counted)."""
         own = (self.normed, self.embedding, self.heads, self.attn_biases, self.mlps, self.sigma, self.norm_weight, self.norm_bias)
         return sum(t.numel() * t.element_size() for t in own if t is not None)
 
