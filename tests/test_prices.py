@@ -4,7 +4,6 @@ of it; the speed the server learns kept apart for each line of work (an injected
 orderings, phrases and rollouts a price counts."""
 
 import pytest
-import torch
 
 import vitviz
 from vitviz import cost

@@ -338,7 +338,7 @@ def _analyze_input(
     param = next(model.parameters())
     x = x.unsqueeze(0).to(device=param.device, dtype=param.dtype)
     gh, gw = model.grid_for(x.shape[2], x.shape[3])
-    depth, heads, n = model.config.depth, model.config.heads, model.config.num_prefix_tokens + gh * gw
+    depth, heads, n = model.config.depth, model.config.heads, model.config.tokens_of(gh * gw)
     # each layer's attention goes straight into its slot of one stack on the CPU, as the layer runs:
     # the analysis never holds a second copy of the stack (the peak is one stack plus one layer)
     attn = torch.empty(depth, heads, n, n, dtype=torch.float32)

@@ -449,6 +449,7 @@ def _plan(data: Path, out: Path, *, model: str, methods, metrics, steps, batch_s
         spec = get_spec(model)
     except ValueError as exc:
         raise EvaluateError(f"--model: {exc}") from None
+    _check_attention(spec.name, getattr(spec.config, "attention", "global"))  # before its weights are fetched
     if not spec.preprocessing.square:  # (a batch is one tensor: its images of one size)
         raise EvaluateError(f"--model: {spec.name} takes each image whole at its own aspect ratio, and the evaluator scores batches "
                             f"of square crops: analyse it one image at a time with vitviz.analyze, or name a model without @whole")
@@ -487,17 +488,21 @@ def _plan(data: Path, out: Path, *, model: str, methods, metrics, steps, batch_s
                  items=items, classes=classes, notes=notes)
 
 
+def _check_attention(name: str, kind: str) -> None:
+    """Refuses a model whose attention is not one token-by-token matrix per layer: the batch's one pass records them."""
+    if kind != "global":
+        raise EvaluateError(f"--model: {name}'s attention is {kind}, not one token-by-token matrix per layer, and the evaluator "
+                            f"scores globally attending models (a ViT, DeiT, CLIP, SigLIP, ...): explain it one image at a time with "
+                            f"vitviz.explain, or in the app")
+
+
 def _loaded(plan: _Plan, device: torch.device):
     """The model on this process' device, refused where the run's metrics or phrases do not fit it."""
     from vitviz.sources import load_model
 
     net = load_model(plan.model, device=device)
     spec = net.spec
-    kind = attention_of(_tower(net))
-    if kind != "global":  # (the batch's one pass records every layer's token-by-token attention)
-        raise EvaluateError(f"--model: {spec.name}'s attention is {kind}, not one token-by-token matrix per layer, and the evaluator "
-                            f"scores globally attending models (a ViT, DeiT, CLIP, SigLIP, ...): explain it one image at a time with "
-                            f"vitviz.explain, or in the app")
+    _check_attention(spec.name, attention_of(_tower(net)))  # (a plugin's architecture is known once its model is)
     if "inside" in plan.metrics and not isinstance(net, ViT):
         raise EvaluateError(f"--metrics inside reads the residual stream of a plain ViT's blocks; {spec.name} is a "
                             f"{type(net).__name__}: leave out inside")
