@@ -274,14 +274,11 @@ class Server:
         cost = price(spec, "analyse", budget=self.work.budget_bytes)
         if not explorer:
             return cost
-        if spec.config.attention == "windowed":
-            file = price(spec, "explorer")
-            if not file.kept_bytes:  # too large for the browser: the server draws its views
-                return cost
-            return replace(cost, bytes=cost.bytes + file.bytes - BASE_BYTES, flops=cost.flops + file.flops)
+        file = price(spec, "explorer")
+        if spec.config.attention == "windowed":  # written after the forward; none when the server draws its views
+            return replace(cost, bytes=cost.bytes + file.bytes - BASE_BYTES) if file.kept_bytes else cost
         if spec.config.attention != "global" or explorer_layout_of(spec).mode != "stack":
             return cost  # (only a file of the whole stack is written while the forward runs)
-        file = price(spec, "explorer")
         return replace(cost, bytes=cost.bytes + file.bytes - file.kept_bytes - BASE_BYTES)
 
     def remember(self, exp: views.Exploration, source: str = "", *, key: str | None = None) -> SessionRef:
