@@ -3,6 +3,8 @@ request really runs (counted by torch's FlopCounterMode, no clock) within the pr
 of it; the speed the server learns kept apart for each line of work (an injected clock); the
 orderings, phrases and rollouts a price counts."""
 
+import math
+
 import pytest
 
 import vitviz
@@ -10,7 +12,7 @@ from vitviz import cost
 from vitviz.cost import Cost, price
 from vitviz.explainers import methods as registered_methods
 from vitviz.explanations import relevance_maps
-from vitviz.server.guards.work import LineTimes, ModelWork
+from vitviz.server.guards.work import LineTimes, ModelWork, Pace
 from vitviz.sources import get_spec
 from conftest import counted_flops
 
@@ -99,63 +101,72 @@ def test_the_speed_is_learned_for_each_line_of_work():
 
 
 def test_a_lines_time_is_learned_as_a_fixed_part_and_a_part_that_grows_with_the_work():
-    """Jobs that each take about 0.6 s besides 1e10 flops a second: the small ones give the fixed
-    part, the large ones the speed, and a job ten times the largest is priced at its time (one speed
+    """Jobs that each take 0.6 s besides their work at 1e10 flops a second: small ones alone give
+    the fixed part only (their median time; the rate still prices the work); with large ones beside
+    them the fit gives both parts, and a job ten times the largest is priced at its time (one speed
     alone would price the small ones far above theirs)."""
     times = LineTimes(rate=1e9)
     assert times.estimate("explain/global", 2e9) == pytest.approx(2.0)  # no job yet: the rate
-    times.add("explain/global", 1e9, 0.6)
-    times.add("explain/global", 1.2e9, 0.62)
-    assert times.parts("explain/global") == (pytest.approx(0.61), 1e9)  # small jobs only: the rate still prices the work
+    times.add("explain/global", 1e9, 0.6 + 1e9 / 1e10)
+    times.add("explain/global", 1.2e9, 0.6 + 1.2e9 / 1e10)
+    pace = times.parts("explain/global")
+    assert (pace.fixed, pace.speed, pace.bandwidth) == (pytest.approx(0.71), 1e9, math.inf)
     for flops in (4e10, 1e11):
-        times.add("explain/global", flops, 0.61 + flops / 1e10)
-    fixed, speed = times.parts("explain/global")
-    assert fixed == pytest.approx(0.61) and speed == pytest.approx(1e10)
-    assert times.estimate("explain/global", 1e12) == pytest.approx(100.61)
+        times.add("explain/global", flops, 0.6 + flops / 1e10)
+    pace = times.parts("explain/global")
+    assert pace.fixed == pytest.approx(0.6) and pace.speed == pytest.approx(1e10)
+    assert times.estimate("explain/global", 1e12) == pytest.approx(100.6)
     assert times.estimate("view/global", 1e11) == pytest.approx(100.0)  # another line: its rate still
     times.add("view/global", 0.0, 5.0)  # no work, or no time: not counted
     times.add("view/global", 1e9, 0.0)
-    assert times.parts("view/global") == (0.0, 1e9)
+    assert times.parts("view/global") == Pace(0.0, 1e9)
 
 
-def test_slow_small_jobs_never_make_a_large_one_look_slow():
-    """Small jobs slowed down (here 0.3 s each for 1e8 flops, as under load or a test's sleep) set
-    the fixed part only: a large job of a variant not yet run is priced at that and its work at the
-    rate, not at the small jobs' speed (which would be 2,000 s here, and refuse it)."""
+def test_a_lines_time_that_grows_with_its_bytes_is_learned_with_them():
+    """Jobs of four variants whose time is 0.05 s, plus their flops at 4e10 a second, plus their
+    bytes at 2e8 a second (an attention stack copied and written): the fit finds the three parts,
+    and prices a variant never run, whose bytes and flops are in another proportion, at its time.
+    By flops alone (the bytes not passed) the same jobs price it at less than half."""
+    def took(flops, nbytes):
+        return 0.05 + flops / 4e10 + nbytes / 2e8
+
+    jobs = {"narrow": (2e9, 4e8), "wide": (4e11, 2e8), "small": (1e8, 1e7), "long": (5e10, 1.2e9)}
+    times, flops_only = LineTimes(rate=1e9), LineTimes(rate=1e9)
+    for variant, (flops, nbytes) in jobs.items():
+        for _ in range(3):  # the same size again counts once
+            times.add("export/global", flops, took(flops, nbytes), variant, nbytes=nbytes)
+            flops_only.add("export/global", flops, took(flops, nbytes), variant)
+    pace = times.parts("export/global")
+    assert pace.fixed == pytest.approx(0.05, rel=1e-6) and pace.speed == pytest.approx(4e10, rel=1e-6)
+    assert pace.bandwidth == pytest.approx(2e8, rel=1e-6)
+    new = (1e10, 3e9)  # 15.3 s, nearly all its bytes
+    assert times.estimate("export/global", new[0], "new", nbytes=new[1]) == pytest.approx(took(*new), rel=1e-6)
+    assert flops_only.estimate("export/global", new[0], "new") < 0.5 * took(*new)
+
+
+def test_slowed_small_jobs_beside_a_large_one_price_a_larger_job_near_its_time():
+    """Small jobs slowed to 0.3 s (under load) beside one large job that ran at 5e10 flops a second:
+    the fit prices a job five times the large one within 2x of what it takes, never at the small
+    jobs' speed (which would be hundreds of times its time)."""
     times = LineTimes(rate=5e10)
-    for _ in range(10):
-        times.add("analyse/global", 1e8, 0.3, "small")
-    assert times.estimate("analyse/global", 2e11, "large") == pytest.approx(0.3 + 2e11 / 5e10)
-    assert times.estimate("analyse/global", 1.2e8, "small") == pytest.approx(0.36)  # its own jobs price a variant that has run
+    for variant, flops in (("a", 1e8), ("b", 5e8), ("c", 1e9)):
+        times.add("analyse/global", flops, 0.3 + flops / 1e8, variant, nbytes=5e7)  # slow, and slowed
+    times.add("analyse/global", 2e11, 0.01 + 2e11 / 5e10, "large", nbytes=5e8)
+    truth = 0.01 + 1e12 / 5e10
+    assert truth / 2 < times.estimate("analyse/global", 1e12, "larger", nbytes=1e9) < 2 * truth
 
 
-def test_the_server_learns_both_parts_from_the_jobs_it_times():
-    """Through `ModelWork` with an injected clock: small and large jobs, each 0.25 s plus its work at
-    2e10 flops a second; a request four times the larger is then priced at about its time, and one
-    whose time passes the limit is refused."""
+def test_the_server_prices_with_the_bytes_of_each_cost():
+    """Through `ModelWork` with an injected clock: jobs whose time is their bytes at 1e9 a second
+    beside a little work; a request of more bytes and as little work is priced at its time, and
+    refused when that passes the limit."""
     clock = _Clock()
     work = ModelWork(budget_bytes=2**40, lanes=1, seconds=30.0, rate=1e12, clock=clock)
-    jobs = [Cost("analyse", name, 1, 1, 0, flops) for name, flops in (("a", 1e9), ("b", 4e10), ("c", 1e9), ("d", 1e11), ("e", 2e9))]
-    for c in jobs:
-        with work.job(c):
-            clock.now += 0.25 + c.flops / 2e10
-    huge = Cost("analyse", "huge", 1, 1, 0, 4e11)
-    assert work.estimate(huge) == pytest.approx(0.25 + 4e11 / 2e10, rel=0.03)
-    assert work.refusal(Cost("analyse", "huger", 1, 1, 0, 40 * 2e10)) is not None
-
-
-def test_a_variant_that_has_run_is_priced_by_its_own_jobs():
-    """Variants of one line differ in what a flop costs them: once a variant has run a job of about
-    the size asked (within 1.5x), its own jobs price it; a new variant, or a size far from what it
-    ran, is priced by the line's fit."""
-    times = LineTimes(rate=1e9)
-    for flops, seconds, variant in ((1e9, 0.6, "narrow"), (1e10, 1.5, "wide"), (4e9, 0.9, "mid")):
-        times.add("analyse/global", flops, seconds, variant)
-    fixed, speed = times.parts("analyse/global")
-    assert times.estimate("analyse/global", 1.2e10, "wide") == pytest.approx(1.5 * 1.2)
-    assert times.estimate("analyse/global", 1.2e10, "new") == pytest.approx(fixed + 1.2e10 / speed)
-    assert times.estimate("analyse/global", 3e10, "wide") == pytest.approx(fixed + 3e10 / speed)
-    assert times.estimate("view/global", 1e10, "wide") == pytest.approx(10.0)  # another line: the rate
+    for name, flops, nbytes in (("a", 1e9, 1e8), ("b", 2e10, 3e9), ("c", 4e9, 1e9), ("d", 1e10, 6e9)):
+        with work.job(Cost("export", name, 1, int(nbytes), 0, flops)):
+            clock.now += 0.02 + flops / 1e12 + nbytes / 1e9
+    assert work.estimate(Cost("export", "e", 1, int(1.2e10), 0, 1e9)) == pytest.approx(0.02 + 1e-3 + 12.0, rel=1e-6)
+    assert work.refusal(Cost("export", "f", 1, int(4e10), 0, 1e9)) is not None
 
 
 def test_patching_is_priced_within_its_counted_work():

@@ -86,14 +86,15 @@ print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.b
 
 
 def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view", "find"),
-                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float, float | None]]:
+                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float | None, float, float | None]]:
     """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
     peak MB above the process's resident memory before the request, priced seconds (its work at the
-    speed of a plain forward of the same model, timed in that process), priced seconds at its line's
-    learned speed (`Cost.line`; the median speed, flops per second, that the other variants' requests of
-    the same line ran at here, as a server learns it from the jobs it ran; None when no other variant
-    has one), seconds, and on a GPU the peak MB of CUDA memory allocated above what was before the
-    request, else None)."""
+    speed of a plain forward of the same model, timed in that process), priced seconds by its line's
+    learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
+    they ran here, as a server learns from the jobs it ran: a fixed part, flops and bytes), the same
+    from their flops alone (a fixed part and a speed; both None when no other variant has one or the
+    request runs no model), seconds, and on a GPU the peak MB of CUDA memory allocated above what
+    was before the request, else None)."""
     import subprocess
     import sys
 
@@ -121,13 +122,24 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
     for row in rows:
         others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
         times = LineTimes(rate=5e10)  # what a server learns from the other variants' jobs of the line (at ModelWork's default rate before)
+        by_flops = LineTimes(rate=5e10)  # the same jobs, their bytes not told: a fixed part and a speed only
         for r in others:
-            times.add(r["line"], r["flops"], r["seconds"])
-        learned = times.estimate(row["line"], row["flops"]) if others and row["flops"] > 0 else None
+            times.add(r["line"], r["flops"], r["seconds"], r["variant"], nbytes=r["price"])
+            by_flops.add(r["line"], r["flops"], r["seconds"], r["variant"])
+        ran = others and row["flops"] > 0
+        learned = times.estimate(row["line"], row["flops"], nbytes=row["price"]) if ran else None
+        flops_only = by_flops.estimate(row["line"], row["flops"]) if ran else None
         gpu = row.get("gpu_peak")
         table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
-                      row["seconds"], None if gpu is None else gpu / 2**20))
+                      flops_only, row["seconds"], None if gpu is None else gpu / 2**20))
     return table
+
+
+def within(rows, column: int, *, spread: float = 1.5, least: float = 0.0) -> tuple[int, int]:
+    """Of `serving_table`'s rows priced in `column` (5: line s, 6: by flops) that took `least` s or
+    more: (how many were priced within `spread` of their seconds, how many there are)."""
+    priced = [(r[column], r[7]) for r in rows if r[column] is not None and r[7] >= least]
+    return sum(1 / spread <= p / s <= spread for p, s in priced), len(priced)
 
 
 

@@ -23,6 +23,7 @@ long jobs share the lane about evenly.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import threading
@@ -32,24 +33,68 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vitviz import steps
 from vitviz.cost import Cost
 
-__all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "LineTimes", "ModelWork", "KeyedLocks"]
+__all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "LineTimes", "Pace", "ModelWork", "KeyedLocks"]
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How long a job of one line takes: `fixed` seconds, plus its flops at `speed` (flops per
+    second), plus its bytes (`Cost.bytes`, the memory it may take) at `bandwidth` (bytes per second;
+    `math.inf`: no part grows with the bytes)."""
+
+    fixed: float
+    speed: float
+    bandwidth: float = math.inf
+
+    def seconds(self, flops: float, nbytes: float = 0.0) -> float:
+        """A job's seconds (a job of no work: none)."""
+        return self.fixed + flops / self.speed + nbytes / self.bandwidth if flops > 0 else 0.0
+
+
+def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
+    """The coefficients c >= 0 that make `rows @ c` nearest `seconds` in relative error (each job
+    counts by how far off it would be priced, whatever its size), found by trying every set of
+    columns left free (a handful of columns: exact, and cheap)."""
+    columns = len(rows[0])
+    scale = [max(r[j] for r in rows) or 1.0 for j in range(columns)]
+    a = np.array([[v / (s * t) for v, s in zip(r, scale)] for r, t in zip(rows, seconds)])
+    best, fit = math.inf, (0.0,) * columns
+    for free in range(1, columns + 1):
+        for chosen in itertools.combinations(range(columns), free):
+            coef = np.linalg.lstsq(a[:, chosen], np.ones(len(rows)), rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            full = np.zeros(columns)
+            full[list(chosen)] = coef
+            miss = float(((a @ full - 1.0) ** 2).sum())
+            if miss < best:
+                best, fit = miss, tuple(float(c / s) for c, s in zip(full, scale))
+    return fit
 
 
 class LineTimes:
     """The seconds each line of work (`Cost.line`) takes here, learned from its last `keep` jobs as
-    a fixed part and a part that grows with the work: seconds = fixed + flops / speed.
+    a fixed part and parts that grow with the work: seconds = fixed + flops / speed + bytes /
+    bandwidth (`Pace`).
 
     A request's fixed part (decoding, resizing, pictures, copies, Python) does not shrink with the
     model, and on a GPU it is most of a small model's time, so one speed alone prices small models
-    far above what they take. The fixed part is the median time of the line's small jobs (under
-    `LARGE_FLOPS` of work or `LARGE_SECONDS` of time: mostly fixed time); the speed is the median of
-    the large jobs' work over their time less the fixed part (at least half their time), and `rate`
-    until a large job has run. Small jobs never set the speed: their time says nothing of how fast
-    work runs, and a speed taken from them (a slow small job's) would price a large job hundreds of
-    times too high.
+    far above what they take; and what a request moves (attention maps copied, drawn and written,
+    the bytes it is priced for) takes time that its flops do not say. Once the line has run a large
+    job (`LARGE_FLOPS` of work and over `LARGE_SECONDS`) and three jobs of different sizes in all,
+    the three parts are fitted together, each at least 0, to what its jobs took, every variant's
+    size once (its median time) and each weighed by its relative error, so that small jobs count as
+    much as a large one. (A price too low costs at most the job's limit of time, `ModelWork`'s
+    `seconds`, which stops it; one too high refuses it.) Before that, the fixed part is the median
+    time of the small jobs and the speed the median of the large jobs' work over their time less
+    the fixed part (at least half their time), and `rate` until a large job has run. Small jobs
+    alone never set a speed: their time says nothing of how fast work runs, and a speed taken from
+    them (a slow small job's) would price a large job hundreds of times too high.
 
     Models of one line still differ in what a flop costs them (a wide model's products run faster
     per flop than a narrow one's many small ones), so a job of a variant that has run jobs of about
@@ -66,16 +111,18 @@ class LineTimes:
             raise ValueError(f"a rate above 0 and keep of 1 or more, got {rate} and {keep}")
         self.rate = rate
         self.keep = keep
-        self._jobs: dict[str, deque[tuple[float, float]]] = {}
+        self._jobs: dict[str, deque[tuple[float, float, float, str | None]]] = {}  # line -> (flops, bytes, seconds, variant)
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
+        self._paces: dict[str, Pace] = {}  # the line's parts, fitted again when a job is added
         self._lock = threading.Lock()
 
-    def add(self, line: str, flops: float, seconds: float, variant: str | None = None) -> None:
-        """One job of `line` (of `variant`) ran `flops` in `seconds` (jobs with no work or no time are
-        not counted)."""
-        if flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds):
+    def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0) -> None:
+        """One job of `line` (of `variant`, priced `nbytes`) ran `flops` in `seconds` (jobs with no
+        work or no time are not counted)."""
+        if flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds) and 0 <= nbytes < math.inf:
             with self._lock:
-                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(seconds)))
+                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(nbytes), float(seconds), variant))
+                self._paces.pop(line, None)
                 if variant is not None:
                     own = self._own.pop((line, variant), None) or deque(maxlen=8)
                     own.append((float(flops), float(seconds)))
@@ -83,25 +130,40 @@ class LineTimes:
                     while len(self._own) > 64 * self.keep:  # the least recently run variants forgotten first
                         del self._own[next(iter(self._own))]
 
-    def parts(self, line: str) -> tuple[float, float]:
-        """(fixed seconds, flops per second) of `line` as learned so far."""
+    def parts(self, line: str) -> Pace:
+        """The fixed part, speed and bandwidth of `line` as learned so far."""
         with self._lock:
+            pace = self._paces.get(line)
             jobs = list(self._jobs.get(line, ()))
-        large = [(f, s) for f, s in jobs if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS]
-        small = [s for f, s in jobs if not (f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS)]
-        fixed = statistics.median(small) if small else 0.0
-        speed = statistics.median(f / max(s - fixed, s / 2) for f, s in large) if large else self.rate
-        return fixed, speed
+        if pace is None:
+            pace = self._fit(jobs)
+            with self._lock:
+                if list(self._jobs.get(line, ())) == jobs:
+                    self._paces[line] = pace
+        return pace
 
-    def estimate(self, line: str, flops: float, variant: str | None = None) -> float:
-        """Seconds a job of `line` (of `variant`) running `flops` is expected to take."""
+    def _fit(self, jobs: list[tuple[float, float, float, str | None]]) -> Pace:
+        sizes: dict[tuple, list[float]] = {}  # a variant's job of one size counts once (its median time)
+        for i, (flops, nbytes, seconds, variant) in enumerate(jobs):
+            sizes.setdefault((flops, nbytes, variant if variant is not None else i), []).append(seconds)
+        points = [(flops, nbytes, statistics.median(times)) for (flops, nbytes, _), times in sizes.items()]
+        large = [(f, b, s) for f, b, s in points if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS]
+        if large and len(points) >= 3:
+            fixed, per_flop, per_byte = _nonnegative_fit([(1.0, f, b) for f, b, _ in points], [s for *_, s in points])
+            return Pace(fixed, 1.0 / per_flop if per_flop > 0 else math.inf, 1.0 / per_byte if per_byte > 0 else math.inf)
+        small = [s for f, b, s in points if not (f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS)]
+        fixed = statistics.median(small) if small else 0.0
+        speed = statistics.median(f / max(s - fixed, s / 2) for f, _, s in large) if large else self.rate
+        return Pace(fixed, speed)
+
+    def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0) -> float:
+        """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops` is expected to take."""
         if variant is not None and flops > 0:
             with self._lock:
                 own = [(f, t) for f, t in self._own.get((line, variant), ()) if max(f, flops) < self.SPREAD * min(f, flops)]
             if own:
                 return statistics.median(t * flops / f for f, t in own)
-        fixed, speed = self.parts(line)
-        return (fixed if flops > 0 else 0.0) + flops / speed
+        return self.parts(line).seconds(flops, nbytes)
 
 
 class RequestRefused(ValueError):
@@ -208,7 +270,7 @@ class ModelWork:
 
     def estimate(self, cost: Cost) -> float:
         """Seconds `cost` is expected to run here."""
-        return self.times.estimate(cost.line, cost.flops, cost.variant)
+        return self.times.estimate(cost.line, cost.flops, cost.variant, nbytes=cost.bytes)
 
     def current(self) -> Job | None:
         """The job the calling thread runs under, if any."""
@@ -269,7 +331,7 @@ class ModelWork:
                 yield job
             spent = self._clock() - start - job.paused_seconds
             if not job.unpriced:  # the line's times, from the priced work it ran
-                self.times.add(cost.line, cost.flops, spent, cost.variant)
+                self.times.add(cost.line, cost.flops, spent, cost.variant, nbytes=cost.bytes)
         finally:
             self._local.job = None
             with self._cond:
