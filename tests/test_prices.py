@@ -144,6 +144,47 @@ def test_a_lines_time_that_grows_with_its_bytes_is_learned_with_them():
     assert flops_only.estimate("export/global", new[0], "new") < 0.5 * took(*new)
 
 
+def test_slow_small_jobs_never_make_a_large_one_look_slow():
+    """Small jobs slowed down (here 0.3 s each for 1e8 flops, as under load or a test's sleep) set
+    the fixed part only: a large job of a variant not yet run is priced at that and its work at the
+    rate, not at the small jobs' speed (which would be 2,000 s here, and refuse it)."""
+    times = LineTimes(rate=5e10)
+    for _ in range(10):
+        times.add("analyse/global", 1e8, 0.3, "small")
+    assert times.estimate("analyse/global", 2e11, "large") == pytest.approx(0.3 + 2e11 / 5e10)
+    assert times.estimate("analyse/global", 1.2e8, "small") == pytest.approx(0.36)  # its own jobs price a variant that has run
+
+
+def test_the_server_learns_both_parts_from_the_jobs_it_times():
+    """Through `ModelWork` with an injected clock: small and large jobs, each 0.25 s plus its work at
+    2e10 flops a second; a request four times the larger is then priced at about its time, and one
+    whose time passes the limit is refused."""
+    clock = _Clock()
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=30.0, rate=1e12, clock=clock)
+    jobs = [Cost("analyse", name, 1, 1, 0, flops) for name, flops in (("a", 1e9), ("b", 4e10), ("c", 1e9), ("d", 1e11), ("e", 2e9))]
+    for c in jobs:
+        with work.job(c):
+            clock.now += 0.25 + c.flops / 2e10
+    huge = Cost("analyse", "huge", 1, 1, 0, 4e11)
+    assert work.estimate(huge) == pytest.approx(0.25 + 4e11 / 2e10, rel=0.03)
+    assert work.refusal(Cost("analyse", "huger", 1, 1, 0, 40 * 2e10)) is not None
+
+
+def test_a_variant_that_has_run_is_priced_by_its_own_jobs():
+    """Variants of one line differ in what a flop costs them: once a variant has run a job of about
+    the size asked (within 1.5x), its own jobs price it; a new variant, or a size far from what it
+    ran, is priced by the line's fit."""
+    times = LineTimes(rate=1e9)
+    for flops, seconds, variant in ((1e9, 0.6, "narrow"), (1e10, 1.5, "wide"), (4e9, 0.9, "mid")):
+        times.add("analyse/global", flops, seconds, variant)
+    pace = times.parts("analyse/global")
+    assert times.estimate("analyse/global", 1.2e10, "wide") == pytest.approx(1.5 * 1.2)
+    assert times.estimate("analyse/global", 1.2e10, "new") == pytest.approx(pace.seconds(1.2e10))
+    assert times.estimate("analyse/global", 3e10, "wide") == pytest.approx(pace.seconds(3e10))
+    assert times.estimate("view/global", 1e10, "wide") == pytest.approx(10.0)  # another line: the rate
+
+
+
 def test_slowed_small_jobs_beside_a_large_one_price_a_larger_job_near_its_time():
     """Small jobs slowed to 0.3 s (under load) beside one large job that ran at 5e10 flops a second:
     the fit prices a job five times the large one within 2x of what it takes, never at the small
@@ -154,6 +195,32 @@ def test_slowed_small_jobs_beside_a_large_one_price_a_larger_job_near_its_time()
     times.add("analyse/global", 2e11, 0.01 + 2e11 / 5e10, "large", nbytes=5e8)
     truth = 0.01 + 1e12 / 5e10
     assert truth / 2 < times.estimate("analyse/global", 1e12, "larger", nbytes=1e9) < 2 * truth
+
+
+def test_a_request_far_larger_than_any_run_is_never_priced_at_its_bytes_alone():
+    """Three jobs whose time the fit puts on their bytes alone (flops and bytes grow together; the
+    speed it finds is infinite): a request of 2e13 flops is still priced at least at half what the
+    fastest large job's pace says (2e13 / (2 x 7.2e10 / 2.8 s), 389 s) and refused past the limit,
+    where its bytes alone would price it at about 3 s and let it run."""
+    clock = _Clock()
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=300.0, rate=5e10, clock=clock)
+    for name, flops, nbytes, took in (("a", 1.9e8, 8.2e6, 0.034), ("b", 1.6e8, 1.2e6, 0.021), ("c", 7.2e10, 2.7e9, 2.796)):
+        with work.job(Cost("faithfulness", name, 1, int(nbytes), 0, flops)):
+            clock.now += took
+    huge = Cost("faithfulness", "huge", 1, int(3e9), 0, 2e13)
+    assert work.estimate(huge) >= 2e13 / (2 * 7.2e10 / 2.796) * 0.999
+    assert "would take about" in work.refusal(huge)
+
+
+def test_jobs_of_one_size_count_once_whichever_variants_ran_them():
+    """Three checkpoints of one architecture (the same flops and bytes) each ran once: one size, so
+    no fit (it would find a fixed part only and price any work at nothing); the large jobs' speed
+    prices a request 340 times larger at about 340 times their time, and refuses it."""
+    times = LineTimes(rate=5e10)
+    for variant, took in (("vit_b_16", 0.9), ("deit", 1.0), ("dino", 1.1)):
+        times.add("analyse/global", 3.5e10, took, variant, nbytes=6e7)
+    assert times.parts("analyse/global").speed == pytest.approx(3.5e10)
+    assert times.estimate("analyse/global", 1.2e13, "vit_l", nbytes=6e8) == pytest.approx(1.2e13 / 3.5e10)
 
 
 def test_the_server_prices_with_the_bytes_of_each_cost():

@@ -45,15 +45,19 @@ __all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "LineTimes", "Pace", "M
 class Pace:
     """How long a job of one line takes: `fixed` seconds, plus its flops at `speed` (flops per
     second), plus its bytes (`Cost.bytes`, the memory it may take) at `bandwidth` (bytes per second;
-    `math.inf`: no part grows with the bytes)."""
+    `math.inf`: no part grows with them); and never less than its flops at `fastest`, the most
+    flops per second a large job of the line ran at, all its time counted (`math.inf`: none ran)."""
 
     fixed: float
     speed: float
     bandwidth: float = math.inf
+    fastest: float = math.inf
 
     def seconds(self, flops: float, nbytes: float = 0.0) -> float:
         """A job's seconds (a job of no work: none)."""
-        return self.fixed + flops / self.speed + nbytes / self.bandwidth if flops > 0 else 0.0
+        if flops <= 0:
+            return 0.0
+        return max(self.fixed + flops / self.speed + nbytes / self.bandwidth, flops / self.fastest)
 
 
 def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
@@ -87,10 +91,13 @@ class LineTimes:
     far above what they take; and what a request moves (attention maps copied, drawn and written,
     the bytes it is priced for) takes time that its flops do not say. Once the line has run a large
     job (`LARGE_FLOPS` of work and over `LARGE_SECONDS`) and three jobs of different sizes in all,
-    the three parts are fitted together, each at least 0, to what its jobs took, every variant's
-    size once (its median time) and each weighed by its relative error, so that small jobs count as
-    much as a large one. (A price too low costs at most the job's limit of time, `ModelWork`'s
-    `seconds`, which stops it; one too high refuses it.) Before that, the fixed part is the median
+    the three parts are fitted together, each at least 0, to what its jobs took, each size once
+    (the median time of the jobs of that size, whichever variants ran them) and each weighed by its
+    relative error, so that small jobs count as much as a large one. Flops and bytes grow together
+    over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
+    priced as running its flops more than `FASTER` times as fast as the fastest large job of its
+    line ran them (all its time counted), or one far larger than any seen could be priced at its
+    bytes alone and let in past the limit. Before that, the fixed part is the median
     time of the small jobs and the speed the median of the large jobs' work over their time less
     the fixed part (at least half their time), and `rate` until a large job has run. Small jobs
     alone never set a speed: their time says nothing of how fast work runs, and a speed taken from
@@ -103,6 +110,7 @@ class LineTimes:
     """
 
     SPREAD = 1.5
+    FASTER = 2.0
     LARGE_FLOPS = 1e10
     LARGE_SECONDS = 0.2
 
@@ -143,18 +151,19 @@ class LineTimes:
         return pace
 
     def _fit(self, jobs: list[tuple[float, float, float, str | None]]) -> Pace:
-        sizes: dict[tuple, list[float]] = {}  # a variant's job of one size counts once (its median time)
-        for i, (flops, nbytes, seconds, variant) in enumerate(jobs):
-            sizes.setdefault((flops, nbytes, variant if variant is not None else i), []).append(seconds)
-        points = [(flops, nbytes, statistics.median(times)) for (flops, nbytes, _), times in sizes.items()]
+        sizes: dict[tuple[float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
+        for flops, nbytes, seconds, _ in jobs:
+            sizes.setdefault((flops, nbytes), []).append(seconds)
+        points = [(flops, nbytes, statistics.median(times)) for (flops, nbytes), times in sizes.items()]
         large = [(f, b, s) for f, b, s in points if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS]
+        fastest = self.FASTER * max((f / s for f, _, s in large), default=math.inf)
         if large and len(points) >= 3:
             fixed, per_flop, per_byte = _nonnegative_fit([(1.0, f, b) for f, b, _ in points], [s for *_, s in points])
-            return Pace(fixed, 1.0 / per_flop if per_flop > 0 else math.inf, 1.0 / per_byte if per_byte > 0 else math.inf)
+            return Pace(fixed, 1.0 / per_flop if per_flop > 0 else math.inf, 1.0 / per_byte if per_byte > 0 else math.inf, fastest)
         small = [s for f, b, s in points if not (f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS)]
         fixed = statistics.median(small) if small else 0.0
         speed = statistics.median(f / max(s - fixed, s / 2) for f, _, s in large) if large else self.rate
-        return Pace(fixed, speed)
+        return Pace(fixed, speed, math.inf, fastest)
 
     def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0) -> float:
         """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops` is expected to take."""
@@ -223,8 +232,8 @@ class ModelWork:
     `budget_bytes`; a job that checks (`Job.check`, between its steps) stops `seconds` after it
     started running (the time it gave its lane way to others not counted).
 
-    The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and a part
-    that grows with the work), for each line of work on its own (`Cost.line`: the kind of request and
+    The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and parts
+    that grow with its flops and its bytes), for each line of work on its own (`Cost.line`: the kind of request and
     the model's family), so that one client's slow windowed rollouts do not make another's ViT
     explanations look slow; `rate` (flops per second) prices a line until a job of it has been
     timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
