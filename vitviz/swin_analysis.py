@@ -330,13 +330,12 @@ class SwinStream:
         if self._streams is None:
             if len(self.parts.get("normed", ())) != len(self._model.stages[-1].blocks) + 1:
                 raise RuntimeError("record_swin_stream captured no complete forward: run the model inside the `with` block")
-            from vitviz.inside.stream import Unembed, on_cpu, streams_of_parts
+            from vitviz.inside.stream import head_unembed, streams_of_parts
 
             model = self._model
-            unembed = Unembed(weight=on_cpu(model.head.weight)[None], bias=on_cpu(model.head.bias)[None])
             self._streams = streams_of_parts(
                 self.parts, readout="normed mean", norm=model.norm, blocks=model.stages[-1].blocks, heads=model.config.num_heads[-1],
-                unembed=unembed, categories=model.spec.categories if model.spec is not None else None, unsplit=_unsplit(model),
+                unembed=head_unembed([model.head]), categories=model.spec.categories if model.spec is not None else None, unsplit=_unsplit(model),
                 first_layer=len(model.blocks) - len(model.stages[-1].blocks))
         return self._streams
 

@@ -173,9 +173,14 @@ def _unembed(pair: ViT | ImageTextModel, labels: Sequence[str] | None, template:
             logit_scale=float(pair.logit_scale.detach().float().exp()),
             logit_bias=None if pair.logit_bias is None else float(pair.logit_bias.detach()),
         )
-    heads = [pair.head] + ([pair.head_dist] if pair.config.distill_token else [])
-    if len(heads) == 1:  # the model's one CPU copy of the head's weights (`on_cpu`)
-        return Unembed(weight=on_cpu(pair.head.weight)[None], bias=on_cpu(pair.head.bias)[None])
+    return head_unembed([pair.head] + ([pair.head_dist] if pair.config.distill_token else []))
+
+
+def head_unembed(heads: Sequence[nn.Linear]) -> Unembed:
+    """The `Unembed` of a classifier's linear heads (a DeiT's two, averaged), read from the model's
+    one CPU copy of their weights (`on_cpu`; one head's a view of it, two stacked)."""
+    if len(heads) == 1:
+        return Unembed(weight=on_cpu(heads[0].weight)[None], bias=on_cpu(heads[0].bias)[None])
     return Unembed(weight=torch.stack([on_cpu(h.weight) for h in heads]), bias=torch.stack([on_cpu(h.bias) for h in heads]))
 
 

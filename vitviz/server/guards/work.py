@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -119,9 +119,9 @@ class LineTimes:
             raise ValueError(f"a rate above 0 and keep of 1 or more, got {rate} and {keep}")
         self.rate = rate
         self.keep = keep
-        self._jobs: dict[str, deque[tuple[float, float, float, str | None]]] = {}  # line -> (flops, bytes, seconds, variant)
+        self._jobs: dict[str, deque[tuple[float, float, float]]] = {}  # line -> (flops, bytes, seconds) of its last jobs
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
-        self._paces: dict[str, Pace] = {}  # the line's parts, fitted again when a job is added
+        self._paces: dict[str, Pace] = {}  # the line's parts, fitted again after a job is added
         self._lock = threading.Lock()
 
     def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0) -> None:
@@ -129,7 +129,7 @@ class LineTimes:
         work or no time are not counted)."""
         if flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds) and 0 <= nbytes < math.inf:
             with self._lock:
-                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(nbytes), float(seconds), variant))
+                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(nbytes), float(seconds)))
                 self._paces.pop(line, None)
                 if variant is not None:
                     own = self._own.pop((line, variant), None) or deque(maxlen=8)
@@ -140,28 +140,25 @@ class LineTimes:
 
     def parts(self, line: str) -> Pace:
         """The fixed part, speed and bandwidth of `line` as learned so far."""
-        with self._lock:
+        with self._lock:  # (a fit of at most `keep` jobs: well under a millisecond)
             pace = self._paces.get(line)
-            jobs = list(self._jobs.get(line, ()))
-        if pace is None:
-            pace = self._fit(jobs)
-            with self._lock:
-                if list(self._jobs.get(line, ())) == jobs:
-                    self._paces[line] = pace
+            if pace is None:
+                pace = self._paces[line] = self._fit(self._jobs.get(line, ()))
         return pace
 
-    def _fit(self, jobs: list[tuple[float, float, float, str | None]]) -> Pace:
+    def _fit(self, jobs: Iterable[tuple[float, float, float]]) -> Pace:
         sizes: dict[tuple[float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
-        for flops, nbytes, seconds, _ in jobs:
+        for flops, nbytes, seconds in jobs:
             sizes.setdefault((flops, nbytes), []).append(seconds)
         points = [(flops, nbytes, statistics.median(times)) for (flops, nbytes), times in sizes.items()]
-        large = [(f, b, s) for f, b, s in points if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS]
+        large, small = [], []
+        for f, b, s in points:
+            (large if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS else small).append((f, b, s))
         fastest = self.FASTER * max((f / s for f, _, s in large), default=math.inf)
         if large and len(points) >= 3:
             fixed, per_flop, per_byte = _nonnegative_fit([(1.0, f, b) for f, b, _ in points], [s for *_, s in points])
             return Pace(fixed, 1.0 / per_flop if per_flop > 0 else math.inf, 1.0 / per_byte if per_byte > 0 else math.inf, fastest)
-        small = [s for f, b, s in points if not (f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS)]
-        fixed = statistics.median(small) if small else 0.0
+        fixed = statistics.median(s for *_, s in small) if small else 0.0
         speed = statistics.median(f / max(s - fixed, s / 2) for f, _, s in large) if large else self.rate
         return Pace(fixed, speed, math.inf, fastest)
 
