@@ -19,7 +19,7 @@ from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.video import video_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
-from vitviz.dev.bench.serving import FLOODS, flood_table, serving_table, within
+from vitviz.dev.bench.serving import FLOODS, KINDS, flood_table, serving_table, within
 from vitviz.dev.bench.training import training_table
 
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inputs", action="store_true", help="hostile images (a checkout's tests/corpus.py): seconds and peak memory")
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds of request of --serving (each where it applies)")
     ap.add_argument("--flood", action="store_true", help="one client's analyses (--arch) while another address floods Swin or Find requests")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
@@ -109,15 +110,15 @@ def main(argv: list[str] | None = None) -> None:
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
         print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here, "
               "in three parts: fixed, flops and bytes (vitviz.server.guards.work.LineTimes); by flops: the same without the bytes")
-        print(f"\n{'variant':<18}{'kind':<14}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
+        print(f"\n{'variant':<24}{'kind':<16}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
               f"{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
-        rows = serving_table(variants)
+        rows = serving_table(variants, tuple(args.kinds))
         for variant, kind, priced, peak, priced_s, line_s, flops_s, seconds, gpu_peak in rows:
             line = "-" if line_s is None else f"{line_s:.2f}"
             by_flops = "-" if flops_s is None else f"{flops_s:.2f}"
             line_ratio = "-" if line_s is None else f"{line_s / seconds:.2f}"
-            print(f"{variant:<18}{kind:<14}{priced:>11.0f}{peak:>10.0f}{priced / max(peak, 1):>7.2f}{priced_s:>10.2f}{line:>8}{by_flops:>10}"
+            print(f"{variant:<24}{kind:<16}{priced:>11.0f}{peak:>10.0f}{priced / max(peak, 1):>7.2f}{priced_s:>10.2f}{line:>8}{by_flops:>10}"
                   f"{seconds:>10.2f}{line_ratio:>7}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
         for column, name in ((5, "line s"), (6, "by flops")):
             print(f"{name}: within 1.5x of the seconds, {'%d of %d' % within(rows, column)}; of those taking 0.3 s or more, "

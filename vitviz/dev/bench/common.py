@@ -110,7 +110,9 @@ def _photos(folder: Path, count: int, *, seed: int, name: str = "photo{i}.jpg") 
 
 
 def _random_torchvision_checkpoints(names) -> dict:
-    """Random torchvision weights for `names` saved where their real weights would be: {name: the model}."""
+    """Random torchvision weights for `names` saved where their real weights would be: {name: the model}.
+    The head's too: torchvision starts it at zeros, which scores every class alike (nothing for a
+    gradient or a patched site to tell apart)."""
     import torchvision
 
     ckpt = vitviz.sources.checkpoint_dir()
@@ -119,6 +121,7 @@ def _random_torchvision_checkpoints(names) -> dict:
     out = {}
     for name in names:
         model = getattr(torchvision.models, name)().eval()
+        torch.nn.init.normal_(model.heads.head.weight, std=0.02)
         torch.save(model.state_dict(), ckpt / vitviz.get_spec(name).filename)
         out[name] = model
     return out

@@ -18,40 +18,129 @@ _KIND_CODE = """
 import json, os, sys, time, torch
 torch.set_num_threads({threads})
 import vitviz
+from torch.utils.flop_counter import FlopCounterMode
 from vitviz.cost import price
+from vitviz.preprocess import to_input
 from vitviz.server import explaining
 from vitviz.server.guards.export import Downloads
 from vitviz.server.guards.memory import release_memory
 from vitviz.server.models import ModelCache
 from vitviz.server.pictures import explorer_data, views
+from vitviz.server.pictures.drawers import drawer
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
-variant, kind = {variant!r}, {kind!r}
+def skip(why):
+    print(json.dumps(dict(skip=why))); sys.exit(0)
+variant, kind, budget = {variant!r}, {kind!r}, {budget}
 cache = ModelCache()
-model, facts = cache.get(variant)
-image = "{image}"
-image_text = hasattr(model, "image")
-if (kind == "find" and not image_text) or (kind == "faithfulness" and image_text):  # phrases need a text tower, curves a classifier
-    print(json.dumps(dict(skip=True))); sys.exit(0)
-exp = views.explore(cache, image, variant)
-maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
-PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
-cost = price(model.spec, "explain" if kind == "find" else kind, budget={budget}, layer_gradients=kind in ("explain", "faithfulness"),
-             phrases=len(PHRASES) if kind == "find" else 0)
-from vitviz.cost import forward_flops
-x = torch.zeros(1, 3, model.spec.image_size, model.spec.image_size, device=next(model.parameters()).device)
-plain = []
+if kind in ("video", "video_relevance"):  # a clip through the Video tab's run and its explorer's data
+    from vitviz.clips import clip_tensor, load_video
+    from vitviz.server.pictures import video_explorer
+    from vitviz.server.tabs import video as tab
+    from vitviz.video.load import load_video_model
+    spec = tab.spec_of(variant)
+    model, _ = cache.get(variant, load=load_video_model)
+    videos = clip_tensor(load_video("{clip}", frames=spec.frames, sampling=spec.sampling, stride=spec.frame_stride), spec.preprocessing)
+    cost = price(spec, kind)
+    x = videos[None].to(next(model.parameters()).device)
+    def run():
+        probs, attention, maps = tab.run_clip(model, videos, "relevance" if kind == "video_relevance" else "rollout")
+        video_explorer.payload(attention, tab._seen(videos, spec.preprocessing), model=variant, tubelet=spec.config.tubelet,
+                               patch_size=spec.config.patch_size, scale=tab.SCALE)
+else:
+    model, facts = cache.get(variant)
+    spec = model.spec
+    image = "{image}"
+    image_text = hasattr(model, "image")
+    if (kind == "find" and not image_text) or (kind == "faithfulness" and image_text):  # phrases need a text tower, curves a classifier
+        skip("no use")
+    exp = views.explore(cache, image, variant)
+    a = exp.analysis
+    labels = dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {{}}
+    maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
+    PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
+    options = dict(budget=budget)
+    if kind in ("explain", "faithfulness", "find"):
+        options.update(layer_gradients=kind in ("explain", "faithfulness"), phrases=len(PHRASES) if kind == "find" else 0)
+    x = torch.zeros(1, 3, spec.image_size, spec.image_size, device=next(model.parameters()).device)
+    rollout = drawer(exp).render_rollout  # what the page draws
+    if kind in ("patch", "patch_one"):  # two patches swapped, as the Patch tab's "swap"
+        from vitviz.patching import patch, patched_logits
+        from vitviz.server.pictures import patch_maps
+        pre = spec.preprocessing
+        clean, corrupted = to_input(a.image, pre), to_input(patch_maps.swapped(a.image, (0, 0), (1, 1), patch_size=a.patch_size), pre)
+        options["patch_kinds"] = ("resid_pre", "head") if kind == "patch" else ("head",)
+    elif kind == "registers":
+        from vitviz.pipeline import analyze_crop, image_tower
+        from vitviz.registers import register_neurons, with_test_time_register
+        from vitviz.server.tabs import tokens
+        if tokens.no_register(a) is not None or not a.outliers().counts[tokens.DETECTION_LAYER]:
+            skip("no high-norm token")
+    elif kind in ("concepts", "concept_ablate"):
+        from vitviz.concepts.browse import concept_folders, concept_map, load_concepts
+        concepts = load_concepts(concept_folders(variant)[0].path)  # (the server keeps them in its store)
+        options["sae"] = (concepts.layer, concepts.features, concepts.k)
+    elif kind == "ask":
+        from vitviz.vlm.ask import ask, vlm_of
+        QUESTION, TOKENS = "how many shapes are there ?", 12
+        options["ask"] = vlm_of(model).ask_shape(QUESTION, TOKENS)
+        del options["budget"]
+    cost = price(spec, "explain" if kind == "find" else kind, **options)
+    if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
+        explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")
+
+    def run():
+        if kind == "analyse":
+            e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
+        elif kind == "explain":
+            explaining.explain_exploration(cache, exp, target=None)
+        elif kind == "faithfulness":
+            explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
+        elif kind == "export":
+            Downloads().npz(exp, size=cost.kept_bytes)
+        elif kind == "explorer":
+            drawer(exp).write_explorer(exp, key="bench", folder=Downloads().folder)
+        elif kind == "view":
+            rollout(exp, head_fusion="max")
+        elif kind == "find":
+            explaining.find_phrases(cache, exp, PHRASES, method="gradient")
+        elif kind == "ablate":
+            vitviz.inside.ablate(model, a.image, [(0, 0), (1, 1)], mode="zero", **labels)
+        elif kind == "importance":
+            vitviz.inside.head_importance(model, a.image, mode="zero", **labels)
+        elif kind == "patch":
+            patch(model, clean, corrupted, where=options["patch_kinds"], batch_size=cost.batch, **labels)
+        elif kind == "patch_one":
+            patched_logits(model, clean, corrupted, [("head", 1, 0)], **labels)
+        elif kind == "registers":  # the neurons found, the model with its register analysed, both rollouts drawn
+            found = register_neurons(model, to_input(a.image, spec.preprocessing)[None], top_k=tokens.DEFAULT_NEURONS,
+                                     layer=tokens.DETECTION_LAYER)
+            after = views.Exploration(analyze_crop(with_test_time_register(image_tower(model), found), a.image), exp.facts)
+            rollout(exp); drawer(after).render_rollout(after)
+        elif kind == "concepts":
+            concept_map(model, to_input(a.image, spec.preprocessing), concepts)
+        elif kind == "concept_ablate":
+            vitviz.inside.ablate(model, to_input(a.image, spec.preprocessing), features=[0], concepts=concepts, scale=0.0, **labels)
+            try:
+                concepts.logit_effect(model, features=[0], analysis=a, **labels)
+            except ValueError:
+                pass
+        elif kind == "ask":
+            ask(model, a.image, QUESTION, max_new_tokens=TOKENS)
+plain_run = (lambda: model.image(x)) if kind not in ("video", "video_relevance") and image_text else (lambda: model(x))
 with torch.inference_mode():
+    counter = FlopCounterMode(display=False)
+    with counter:
+        plain_run()
+    plain = []
     for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        t = time.perf_counter(); model.image(x) if image_text else model(x)
+        t = time.perf_counter(); plain_run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         plain.append(time.perf_counter() - t)
-speed = forward_flops(model.spec) / sorted(plain)[1]
-if kind == "find":  # the tokenizer read and the text tower run once, as a server has after its first Find
-    explaining.find_phrases(cache, exp, PHRASES[:1], method="gradient")
+speed = counter.get_total_flops() / sorted(plain)[1]
 release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
@@ -59,22 +148,7 @@ gpu = torch.cuda.is_available()
 if gpu:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); gpu_base = torch.cuda.memory_allocated()
 start = time.perf_counter()
-from vitviz.server.pictures.drawers import drawer
-rollout = drawer(exp).render_rollout  # what the page draws
-if kind == "analyse":
-    e = views.explore(cache, image, variant); e.analysis.distances(); rollout(e)
-elif kind == "explain":
-    explaining.explain_exploration(cache, exp, target=None)
-elif kind == "faithfulness":
-    explaining.faithfulness_of(cache, exp, maps, target=index, batch_size=cost.batch)
-elif kind == "export":
-    Downloads().npz(exp, size=cost.kept_bytes)
-elif kind == "explorer":
-    drawer(exp).write_explorer(exp, key="bench", folder=Downloads().folder)
-elif kind == "view":
-    rollout(exp, head_fusion="max")
-elif kind == "find":
-    explaining.find_phrases(cache, exp, PHRASES, method="gradient")
+run()
 if gpu:
     torch.cuda.synchronize()
 seconds = time.perf_counter() - start
@@ -83,13 +157,47 @@ print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.b
                       priced_seconds=cost.flops / speed, line=cost.line)))
 """
 
+KINDS = ("analyse", "explain", "faithfulness", "export", "explorer", "view", "find", "ablate", "importance", "patch", "patch_one",
+         "registers", "concepts", "concept_ablate", "ask", "video", "video_relevance")
+_CLASSES = ("faithfulness", "ablate", "importance", "patch", "patch_one", "concept_ablate")  # kinds that score a classifier's class
 
 
-def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "explain", "faithfulness", "export", "explorer", "view", "find"),
+def applies(variant: str, kind: str) -> bool:
+    """Whether a request of `kind` is one the app serves on `variant` (told from its record, nothing
+    loaded): a clip's kinds on a video model and no other; Find on an image–text model without
+    classes, Ask on a VLM; a class's kinds on a classifier; concepts where an SAE of the variant is
+    known; a ViT's own kinds (head ablation, patching, a register) on a ViT with global attention."""
+    from vitviz.concepts.browse import concept_folders
+    from vitviz.cost import price
+    from vitviz.video.load import VIDEO_MENU, video_spec
+
+    if variant in VIDEO_MENU:
+        return kind == "video" or (kind == "video_relevance" and video_spec(variant).has_head)
+    if kind in ("video", "video_relevance"):
+        return False
+    spec = vitviz.get_spec(variant)
+    if kind == "ask":
+        return spec.vlm is not None
+    if kind == "find":
+        return not spec.has_head and spec.vlm is None
+    if kind in _CLASSES and not spec.has_head:
+        return False
+    if kind in ("concepts", "concept_ablate") and not concept_folders(variant):
+        return False
+    if kind in ("ablate", "importance", "patch", "patch_one", "registers", "concepts", "concept_ablate"):
+        try:  # (refused for a windowed model; a register, also for one with relative position biases)
+            price(spec, "registers" if kind == "registers" else "patch")
+        except ValueError:
+            return False
+    return True
+
+
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS,
                   *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float | None, float, float | None]]:
-    """For each variant and kind of request, in a fresh process: (variant, kind, priced MB, measured
-    peak MB above the process's resident memory before the request, priced seconds (its work at the
-    speed of a plain forward of the same model, timed in that process), priced seconds by its line's
+    """For each variant and each kind of request it serves (`applies`), in a fresh process: (variant,
+    kind, priced MB, measured peak MB above the process's resident memory before the request, priced
+    seconds (its work at the speed of a plain forward of the same model, timed in that process, its
+    flops counted by torch), priced seconds by its line's
     learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
     they ran here, as a server learns from the jobs it ran: a fixed part, flops and bytes), the same
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the
@@ -101,13 +209,13 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=("analyse", "ex
     rows = []
     with _private_weights() as torch_home:
         _random_torchvision_checkpoints([v for v in variants if v in {s.name for s in vitviz.list_variants()} and vitviz.get_spec(v).source == "torchvision"])
-        image = str(Path(vitviz.sources.assets_dir()) / "examples" / "star.png")
+        examples = Path(vitviz.sources.assets_dir()) / "examples"
         for variant in variants:
-            has_head = vitviz.get_spec(variant).has_head
             for kind in kinds:
-                if (kind == "find" and has_head) or (kind == "faithfulness" and not has_head):  # a text tower's; a classifier's
+                if not applies(variant, kind):
                     continue
-                code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=image, budget=budget)
+                code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=examples / "star.png",
+                                         clip=examples / "moving.gif", budget=budget)
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
                 out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
                 if out.returncode:

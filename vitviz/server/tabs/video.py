@@ -154,7 +154,11 @@ def run_on_device(server: str, name: str, videos: torch.Tensor, shown: str = "ro
     rollout's (one forward), or with `shown` "relevance" the top class's relevance (Chefer et al.; the
     attention from the same forward, and a backward); each the cls token's row, or the patches' mean
     without one."""
-    model = model_of(server, name)
+    return run_clip(model_of(server, name), videos, shown)
+
+
+def run_clip(model: VideoViT, videos: torch.Tensor, shown: str = "rollout") -> tuple[torch.Tensor, VideoAttention, torch.Tensor]:
+    """`run_on_device`'s work on a loaded video model."""
     device = next(model.parameters()).device
     videos = videos.to(device)
     query = 0 if model.config.num_prefix_tokens else "pool"  # the cls token's row, or the patches' mean
