@@ -86,6 +86,46 @@ def counted_flops(fn) -> float:
     return float(counter.get_total_flops())
 
 
+def held_bytes(fn) -> int:
+    """The most bytes of CPU tensors made while `fn()` runs that are alive at once (each storage
+    counted once, however many views share it; what existed before, weights and inputs, not
+    counted). Counted from each operation's results as torch dispatches it: no clock, no allocator."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Held(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages: dict[int, tuple[int, int]] = {}  # data pointer -> (bytes, live tensors on it)
+
+        def _dropped(self, ptr: int) -> None:
+            size, tensors = self.storages[ptr]
+            if tensors == 1:
+                del self.storages[ptr]
+                self.live -= size
+            else:
+                self.storages[ptr] = (size, tensors - 1)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr():
+                    storage = t.untyped_storage()
+                    size, tensors = self.storages.get(storage.data_ptr(), (storage.nbytes(), 0))
+                    self.live += size if tensors == 0 else 0
+                    self.storages[storage.data_ptr()] = (size, tensors + 1)
+                    weakref.finalize(t, self._dropped, storage.data_ptr())
+            self.peak = max(self.peak, self.live)
+            return out
+
+    with Held() as held:
+        fn()
+    return held.peak
+
+
 def random_torchvision(arch: str, **kwargs) -> torch.nn.Module:
     """A randomly initialised torchvision ViT with a non-zero head (torchvision zero-inits it)."""
     import torchvision

@@ -315,3 +315,74 @@ def test_concepts_are_priced_within_their_counted_work():
         price(spec, "concepts")
     with pytest.raises(ValueError, match="windowed"):
         price(get_spec("shapes_swin"), "concepts", sae=(0, 64, 4))
+
+
+def test_every_kind_of_request_is_in_the_table_of_prices():
+    """docs/serving.md's "Every request kind" table has a row naming each kind `vitviz.cost.price`
+    takes (`cost.Kind`), the first cell's words; and the serving bench times each kind somewhere."""
+    import re
+    import typing
+    from pathlib import Path
+
+    from vitviz.dev.bench.serving import KINDS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = text.split("## Every request kind", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    named = {word for cell in rows for word in re.findall(r"[a-z_]+", cell.split("(")[0])}
+    kinds = set(typing.get_args(cost.Kind))
+    assert not kinds - named, f"kinds without a row in docs/serving.md: {sorted(kinds - named)}"
+    assert not kinds - set(KINDS) - {"explorer_layer"}, sorted(kinds - set(KINDS))
+
+
+@pytest.mark.parametrize("name", ["shapes_p16@576", "vit_b_32"])
+def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
+    """Head ablation, head importance, one patched head and an SAE's concepts run forwards that record
+    nothing (the fused attention kernel: no [H, N, N] layer held): each priced at least the tensors it holds at once and at most twice them,
+    above the fixed base. A narrow model at 1,297 tokens was priced 13x what importance holds (four
+    attention layers a copy), a wide one of 50 tokens held more token rows than priced."""
+    from PIL import Image
+
+    from vitviz.concepts.browse import concept_map
+    from vitviz.concepts.sae import TopKSAE
+    from vitviz.model import ViT
+    from vitviz.patching import patched_logits
+    from conftest import held_bytes
+
+    spec = get_spec(name)
+    model = vitviz.load_model(name) if spec.source == "embedded" else ViT(spec.config).eval()
+    picture, x = _image(spec)
+    other = vitviz.preprocess(Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
+                              spec.preprocessing)[0]
+    sae = TopKSAE(spec.config.width, 256, 8)
+    runs = {
+        "ablate": (lambda: vitviz.inside.ablate(model, x[0], [(0, 0), (1, 1)]), {}),
+        "importance": (lambda: vitviz.inside.head_importance(model, x[0]), {}),
+        "patch_one": (lambda: patched_logits(model, x[0], other, [("head", 1, 0)]), dict(patch_kinds=("head",))),
+        "concepts": (lambda: concept_map(model, x[0], sae, layer=2), dict(sae=(2, 256, 8))),
+    }
+    for kind, (run, options) in runs.items():
+        held = held_bytes(run)
+        priced = price(spec, kind, **options).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
+        assert held <= priced <= 2 * held, (kind, held / 2**20, priced / 2**20, priced / held)
+
+
+def test_patching_is_priced_at_what_its_batches_hold():
+    """`patch` holds its cached runs and one batch of copies at a time: block inputs and heads run on
+    the fused kernel, a pattern on the explicit path (its logits and weights). Each priced at least
+    the tensors held at once and at most twice them, above the fixed base; the explicit form priced
+    the fused batches 4.5x what they hold at 325 tokens."""
+    from PIL import Image
+
+    from vitviz.patching import patch
+    from conftest import held_bytes
+
+    spec = get_spec("shapes_p16@192")
+    model = vitviz.load_model("shapes_p16@192")
+    _, x = _image(spec)
+    other = vitviz.preprocess(Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
+                              spec.preprocessing)[0]
+    for kinds in (("resid_pre", "head"), ("pattern",)):
+        held = held_bytes(lambda: patch(model, x[0], other, where=kinds))
+        priced = price(spec, "patch", patch_kinds=kinds).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
+        assert held <= priced <= 2 * held, (kinds, held / 2**20, priced / 2**20, priced / held)

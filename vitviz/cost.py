@@ -23,7 +23,10 @@ over the base, `python -m vitviz.dev.bench --serving`). With
   float16 copy of the stack, the attention's bytes as they are written and the rollout; its work
   the rollout and the distances.
 - "view": a view drawn again from a kept analysis with new options (a rollout).
-- "ablate": two forwards of one image (with and without some heads), nothing recorded.
+- "ablate": two forwards of one image (with and without some heads), nothing recorded: in memory
+  what a forward that records nothing holds while a block runs (`vitviz.patching.copy_bytes`, on
+  the fused attention kernel no [H, N, N] layer; "importance", "patch_one", "registers" and
+  "concepts" price their forwards by it too).
 - "importance": a forward, then for each layer a batch of H copies of the image run from that
   layer on, one head switched off in each (`vitviz.inside.head_importance`).
 - "patch": activation patching (`vitviz.patch`) of the kinds of site `patch_kinds` names: a clean
@@ -44,7 +47,7 @@ over the base, `python -m vitviz.dev.bench --serving`). With
 - "compare": `analyse` for each variant, all held at once.
 - "concepts": a sparse autoencoder's features on one image (`vitviz.concepts.concept_map`): a forward
   through the blocks up to the SAE's layer (`sae` = (layer, features F, k)), then its encoding and
-  decoding (2 N D F each); in memory one forward's transients and three [N, F] of codes; kept, each
+  decoding (2 N D F each); in memory one forward's activations and three [N, F] of codes; kept, each
   token's top-k.
 - "ask": `vitviz.ask` of a vision–language model (`ask` = its `vitviz.vlm.ask.AskShape`): the vision
   tower's forward; the greedy answer (with a key-value cache, the prompt once and each new token
@@ -93,7 +96,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from vitviz.explanations import METHODS
-from vitviz.patching import _plan as _patch_plan
+from vitviz.patching import _plan as _patch_plan, copy_bytes
 from vitviz.recording import LEGRAD_START_LAYER
 from vitviz.swin_global import SLICE_ELEMENTS
 
@@ -361,6 +364,17 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
     return {"attention_dtype": dtype, "attention_bytes": attention, "rollout_rows": rows, "bytes": attention + other}
 
 
+def _forward_bytes(spec, *, explicit: bool = False) -> int:
+    """What a forward of `spec`'s ViT that records nothing holds at once while a block runs
+    (`vitviz.patching.copy_bytes`): on the fused attention kernel no [H, N, N] layer but a relative
+    position bias's mask; on the explicit path (`explicit`: a hook observes the softmax) the
+    logits and the weights."""
+    _, heads, n, width, mlp = _shape(spec)
+    c = spec.config
+    attention = 2 if explicit else 1 if c.rel_pos_bias else 0
+    return copy_bytes(tokens=n, width=width, mlp=mlp, heads=heads, gated=c.mlp == "gated", attention=attention)
+
+
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
           layer_gradients: bool = False, orders: int = FAITHFULNESS_ORDERS, phrases: int = 0,
           patch_kinds: Sequence[str] = ("resid_pre",), sae: tuple[int, int, int] | None = None, ask=None) -> Cost:
@@ -439,17 +453,18 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         converted = saved if plan["attention_dtype"] == "float16" else 0
         # the float16 copy, the rollout's products, and the attention's bytes copied as they are written
         return Cost(kind, spec.name, n, converted + saved + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
+    fused = _forward_bytes(spec)  # what a forward that records nothing holds at once
     if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
-        return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
+        return Cost(kind, spec.name, n, fused + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
     if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
-        per_copy = 4 * layer + 4 * token_row + 2 * n * mlp * 4
+        per_copy = fused
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES + COMPUTE_BYTES, 0,
                     (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind in ("patch", "patch_one"):
         plan = _patch_plan(spec, patch_kinds)
         if kind == "patch_one":  # two forwards, the clean one keeping what the sites replace
-            return Cost(kind, spec.name, n, 4 * layer + 4 * token_row + 2 * n * mlp * 4 + plan.cached + BASE_BYTES + COMPUTE_BYTES,
-                        0, 2 * flops)
+            held = _forward_bytes(spec, explicit="pattern" in plan.kinds)  # (a pattern patched: the softmax observed)
+            return Cost(kind, spec.name, n, held + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
         if budget is not None:  # the batch that fits the budget beside the cached runs
             plan = _patch_plan(spec, patch_kinds, memory=max(0, budget - plan.cached - BASE_BYTES - COMPUTE_BYTES))
         runs = 2 + ("pattern" in plan.kinds)  # the clean and corrupted forwards (and the clean patterns' own)
@@ -457,7 +472,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, plan.batch * plan.per_copy + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0,
                     (runs + plan.sites * (depth + 1) / 2) * flops, plan.batch)
     if kind == "registers":  # the neurons found, then the model with its register analysed; the rollout before drawn again
-        find = depth * n * (mlp + width) * 4 + 4 * layer + 4 * token_row + 2 * n * mlp * 4 + BASE_BYTES + COMPUTE_BYTES
+        find = depth * n * (mlp + width) * 4 + fused + BASE_BYTES + COMPUTE_BYTES
         after = price(replace(spec, config=spec.config.replace(register_neurons=((0, 0),))), "analyse", budget=budget)
         before = 3 * depth * n * n * 4
         return Cost(kind, spec.name, after.tokens, max(find, after.bytes + before), after.kept_bytes, flops + after.flops + rollout)
@@ -578,7 +593,7 @@ def _concepts_price(spec, kind: str, sae: tuple[int, int, int] | None) -> Cost:
     flops = forward_flops(spec)
     block = 2.0 * (4 * width * width + 2 * width * mlp) * n + 4.0 * n * n * width  # one block's multiply-adds x 2
     encode = 2.0 * n * width * features  # W_enc (x − b_dec), [N, D] x [D, F]; decoding z W_decᵀ as much
-    transients = 4 * heads * n * n * 4 + 4 * n * width * 4 + 2 * n * mlp * 4  # one forward's, nothing recorded (as "ablate")
+    transients = _forward_bytes(spec)  # one forward's, nothing recorded (as "ablate")
     codes = 3 * n * features * 4  # the pre-activations, their top-k and z, [N, F] float32
     if kind == "concepts":  # the blocks after the layer and the head do not run
         to_layer = flops - (depth - 1 - layer) * block - 2.0 * width * spec.num_classes

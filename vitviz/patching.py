@@ -72,23 +72,26 @@ _SOURCE = {"resid_pre": "resid", "attn_out": "attn", "mlp_out": "mlp", "head": "
 # ----------------------------------------------------------------------------- sizes and batches
 
 
-def copy_bytes(*, tokens: int, width: int, mlp: int, heads: int, gated: bool = False, itemsize: int = 4) -> int:
-    """The activations one copy of a patched batch may hold while a block runs, in bytes:
+def copy_bytes(*, tokens: int, width: int, mlp: int, heads: int, gated: bool = False, itemsize: int = 4, attention: int = 2) -> int:
+    """The activations one copy of a patched batch (or any forward that records nothing) may hold
+    while a block runs, in bytes:
 
-        itemsize x (12 N D + 2 N M + 2 H N²)      (a gated MLP of width M: 4 N M instead of 2 N M)
+        itemsize x (12 N D + 2 N M + attention x H N²)      (a gated MLP of width M: 4 N M instead of 2 N M)
 
     12 N D: the stream, its norms, the fused qkv (3 N D), the rotated queries and keys, the heads'
     outputs and their copy, the projections and the sums; 2 N M: the MLP's hidden layer and its
-    activation; 2 H N²: one layer's attention logits and softmax (the explicit path, which "pattern"
-    runs; the fused path holds less).
+    activation; `attention` layers of H N²: 2, one layer's attention logits and softmax (the explicit
+    path, which "pattern" runs, and every kind's batch is priced by); 0, the fused kernel; 1, the
+    fused kernel given a relative position bias (its mask).
     """
     hidden = (4 if gated else 2) * tokens * mlp
-    return itemsize * (12 * tokens * width + hidden + 2 * heads * tokens * tokens)
+    return itemsize * (12 * tokens * width + hidden + attention * heads * tokens * tokens)
 
 
 @dataclass(frozen=True)
 class _Sizes:
-    """L, H, N, D, the MLP's width, whether it is gated, and the bytes of one activation."""
+    """L, H, N, D, the MLP's width, whether it is gated, the bytes of one activation, and whether
+    the attention adds a relative position bias."""
 
     layers: int
     heads: int
@@ -97,10 +100,14 @@ class _Sizes:
     mlp: int
     gated: bool
     itemsize: int
+    rel_pos: bool = False
 
-    @property
-    def per_copy(self) -> int:
-        return copy_bytes(tokens=self.tokens, width=self.width, mlp=self.mlp, heads=self.heads, gated=self.gated, itemsize=self.itemsize)
+    def per_copy(self, kinds: Sequence[str]) -> int:
+        """One copy's activations for the batches of `kinds` (`copy_bytes`): a pattern is patched on the
+        explicit path (logits and weights held), every other kind on the fused kernel."""
+        fused = 1 if self.rel_pos else 0  # (the bias's [H, N, N] mask)
+        return max(copy_bytes(tokens=self.tokens, width=self.width, mlp=self.mlp, heads=self.heads, gated=self.gated,
+                              itemsize=self.itemsize, attention=2 if k == "pattern" else fused) for k in kinds)
 
     def sites(self, kind: str) -> int:
         """The sites of `kind` in one layer."""
@@ -132,7 +139,7 @@ def _sizes(model_or_spec: ViT | ImageTextModel | VariantSpec, tokens: int | None
             raise TypeError(f"expected a vitviz ViT, an ImageTextModel or a VariantSpec, got {type(model_or_spec).__name__}")
         c, itemsize = tower.config, next(tower.parameters()).element_size()
         n = c.num_tokens if tokens is None else tokens
-    return _Sizes(c.depth, c.heads, int(n), c.width, c.mlp_dim, c.mlp == "gated", itemsize)
+    return _Sizes(c.depth, c.heads, int(n), c.width, c.mlp_dim, c.mlp == "gated", itemsize, bool(c.rel_pos_bias))
 
 
 def _kinds(where: str | Sequence[str]) -> tuple[str, ...]:
@@ -148,7 +155,7 @@ def _batches(sizes: _Sizes, kinds: Sequence[str], batch_size: int | None, memory
     `memory` (`copy_bytes`, at least 1), and never more than one layer's sites."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size is 1 or more (or None: as many as fit in memory), got {batch_size}")
-    fit = batch_size if batch_size is not None else max(1, memory // sizes.per_copy)
+    fit = batch_size if batch_size is not None else max(1, memory // sizes.per_copy(kinds))
     return {k: min(fit, sizes.sites(k)) for k in kinds}
 
 
@@ -185,7 +192,7 @@ class _Plan:
 def _plan(spec: VariantSpec, kinds: str | Sequence[str], *, batch_size: int | None = None, memory: int = MEMORY) -> _Plan:
     sizes = _sizes(spec)
     kinds = _kinds(kinds)
-    return _Plan(kinds, max(_batches(sizes, kinds, batch_size, memory).values()), sizes.per_copy, sizes.cache_bytes(kinds),
+    return _Plan(kinds, max(_batches(sizes, kinds, batch_size, memory).values()), sizes.per_copy(kinds), sizes.cache_bytes(kinds),
                  sum(sizes.sites(k) for k in kinds))
 
 
@@ -445,7 +452,8 @@ def patch(
             against the corrupted run's best other class; a pair (class, other class).
         where: a kind of site (`KINDS`) or several.
         batch_size: copies per batched forward; None: the most whose activations fit `memory`
-            bytes, itemsize x (12 N D + 2 N M + 2 H N²) a copy (`copy_bytes`; the cached runs besides).
+            bytes, itemsize x (12 N D + 2 N M) a copy, 2 H N² more where a pattern is patched (the
+            explicit path) and H N² with a relative position bias (`copy_bytes`; the cached runs besides).
 
     Raises:
         ValueError: a Swin model, a model with nothing to score, images of different shapes, an
