@@ -3,7 +3,7 @@
 Every figure is written from the architecture (`VariantSpec`: layers L, heads H, width D, MLP width
 F, tokens N at the requested image size) and the work each kind of request does; `docs/serving.md`
 sets each beside the peak resident memory measured for it (within 1.5x either way where the peak is
-over the base, `python -m vitviz.dev.bench --serving`). With
+over the base, but for two over-priced requests it names; `python -m vitviz.dev.bench --serving`). With
 `layer = H N^2 x 4` bytes (one layer's attention for one image) and `A = L x layer` (the stack):
 
 - "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
