@@ -18,8 +18,7 @@ _KIND_CODE = """
 import json, os, sys, time, torch
 torch.set_num_threads({threads})
 import vitviz
-from torch.utils.flop_counter import FlopCounterMode
-from vitviz.cost import price
+from vitviz.cost import forward_flops, price
 from vitviz.preprocess import to_input
 from vitviz.server import explaining
 from vitviz.server.guards.export import Downloads
@@ -42,6 +41,7 @@ if kind in ("video", "video_relevance"):  # a clip through the Video tab's run a
     model, _ = cache.get(variant, load=load_video_model)
     videos = clip_tensor(load_video("{clip}", frames=spec.frames, sampling=spec.sampling, stride=spec.frame_stride), spec.preprocessing)
     cost = price(spec, kind)
+    forward = price(spec, "video").flops  # (a forward and one row through each layer)
     x = videos[None].to(next(model.parameters()).device)
     def run():
         probs, attention, maps = tab.run_clip(model, videos, "relevance" if kind == "video_relevance" else "rollout")
@@ -50,13 +50,22 @@ if kind in ("video", "video_relevance"):  # a clip through the Video tab's run a
 else:
     model, facts = cache.get(variant)
     spec = model.spec
+    forward = forward_flops(spec)
     image = "{image}"
     image_text = hasattr(model, "image")
-    if (kind == "find" and not image_text) or (kind == "faithfulness" and image_text):  # phrases need a text tower, curves a classifier
+    if kind == "faithfulness" and image_text:  # the curves follow a classifier's class
         skip("no use")
+    from vitviz.server.tabs import ask as ask_tab, concepts as concepts_tab, find as find_tab, inside as inside_tab, patch as patch_tab
+    from vitviz.server.tabs.base import labels_of
     exp = views.explore(cache, image, variant)
     a = exp.analysis
-    labels = dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {{}}
+    inside_needs = inside_tab.TAB.needs | inside_tab.TAB.ablation_needs
+    needs = dict(find=find_tab.TAB.needs, ablate=inside_needs, importance=inside_needs, patch=patch_tab.TAB.needs,
+                 patch_one=patch_tab.TAB.needs, concepts=concepts_tab.TAB.needs, concept_ablate=concepts_tab.TAB.needs | {{"classes"}},
+                 ask=ask_tab.TAB.needs).get(kind, ())
+    if a.layout.lacks(needs):  # what its tab does not offer this model
+        skip(a.layout.lacks(needs))
+    labels = labels_of(a)
     maps, index = explaining.explain_exploration(cache, exp, target=None) if kind == "faithfulness" else (None, None)
     PHRASES = ["a red star", "a blue circle", "a green square", "a yellow triangle"]  # Find: four phrases at once
     options = dict(budget=budget)
@@ -71,13 +80,12 @@ else:
         clean, corrupted = to_input(a.image, pre), to_input(patch_maps.swapped(a.image, (0, 0), (1, 1), patch_size=a.patch_size), pre)
         options["patch_kinds"] = ("resid_pre", "head") if kind == "patch" else ("head",)
     elif kind == "registers":
-        from vitviz.pipeline import analyze_crop, image_tower
-        from vitviz.registers import register_neurons, with_test_time_register
         from vitviz.server.tabs import tokens
         if tokens.no_register(a) is not None or not a.outliers().counts[tokens.DETECTION_LAYER]:
             skip("no high-norm token")
     elif kind in ("concepts", "concept_ablate"):
         from vitviz.concepts.browse import concept_folders, concept_map, load_concepts
+        from vitviz.server.tabs.concepts import feature_ablated
         concepts = load_concepts(concept_folders(variant)[0].path)  # (the server keeps them in its store)
         options["sae"] = (concepts.layer, concepts.features, concepts.k)
     elif kind == "ask":
@@ -113,25 +121,17 @@ else:
         elif kind == "patch_one":
             patched_logits(model, clean, corrupted, [("head", 1, 0)], **labels)
         elif kind == "registers":  # the neurons found, the model with its register analysed, both rollouts drawn
-            found = register_neurons(model, to_input(a.image, spec.preprocessing)[None], top_k=tokens.DEFAULT_NEURONS,
-                                     layer=tokens.DETECTION_LAYER)
-            after = views.Exploration(analyze_crop(with_test_time_register(image_tower(model), found), a.image), exp.facts)
+            after = views.Exploration(tokens.moved_to_register(model, a.image, tokens.DEFAULT_NEURONS)[1], exp.facts)
             rollout(exp); drawer(after).render_rollout(after)
         elif kind == "concepts":
             concept_map(model, to_input(a.image, spec.preprocessing), concepts)
         elif kind == "concept_ablate":
-            vitviz.inside.ablate(model, to_input(a.image, spec.preprocessing), features=[0], concepts=concepts, scale=0.0, **labels)
-            try:
-                concepts.logit_effect(model, features=[0], analysis=a, **labels)
-            except ValueError:
-                pass
+            feature_ablated(model, exp, concepts, 0)
         elif kind == "ask":
             ask(model, a.image, QUESTION, max_new_tokens=TOKENS)
 plain_run = (lambda: model.image(x)) if kind not in ("video", "video_relevance") and image_text else (lambda: model(x))
 with torch.inference_mode():
-    counter = FlopCounterMode(display=False)
-    with counter:
-        plain_run()
+    plain_run()
     plain = []
     for _ in range(3):  # the speed a plain forward runs at here, which prices the request in seconds
         if torch.cuda.is_available():
@@ -140,7 +140,7 @@ with torch.inference_mode():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         plain.append(time.perf_counter() - t)
-speed = counter.get_total_flops() / sorted(plain)[1]
+speed = forward / sorted(plain)[1]
 release_memory(keep=0)
 open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
 base = status("VmRSS")
@@ -159,14 +159,12 @@ print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.b
 
 KINDS = ("analyse", "explain", "faithfulness", "export", "explorer", "view", "find", "ablate", "importance", "patch", "patch_one",
          "registers", "concepts", "concept_ablate", "ask", "video", "video_relevance")
-_CLASSES = ("faithfulness", "ablate", "importance", "patch", "patch_one", "concept_ablate")  # kinds that score a classifier's class
-
-
 def applies(variant: str, kind: str) -> bool:
-    """Whether a request of `kind` is one the app serves on `variant` (told from its record, nothing
-    loaded): a clip's kinds on a video model and no other; Find on an image–text model without
-    classes, Ask on a VLM; a class's kinds on a classifier; concepts where an SAE of the variant is
-    known; a ViT's own kinds (head ablation, patching, a register) on a ViT with global attention."""
+    """Whether the app may serve a request of `kind` on `variant`, as far as its record tells (nothing
+    loaded): a clip's kinds on a video model and no other; Ask on a VLM; Find on a model without a
+    classifier, the curves on one with; concepts where an SAE of the variant is known; head ablation,
+    patching, a register and concepts on a ViT with global attention. The request's process then
+    asks the analysis what its tab asks (`Tab.needs`), and skips what the tab does not offer."""
     from vitviz.concepts.browse import concept_folders
     from vitviz.cost import price
     from vitviz.video.load import VIDEO_MENU, video_spec
@@ -178,9 +176,7 @@ def applies(variant: str, kind: str) -> bool:
     spec = vitviz.get_spec(variant)
     if kind == "ask":
         return spec.vlm is not None
-    if kind == "find":
-        return not spec.has_head and spec.vlm is None
-    if kind in _CLASSES and not spec.has_head:
+    if kind in ("find", "faithfulness") and spec.has_head != (kind == "faithfulness"):
         return False
     if kind in ("concepts", "concept_ablate") and not concept_folders(variant):
         return False
@@ -197,7 +193,7 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS,
     """For each variant and each kind of request it serves (`applies`), in a fresh process: (variant,
     kind, priced MB, measured peak MB above the process's resident memory before the request, priced
     seconds (its work at the speed of a plain forward of the same model, timed in that process, its
-    flops counted by torch), priced seconds by its line's
+    flops as priced), priced seconds by its line's
     learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
     they ran here, as a server learns from the jobs it ran: a fixed part, flops and bytes), the same
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the

@@ -49,6 +49,12 @@ class Gate:
         return {self.note: gr.update(value=reason or "", visible=reason is not None), self.content: gr.update(visible=reason is None)}
 
 
+def labels_of(a) -> dict:
+    """An image–text model's zero-shot label set (`labels=`), for the model runs that score an analysis
+    `a` again (head ablation, patching, concepts); {} for a classifier."""
+    return dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {}
+
+
 def lacks(exp: views.Exploration, needs: Iterable[str]) -> str | None:
     """None when the analysed model meets `needs`, else the line shown in their place."""
     a = exp.analysis

@@ -43,7 +43,7 @@ from vitviz.server.guards.work import KeyedLocks
 from vitviz.server.pictures import concept_pictures, views
 from vitviz.server.pictures.drawers import drawer
 from vitviz.server.runtime import Outputs, gpu
-from vitviz.server.tabs.base import Tab, figure, register_tab
+from vitviz.server.tabs.base import Tab, figure, labels_of, register_tab
 from vitviz.sources import get_spec
 
 LOG = logging.getLogger("vitviz.server")
@@ -101,11 +101,6 @@ def _forget(held: object) -> None:
         runtime.server_named(held.server).store.drop(held.key)
 
 
-def _labels(a) -> dict:
-    """An image–text model's zero-shot label set, for the model runs that score it again."""
-    return dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {}
-
-
 def concepts_of(server: str, folder: ConceptFolder) -> Concepts:
     """The folder's concepts, kept in the server's store (their memory counted with the sessions'),
     read again once dropped."""
@@ -141,8 +136,13 @@ def map_on_device(server: str, exp: views.Exploration, folder: ConceptFolder) ->
 @gpu
 def ablate_on_device(server: str, exp: views.Exploration, folder: ConceptFolder, feature: int) -> tuple[Ablation, torch.Tensor | None]:
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
-    concepts = concepts_of(server, folder)
-    labels = _labels(exp.analysis)
+    return feature_ablated(model, exp, concepts_of(server, folder), feature)
+
+
+def feature_ablated(model, exp: views.Exploration, concepts: Concepts, feature: int) -> tuple[Ablation, torch.Tensor | None]:
+    """`ablate_on_device`'s work on a loaded model and read concepts: the feature switched off, and its
+    direct effect on the logits where there is one."""
+    labels = labels_of(exp.analysis)
     result = ablate(model, _input(model, exp), features=[feature], concepts=concepts, scale=0.0, **labels)
     try:
         effect = concepts.logit_effect(model, features=[feature], analysis=exp.analysis, **labels)[0]

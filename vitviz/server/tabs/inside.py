@@ -19,7 +19,7 @@ from vitviz.server import runtime
 from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import views
 from vitviz.server.runtime import Outputs, gpu
-from vitviz.server.tabs.base import Tab, figure, lacks, register_tab
+from vitviz.server.tabs.base import Tab, figure, labels_of, lacks, register_tab
 
 MAX_OFF = 64  # heads switched off at once
 MODES = ("zero", "mean")
@@ -49,21 +49,16 @@ def parse_heads(values: object, *, layers: int, heads: int) -> list[tuple[int, i
     return out
 
 
-def _labels(a) -> dict:
-    """An image–text model's zero-shot label set, for the model runs that score it again."""
-    return dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {}
-
-
 @gpu
 def ablate_on_device(server: str, exp: views.Exploration, heads: list[tuple[int, int]], mode: str, target: int):
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
-    return ablate(model, exp.analysis.image, heads, mode=mode, target=target, **_labels(exp.analysis))
+    return ablate(model, exp.analysis.image, heads, mode=mode, target=target, **labels_of(exp.analysis))
 
 
 @gpu
 def importance_on_device(server: str, exp: views.Exploration, mode: str, target: int) -> torch.Tensor:
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
-    return head_importance(model, exp.analysis.image, target=target, mode=mode, **_labels(exp.analysis))
+    return head_importance(model, exp.analysis.image, target=target, mode=mode, **labels_of(exp.analysis))
 
 
 class InsideTab(Tab):

@@ -31,7 +31,7 @@ from vitviz.server.guards.gradio_io import UploadedImage, uploaded_path
 from vitviz.server.guards.sessions import SessionRef
 from vitviz.server.pictures import patch_maps, views
 from vitviz.server.runtime import Outputs, gpu
-from vitviz.server.tabs.base import Analysed, Tab, figure, register_tab
+from vitviz.server.tabs.base import Analysed, Tab, figure, labels_of, register_tab
 from vitviz.sources import get_spec
 
 # how the corrupted copy is made: (what the page says, the value a client sends)
@@ -81,11 +81,6 @@ def _forget(held: object) -> None:
         runtime.server_named(held.server).store.drop(held.key)
 
 
-def _labels(a) -> dict:
-    """An image–text model's zero-shot label set, for the model runs that score it again."""
-    return dict(labels=list(a.categories)) if a.layout.text and a.categories is not None else {}
-
-
 def _inputs(model, exp: views.Exploration, corrupt: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
     """The clean and corrupted crops as the model takes them (no second resizing of a crop)."""
     pre = spec_of(model).preprocessing
@@ -97,14 +92,14 @@ def patch_on_device(server: str, exp: views.Exploration, corrupt: Image.Image, t
                     kinds: tuple[str, str] = SHOWN) -> Patching:
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
     clean, corrupted = _inputs(model, exp, corrupt)
-    return patch(model, clean, corrupted, target=target, where=kinds, batch_size=batch, **_labels(exp.analysis))
+    return patch(model, clean, corrupted, target=target, where=kinds, batch_size=batch, **labels_of(exp.analysis))
 
 
 @gpu
 def patched_on_device(server: str, exp: views.Exploration, corrupt: Image.Image, site: tuple) -> torch.Tensor:
     model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
     clean, corrupted = _inputs(model, exp, corrupt)
-    return patched_logits(model, clean, corrupted, [site], **_labels(exp.analysis))
+    return patched_logits(model, clean, corrupted, [site], **labels_of(exp.analysis))
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,11 @@ def register_on_device(server: str, exp: views.Exploration, neurons: int) -> tup
     """The neurons that write the analysed crop's high-norm tokens (the top `neurons`), and the crop
     analysed by the model with them moved into a test-time register (an image–text model's image
     tower alone: the register is added to it)."""
-    model, _ = runtime.server_named(server).cache.get(exp.analysis.variant)
-    crop = exp.analysis.image
+    return moved_to_register(runtime.server_named(server).cache.get(exp.analysis.variant)[0], exp.analysis.image, neurons)
+
+
+def moved_to_register(model, crop, neurons: int) -> tuple[RegisterNeurons, Analysis]:
+    """`register_on_device`'s work on a loaded model and its analysed crop."""
     found = register_neurons(model, to_input(crop, spec_of(model).preprocessing)[None], top_k=neurons, layer=DETECTION_LAYER)
     return found, analyze_crop(with_test_time_register(image_tower(model), found), crop)
 
