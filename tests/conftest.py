@@ -88,8 +88,9 @@ def counted_flops(fn) -> float:
 
 def held_bytes(fn) -> int:
     """The most bytes of CPU tensors made while `fn()` runs that are alive at once (each storage
-    counted once, however many views share it; what existed before, weights and inputs, not
-    counted). Counted from each operation's results as torch dispatches it: no clock, no allocator."""
+    counted once, however many views share it; what existed before, weights and inputs, and views
+    of them, not counted). Counted from each operation's results as torch dispatches it: no clock,
+    no allocator; what one operation holds inside itself (a fused kernel's buffers) is not seen."""
     import weakref
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -111,9 +112,12 @@ def held_bytes(fn) -> int:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr():
                     storage = t.untyped_storage()
+                    if storage.data_ptr() in given and storage.data_ptr() not in self.storages:
+                        continue  # a view of (or written into) a tensor from before
                     size, tensors = self.storages.get(storage.data_ptr(), (storage.nbytes(), 0))
                     self.live += size if tensors == 0 else 0
                     self.storages[storage.data_ptr()] = (size, tensors + 1)

@@ -17,11 +17,11 @@ from vitviz.sources import get_spec
 from conftest import counted_flops
 
 
-def _image(spec):
+def _image(spec, seed: int = 5):
     """A generated shapes image at the model's size, and its input [1, 3, S, S]."""
     from PIL import Image
 
-    picture = Image.fromarray(vitviz.shapes.render(3, seed=5, index=0, image_size=spec.image_size)[0])
+    picture = Image.fromarray(vitviz.shapes.render(3, seed=seed, index=0, image_size=spec.image_size)[0])
     return picture, vitviz.preprocess(picture, spec.preprocessing)[0][None]
 
 
@@ -338,11 +338,12 @@ def test_every_kind_of_request_is_in_the_table_of_prices():
 @pytest.mark.parametrize("name", ["shapes_p16@576", "vit_b_32"])
 def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
     """Head ablation, head importance, one patched head and an SAE's concepts run forwards that record
-    nothing (the fused attention kernel: no [H, N, N] layer held): each priced at least the tensors it holds at once and at most twice them,
-    above the fixed base. A narrow model at 1,297 tokens was priced 13x what importance holds (four
-    attention layers a copy), a wide one of 50 tokens held more token rows than priced."""
-    from PIL import Image
-
+    nothing (the fused attention kernel: no [H, N, N] layer held): each priced, above the fixed base,
+    at least the tensors it holds at once and at most three times them (a block's parts are priced
+    summed where they are held in turn; the kernels' and the allocator's own buffers, which the
+    resident peak in docs/serving.md shows and this count does not, take much of the rest). A narrow
+    model at 1,297 tokens was priced 21x what ablation holds (four attention layers a copy); one
+    patched site, every layer's activations where one layer's are kept."""
     from vitviz.concepts.browse import concept_map
     from vitviz.concepts.sae import TopKSAE
     from vitviz.model import ViT
@@ -350,10 +351,9 @@ def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
     from conftest import held_bytes
 
     spec = get_spec(name)
-    model = vitviz.load_model(name) if spec.source == "embedded" else ViT(spec.config).eval()
-    picture, x = _image(spec)
-    other = vitviz.preprocess(Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
-                              spec.preprocessing)[0]
+    model = vitviz.load_model(name, device="cpu") if spec.source == "embedded" else ViT(spec.config).eval()
+    _, x = _image(spec)
+    other = _image(spec, seed=6)[1][0]
     sae = TopKSAE(spec.config.width, 256, 8)
     runs = {
         "ablate": (lambda: vitviz.inside.ablate(model, x[0], [(0, 0), (1, 1)]), {}),
@@ -364,25 +364,22 @@ def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
     for kind, (run, options) in runs.items():
         held = held_bytes(run)
         priced = price(spec, kind, **options).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
-        assert held <= priced <= 2 * held, (kind, held / 2**20, priced / 2**20, priced / held)
+        assert held <= priced <= 3 * held, (kind, held / 2**20, priced / 2**20, priced / held)
 
 
 def test_patching_is_priced_at_what_its_batches_hold():
     """`patch` holds its cached runs and one batch of copies at a time: block inputs and heads run on
     the fused kernel, a pattern on the explicit path (its logits and weights). Each priced at least
-    the tensors held at once and at most twice them, above the fixed base; the explicit form priced
-    the fused batches 4.5x what they hold at 325 tokens."""
-    from PIL import Image
-
+    the tensors held at once and at most three times them, above the fixed base (as the test above);
+    priced in the explicit form, the fused batches were over three times what they hold."""
     from vitviz.patching import patch
     from conftest import held_bytes
 
     spec = get_spec("shapes_p16@192")
-    model = vitviz.load_model("shapes_p16@192")
+    model = vitviz.load_model("shapes_p16@192", device="cpu")
     _, x = _image(spec)
-    other = vitviz.preprocess(Image.fromarray(vitviz.shapes.render(3, seed=6, index=0, image_size=spec.image_size)[0]),
-                              spec.preprocessing)[0]
+    other = _image(spec, seed=6)[1][0]
     for kinds in (("resid_pre", "head"), ("pattern",)):
         held = held_bytes(lambda: patch(model, x[0], other, where=kinds))
         priced = price(spec, "patch", patch_kinds=kinds).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
-        assert held <= priced <= 2 * held, (kinds, held / 2**20, priced / 2**20, priced / held)
+        assert held <= priced <= 3 * held, (kinds, held / 2**20, priced / 2**20, priced / held)

@@ -35,7 +35,7 @@ over the base, but for two over-priced requests it names; `python -m vitviz.dev.
   (2 + S (L + 1) / 2) forwards (3 + ... with "pattern"); in memory a batch of copies (`vitviz.patching.copy_bytes` each,
   as many as `patch` fits in its memory, or in `budget`) and the cached runs' activations.
 - "patch_one": one patched forward (`vitviz.patched_logits`): "ablate"'s two forwards, and the clean
-  run's activations of the kinds `patch_kinds` names, kept at every layer.
+  run's activations of the kinds `patch_kinds` names, kept at the site's layer (one site a kind).
 - "registers": a test-time register (`vitviz.registers`) on one image: a forward that records every
   block's MLP hidden activations [L, N, M] and block outputs [L, N, D] (`register_neurons`), then an
   "analyse" of the model with one more token (the register; its rollout drawn), and the rollout of
@@ -96,7 +96,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from vitviz.explanations import METHODS
-from vitviz.patching import _plan as _patch_plan, copy_bytes
+from vitviz.patching import _plan as _patch_plan, attention_layers, copy_bytes
 from vitviz.recording import LEGRAD_START_LAYER
 from vitviz.swin_global import SLICE_ELEMENTS
 
@@ -366,13 +366,12 @@ def export_plan(spec, *, attentions: bool = True) -> dict:
 
 def _forward_bytes(spec, *, explicit: bool = False) -> int:
     """What a forward of `spec`'s ViT that records nothing holds at once while a block runs
-    (`vitviz.patching.copy_bytes`): on the fused attention kernel no [H, N, N] layer but a relative
-    position bias's mask; on the explicit path (`explicit`: a hook observes the softmax) the
-    logits and the weights."""
-    _, heads, n, width, mlp = _shape(spec)
+    (`vitviz.patching.copy_bytes`): on the fused attention kernel no [H, N, N] layer; on the explicit
+    path (`explicit`: a hook observes the softmax) the logits and the weights; a relative position
+    bias adds its mask, and on the CPU its [H, N, N] float mask takes the kernel's explicit path too."""
     c = spec.config
-    attention = 2 if explicit else 1 if c.rel_pos_bias else 0
-    return copy_bytes(tokens=n, width=width, mlp=mlp, heads=heads, gated=c.mlp == "gated", attention=attention)
+    return copy_bytes(tokens=spec.num_tokens, width=c.width, mlp=c.mlp_dim, heads=c.heads, gated=c.mlp == "gated",
+                      attention=attention_layers(explicit=explicit, bias=c.rel_pos_bias))
 
 
 def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, attentions: bool = True,
@@ -439,8 +438,9 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures)
     if kind == "explain":
         return Cost(kind, spec.name, n, explain, 0, explain_flops)
+    fused = _forward_bytes(spec)  # what a forward that records nothing holds at once
     if kind == "faithfulness":
-        per_image = 12 * token_row + 2 * n * mlp * 4  # a fused attention's forward (nothing recorded): the activations
+        per_image = fused  # each perturbed image's forward through the fused attention
         images = _perturbed_bytes(spec, orders, steps)
         room = (budget - BASE_BYTES - COMPUTE_BYTES - images) // per_image if budget is not None else FAITHFULNESS_BATCH
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
@@ -453,7 +453,6 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         converted = saved if plan["attention_dtype"] == "float16" else 0
         # the float16 copy, the rollout's products, and the attention's bytes copied as they are written
         return Cost(kind, spec.name, n, converted + saved + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
-    fused = _forward_bytes(spec)  # what a forward that records nothing holds at once
     if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
         return Cost(kind, spec.name, n, fused + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
     if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
@@ -462,9 +461,9 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
                     (1 + heads * (depth + 1) / 2) * flops, heads)
     if kind in ("patch", "patch_one"):
         plan = _patch_plan(spec, patch_kinds)
-        if kind == "patch_one":  # two forwards, the clean one keeping what the sites replace
+        if kind == "patch_one":  # two forwards, the clean one keeping what the site of each kind replaces, at its layer
             held = _forward_bytes(spec, explicit="pattern" in plan.kinds)  # (a pattern patched: the softmax observed)
-            return Cost(kind, spec.name, n, held + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
+            return Cost(kind, spec.name, n, held + plan.one_site + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
         if budget is not None:  # the batch that fits the budget beside the cached runs
             plan = _patch_plan(spec, patch_kinds, memory=max(0, budget - plan.cached - BASE_BYTES - COMPUTE_BYTES))
         runs = 2 + ("pattern" in plan.kinds)  # the clean and corrupted forwards (and the clean patterns' own)
@@ -655,9 +654,8 @@ def _video_price(spec, kind: str = "video") -> Cost:
     joint = c.attention == "joint"
     rollout = 2.0 * depth * n * n * (1 if joint else 2)  # a query's row: a vector times each step (`space_time_rollout_row`)
     fused = 2 * n * n * 4  # a step's matrices (divided: a block's two, dense)
-    token_row = n * width * 4
     frames = spec.frames * 3 * spec.image_size**2 * 4
-    activations = 12 * token_row + 2 * n * c.mlp_dim * 4
+    activations = copy_bytes(tokens=n, width=width, mlp=c.mlp_dim, heads=heads, attention=0)  # a forward's, fused
     kept = stack + frames
     explorer = video_explorer_bytes(depth=depth, grid=c.grid, frames=spec.frames, image_size=spec.image_size)
     # its bytes, joined, then in base64; while a layer is quantised, its rows in float32 (twice) and float64 and its bytes

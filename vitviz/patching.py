@@ -80,12 +80,19 @@ def copy_bytes(*, tokens: int, width: int, mlp: int, heads: int, gated: bool = F
 
     12 N D: the stream, its norms, the fused qkv (3 N D), the rotated queries and keys, the heads'
     outputs and their copy, the projections and the sums; 2 N M: the MLP's hidden layer and its
-    activation; `attention` layers of H N²: 2, one layer's attention logits and softmax (the explicit
-    path, which "pattern" runs, and every kind's batch is priced by); 0, the fused kernel; 1, the
-    fused kernel given a relative position bias (its mask).
+    activation; `attention` layers of H N² (`attention_layers`): 2, one layer's attention logits and
+    softmax (the explicit path, which "pattern" runs); 0, the fused kernel; 3, a relative position
+    bias's mask beside the logits and softmax.
     """
     hidden = (4 if gated else 2) * tokens * mlp
     return itemsize * (12 * tokens * width + hidden + attention * heads * tokens * tokens)
+
+
+def attention_layers(*, explicit: bool, bias: bool) -> int:
+    """`copy_bytes`' `attention`: the [H, N, N] layers a block holds. 2 on the explicit path (a hook
+    observes the softmax: its logits and weights), 0 on the fused kernel; a relative position bias
+    adds its mask, and its [H, N, N] float mask sends the CPU's kernel to the explicit path as well (3)."""
+    return 3 if bias else 2 if explicit else 0
 
 
 @dataclass(frozen=True)
@@ -103,23 +110,27 @@ class _Sizes:
     rel_pos: bool = False
 
     def per_copy(self, kinds: Sequence[str]) -> int:
-        """One copy's activations for the batches of `kinds` (`copy_bytes`): a pattern is patched on the
-        explicit path (logits and weights held), every other kind on the fused kernel."""
-        fused = 1 if self.rel_pos else 0  # (the bias's [H, N, N] mask)
+        """One copy's activations in a batch of `kinds` (`copy_bytes`; one batch size serves them all):
+        a pattern is patched on the explicit path (logits and weights held), every other kind on the
+        fused kernel."""
         return max(copy_bytes(tokens=self.tokens, width=self.width, mlp=self.mlp, heads=self.heads, gated=self.gated,
-                              itemsize=self.itemsize, attention=2 if k == "pattern" else fused) for k in kinds)
+                              itemsize=self.itemsize, attention=attention_layers(explicit=k == "pattern", bias=self.rel_pos))
+                   for k in kinds)
 
     def sites(self, kind: str) -> int:
         """The sites of `kind` in one layer."""
         return {"head": self.heads, "pattern": self.heads, "head_token": self.tokens * self.heads}.get(kind, self.tokens)
 
-    def cache_bytes(self, kinds: Sequence[str]) -> int:
+    def cache_bytes(self, kinds: Sequence[str], *, layers: int | None = None) -> int:
         """What `patch` keeps besides the batch: the corrupted run's block inputs [L, N, D], the clean
-        run's activations of each source the kinds replace ([L, N, D] each; the patterns [L, H, N, N])."""
-        row = self.layers * self.tokens * self.width * self.itemsize
+        run's activations of each source the kinds replace ([L, N, D] each; the patterns [L, H, N, N]).
+        With `layers`, what `patched_logits` keeps for sites at that many layers: the clean run's
+        sources there alone."""
+        kept = self.layers if layers is None else layers
+        row = kept * self.tokens * self.width * self.itemsize
         sources = {_SOURCE[k] for k in kinds}
-        patterns = self.layers * self.heads * self.tokens**2 * self.itemsize if "pattern" in sources else 0
-        return row * (1 + len(sources - {"pattern"})) + patterns
+        patterns = kept * self.heads * self.tokens**2 * self.itemsize if "pattern" in sources else 0
+        return row * ((1 if layers is None else 0) + len(sources - {"pattern"})) + patterns
 
 
 def _refuse_windowed(model: Any) -> None:
@@ -180,20 +191,22 @@ def patch_forwards(
 @dataclass(frozen=True)
 class _Plan:
     """What `patch` of `kinds` will run and hold, for pricing (`vitviz.cost`): the largest batch, one
-    copy's bytes (`copy_bytes`), the cached runs' bytes, and the sites of one layer (all kinds)."""
+    copy's bytes (`copy_bytes`), the cached runs' bytes, the sites of one layer (all kinds), and what
+    `patched_logits` keeps for one site of each kind (the clean run's sources at one layer)."""
 
     kinds: tuple[str, ...]
     batch: int
     per_copy: int
     cached: int
     sites: int
+    one_site: int
 
 
 def _plan(spec: VariantSpec, kinds: str | Sequence[str], *, batch_size: int | None = None, memory: int = MEMORY) -> _Plan:
     sizes = _sizes(spec)
     kinds = _kinds(kinds)
     return _Plan(kinds, max(_batches(sizes, kinds, batch_size, memory).values()), sizes.per_copy(kinds), sizes.cache_bytes(kinds),
-                 sum(sizes.sites(k) for k in kinds))
+                 sum(sizes.sites(k) for k in kinds), sizes.cache_bytes(kinds, layers=1))
 
 
 # ----------------------------------------------------------------------------- recording and patching
