@@ -337,7 +337,7 @@ def test_every_kind_of_request_is_in_the_table_of_prices():
 
 @pytest.mark.parametrize("name", ["shapes_p16@576", "vit_b_32"])
 def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
-    """Head ablation, head importance, one patched head and an SAE's concepts run forwards that record
+    """Head ablation, head importance, one patched head (or pattern) and an SAE's concepts run forwards that record
     nothing (the fused attention kernel: no [H, N, N] layer held): each priced, above the fixed base,
     at least the tensors it holds at once and at most three times them (a block's parts are priced
     summed where they are held in turn; the kernels' and the allocator's own buffers, which the
@@ -355,16 +355,17 @@ def test_a_forward_that_records_nothing_is_priced_at_what_it_holds(name):
     _, x = _image(spec)
     other = _image(spec, seed=6)[1][0]
     sae = TopKSAE(spec.config.width, 256, 8)
-    runs = {
-        "ablate": (lambda: vitviz.inside.ablate(model, x[0], [(0, 0), (1, 1)]), {}),
-        "importance": (lambda: vitviz.inside.head_importance(model, x[0]), {}),
-        "patch_one": (lambda: patched_logits(model, x[0], other, [("head", 1, 0)]), dict(patch_kinds=("head",))),
-        "concepts": (lambda: concept_map(model, x[0], sae, layer=2), dict(sae=(2, 256, 8))),
-    }
-    for kind, (run, options) in runs.items():
+    runs = [
+        ("ablate", lambda: vitviz.inside.ablate(model, x[0], [(0, 0), (1, 1)]), {}),
+        ("importance", lambda: vitviz.inside.head_importance(model, x[0]), {}),
+        ("patch_one", lambda: patched_logits(model, x[0], other, [("head", 1, 0)]), dict(patch_kinds=("head",))),
+        ("patch_one", lambda: patched_logits(model, x[0], other, [("pattern", 1, 0)]), dict(patch_kinds=("pattern",))),
+        ("concepts", lambda: concept_map(model, x[0], sae, layer=2), dict(sae=(2, 256, 8))),
+    ]
+    for kind, run, options in runs:
         held = held_bytes(run)
         priced = price(spec, kind, **options).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
-        assert held <= priced <= 3 * held, (kind, held / 2**20, priced / 2**20, priced / held)
+        assert held <= priced <= 3 * held, (kind, options, held / 2**20, priced / 2**20, priced / held)
 
 
 def test_patching_is_priced_at_what_its_batches_hold():
@@ -383,3 +384,18 @@ def test_patching_is_priced_at_what_its_batches_hold():
         held = held_bytes(lambda: patch(model, x[0], other, where=kinds))
         priced = price(spec, "patch", patch_kinds=kinds).bytes - cost.BASE_BYTES - cost.COMPUTE_BYTES
         assert held <= priced <= 3 * held, (kinds, held / 2**20, priced / 2**20, priced / held)
+
+
+def test_the_serving_benchs_request_code_is_whole_and_each_kind_goes_where_the_app_serves_it():
+    """`vitviz.dev.bench --serving` runs each request from a template (its braces doubled) in a fresh
+    process: it formats and compiles; `applies` sends each kind where the app may serve it."""
+    from vitviz.dev.bench.serving import _KIND_CODE, applies
+
+    code = _KIND_CODE.format(threads=2, variant="shapes_p16", kind="analyse", image="star.png", clip="moving.gif", budget=2**30)
+    compile(code, "<serving request>", "exec")
+    served = {("shapes_p16", "patch"), ("shapes_p16", "concepts"), ("shapes_p16", "faithfulness"), ("shapes_vlm", "ask"),
+              ("shapes_video", "video"), ("shapes_clip", "find"), ("shapes_p8_outliers", "registers")}
+    not_served = {("shapes_swin", "patch"), ("shapes_swin", "registers"), ("shapes_p16", "ask"), ("shapes_p16", "find"),
+                  ("shapes_video", "analyse"), ("shapes_p16", "video"), ("vit_b_16", "concepts"), ("shapes_clip", "faithfulness")}
+    assert all(applies(*pair) for pair in served), [pair for pair in served if not applies(*pair)]
+    assert not any(applies(*pair) for pair in not_served), [pair for pair in not_served if applies(*pair)]

@@ -3,7 +3,7 @@
 Every figure is written from the architecture (`VariantSpec`: layers L, heads H, width D, MLP width
 F, tokens N at the requested image size) and the work each kind of request does; `docs/serving.md`
 sets each beside the peak resident memory measured for it (within 1.5x either way where the peak is
-over the base, but for two over-priced requests it names; `python -m vitviz.dev.bench --serving`). With
+over the base, but for one over-priced request it names; `python -m vitviz.dev.bench --serving`). With
 `layer = H N^2 x 4` bytes (one layer's attention for one image) and `A = L x layer` (the stack):
 
 - "analyse": one recorded forward; keeps A, plus the tokens; the peak adds a few layers'
@@ -35,7 +35,8 @@ over the base, but for two over-priced requests it names; `python -m vitviz.dev.
   (2 + S (L + 1) / 2) forwards (3 + ... with "pattern"); in memory a batch of copies (`vitviz.patching.copy_bytes` each,
   as many as `patch` fits in its memory, or in `budget`) and the cached runs' activations.
 - "patch_one": one patched forward (`vitviz.patched_logits`): "ablate"'s two forwards, and the clean
-  run's activations of the kinds `patch_kinds` names, kept at the site's layer (one site a kind).
+  run's activations of the kinds `patch_kinds` names, kept at the site's layer (one site a kind;
+  sites at several layers keep each layer's), and a pattern's row as it is written in.
 - "registers": a test-time register (`vitviz.registers`) on one image: a forward that records every
   block's MLP hidden activations [L, N, M] and block outputs [L, N, D] (`register_neurons`), then an
   "analyse" of the model with one more token (the register; its rollout drawn), and the rollout of
@@ -463,7 +464,8 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         plan = _patch_plan(spec, patch_kinds)
         if kind == "patch_one":  # two forwards, the clean one keeping what the site of each kind replaces, at its layer
             held = _forward_bytes(spec, explicit="pattern" in plan.kinds)  # (a pattern patched: the softmax observed)
-            return Cost(kind, spec.name, n, held + plan.one_site + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
+            written = n * n * 4 if "pattern" in plan.kinds else 0  # (the clean pattern's row written in: a copy)
+            return Cost(kind, spec.name, n, held + plan.one_site + written + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
         if budget is not None:  # the batch that fits the budget beside the cached runs
             plan = _patch_plan(spec, patch_kinds, memory=max(0, budget - plan.cached - BASE_BYTES - COMPUTE_BYTES))
         runs = 2 + ("pattern" in plan.kinds)  # the clean and corrupted forwards (and the clean patterns' own)
