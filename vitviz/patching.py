@@ -466,7 +466,8 @@ def patch(
         where: a kind of site (`KINDS`) or several.
         batch_size: copies per batched forward; None: the most whose activations fit `memory`
             bytes, itemsize x (12 N D + 2 N M) a copy, 2 H N² more where a pattern is patched (the
-            explicit path) and H N² with a relative position bias (`copy_bytes`; the cached runs besides).
+            explicit path) and 3 H N² with a relative position bias (`copy_bytes`, `attention_layers`;
+            the cached runs besides).
 
     Raises:
         ValueError: a Swin model, a model with nothing to score, images of different shapes, an

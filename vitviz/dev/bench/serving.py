@@ -159,6 +159,8 @@ print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.b
 
 KINDS = ("analyse", "explain", "faithfulness", "export", "explorer", "view", "find", "ablate", "importance", "patch", "patch_one",
          "registers", "concepts", "concept_ablate", "ask", "video", "video_relevance")
+
+
 def applies(variant: str, kind: str) -> bool:
     """Whether the app may serve a request of `kind` on `variant`, as far as its record tells (nothing
     loaded): a clip's kinds on a video model and no other; Ask on a VLM; Find on a model without a
