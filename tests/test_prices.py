@@ -399,3 +399,25 @@ def test_the_serving_benchs_request_code_is_whole_and_each_kind_goes_where_the_a
                   ("shapes_video", "analyse"), ("shapes_p16", "video"), ("vit_b_16", "concepts"), ("shapes_clip", "faithfulness")}
     assert all(applies(*pair) for pair in served), [pair for pair in served if not applies(*pair)]
     assert not any(applies(*pair) for pair in not_served), [pair for pair in not_served if applies(*pair)]
+
+
+def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
+    """`priced_rows` prices each request from the other variants' requests of its line alone: four
+    variants whose requests take 0.05 s, plus their flops at each variant's own pace (a plain
+    forward's seconds a flop, as the bench times it), plus their bytes at 1e9 a second. Scaled by
+    those paces, the line's parts price each at its time; by flops alone (the paces differ 3x), not
+    all of them; a line no other variant ran is not priced."""
+    from vitviz.dev.bench.serving import priced_rows, within
+
+    paces = {"narrow": 3e-11, "wide": 1e-11, "mid": 2e-11, "long": 1.5e-11}  # seconds a flop of a plain forward
+    sizes = {"narrow": (4e10, 2e8), "wide": (8e11, 1e8), "mid": (1e9, 3e7), "long": (2e11, 9e8)}
+    rows = [dict(variant=v, kind="importance", line="importance/global", flops=f, price=b, peak=b, gpu_peak=None,
+                 priced_seconds=f * paces[v], seconds=0.05 + f * paces[v] + b / 1e9) for v, (f, b) in sizes.items()]
+    rows.append(dict(rows[0], kind="view", line="view/global", flops=1e8, priced_seconds=1e8 * paces["narrow"], seconds=0.01))
+    table = priced_rows(rows)
+    assert [(r[0], r[1]) for r in table] == [(r["variant"], r["kind"]) for r in rows]
+    for r, row in zip(table[:4], rows):
+        assert r[9] == pytest.approx(row["seconds"], rel=1e-6), r
+        assert (r[4], r[7]) == (row["priced_seconds"], row["seconds"])
+    assert table[4][5] is None and table[4][9] is None  # its line ran on no other variant
+    assert within(table, 9) == (4, 4) and within(table, 5)[0] < 4

@@ -109,18 +109,18 @@ def main(argv: list[str] | None = None) -> None:
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
         print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here, "
-              "in three parts: fixed, flops and bytes (vitviz.server.guards.work.LineTimes); by flops: the same without the bytes")
+              "in three parts: fixed, flops and bytes (vitviz.server.guards.work.LineTimes); by flops: the same without the bytes; "
+              "by pace: the line's three parts with each request's flops scaled by its variant's plain-forward pace")
         print(f"\n{'variant':<24}{'kind':<16}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
-              f"{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
+              f"{'by pace':>9}{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
         rows = serving_table(variants, tuple(args.kinds))
-        for variant, kind, priced, peak, priced_s, line_s, flops_s, seconds, gpu_peak in rows:
-            line = "-" if line_s is None else f"{line_s:.2f}"
-            by_flops = "-" if flops_s is None else f"{flops_s:.2f}"
+        for variant, kind, priced, peak, priced_s, line_s, flops_s, seconds, gpu_peak, pace_s in rows:
+            line, by_flops, by_pace = ("-" if s is None else f"{s:.2f}" for s in (line_s, flops_s, pace_s))
             line_ratio = "-" if line_s is None else f"{line_s / seconds:.2f}"
             print(f"{variant:<24}{kind:<16}{priced:>11.0f}{peak:>10.0f}{priced / max(peak, 1):>7.2f}{priced_s:>10.2f}{line:>8}{by_flops:>10}"
-                  f"{seconds:>10.2f}{line_ratio:>7}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
-        for column, name in ((5, "line s"), (6, "by flops")):
+                  f"{by_pace:>9}{seconds:>10.2f}{line_ratio:>7}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
+        for column, name in ((5, "line s"), (6, "by flops"), (9, "by pace")):
             print(f"{name}: within 1.5x of the seconds, {'%d of %d' % within(rows, column)}; of those taking 0.3 s or more, "
                   f"{'%d of %d' % within(rows, column, least=0.3)}")
         return

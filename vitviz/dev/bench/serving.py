@@ -190,8 +190,7 @@ def applies(variant: str, kind: str) -> bool:
     return True
 
 
-def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS,
-                  *, budget: int = 6144 * 2**20) -> list[tuple[str, str, float, float, float, float | None, float | None, float, float | None]]:
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budget: int = 6144 * 2**20) -> list[tuple]:
     """For each variant and each kind of request it serves (`applies`), in a fresh process: (variant,
     kind, priced MB, measured peak MB above the process's resident memory before the request, priced
     seconds (its work at the speed of a plain forward of the same model, timed in that process, its
@@ -199,8 +198,15 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS,
     learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
     they ran here, as a server learns from the jobs it ran: a fixed part, flops and bytes), the same
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the
-    request runs no model), seconds, and on a GPU the peak MB of CUDA memory allocated above what
-    was before the request, else None)."""
+    request runs no model), seconds, on a GPU the peak MB of CUDA memory allocated above what
+    was before the request, else None, and priced seconds by the line's parts with each request's
+    flops scaled by its variant's pace (`priced_rows`))."""
+    return priced_rows(measured_rows(variants, kinds, budget=budget))
+
+
+def measured_rows(variants, kinds=KINDS, *, budget: int = 6144 * 2**20) -> list[dict]:
+    """`serving_table`'s requests, each run in a fresh process: a dict of what it measured (peak,
+    seconds, price, flops, gpu_peak, priced_seconds, line) with its variant and kind."""
     import subprocess
     import sys
 
@@ -222,27 +228,48 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS,
                 if got.get("skip"):  # a kind the model has no use for
                     continue
                 rows.append(dict(got, variant=variant, kind=kind))
+    return rows
+
+
+def priced_rows(rows: list[dict], *, rate: float = 5e10) -> list[tuple]:
+    """`serving_table`'s rows from `measured_rows`' requests, each priced in seconds as a server
+    that ran the others would price it (see `serving_table`), at `rate` before a line has run.
+
+    The last column asks whether a variant's pace says what its flops cost: each request's flops are
+    scaled by the seconds a flop of its variant's plain forward took (the median over its requests'
+    processes) at `rate`, so that a flop of a variant that runs its forward at `rate` counts once,
+    and the line's parts are fitted to them as before. A server could learn that pace when it loads
+    a model; before its first request it could not."""
     from vitviz.server.guards.work import LineTimes
+
+    paces: dict[str, list[float]] = {}
+    for r in rows:
+        if r["flops"] > 0 and r["priced_seconds"] > 0:
+            paces.setdefault(r["variant"], []).append(r["priced_seconds"] / r["flops"])
+    scale = {variant: statistics.median(p) * rate for variant, p in paces.items()}
 
     table = []
     for row in rows:
         others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
-        times = LineTimes(rate=5e10)  # what a server learns from the other variants' jobs of the line (at ModelWork's default rate before)
-        by_flops = LineTimes(rate=5e10)  # the same jobs, their bytes not told: a fixed part and a speed only
+        times = LineTimes(rate=rate)  # what a server learns from the other variants' jobs of the line (at ModelWork's default rate before)
+        by_flops = LineTimes(rate=rate)  # the same jobs, their bytes not told: a fixed part and a speed only
+        by_pace = LineTimes(rate=rate)  # the same jobs, their flops scaled by their variants' paces
         for r in others:
             times.add(r["line"], r["flops"], r["seconds"], r["variant"], nbytes=r["price"])
             by_flops.add(r["line"], r["flops"], r["seconds"], r["variant"])
+            by_pace.add(r["line"], r["flops"] * scale[r["variant"]], r["seconds"], r["variant"], nbytes=r["price"])
         ran = others and row["flops"] > 0
         learned = times.estimate(row["line"], row["flops"], nbytes=row["price"]) if ran else None
         flops_only = by_flops.estimate(row["line"], row["flops"]) if ran else None
+        paced = by_pace.estimate(row["line"], row["flops"] * scale[row["variant"]], nbytes=row["price"]) if ran else None
         gpu = row.get("gpu_peak")
         table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
-                      flops_only, row["seconds"], None if gpu is None else gpu / 2**20))
+                      flops_only, row["seconds"], None if gpu is None else gpu / 2**20, paced))
     return table
 
 
 def within(rows, column: int, *, spread: float = 1.5, least: float = 0.0) -> tuple[int, int]:
-    """Of `serving_table`'s rows priced in `column` (5: line s, 6: by flops) that took `least` s or
+    """Of `serving_table`'s rows priced in `column` (5: line s, 6: by flops, 9: by pace) that took `least` s or
     more: (how many were priced within `spread` of their seconds, how many there are)."""
     priced = [(r[column], r[7]) for r in rows if r[column] is not None and r[7] >= least]
     return sum(1 / spread <= p / s <= spread for p, s in priced), len(priced)
