@@ -27,7 +27,7 @@ def server():
 def _client(url):
     from gradio_client import Client
 
-    return Client(url, verbose=False)
+    return Client(url, verbose=False, httpx_kwargs={"timeout": 300})  # (httpx's 5 s: an upload on a loaded machine may take longer)
 
 
 def _analyze(client, path, variant="shapes_p16"):
@@ -126,8 +126,6 @@ def test_soak_memory_stays_flat_and_no_figure_stays_open(server, tmp_path, monke
     import dataclasses
 
     from matplotlib._pylab_helpers import Gcf
-
-    from vitviz.server import runtime
 
     # freed heap handed back past 16 MB of growth (VITVIZ_HEAP_KEEP_MB), within the bound checked below
     monkeypatch.setattr(SERVER, "settings", dataclasses.replace(SERVER.settings, heap_keep_bytes=16 * 2**20))
