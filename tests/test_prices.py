@@ -421,3 +421,18 @@ def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
         assert (r[4], r[7]) == (row["priced_seconds"], row["seconds"])
     assert table[4][5] is None and table[4][9] is None  # its line ran on no other variant
     assert within(table, 9) == (4, 4) and within(table, 5)[0] < 4
+
+
+def test_the_serving_bench_sums_each_kind_up_from_its_rows():
+    """`by_kind` counts a kind's priced rows, those within 1.5x of their seconds and their ratios'
+    median and range, leaves out a row its line could not price, and does the same for memory over
+    the rows whose peak is over 16 MiB; kinds in the order they first come."""
+    from vitviz.dev.bench.serving import by_kind
+
+    def row(variant, kind, priced_mb, peak_mb, line_s, seconds):
+        return (variant, kind, priced_mb, peak_mb, None, line_s, None, seconds, None, None)
+
+    rows = [row("a", "patch", 20, 10, 1.0, 1.0), row("b", "view", 12, 1, 0.02, 0.01), row("b", "patch", 40, 32, 3.0, 1.5),
+            row("c", "patch", 30, 40, None, 2.0), row("d", "patch", 100, 50, 0.5, 1.0)]
+    assert by_kind(rows) == [("patch", 3, 1, 1.0, 0.5, 2.0, 3, 2, 1.25, 0.75, 2.0),
+                             ("view", 1, 0, 2.0, 2.0, 2.0, 0, 0, None, None, None)]

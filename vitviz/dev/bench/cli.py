@@ -19,7 +19,7 @@ from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.video import video_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
-from vitviz.dev.bench.serving import FLOODS, KINDS, flood_table, serving_table, within
+from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, serving_table, within
 from vitviz.dev.bench.training import training_table
 
 
@@ -123,6 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         for column, name in ((5, "line s"), (6, "by flops"), (9, "by pace")):
             print(f"{name}: within 1.5x of the seconds, {'%d of %d' % within(rows, column)}; of those taking 0.3 s or more, "
                   f"{'%d of %d' % within(rows, column, least=0.3)}")
+        print("\nper kind: seconds priced by the line / measured, memory priced / peak (requests whose peak is over 16 MiB)")
+        print(f"{'kind':<16}{'priced':>8}{'within 1.5x':>13}{'median':>8}{'least':>7}{'most':>7}{'over 16 MiB':>13}{'within 1.5x':>13}"
+              f"{'median':>8}{'least':>7}{'most':>7}")
+        for kind, n, ok, median, least, most, m, m_ok, m_median, m_least, m_most in by_kind(rows):
+            ratios = ["-" if q is None else f"{q:.2f}" for q in (median, least, most, m_median, m_least, m_most)]
+            print(f"{kind:<16}{n:>8}{ok:>13}{ratios[0]:>8}{ratios[1]:>7}{ratios[2]:>7}{m:>13}{m_ok:>13}{ratios[3]:>8}{ratios[4]:>7}{ratios[5]:>7}")
         return
     if args.flood:
         print(f"vitviz.dev.bench --flood; {time.strftime('%Y-%m-%d')}; {_machine()}")

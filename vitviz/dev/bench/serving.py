@@ -276,6 +276,29 @@ def within(rows, column: int, *, spread: float = 1.5, least: float = 0.0) -> tup
 
 
 
+def by_kind(rows, column: int = 5, *, spread: float = 1.5) -> list[tuple]:
+    """`serving_table`'s rows summed up per kind of request, in the order the kinds first come: (kind,
+    how many of its rows are priced in `column` (5: line s, 6: by flops, 9: by pace), how many of them
+    within `spread` of their seconds, the median and the least and greatest of those ratios (price /
+    seconds; None when none is priced), then the same for its memory over the rows whose peak is over
+    16 MiB (price / peak): their count, within `spread`, median, least, greatest)."""
+    kinds = list(dict.fromkeys(r[1] for r in rows))
+
+    def summary(ratios):
+        if not ratios:
+            return len(ratios), 0, None, None, None
+        return (len(ratios), sum(1 / spread <= q <= spread for q in ratios), statistics.median(ratios), min(ratios), max(ratios))
+
+    table = []
+    for kind in kinds:
+        mine = [r for r in rows if r[1] == kind]
+        seconds = [r[column] / r[7] for r in mine if r[column] is not None and r[7] > 0]
+        memory = [r[2] / r[3] for r in mine if r[3] > 16]
+        table.append((kind, *summary(seconds), *summary(memory)))
+    return table
+
+
+
 FLOODS = {
     # what 127.0.0.2 sends, as many as its share of the queue allows (two per session)
     "swin": ("analyze", "shapes_swin@1824", None),
