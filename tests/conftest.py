@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("MPLBACKEND", "Agg")
 import gradio.http_server
+import gradio.networking
 import pytest
 import torch
 
@@ -26,6 +27,31 @@ def _close_whole(self):
 
 
 gradio.http_server.Server.close = _close_whole
+
+# A server's launch asked for its page with patience. Gradio's `launch` checks that its own page
+# answers (`networking.url_ok`) and fails ("When localhost is not accessible, a shareable link must
+# be created") at the first HEAD that takes over 3 s, which a server just started on a machine running
+# another suite beside this one may take. Here the check asks again until 60 s have passed.
+
+
+def _url_ok_patiently(url: str) -> bool:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.head(url, timeout=10, verify=False).status_code in (200, 401, 301, 302, 303, 307, 308):
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+gradio.networking.url_ok = _url_ok_patiently
 
 
 def pytest_configure(config):
