@@ -101,14 +101,17 @@ def _cpu_attention(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def counted_flops(fn) -> float:
+def counted_flops(fn, *, attention: bool = False) -> float:
     """The flops `fn()` runs, as torch's FlopCounterMode counts them (the CPU's fused attention counted
-    by the formula torch uses for CUDA's kernels, which it counts and the CPU's it does not)."""
+    by the formula torch uses for CUDA's kernels, which it counts and the CPU's it does not); with
+    `attention`, those of the fused attention's calls only (its scores and weighted values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention}
     with FlopCounterMode(display=False, custom_mapping=cpu) as counter:
         fn()
+    if attention:
+        return float(sum(n for op, n in counter.get_flop_counts()["Global"].items() if "scaled_dot_product" in str(op)))
     return float(counter.get_total_flops())
 
 

@@ -6,6 +6,7 @@ orderings, phrases and rollouts a price counts."""
 import math
 
 import pytest
+import torch
 
 import vitviz
 from vitviz import cost
@@ -45,6 +46,30 @@ def test_each_kind_is_priced_within_its_counted_work(name):
     for kind, work in counted.items():
         priced = price(spec, kind, layer_gradients=True).flops
         assert work > 0 and work <= priced <= 1.5 * work, (kind, work, priced, priced / work)
+
+
+@pytest.mark.parametrize("name", ["shapes_p16", "shapes_p8@192", "shapes_swin@320"])
+def test_the_attention_products_are_told_apart_as_counted(name):
+    """Of a forward's work, the attention products (`Cost.products`) are exactly what torch counts in
+    its fused attention's calls (4 L N² D; a Swin's window by window); of an ablation's and a head
+    importance's, at least those and at most 1.5 times them; and never more than the whole work."""
+    model = vitviz.load_model(name)
+    spec = model.spec
+    _, x = _image(spec)
+    with torch.no_grad():
+        assert counted_flops(lambda: model(x), attention=True) == pytest.approx(cost.attention_flops(spec), rel=1e-9)
+    kinds = ["analyse", "explain", "faithfulness", "view", "export"]
+    if spec.config.attention != "windowed":
+        counted = {"ablate": counted_flops(lambda: vitviz.inside.ablate(model, x[0], [(0, 0)]), attention=True),
+                   "importance": counted_flops(lambda: vitviz.inside.head_importance(model, x[0]), attention=True)}
+        for kind, work in counted.items():
+            priced = price(spec, kind).products
+            assert 0 < work <= priced <= 1.5 * work, (kind, work, priced)
+        kinds += ["ablate", "importance", "patch", "patch_one", "registers"]
+    for kind in kinds:
+        c = price(spec, kind)
+        assert 0 <= c.products <= c.flops, kind
+    assert price(spec, "view").products == 0 == price(spec, "export").products  # a rollout and its pictures: no model runs
 
 
 def test_faithfulness_prices_every_ordering_and_find_every_phrase():
@@ -142,6 +167,54 @@ def test_a_lines_time_that_grows_with_its_bytes_is_learned_with_them():
     new = (1e10, 3e9)  # 15.3 s, nearly all its bytes
     assert times.estimate("export/global", new[0], "new", nbytes=new[1]) == pytest.approx(took(*new), rel=1e-6)
     assert flops_only.estimate("export/global", new[0], "new") < 0.5 * took(*new)
+
+
+def test_attention_products_are_learned_as_a_part_of_their_own():
+    """Jobs of four variants whose time is 0.02 s, plus their flops at 1e11 a second, plus their
+    attention products once more at 2e10 a second (narrow heads' products, slower than the
+    projections'): the fit finds the parts and prices a variant never run at its time, whether most
+    of its work is attention (74 %, as `shapes_p16@576`) or little (1 %, as `vit_b_32`). Told its
+    flops only, the same line prices the first at under a third of its time and the second at over
+    1.3 times."""
+    def took(flops, products):
+        return 0.02 + flops / 1e11 + products / 2e10
+
+    jobs = {"wide": (4e10, 4e8), "narrow": (2e10, 1.2e10), "small": (1e8, 1e7), "mid": (6e10, 1.5e10)}
+    times, flops_only = LineTimes(rate=1e9), LineTimes(rate=1e9)
+    for variant, (flops, products) in jobs.items():
+        times.add("patch/global", flops, took(flops, products), variant, products=products)
+        flops_only.add("patch/global", flops, took(flops, products), variant)
+    pace = times.parts("patch/global")
+    assert pace.speed == pytest.approx(1e11, rel=1e-6) and pace.products_speed == pytest.approx(2e10, rel=1e-6)
+    for flops, products in ((1e11, 7.4e10), (2e11, 2e9)):
+        truth = took(flops, products)
+        assert times.estimate("patch/global", flops, "new", products=products) == pytest.approx(truth, rel=1e-6)
+        assert ModelWork(budget_bytes=2**40, lanes=1, seconds=100.0, rate=1e9).estimate(
+            Cost("patch", "new", 1, 1, 0, flops, products=products)) == pytest.approx(flops / 1e9)  # nothing run yet: the rate
+    assert flops_only.estimate("patch/global", 1e11, "new") < took(1e11, 7.4e10) / 3
+    assert flops_only.estimate("patch/global", 2e11, "new") > 1.3 * took(2e11, 2e9)
+    times.add("patch/global", 1e9, 0.1, "odd", products=2e9)  # more products than flops: not a job, not counted
+    assert times.parts("patch/global") == pace
+
+
+def test_a_large_job_sets_the_speed_once_its_work_is_most_of_its_time():
+    """On a fast machine a line's large jobs may all take under a fifth of a second: jobs of 1e10
+    flops or more that took over twice the median time of the line's smaller ones (their work most
+    of their time) set its speed, and a variant never run is priced at its time, not at the rate
+    (three times its time here). A large job that took no more than twice the small ones' (its
+    time mostly theirs, a slow machine's fixed part) does not set a speed."""
+    def took(flops):
+        return 0.01 + flops / 1.5e11
+
+    times = LineTimes(rate=5e10)
+    for variant, flops in (("a", 1e8), ("b", 1e9), ("c", 2e9), ("d", 1.04e10), ("e", 1.76e10)):
+        times.add("ablate/global", flops, took(flops), variant)
+    assert times.estimate("ablate/global", 7e10, "new") == pytest.approx(took(7e10), rel=1e-6)  # (at the rate: 1.41 s)
+    slow = LineTimes(rate=5e10)
+    for variant, flops in (("a", 1e8), ("b", 1e9), ("c", 2e9)):
+        slow.add("ablate/global", flops, 0.3, variant)
+    slow.add("ablate/global", 1.2e10, 0.55, "d")
+    assert slow.parts("ablate/global").speed == 5e10
 
 
 def test_slow_small_jobs_never_make_a_large_one_look_slow():

@@ -77,8 +77,12 @@ over the base, but for one over-priced request it names; `python -m vitviz.dev.b
 A fixed `BASE_BYTES` covers what any request allocates whatever the model (buffers, the pictures),
 and `COMPUTE_BYTES` besides what one that runs the model or draws a figure does (thread buffers,
 the figure). Model work is counted in multiply-adds x 2 (`forward_flops`); `tests/test_prices.py` holds
-each kind's to what the request runs (torch's FlopCounterMode) within 1.5x. The server turns work
-into seconds at the speed it learned for the request's line of work (`Cost.line`: its kind and
+each kind's to what the request runs (torch's FlopCounterMode) within 1.5x. Of that work, the
+attention products (each head's scores and weighted values, 4 x N^2 x D a layer; a windowed layer's
+window by window) are told apart (`Cost.products`): a head's products are narrow (N x D/H by D/H x
+N) and run at another speed than the projections' wide ones, so their share of a request (1 % of a
+forward of `vit_b_32`, 74 % of one of `shapes_p16@576`) says how fast its flops run. The server turns
+work into seconds at the speeds it learned for the request's line of work (`Cost.line`: its kind and
 family, `vitviz.server.guards.work.ModelWork`).
 
 A windowed model (Swin: its config has `geometries`) holds each layer's attention window by window,
@@ -107,6 +111,7 @@ __all__ = [
     "price",
     "together",
     "forward_flops",
+    "attention_flops",
     "attention_bytes",
     "export_plan",
     "BASE_BYTES",
@@ -159,6 +164,8 @@ class Cost:
             "patch", the patched copies per batched forward (`vitviz.patch(batch_size=...)`).
         family: "global" or "windowed" (a Swin): with `kind`, the line of work whose speed the
             server learns on its own (`line`).
+        products: of `flops`, the attention products' (each head's scores and weighted values,
+            forward and backward; `attention_flops` a forward), which run at a speed of their own.
     """
 
     kind: str
@@ -169,6 +176,7 @@ class Cost:
     flops: float
     batch: int = 1
     family: str = "global"
+    products: float = 0.0
 
     @property
     def line(self) -> str:
@@ -186,7 +194,8 @@ def together(costs: list[Cost], *, kind: str = "compare") -> Cost:
     for c in costs:
         peak = max(peak, held + c.bytes)
         held += c.kept_bytes
-    return Cost(kind, " and ".join(c.variant for c in costs), max(c.tokens for c in costs), peak, held, sum(c.flops for c in costs))
+    return Cost(kind, " and ".join(c.variant for c in costs), max(c.tokens for c in costs), peak, held, sum(c.flops for c in costs),
+                products=sum(c.products for c in costs))
 
 
 @dataclass(frozen=True)
@@ -318,6 +327,15 @@ def forward_flops(spec) -> float:
     return embed + 2.0 * depth * block_weights * n + 4.0 * depth * n * n * width + 2.0 * width * spec.num_classes
 
 
+def attention_flops(spec) -> float:
+    """Of `forward_flops`, the attention products': each head's scores and weighted values, 4 x L x
+    N^2 x D (windowed: 4 x windows x M² x M² x D per layer)."""
+    if _windowed(spec):
+        return sum(4.0 * l.places * l.area * l.width for l in _layers(spec))
+    depth, _, n, width, _ = _shape(spec)
+    return 4.0 * depth * n * n * width
+
+
 def _stem_flops(c, grid: tuple[int, int]) -> float:
     """Multiply-adds x 2 of a hybrid's convolutional stem (`ViTConfig.stem`) on an image of `grid`
     tokens: each convolution's inputs x outputs x k² per pixel of its output (norms, activations and
@@ -427,18 +445,19 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         explain = stack + targets * per_target + BASE_BYTES + COMPUTE_BYTES
     else:  # nothing to differentiate (an image–text model's maps without a phrase): a recorded forward and a rollout
         explain = analyse
-    flops = forward_flops(spec)
+    flops, products = forward_flops(spec), attention_flops(spec)
     rollout = 2.0 * depth * n**3  # R = Â_L ··· Â_1, N x N each
     patches = n - spec.num_prefix_tokens
     pictures = 2.0 * depth * heads * n * n + 2.0 * patches * patches * width  # the distances, the position similarities
     # the backward runs to the attention maps only (no weight's gradient): the projections' input gradients
     # (one forward's) and three attention products for two (1.5 forwards at most); LeGrad's own layers one
     # block each; then the maps: rollout, and per target the gradient rule and gradient rollout
-    explain_flops = flops + rollout + (targets * ((1.5 + own / depth) * flops + 2 * rollout) if differentiated else 0)
+    passes = 1 + (targets * (1.5 + own / depth) if differentiated else 0)  # forwards' work in all (and of their products)
+    explain_flops = passes * flops + rollout + (targets * 2 * rollout if differentiated else 0)
     if kind == "analyse":
-        return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures)
+        return Cost(kind, spec.name, n, analyse, kept, flops + rollout + pictures, products=products)
     if kind == "explain":
-        return Cost(kind, spec.name, n, explain, 0, explain_flops)
+        return Cost(kind, spec.name, n, explain, 0, explain_flops, products=passes * products)
     fused = _forward_bytes(spec)  # what a forward that records nothing holds at once
     if kind == "faithfulness":
         per_image = fused  # each perturbed image's forward through the fused attention
@@ -447,7 +466,7 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
         forwards = (steps + 1) * 2 * orders
         peak = max(explain, batch * per_image + images + BASE_BYTES + COMPUTE_BYTES)
-        return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch)
+        return Cost(kind, spec.name, n, peak, 0, explain_flops + forwards * flops, batch, products=(passes + forwards) * products)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
         saved = plan["attention_bytes"]
@@ -455,28 +474,32 @@ def price(spec, kind: Kind, *, steps: int = 16, budget: int | None = None, atten
         # the float16 copy, the rollout's products, and the attention's bytes copied as they are written
         return Cost(kind, spec.name, n, converted + saved + 2 * depth * n * n * 4 + BASE_BYTES, plan["bytes"], rollout + 2.0 * depth * heads * n * n)
     if kind == "ablate":  # two forwards, with and without the heads, nothing recorded
-        return Cost(kind, spec.name, n, fused + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
+        return Cost(kind, spec.name, n, fused + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops, products=2 * products)
     if kind == "importance":  # a forward, then per layer a batch of H copies run from that layer on
         per_copy = fused
+        forwards = 1 + heads * (depth + 1) / 2
         return Cost(kind, spec.name, n, heads * per_copy + (depth + 1) * token_row + BASE_BYTES + COMPUTE_BYTES, 0,
-                    (1 + heads * (depth + 1) / 2) * flops, heads)
+                    forwards * flops, heads, products=forwards * products)
     if kind in ("patch", "patch_one"):
         plan = _patch_plan(spec, patch_kinds)
         if kind == "patch_one":  # two forwards, the clean one keeping what the site of each kind replaces, at its layer
             held = _forward_bytes(spec, explicit="pattern" in plan.kinds)  # (a pattern patched: the softmax observed)
             written = n * n * 4 if "pattern" in plan.kinds else 0  # (the clean pattern's row written in: a copy)
-            return Cost(kind, spec.name, n, held + plan.one_site + written + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops)
+            return Cost(kind, spec.name, n, held + plan.one_site + written + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops,
+                        products=2 * products)
         if budget is not None:  # the batch that fits the budget beside the cached runs
             plan = _patch_plan(spec, patch_kinds, memory=max(0, budget - plan.cached - BASE_BYTES - COMPUTE_BYTES))
         runs = 2 + ("pattern" in plan.kinds)  # the clean and corrupted forwards (and the clean patterns' own)
         # a site of layer l runs the L − l blocks from l on: S sites a layer, S (L + 1) / 2 forwards' blocks in all
+        forwards = runs + plan.sites * (depth + 1) / 2
         return Cost(kind, spec.name, n, plan.batch * plan.per_copy + plan.cached + BASE_BYTES + COMPUTE_BYTES, 0,
-                    (runs + plan.sites * (depth + 1) / 2) * flops, plan.batch)
+                    forwards * flops, plan.batch, products=forwards * products)
     if kind == "registers":  # the neurons found, then the model with its register analysed; the rollout before drawn again
         find = depth * n * (mlp + width) * 4 + fused + BASE_BYTES + COMPUTE_BYTES
         after = price(replace(spec, config=spec.config.replace(register_neurons=((0, 0),))), "analyse", budget=budget)
         before = 3 * depth * n * n * 4
-        return Cost(kind, spec.name, after.tokens, max(find, after.bytes + before), after.kept_bytes, flops + after.flops + rollout)
+        return Cost(kind, spec.name, after.tokens, max(find, after.bytes + before), after.kept_bytes, flops + after.flops + rollout,
+                    products=products + after.products)
     if kind == "view":  # a view drawn again from a kept analysis: a rollout (L fused N x N maps and the products)
         return Cost(kind, spec.name, n, 3 * depth * n * n * 4 + BASE_BYTES + COMPUTE_BYTES, 0, rollout)
     if kind in ("explorer", "explorer_layer"):
@@ -530,7 +553,7 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
     backward = sum(2 * l.attention + 12 * l.tokens * l.width * 4 + 2 * l.places * l.hidden * 4 for l in layers)
     # the gradients, the backward, then the rollout, the relevance and the gradient rollout held, one product's slices at a time
     explain = stack + phrases * (stack + backward) + 3 * result + slices + BASE_BYTES + COMPUTE_BYTES
-    flops = forward_flops(spec)
+    flops, products = forward_flops(spec), attention_flops(spec)
     network = _network_flops(layers)
     explain_flops = flops + network + phrases * (flops + 2 * network)  # rollout; per phrase a backward, its relevance and gradient rollout
 
@@ -538,9 +561,9 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
         return Cost(*args, **kwargs, family="windowed")
 
     if kind == "analyse":
-        return cost(kind, spec.name, n, analyse, kept, flops + network)
+        return cost(kind, spec.name, n, analyse, kept, flops + network, products=products)
     if kind == "explain":
-        return cost(kind, spec.name, n, explain, 0, explain_flops)
+        return cost(kind, spec.name, n, explain, 0, explain_flops, products=(1 + phrases) * products)
     if kind == "faithfulness":
         per_image = 2 * layer + 8 * max(l.tokens * l.width * 4 for l in layers) + 2 * max(l.places * l.hidden for l in layers) * 4
         images = _perturbed_bytes(spec, orders, steps)
@@ -548,7 +571,7 @@ def _windowed_price(spec, kind: Kind, *, steps: int, budget: int | None, attenti
         batch = int(max(1, min(FAITHFULNESS_BATCH, room)))
         forwards = (steps + 1) * 2 * orders
         return cost(kind, spec.name, n, max(explain, batch * per_image + images + BASE_BYTES + COMPUTE_BYTES), 0,
-                    explain_flops + forwards * flops, batch)
+                    explain_flops + forwards * flops, batch, products=(1 + phrases + forwards) * products)
     if kind == "export":
         plan = export_plan(spec, attentions=attentions)
         saved = plan["attention_bytes"]
@@ -591,7 +614,7 @@ def _concepts_price(spec, kind: str, sae: tuple[int, int, int] | None) -> Cost:
     depth, heads, n, width, mlp = _shape(spec)
     if not (0 <= layer < depth and 1 <= k <= features):
         raise ValueError(f"an SAE after block {layer} of {depth}, k {k} of {features} features: outside {spec.name}")
-    flops = forward_flops(spec)
+    flops, products = forward_flops(spec), attention_flops(spec)
     block = 2.0 * (4 * width * width + 2 * width * mlp) * n + 4.0 * n * n * width  # one block's multiply-adds x 2
     encode = 2.0 * n * width * features  # W_enc (x − b_dec), [N, D] x [D, F]; decoding z W_decᵀ as much
     transients = _forward_bytes(spec)  # one forward's, nothing recorded (as "ablate")
@@ -599,9 +622,10 @@ def _concepts_price(spec, kind: str, sae: tuple[int, int, int] | None) -> Cost:
     if kind == "concepts":  # the blocks after the layer and the head do not run
         to_layer = flops - (depth - 1 - layer) * block - 2.0 * width * spec.num_classes
         kept = n * (12 * k + 8)  # each token's top-k (int64 indices, float32 values), its error and norm
-        return Cost(kind, spec.name, n, transients + codes + n * width * 4 + BASE_BYTES + COMPUTE_BYTES, kept, to_layer + 2 * encode)
+        return Cost(kind, spec.name, n, transients + codes + n * width * 4 + BASE_BYTES + COMPUTE_BYTES, kept, to_layer + 2 * encode,
+                    products=products * (layer + 1) / depth)
     # the change W_dec (z' − z) of the edited features: at most all F columns, as much as a decoding
-    return Cost(kind, spec.name, n, transients + codes + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops + 2 * encode)
+    return Cost(kind, spec.name, n, transients + codes + BASE_BYTES + COMPUTE_BYTES, 0, 2 * flops + 2 * encode, products=2 * products)
 
 
 def _ask_price(spec, shape) -> Cost:
@@ -630,7 +654,14 @@ def _ask_price(spec, shape) -> Cost:
     logits = 2 * t * s.vocab * 4
     kept = answer_bytes(n, s.layers, s.heads, s.image_tokens)
     peak = 3 * attention + activations + logits + kept + attention_bytes(spec) + BASE_BYTES + COMPUTE_BYTES
-    return Cost("ask", spec.name, t, peak, kept, tower + generate + recorded + backward + relevance)
+    # the tower's and the language model's attention products (a context of c keys: 4 x width x c a position and layer)
+    if s.cache:
+        generated = 4.0 * s.layers * s.width * (p * p + sum(p + i for i in range(1, n)))
+    else:
+        generated = 4.0 * s.layers * s.width * sum((p + i) ** 2 for i in range(n))
+    attended = 4.0 * s.layers * s.width * t * t * (1 + n * 1.5)  # the recorded forward and each token's backward
+    return Cost("ask", spec.name, t, peak, kept, tower + generate + recorded + backward + relevance,
+                products=attention_flops(spec) + generated + attended)
 
 
 def _video_price(spec, kind: str = "video") -> Cost:
@@ -664,7 +695,7 @@ def _video_price(spec, kind: str = "video") -> Cost:
     explorer = explorer * 10 // 3 + 17 * patches * patches if explorer <= VIDEO_BROWSER_BYTES else 0
     peak = 2 * stack + 2 * layer + fused + activations + frames + explorer + BASE_BYTES + COMPUTE_BYTES
     if kind == "video":
-        return Cost(kind, spec.name, n, peak, kept, forward + rollout)
+        return Cost(kind, spec.name, n, peak, kept, forward + rollout, products=products)
     # "video_relevance": one forward keeping every layer on the graph (its attention and activations; each layer's heads
     # averaged from it for the views), a backward to the first layer's attention (the activations' gradients: a
     # forward's products again, no weights' gradients), each layer's gradient beside its attention, and a
@@ -674,4 +705,4 @@ def _video_price(spec, kind: str = "video") -> Cost:
     terms = depth * layer / 4 + rollout  # (G ⊙ A)⁺ averaged over heads, then the row through each term
     fusing = depth * layer / 4  # each layer's heads averaged
     return Cost(kind, spec.name, n, max(peak, graph + stack + frames + explorer + BASE_BYTES + COMPUTE_BYTES), kept,
-                2.0 * forward + terms + fusing)
+                2.0 * forward + terms + fusing, products=2.0 * products)

@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
         print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here, "
-              "in three parts: fixed, flops and bytes (vitviz.server.guards.work.LineTimes); by flops: the same without the bytes; "
-              "by pace: the line's three parts with each request's flops scaled by its variant's plain-forward pace")
+              "in four parts: fixed, flops, attention products and bytes (vitviz.server.guards.work.LineTimes); by flops: fixed and "
+              "flops alone; by pace: the line's four parts with each request's flops scaled by its variant's plain-forward pace")
         print(f"\n{'variant':<24}{'kind':<16}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
               f"{'by pace':>9}{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")

@@ -153,8 +153,8 @@ if gpu:
     torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if gpu else None
-print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, gpu_peak=gpu_peak,
-                      priced_seconds=cost.flops / speed, line=cost.line)))
+print(json.dumps(dict(peak=status("VmHWM") - base, seconds=seconds, price=cost.bytes, flops=cost.flops, products=cost.products,
+                      gpu_peak=gpu_peak, priced_seconds=cost.flops / speed, line=cost.line)))
 """
 
 KINDS = ("analyse", "explain", "faithfulness", "export", "explorer", "view", "find", "ablate", "importance", "patch", "patch_one",
@@ -196,7 +196,8 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budge
     seconds (its work at the speed of a plain forward of the same model, timed in that process, its
     flops as priced), priced seconds by its line's
     learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
-    they ran here, as a server learns from the jobs it ran: a fixed part, flops and bytes), the same
+    they ran here, as a server learns from the jobs it ran: a fixed part, flops, attention products
+    and bytes), the same
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the
     request runs no model), seconds, on a GPU the peak MB of CUDA memory allocated above what
     was before the request, else None, and priced seconds by the line's parts with each request's
@@ -255,13 +256,17 @@ def priced_rows(rows: list[dict], *, rate: float = 5e10) -> list[tuple]:
         by_flops = LineTimes(rate=rate)  # the same jobs, their bytes not told: a fixed part and a speed only
         by_pace = LineTimes(rate=rate)  # the same jobs, their flops scaled by their variants' paces
         for r in others:
-            times.add(r["line"], r["flops"], r["seconds"], r["variant"], nbytes=r["price"])
+            products = r.get("products", 0.0)
+            times.add(r["line"], r["flops"], r["seconds"], r["variant"], nbytes=r["price"], products=products)
             by_flops.add(r["line"], r["flops"], r["seconds"], r["variant"])
-            by_pace.add(r["line"], r["flops"] * scale[r["variant"]], r["seconds"], r["variant"], nbytes=r["price"])
+            by_pace.add(r["line"], r["flops"] * scale[r["variant"]], r["seconds"], r["variant"], nbytes=r["price"],
+                        products=products * scale[r["variant"]])
         ran = others and row["flops"] > 0
-        learned = times.estimate(row["line"], row["flops"], nbytes=row["price"]) if ran else None
+        products = row.get("products", 0.0)
+        learned = times.estimate(row["line"], row["flops"], nbytes=row["price"], products=products) if ran else None
         flops_only = by_flops.estimate(row["line"], row["flops"]) if ran else None
-        paced = by_pace.estimate(row["line"], row["flops"] * scale[row["variant"]], nbytes=row["price"]) if ran else None
+        pace = scale[row["variant"]] if ran else 0.0
+        paced = by_pace.estimate(row["line"], row["flops"] * pace, nbytes=row["price"], products=products * pace) if ran else None
         gpu = row.get("gpu_peak")
         table.append((row["variant"], row["kind"], row["price"] / 2**20, row["peak"] / 2**20, row["priced_seconds"], learned,
                       flops_only, row["seconds"], None if gpu is None else gpu / 2**20, paced))

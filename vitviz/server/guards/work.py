@@ -44,20 +44,24 @@ __all__ = ["RequestRefused", "Busy", "Cancelled", "Job", "LineTimes", "Pace", "M
 @dataclass(frozen=True)
 class Pace:
     """How long a job of one line takes: `fixed` seconds, plus its flops at `speed` (flops per
-    second), plus its bytes (`Cost.bytes`, the memory it may take) at `bandwidth` (bytes per second;
-    `math.inf`: no part grows with them); and never less than its flops at `fastest`, the most
-    flops per second a large job of the line ran at, all its time counted (`math.inf`: none ran)."""
+    second), plus its attention products' flops (`Cost.products`, of its flops) once more at
+    `products_speed` (what a flop of them takes beyond another's), plus its bytes (`Cost.bytes`, the
+    memory it may take) at `bandwidth` (bytes per second; `math.inf`: no part grows with them); and
+    never less than its flops at `fastest`, the most flops per second a large job of the line ran
+    at, all its time counted (`math.inf`: none ran)."""
 
     fixed: float
     speed: float
     bandwidth: float = math.inf
     fastest: float = math.inf
+    products_speed: float = math.inf
 
-    def seconds(self, flops: float, nbytes: float = 0.0) -> float:
+    def seconds(self, flops: float, nbytes: float = 0.0, products: float = 0.0) -> float:
         """A job's seconds (a job of no work: none)."""
         if flops <= 0:
             return 0.0
-        return max(self.fixed + flops / self.speed + nbytes / self.bandwidth, flops / self.fastest)
+        work = flops / self.speed + products / self.products_speed + nbytes / self.bandwidth
+        return max(self.fixed + work, flops / self.fastest)
 
 
 def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
@@ -83,17 +87,22 @@ def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tup
 
 class LineTimes:
     """The seconds each line of work (`Cost.line`) takes here, learned from its last `keep` jobs as
-    a fixed part and parts that grow with the work: seconds = fixed + flops / speed + bytes /
-    bandwidth (`Pace`).
+    a fixed part and parts that grow with the work: seconds = fixed + flops / speed + products /
+    products_speed + bytes / bandwidth (`Pace`).
 
     A request's fixed part (decoding, resizing, pictures, copies, Python) does not shrink with the
     model, and on a GPU it is most of a small model's time, so one speed alone prices small models
     far above what they take; and what a request moves (attention maps copied, drawn and written,
-    the bytes it is priced for) takes time that its flops do not say. Once the line has run a large
-    job (`LARGE_FLOPS` of work and over `LARGE_SECONDS`) and three jobs of different sizes in all,
-    the three parts are fitted together, each at least 0, to what its jobs took, each size once
-    (the median time of the jobs of that size, whichever variants ran them) and each weighed by its
-    relative error, so that small jobs count as much as a large one. Flops and bytes grow together
+    the bytes it is priced for) takes time that its flops do not say. Nor do its flops say how
+    fast they run: each head's attention products (`Cost.products`) multiply narrow matrices (N x
+    D/H by D/H x N), slower per flop than the projections' wide ones, and their share of a forward
+    runs from 1 % (`vit_b_32`) to 74 % (`shapes_p16@576`), so they take a part of their own, on top
+    of their flops' (never priced faster than other flops). Once the line has run a large job
+    (`LARGE_FLOPS` of work, taking over `LARGE_SECONDS` and over twice the median time of the
+    line's jobs of less work: mostly its work's time, not the fixed part's) and three jobs of
+    different sizes in all, the parts are fitted together, each at least 0, to what its jobs took,
+    each size once (the median time of the jobs of that size, whichever variants ran them) and each
+    weighed by its relative error, so that small jobs count as much as a large one. Flops and bytes grow together
     over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
     priced as running its flops more than `FASTER` times as fast as the fastest large job of its
     line ran them (all its time counted), or one far larger than any seen could be priced at its
@@ -112,24 +121,27 @@ class LineTimes:
     SPREAD = 1.5
     FASTER = 2.0
     LARGE_FLOPS = 1e10
-    LARGE_SECONDS = 0.2
+    LARGE_SECONDS = 0.05
 
     def __init__(self, rate: float, *, keep: int = 32) -> None:
         if rate <= 0 or keep < 1:
             raise ValueError(f"a rate above 0 and keep of 1 or more, got {rate} and {keep}")
         self.rate = rate
         self.keep = keep
-        self._jobs: dict[str, deque[tuple[float, float, float]]] = {}  # line -> (flops, bytes, seconds) of its last jobs
+        self._jobs: dict[str, deque[tuple[float, float, float, float]]] = {}  # line -> (flops, products, bytes, seconds) of its last jobs
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
         self._paces: dict[str, Pace] = {}  # the line's parts, fitted again after a job is added
         self._lock = threading.Lock()
 
-    def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0) -> None:
-        """One job of `line` (of `variant`, priced `nbytes`) ran `flops` in `seconds` (jobs with no
-        work or no time are not counted)."""
-        if flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds) and 0 <= nbytes < math.inf:
+    def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0,
+            products: float = 0.0) -> None:
+        """One job of `line` (of `variant`, priced `nbytes`) ran `flops`, `products` of them attention
+        products, in `seconds` (jobs with no work or no time are not counted)."""
+        if (flops > 0 and seconds > 0 and math.isfinite(flops) and math.isfinite(seconds) and 0 <= nbytes < math.inf
+                and 0 <= products <= flops):
             with self._lock:
-                self._jobs.setdefault(line, deque(maxlen=self.keep)).append((float(flops), float(nbytes), float(seconds)))
+                job = (float(flops), float(products), float(nbytes), float(seconds))
+                self._jobs.setdefault(line, deque(maxlen=self.keep)).append(job)
                 self._paces.pop(line, None)
                 if variant is not None:
                     own = self._own.pop((line, variant), None) or deque(maxlen=8)
@@ -146,30 +158,34 @@ class LineTimes:
                 pace = self._paces[line] = self._fit(self._jobs.get(line, ()))
         return pace
 
-    def _fit(self, jobs: Iterable[tuple[float, float, float]]) -> Pace:
-        sizes: dict[tuple[float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
-        for flops, nbytes, seconds in jobs:
-            sizes.setdefault((flops, nbytes), []).append(seconds)
-        points = [(flops, nbytes, statistics.median(times)) for (flops, nbytes), times in sizes.items()]
+    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> Pace:
+        sizes: dict[tuple[float, float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
+        for flops, products, nbytes, seconds in jobs:
+            sizes.setdefault((flops, products, nbytes), []).append(seconds)
+        points = [(*size, statistics.median(times)) for size, times in sizes.items()]
+        less = statistics.median([s for f, *_, s in points if f < self.LARGE_FLOPS] or [0.0])  # the jobs of less work
         large, small = [], []
-        for f, b, s in points:
-            (large if f >= self.LARGE_FLOPS and s > self.LARGE_SECONDS else small).append((f, b, s))
-        fastest = self.FASTER * max((f / s for f, _, s in large), default=math.inf)
+        for point in points:
+            f, s = point[0], point[-1]
+            (large if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less) else small).append(point)
+        fastest = self.FASTER * max((f / s for f, *_, s in large), default=math.inf)
         if large and len(points) >= 3:
-            fixed, per_flop, per_byte = _nonnegative_fit([(1.0, f, b) for f, b, _ in points], [s for *_, s in points])
-            return Pace(fixed, 1.0 / per_flop if per_flop > 0 else math.inf, 1.0 / per_byte if per_byte > 0 else math.inf, fastest)
+            fixed, per_flop, per_product, per_byte = _nonnegative_fit([(1.0, f, p, b) for f, p, b, _ in points], [s for *_, s in points])
+            return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
+                        1.0 / per_product if per_product > 0 else math.inf)
         fixed = statistics.median(s for *_, s in small) if small else 0.0
-        speed = statistics.median(f / max(s - fixed, s / 2) for f, _, s in large) if large else self.rate
+        speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
         return Pace(fixed, speed, math.inf, fastest)
 
-    def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0) -> float:
-        """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops` is expected to take."""
+    def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0, products: float = 0.0) -> float:
+        """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops`, `products` of them
+        attention products, is expected to take."""
         if variant is not None and flops > 0:
             with self._lock:
                 own = [(f, t) for f, t in self._own.get((line, variant), ()) if max(f, flops) < self.SPREAD * min(f, flops)]
             if own:
                 return statistics.median(t * flops / f for f, t in own)
-        return self.parts(line).seconds(flops, nbytes)
+        return self.parts(line).seconds(flops, nbytes, products)
 
 
 class RequestRefused(ValueError):
@@ -276,7 +292,7 @@ class ModelWork:
 
     def estimate(self, cost: Cost) -> float:
         """Seconds `cost` is expected to run here."""
-        return self.times.estimate(cost.line, cost.flops, cost.variant, nbytes=cost.bytes)
+        return self.times.estimate(cost.line, cost.flops, cost.variant, nbytes=cost.bytes, products=cost.products)
 
     def current(self) -> Job | None:
         """The job the calling thread runs under, if any."""
@@ -337,7 +353,7 @@ class ModelWork:
                 yield job
             spent = self._clock() - start - job.paused_seconds
             if not job.unpriced:  # the line's times, from the priced work it ran
-                self.times.add(cost.line, cost.flops, spent, cost.variant, nbytes=cost.bytes)
+                self.times.add(cost.line, cost.flops, spent, cost.variant, nbytes=cost.bytes, products=cost.products)
         finally:
             self._local.job = None
             with self._cond:
