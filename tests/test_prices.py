@@ -243,6 +243,22 @@ def test_the_server_learns_both_parts_from_the_jobs_it_times():
     assert work.refusal(Cost("analyse", "huger", 1, 1, 0, 40 * 2e10)) is not None
 
 
+def test_the_server_learns_the_attention_products_from_the_jobs_it_times():
+    """Through `ModelWork` with an injected clock: jobs that take 0.02 s, plus their flops at 1e11 a
+    second, plus their attention products once more at 2e10; a variant never run whose work is
+    mostly attention is then priced at its time and, past the limit, refused, where the same flops
+    with few products are let in."""
+    clock = _Clock()
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=30.0, rate=1e12, clock=clock)
+    for name, flops, products in (("wide", 4e10, 4e8), ("narrow", 2e10, 1.2e10), ("small", 1e8, 1e7), ("mid", 6e10, 1.5e10)):
+        with work.job(Cost("patch", name, 1, 1, 0, flops, products=products)):
+            clock.now += 0.02 + flops / 1e11 + products / 2e10
+    attention = Cost("patch", "new", 1, 1, 0, 8e11, products=6e11)
+    assert work.estimate(attention) == pytest.approx(0.02 + 8 + 30, rel=1e-6)
+    assert "would take about 38 s" in work.refusal(attention)
+    assert work.refusal(Cost("patch", "new", 1, 1, 0, 8e11, products=1e10)) is None  # 8.5 s
+
+
 def test_a_variant_that_has_run_is_priced_by_its_own_jobs():
     """Variants of one line differ in what a flop costs them: once a variant has run a job of about
     the size asked (within 1.5x), its own jobs price it; a new variant, or a size far from what it
