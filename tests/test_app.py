@@ -935,3 +935,19 @@ def test_an_analysis_whose_pictures_fail_leaves_the_previous_one_on_the_page(app
     assert SERVER.store.get(first.key) is not None and SERVER.recall(first).analysis.variant == "shapes_p16"
     assert written and SERVER.store.get(written[0]) is None and not list(SERVER.explorer_dir.glob(f"{written[0]}-*"))
     assert list(SERVER.explorer_dir.glob(f"{first.key}-*"))
+
+
+def test_a_float16_export_holds_the_bits_numpy_writes_below_the_normal_range(tmp_path):
+    """An export whose attention is saved in float16 (over 64 MB in float32) holds the same bits as
+    numpy's conversion gives, where a sink leaves most of the other weights below float16's normal
+    range (the outlier model at 288 pixels: half of them subnormal or zero in float16)."""
+    from vitviz.cost import export_plan
+    from vitviz.server.models import ModelCache
+    from vitviz.server.pictures import views
+
+    exp = views.explore(ModelCache(), str(vitviz.sources.assets_dir() / "examples" / "star.png"), "shapes_p8_outliers@288")
+    assert export_plan(exp.facts.spec)["attention_dtype"] == "float16"
+    data = np.load(views.write_npz(exp, tmp_path / "a.npz"))
+    numpy_bits = exp.analysis.attentions.numpy().astype(np.float16)
+    assert data["attentions"].dtype == np.float16 and np.array_equal(data["attentions"].view(np.uint16), numpy_bits.view(np.uint16))
+    assert (np.abs(numpy_bits) < np.finfo(np.float16).smallest_normal).mean() > 0.4

@@ -406,7 +406,7 @@ def write_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) ->
     plan = export_plan(exp.facts.spec)
     per_layer = {f"bias_{l}": b.numpy() for l, b in enumerate(a.biases)}
     if attentions:
-        per_layer.update({f"attention_{l}": t.numpy().astype(plan["attention_dtype"], copy=False) for l, t in enumerate(a.attentions)})
+        per_layer.update({f"attention_{l}": t.to(getattr(torch, plan["attention_dtype"])).numpy() for l, t in enumerate(a.attentions)})
     if a.probabilities is not None:
         per_layer.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
     table = distance_table(a).numpy().astype(np.float32, copy=False)
