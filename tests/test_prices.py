@@ -202,7 +202,7 @@ def test_a_large_job_sets_the_speed_once_its_work_is_most_of_its_time():
     flops or more that took over twice the median time of the line's smaller ones (their work most
     of their time) set its speed, and a variant never run is priced at its time, not at the rate
     (three times its time here). A large job that took no more than twice the small ones' (its
-    time mostly theirs, a slow machine's fixed part) does not set a speed."""
+    time mostly theirs, a slow machine's fixed part) does not set a speed, nor its fixed part."""
     def took(flops):
         return 0.01 + flops / 1.5e11
 
@@ -211,10 +211,22 @@ def test_a_large_job_sets_the_speed_once_its_work_is_most_of_its_time():
         times.add("ablate/global", flops, took(flops), variant)
     assert times.estimate("ablate/global", 7e10, "new") == pytest.approx(took(7e10), rel=1e-6)  # (at the rate: 1.41 s)
     slow = LineTimes(rate=5e10)
-    for variant, flops in (("a", 1e8), ("b", 1e9), ("c", 2e9)):
-        slow.add("ablate/global", flops, 0.3, variant)
-    slow.add("ablate/global", 1.2e10, 0.55, "d")
-    assert slow.parts("ablate/global").speed == 5e10
+    for variant, flops, seconds in (("a", 1e8, 0.3), ("d", 1.2e10, 0.55), ("e", 1.5e10, 0.58)):
+        slow.add("ablate/global", flops, seconds, variant)
+    assert slow.parts("ablate/global") == Pace(0.3, 5e10)  # (the fixed part the smaller job's time, not theirs)
+
+
+def test_three_sizes_never_set_the_attention_products_speed():
+    """Three jobs whose time is 0.05 s plus their flops at 1e11 a second, give or take a tenth (the one
+    with most attention products slower), and owes nothing to those products: three sizes fit three
+    parts exactly, so the products' part waits for a fourth size and is not taken from their noise
+    (which would price products at 3.4e11 flops a second)."""
+    times = LineTimes(rate=1e9)
+    for (flops, products), noise in zip(((1e9, 1e8), (4e10, 3e10), (1e11, 1e9)), (1.0, 1.1, 0.9)):
+        times.add("analyse/global", flops, (0.05 + flops / 1e11) * noise, products=products)
+    assert times.parts("analyse/global").products_speed == math.inf
+    times.add("analyse/global", 2e11, 0.05 + 2e11 / 1e11, products=1.5e11)
+    assert times.parts("analyse/global").speed < math.inf
 
 
 def test_slow_small_jobs_never_make_a_large_one_look_slow():

@@ -100,14 +100,15 @@ class LineTimes:
     of their flops' (never priced faster than other flops). Once the line has run a large job
     (`LARGE_FLOPS` of work, taking over `LARGE_SECONDS` and over twice the median time of the
     line's jobs of less work: mostly its work's time, not the fixed part's) and three jobs of
-    different sizes in all, the parts are fitted together, each at least 0, to what its jobs took,
-    each size once (the median time of the jobs of that size, whichever variants ran them) and each
-    weighed by its relative error, so that small jobs count as much as a large one. Flops and bytes grow together
+    different sizes in all, the parts are fitted together (the products' from four sizes on: one
+    more than the other parts, so that three jobs' noise is not taken for it), each at least 0, to
+    what its jobs took, each size once (the median time of the jobs of that size, whichever variants
+    ran them) and each weighed by its relative error, so that small jobs count as much as a large one. Flops and bytes grow together
     over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
     priced as running its flops more than `FASTER` times as fast as the fastest large job of its
     line ran them (all its time counted), or one far larger than any seen could be priced at its
     bytes alone and let in past the limit. Before that, the fixed part is the median
-    time of the small jobs and the speed the median of the large jobs' work over their time less
+    time of the jobs of less work (else of the small jobs) and the speed the median of the large jobs' work over their time less
     the fixed part (at least half their time), and `rate` until a large job has run. Small jobs
     alone never set a speed: their time says nothing of how fast work runs, and a speed taken from
     them (a slow small job's) would price a large job hundreds of times too high.
@@ -151,7 +152,7 @@ class LineTimes:
                         del self._own[next(iter(self._own))]
 
     def parts(self, line: str) -> Pace:
-        """The fixed part, speed and bandwidth of `line` as learned so far."""
+        """The fixed part, speeds and bandwidth of `line` as learned so far."""
         with self._lock:  # (a fit of at most `keep` jobs: well under a millisecond)
             pace = self._paces.get(line)
             if pace is None:
@@ -169,11 +170,14 @@ class LineTimes:
             f, s = point[0], point[-1]
             (large if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less) else small).append(point)
         fastest = self.FASTER * max((f / s for f, *_, s in large), default=math.inf)
-        if large and len(points) >= 3:
-            fixed, per_flop, per_product, per_byte = _nonnegative_fit([(1.0, f, p, b) for f, p, b, _ in points], [s for *_, s in points])
+        if large and len(points) >= 3:  # the products' part once there is a size more than the other parts
+            told = len(points) >= 4
+            rows = [(1.0, f, p if told else 0.0, b) for f, p, b, _ in points]
+            fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
             return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
                         1.0 / per_product if per_product > 0 else math.inf)
-        fixed = statistics.median(s for *_, s in small) if small else 0.0
+        # the fixed part: the jobs of less work's time (else the small ones'), never a large job's that was not large enough
+        fixed = less if any(f < self.LARGE_FLOPS for f, *_ in points) else statistics.median(s for *_, s in small) if small else 0.0
         speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
         return Pace(fixed, speed, math.inf, fastest)
 
@@ -246,8 +250,8 @@ class ModelWork:
     started running (the time it gave its lane way to others not counted).
 
     The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and parts
-    that grow with its flops and its bytes), for each line of work on its own (`Cost.line`: the kind of request and
-    the model's family), so that one client's slow windowed rollouts do not make another's ViT
+    that grow with its flops, its attention products and its bytes), for each line of work on its
+    own (`Cost.line`: the kind of request and the model's family), so that one client's slow windowed rollouts do not make another's ViT
     explanations look slow; `rate` (flops per second) prices a line until a job of it has been
     timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
     `time.perf_counter` by default) times them.
