@@ -103,13 +103,14 @@ class LineTimes:
     different sizes in all, the parts are fitted together (the products' from four sizes on: one
     more than the other parts, so that three jobs' noise is not taken for it), each at least 0, to
     what its jobs took, each size once (the median time of the jobs of that size, whichever variants
-    ran them) and each weighed by its relative error, so that small jobs count as much as a large one. Flops and bytes grow together
-    over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
-    priced as running its flops more than `FASTER` times as fast as the fastest large job of its
-    line ran them (all its time counted), or one far larger than any seen could be priced at its
-    bytes alone and let in past the limit. Before that, the fixed part is the median
-    time of the jobs of less work (else of the small jobs) and the speed the median of the large jobs' work over their time less
-    the fixed part (at least half their time), and `rate` until a large job has run. Small jobs
+    ran them) and each weighed by its relative error, so that small jobs count as much as a large
+    one. Flops and bytes grow together over a line's jobs, so the fit may put all their time on one
+    of them; a job is therefore never priced as running its flops more than `FASTER` times as fast
+    as the fastest large job of its line ran them (all its time counted), or one far larger than
+    any seen could be priced at its bytes alone and let in past the limit. Before that, the fixed
+    part is the median time of the jobs of less work (else of the small jobs) and the speed the
+    median of the large jobs' work over their time less the fixed part (at least half their time),
+    and `rate` until a large job has run. Small jobs
     alone never set a speed: their time says nothing of how fast work runs, and a speed taken from
     them (a slow small job's) would price a large job hundreds of times too high.
 
@@ -164,7 +165,8 @@ class LineTimes:
         for flops, products, nbytes, seconds in jobs:
             sizes.setdefault((flops, products, nbytes), []).append(seconds)
         points = [(*size, statistics.median(times)) for size, times in sizes.items()]
-        less = statistics.median([s for f, *_, s in points if f < self.LARGE_FLOPS] or [0.0])  # the jobs of less work
+        lesser = [s for f, *_, s in points if f < self.LARGE_FLOPS]  # the times of the jobs of less work
+        less = statistics.median(lesser) if lesser else 0.0
         large, small = [], []
         for point in points:
             f, s = point[0], point[-1]
@@ -177,7 +179,10 @@ class LineTimes:
             return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
                         1.0 / per_product if per_product > 0 else math.inf)
         # the fixed part: the jobs of less work's time (else the small ones'), never a large job's that was not large enough
-        fixed = less if any(f < self.LARGE_FLOPS for f, *_ in points) else statistics.median(s for *_, s in small) if small else 0.0
+        if lesser or not small:
+            fixed = less
+        else:
+            fixed = statistics.median(s for *_, s in small)
         speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
         return Pace(fixed, speed, math.inf, fastest)
 
@@ -251,9 +256,9 @@ class ModelWork:
 
     The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and parts
     that grow with its flops, its attention products and its bytes), for each line of work on its
-    own (`Cost.line`: the kind of request and the model's family), so that one client's slow windowed rollouts do not make another's ViT
-    explanations look slow; `rate` (flops per second) prices a line until a job of it has been
-    timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
+    own (`Cost.line`: the kind of request and the model's family), so that one client's slow
+    windowed rollouts do not make another's ViT explanations look slow; `rate` (flops per second)
+    prices a line until a job of it has been timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
     `time.perf_counter` by default) times them.
 
     Lanes go to owners by turns (the module's docstring): `quantum`, `half_life`, `pause_limit`.

@@ -39,6 +39,7 @@ from vitviz.relevance import feature_components, feature_similarity, keep_mass
 from vitviz.server.pictures import swin_explorer
 from vitviz.server.pictures.views import (Exploration, _heat_view, _name, kept_heads_mosaic, mosaic_tile_px, outlined_heat, outliers_caption,
                                           render_filters, tick)
+from vitviz.sources import weights_dtype
 from vitviz.swin import relative_position_index
 from vitviz.swin_analysis import SwinAnalysis
 
@@ -406,7 +407,7 @@ def write_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) ->
     plan = export_plan(exp.facts.spec)
     per_layer = {f"bias_{l}": b.numpy() for l, b in enumerate(a.biases)}
     if attentions:
-        per_layer.update({f"attention_{l}": t.to(getattr(torch, plan["attention_dtype"])).numpy() for l, t in enumerate(a.attentions)})
+        per_layer.update({f"attention_{l}": t.to(weights_dtype(plan["attention_dtype"])).numpy() for l, t in enumerate(a.attentions)})
     if a.probabilities is not None:
         per_layer.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
     table = distance_table(a).numpy().astype(np.float32, copy=False)

@@ -30,6 +30,7 @@ from vitviz.preprocess import crop
 from vitviz.relevance import dino_head_maps, feature_components, feature_similarity, keep_mass
 from vitviz.server.models import ModelCache, ModelFacts
 from vitviz.server.pictures import explorer_data
+from vitviz.sources import weights_dtype
 
 __all__ = [
     "write_npz",
@@ -638,7 +639,7 @@ def write_npz(exp: Exploration, path: str | Path, *, attentions: bool = True) ->
     path = Path(path)
     extra = {}
     if attentions:
-        extra["attentions"] = a.attentions.to(getattr(torch, plan["attention_dtype"])).numpy()
+        extra["attentions"] = a.attentions.to(weights_dtype(plan["attention_dtype"])).numpy()
     if a.probabilities is not None:
         extra.update(probabilities=a.probabilities.numpy(), categories=np.array(a.categories))
     rollout = a.rollout()
