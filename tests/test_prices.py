@@ -3,6 +3,7 @@ request really runs (counted by torch's FlopCounterMode, no clock) within the pr
 of it; the speed the server learns kept apart for each line of work (an injected clock); the
 orderings, phrases and rollouts a price counts."""
 
+import json
 import math
 
 import pytest
@@ -522,6 +523,57 @@ def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
         assert (r[4], r[7]) == (row["priced_seconds"], row["seconds"])
     assert table[4][5] is None and table[4][9] is None  # its line ran on no other variant
     assert within(table, 9) == (4, 4) and within(table, 5)[0] < 4
+
+
+def test_the_serving_bench_merges_a_requests_runs_into_their_medians():
+    """`merged` keeps each request once, in the order it first comes, with the median of its runs'
+    seconds, peaks and plain-forward seconds and how many runs there were; a GPU peak measured in
+    none stays None; runs whose price or flops differ (other code) are refused, not averaged."""
+    from vitviz.dev.bench.serving import merged
+
+    def run(variant, kind, seconds, peak, round_, flops=1e9):
+        return dict(variant=variant, kind=kind, seconds=seconds, peak=peak, gpu_peak=None, priced_seconds=seconds / 2,
+                    price=5, flops=flops, products=2e8, line=f"{kind}/global", round=round_)
+
+    runs = [run("a", "explain", 1.0, 10, 0), run("b", "view", 0.2, 4, 0), run("a", "explain", 3.0, 30, 1),
+            run("b", "view", 0.1, 8, 1), run("a", "explain", 1.5, 20, 2)]
+    got = merged(runs)
+    assert [(r["variant"], r["kind"], r["runs"]) for r in got] == [("a", "explain", 3), ("b", "view", 2)]
+    a, b = got
+    assert (a["seconds"], a["peak"], a["priced_seconds"], a["gpu_peak"]) == (1.5, 20, 0.75, None)
+    assert (b["seconds"], b["peak"]) == (pytest.approx(0.15), 6)
+    assert (a["flops"], a["products"], a["line"]) == (1e9, 2e8, "explain/global") and "round" not in a
+    with pytest.raises(ValueError, match="differ in flops"):
+        merged(runs + [run("a", "explain", 1.0, 10, 3, flops=2e9)])
+
+
+def test_the_serving_bench_prices_saved_runs_again_without_measuring(tmp_path, capsys):
+    """`--serving --reprice FILE...` reads the runs `--rows` wrote (from one file or several), prices
+    their medians as a measured run would be priced, measures nothing, and writes what it read back
+    with `--rows`; a file that is not one is refused with its name."""
+    from vitviz.dev.bench import main
+
+    def run(variant, seconds, flops):
+        return dict(variant=variant, kind="importance", line="importance/global", flops=flops, products=0.0, price=1e6,
+                    peak=2e6, gpu_peak=None, priced_seconds=seconds, seconds=seconds, round=0)
+
+    sizes = {"a": 1e9, "b": 4e9, "c": 1.6e10, "d": 6.4e10}  # 0.02 s and 1e-11 s a flop, as measured in the first file
+    first = [run(v, 0.02 + f * 1e-11, f) for v, f in sizes.items()]
+    second = [dict(r, seconds=r["seconds"] * 3, round=1) for r in first]  # a slow run: the median of two is its mean
+    (tmp_path / "1.json").write_text(json.dumps(first))
+    (tmp_path / "2.json").write_text(json.dumps(second))
+    main(["--serving", "--reprice", str(tmp_path / "1.json"), str(tmp_path / "2.json"), "--rows", str(tmp_path / "all.json")])
+    out = capsys.readouterr().out
+    assert "priced again" in out and "median over its runs (up to 2)" in out
+    table = [line.split() for line in out.splitlines() if line.startswith(("a ", "b ", "c ", "d "))]
+    assert [t[0] for t in table] == ["a", "b", "c", "d"]
+    for t, (variant, flops) in zip(table, sizes.items()):
+        seconds = 2 * (0.02 + flops * 1e-11)
+        assert float(t[9]) == pytest.approx(seconds, abs=0.006) and float(t[6]) == pytest.approx(seconds, abs=0.006), t
+    assert json.loads((tmp_path / "all.json").read_text()) == first + second
+    (tmp_path / "bad.json").write_text("not runs")
+    with pytest.raises(SystemExit, match="bad.json"):
+        main(["--serving", "--reprice", str(tmp_path / "bad.json")])
 
 
 def test_the_serving_bench_sums_each_kind_up_from_its_rows():

@@ -7,6 +7,8 @@
     python -m vitviz.dev.bench --handler         # a new analysis in the app's handler, explorer file included, no browser
     python -m vitviz.dev.bench --evaluate        # python -m vitviz.evaluate on 1 and 2 processes against plain forwards
     python -m vitviz.dev.bench --serving         # each kind of request priced and measured; one client's share of the queue
+    python -m vitviz.dev.bench --serving --repeats 3 --rows runs.json   # each request's median of 3 runs; the runs saved
+    python -m vitviz.dev.bench --serving --reprice runs.json more.json  # saved runs priced again, nothing measured
     python -m vitviz.dev.bench --inputs          # hostile images from a checkout's tests/corpus.py: time and peak memory
     python -m vitviz.dev.bench --training        # a shapes training step: fused and plain attention, Muon and AdamW, torch.compile
     python -m vitviz.dev.bench --families        # DINOv3 B/16 and SigLIP 2 B/16 NaFlex at 512 px against timm's and transformers' forwards

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,7 +21,7 @@ from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.video import video_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
-from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, serving_table, within
+from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, measured_rows, merged, priced_rows, within
 from vitviz.dev.bench.training import training_table
 
 
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--training", action="store_true", help="a shapes_p8 training step: attention kernels, optimizers, torch.compile")
     ap.add_argument("--serving", action="store_true", help="each kind of request priced and measured; one client's share of the queue")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds of request of --serving (each where it applies)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--serving: run every request this many times, in as many rounds, and price their medians")
+    ap.add_argument("--rows", default=None, metavar="FILE", help="--serving: write each run of each request, as measured, to this JSON file")
+    ap.add_argument("--reprice", nargs="+", default=None, metavar="FILE",
+                    help="--serving: price the runs saved by --rows in these files (their medians per request) instead of measuring")
     ap.add_argument("--flood", action="store_true", help="one client's analyses (--arch) while another address floods Swin or Find requests")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
@@ -104,17 +111,34 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{what:<58}{value:>10.1f}")
         return
     if args.serving:
-        print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
-        print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request")
-        gpu = torch.cuda.is_available()  # the fresh processes see what this one sees
+        if args.repeats < 1:
+            raise SystemExit(f"--repeats must be 1 or more, not {args.repeats}")
+        variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
+        if args.reprice:
+            runs = []
+            for path in args.reprice:
+                try:
+                    runs += json.loads(Path(path).read_text())
+                except (OSError, ValueError) as e:
+                    raise SystemExit(f"--reprice: {path} is not a file of runs written by --rows ({e})")
+            print(f"vitviz.dev.bench --serving, the runs saved in {', '.join(args.reprice)} priced again; {time.strftime('%Y-%m-%d')}")
+        else:
+            print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
+            runs = measured_rows(variants, tuple(args.kinds), repeats=args.repeats)
+        if args.rows:
+            Path(args.rows).write_text(json.dumps(runs, indent=1))
+        merged_rows = merged(runs)
+        most = max((r["runs"] for r in merged_rows), default=1)
+        print("each request in a fresh process, random weights; peak = VmHWM above VmRSS before the request"
+              + (f"; seconds and peaks: each request's median over its runs (up to {most})" if most > 1 else ""))
+        gpu = any(r.get("gpu_peak") is not None for r in merged_rows)  # measured with CUDA (the processes see what this one sees)
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
         print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here, "
               "in four parts: fixed, flops, attention products and bytes (vitviz.server.guards.work.LineTimes); by flops: fixed and "
               "flops alone; by pace: the line's four parts with each request's flops scaled by its variant's plain-forward pace")
         print(f"\n{'variant':<24}{'kind':<16}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
               f"{'by pace':>9}{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
-        variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
-        rows = serving_table(variants, tuple(args.kinds))
+        rows = priced_rows(merged_rows)
         for variant, kind, priced, peak, priced_s, line_s, flops_s, seconds, gpu_peak, pace_s in rows:
             line, by_flops, by_pace = ("-" if s is None else f"{s:.2f}" for s in (line_s, flops_s, pace_s))
             line_ratio = "-" if line_s is None else f"{line_s / seconds:.2f}"

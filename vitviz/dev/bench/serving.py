@@ -190,7 +190,7 @@ def applies(variant: str, kind: str) -> bool:
     return True
 
 
-def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budget: int = 6144 * 2**20) -> list[tuple]:
+def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budget: int = 6144 * 2**20, repeats: int = 1) -> list[tuple]:
     """For each variant and each kind of request it serves (`applies`), in a fresh process: (variant,
     kind, priced MB, measured peak MB above the process's resident memory before the request, priced
     seconds (its work at the speed of a plain forward of the same model, timed in that process, its
@@ -201,24 +201,29 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budge
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the
     request runs no model), seconds, on a GPU the peak MB of CUDA memory allocated above what
     was before the request, else None, and priced seconds by the line's parts with each request's
-    flops scaled by its variant's pace (`priced_rows`))."""
-    return priced_rows(measured_rows(variants, kinds, budget=budget))
+    flops scaled by its variant's pace (`priced_rows`)). With `repeats`, each request's medians over
+    that many runs (`measured_rows`, `merged`)."""
+    return priced_rows(merged(measured_rows(variants, kinds, budget=budget, repeats=repeats)))
 
 
-def measured_rows(variants, kinds=KINDS, *, budget: int = 6144 * 2**20) -> list[dict]:
+def measured_rows(variants, kinds=KINDS, *, budget: int = 6144 * 2**20, repeats: int = 1) -> list[dict]:
     """`serving_table`'s requests, each run in a fresh process: a dict of what it measured (peak,
-    seconds, price, flops, gpu_peak, priced_seconds, line) with its variant and kind."""
+    seconds, price, flops, products, gpu_peak, priced_seconds, line) with its variant and kind, and
+    `round`. With `repeats` over 1, every request runs again in as many rounds, each round after the
+    last has run them all (a slow minute of the machine then falls on one run of many requests, not
+    on every run of one); `merged` takes their medians."""
     import subprocess
     import sys
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be 1 or more, not {repeats}")
     rows = []
     with _private_weights() as torch_home:
         _random_torchvision_checkpoints([v for v in variants if v in {s.name for s in vitviz.list_variants()} and vitviz.get_spec(v).source == "torchvision"])
         examples = Path(vitviz.sources.assets_dir()) / "examples"
-        for variant in variants:
-            for kind in kinds:
-                if not applies(variant, kind):
-                    continue
+        requests = [(variant, kind) for variant in variants for kind in kinds if applies(variant, kind)]
+        for round_ in range(repeats):
+            for variant, kind in requests:
                 code = _KIND_CODE.format(threads=torch.get_num_threads(), variant=variant, kind=kind, image=examples / "star.png",
                                          clip=examples / "moving.gif", budget=budget)
                 env = dict(os.environ, TORCH_HOME=torch_home, VITVIZ_OFFLINE="1")
@@ -228,8 +233,36 @@ def measured_rows(variants, kinds=KINDS, *, budget: int = 6144 * 2**20) -> list[
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if got.get("skip"):  # a kind the model has no use for
                     continue
-                rows.append(dict(got, variant=variant, kind=kind))
+                rows.append(dict(got, variant=variant, kind=kind, round=round_))
     return rows
+
+
+MEASURED = ("seconds", "peak", "gpu_peak", "priced_seconds")  # what differs from one run of a request to the next
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """`measured_rows`' rows (of one run or several, saved and read back) with each request (its
+    variant and kind) once, in the order it first comes: the median of its runs' seconds, peaks and
+    plain-forward seconds (`MEASURED`), `runs` how many there were, and the rest from its first run.
+    Its price, flops, products and line must be the same in every run: a run of other code is refused."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["kind"]), []).append(r)
+    out = []
+    for (variant, kind), runs in groups.items():
+        first = runs[0]
+        for r in runs[1:]:
+            for key in ("price", "flops", "products", "line"):
+                if r.get(key) != first.get(key):
+                    raise ValueError(f"the runs of {variant}'s {kind} differ in {key} ({first.get(key)} and {r.get(key)}): "
+                                     "measured on different code, they cannot be merged")
+        row = dict(first, runs=len(runs))
+        row.pop("round", None)
+        for key in MEASURED:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        out.append(row)
+    return out
 
 
 def priced_rows(rows: list[dict], *, rate: float = 5e10) -> list[tuple]:
