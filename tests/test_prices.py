@@ -5,6 +5,7 @@ orderings, phrases and rollouts a price counts."""
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -142,10 +143,42 @@ def test_a_lines_time_is_learned_as_a_fixed_part_and_a_part_that_grows_with_the_
     pace = times.parts("explain/global")
     assert pace.fixed == pytest.approx(0.6) and pace.speed == pytest.approx(1e10)
     assert times.estimate("explain/global", 1e12) == pytest.approx(100.6)
-    assert times.estimate("view/global", 1e11) == pytest.approx(100.0)  # another line: its rate still
-    times.add("view/global", 0.0, 5.0)  # no work, or no time: not counted
-    times.add("view/global", 1e9, 0.0)
-    assert times.parts("view/global") == Pace(0.0, 1e9)
+    assert times.estimate("view/windowed", 1e11) == pytest.approx(100.0)  # another family's line: its rate still
+    times.add("view/windowed", 0.0, 5.0)  # no work, or no time: not counted
+    times.add("view/windowed", 1e9, 0.0)
+    assert times.parts("view/windowed") == Pace(0.0, 1e9)
+
+
+def test_a_line_that_has_run_no_large_job_runs_at_its_familys_speed():
+    """A machine's speed shows in every kind of work: a line that has run no large job yet prices
+    its work at the median over its family's lines that have (each its large jobs' flops over their
+    whole time), not at the rate (here 20 times too slow, as on a GPU), and its own fixed part
+    stays; once it runs a large job, its own. Another family's lines lend it nothing, and no line
+    makes another slower than the rate: a client's slow jobs of one kind (memory-bound rollouts)
+    never get another client's first request of another kind refused."""
+    times = LineTimes(rate=1e9)
+    for line, speed in (("explain/global", 1e10), ("importance/global", 2e10), ("faithfulness/global", 4e10)):
+        for flops in (1e8, 2e10, 8e10):
+            times.add(line, flops, 0.1 + flops / speed)
+    times.add("view/windowed", 4e10, 0.1 + 4e10 / 1e12)  # fast, and of another family
+    times.add("registers/global", 1e8, 0.05)  # small jobs only
+    times.add("registers/global", 3e8, 0.06)
+    middle = statistics.median([8e10 / (0.1 + 8e10 / 2e10), 2e10 / (0.1 + 2e10 / 2e10)])  # importance's, all time counted
+    assert times.parts("registers/global") == Pace(pytest.approx(0.055), pytest.approx(middle))
+    assert times.estimate("registers/global", 6e10) == pytest.approx(0.055 + 6e10 / middle)  # (at the rate: 60 s)
+    assert times.estimate("patch/windowed", 6e10) == pytest.approx(6e10 / 1e12 * (1 + 0.1 / 0.04))  # its own family's
+    assert times.estimate("ask/other", 6e10) == pytest.approx(60.0)  # a family no line of which ran a large job: the rate
+    times.add("registers/global", 5e10, 0.055 + 5e10 / 5e9)  # its own large job, slower than its family
+    assert times.parts("registers/global").speed < 6e9
+
+    slow = LineTimes(rate=1e10)
+    for flops in (1e8, 2e10, 8e10):
+        slow.add("export/global", flops, 0.1 + flops / 1e8)  # 800 s for 8e10 flops: slower than the rate
+    assert slow.parts("analyse/global").speed == 1e10  # the rate, not the slow line's speed
+    for line in ("view/global", "explain/global"):
+        for flops in (1e8, 2e10, 8e10):
+            slow.add(line, flops, 0.01 + flops / 1e11)
+    assert slow.parts("analyse/global").speed == pytest.approx(statistics.median([8e10 / (0.01 + 0.8), 2e10 / (0.01 + 0.2)]))
 
 
 def test_a_lines_time_that_grows_with_its_bytes_is_learned_with_them():
@@ -504,11 +537,12 @@ def test_the_serving_benchs_request_code_is_whole_and_each_kind_goes_where_the_a
 
 
 def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
-    """`priced_rows` prices each request from the other variants' requests of its line alone: four
-    variants whose requests take 0.05 s, plus their flops at each variant's own pace (a plain
-    forward's seconds a flop, as the bench times it), plus their bytes at 1e9 a second. Scaled by
-    those paces, the line's parts price each at its time; by flops alone (the paces differ 3x), not
-    all of them; a line no other variant ran is not priced."""
+    """`priced_rows` prices each request from the other variants' requests alone: four variants whose
+    requests take 0.05 s, plus their flops at each variant's own pace (a plain forward's seconds a
+    flop, as the bench times it), plus their bytes at 1e9 a second. Scaled by those paces, the
+    line's parts price each at its time; by flops alone (the paces differ 3x), not all of them; a
+    line no other variant ran is not priced, and one they ran small jobs of only runs at the speed
+    their other lines' large jobs show (`LineTimes`)."""
     from vitviz.dev.bench.serving import priced_rows, within
 
     paces = {"narrow": 3e-11, "wide": 1e-11, "mid": 2e-11, "long": 1.5e-11}  # seconds a flop of a plain forward
@@ -523,6 +557,13 @@ def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
         assert (r[4], r[7]) == (row["priced_seconds"], row["seconds"])
     assert table[4][5] is None and table[4][9] is None  # its line ran on no other variant
     assert within(table, 9) == (4, 4) and within(table, 5)[0] < 4
+    # a line whose other variants ran small jobs only: their time, and the family's speed from the other
+    # lines' large jobs of the other variants (here importance's of "wide" and "long", all time counted)
+    small = [dict(rows[0], variant=v, kind="registers", line="registers/global", flops=f, price=1e6, seconds=t)
+             for v, f, t in (("wide", 1e8, 0.02), ("mid", 2e8, 0.03), ("narrow", 4e10, 1.0))]
+    family = statistics.median(r["flops"] / r["seconds"] for r in rows[:4] if r["variant"] in ("wide", "long"))
+    assert family > 5e10  # (faster than the rate)
+    assert priced_rows(rows + small)[-1][5] == pytest.approx(0.025 + 4e10 / family, rel=1e-6)
 
 
 def test_the_serving_bench_merges_a_requests_runs_into_their_medians():
@@ -579,8 +620,9 @@ def test_the_serving_bench_prices_saved_runs_again_without_measuring(tmp_path, c
 def test_the_serving_bench_sums_each_kind_up_from_its_rows():
     """`by_kind` counts a kind's priced rows, those within 1.5x of their seconds and their ratios'
     median and range, leaves out a row its line could not price, and does the same for memory over
-    the rows whose peak is over 16 MiB; kinds in the order they first come."""
-    from vitviz.dev.bench.serving import by_kind
+    the rows whose peak is over 16 MiB; kinds in the order they first come. `gap` gives the rows
+    under 0.3 s their greatest difference in seconds."""
+    from vitviz.dev.bench.serving import by_kind, gap
 
     def row(variant, kind, priced_mb, peak_mb, line_s, seconds):
         return (variant, kind, priced_mb, peak_mb, None, line_s, None, seconds, None, None)
@@ -589,3 +631,6 @@ def test_the_serving_bench_sums_each_kind_up_from_its_rows():
             row("c", "patch", 30, 40, None, 2.0), row("d", "patch", 100, 50, 0.5, 1.0)]
     assert by_kind(rows) == [("patch", 3, 1, 1.0, 0.5, 2.0, 3, 2, 1.25, 0.75, 2.0),
                              ("view", 1, 0, 2.0, 2.0, 2.0, 0, 0, None, None, None)]
+    # and the rows under 0.3 s (here b's view alone) by their greatest gap in seconds, not a ratio
+    assert gap(rows, 5) == (pytest.approx(0.01), 1)
+    assert gap(rows, 5, below=1.2) == (0.5, 3) and gap(rows, 5, below=0.001) == (0.0, 0)

@@ -21,7 +21,7 @@ from vitviz.dev.bench.inputs import inputs_table
 from vitviz.dev.bench.patching import patching_table
 from vitviz.dev.bench.video import video_table
 from vitviz.dev.bench.paths import model_path_table, relevance_table
-from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, measured_rows, merged, priced_rows, within
+from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, gap, measured_rows, merged, priced_rows, within
 from vitviz.dev.bench.training import training_table
 
 
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         gpu = any(r.get("gpu_peak") is not None for r in merged_rows)  # measured with CUDA (the processes see what this one sees)
         print("priced s: the request's work at the speed of a plain forward of the model, timed in the same process")
         print("line s: the same work priced by what the other variants' requests of its line (kind and family) took here, "
-              "in four parts: fixed, flops, attention products and bytes (vitviz.server.guards.work.LineTimes); by flops: fixed and "
+              "in four parts: fixed, flops, attention products and bytes (vitviz.server.guards.work.LineTimes; a line that ran no "
+              "large job: its family's speed, from the other lines); by flops: fixed and "
               "flops alone; by pace: the line's four parts with each request's flops scaled by its variant's plain-forward pace")
         print(f"\n{'variant':<24}{'kind':<16}{'priced MB':>11}{'peak MB':>10}{'ratio':>7}{'priced s':>10}{'line s':>8}{'by flops':>10}"
               f"{'by pace':>9}{'seconds':>10}{'ratio':>7}" + (f"{'GPU peak MB':>13}" if gpu else ""))
@@ -145,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{variant:<24}{kind:<16}{priced:>11.0f}{peak:>10.0f}{priced / max(peak, 1):>7.2f}{priced_s:>10.2f}{line:>8}{by_flops:>10}"
                   f"{by_pace:>9}{seconds:>10.2f}{line_ratio:>7}" + (f"{gpu_peak:>13.0f}" if gpu_peak is not None else ""))
         for column, name in ((5, "line s"), (6, "by flops"), (9, "by pace")):
+            off, small = gap(rows, column)
             print(f"{name}: within 1.5x of the seconds, {'%d of %d' % within(rows, column)}; of those taking 0.3 s or more, "
-                  f"{'%d of %d' % within(rows, column, least=0.3)}")
+                  f"{'%d of %d' % within(rows, column, least=0.3)}; of the {small} under 0.3 s, off by {off:.2f} s at most")
         print("\nper kind: seconds priced by the line / measured, memory priced / peak (requests whose peak is over 16 MiB)")
         print(f"{'kind':<16}{'priced':>8}{'within 1.5x':>13}{'median':>8}{'least':>7}{'most':>7}{'over 16 MiB':>13}{'within 1.5x':>13}"
               f"{'median':>8}{'least':>7}{'most':>7}")

@@ -195,9 +195,9 @@ def serving_table(variants=("shapes_p16@384", "vit_b_16"), kinds=KINDS, *, budge
     kind, priced MB, measured peak MB above the process's resident memory before the request, priced
     seconds (its work at the speed of a plain forward of the same model, timed in that process, its
     flops as priced), priced seconds by its line's
-    learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of the same line as
+    learned parts (`Cost.line`; `LineTimes` fed the other variants' requests of every line as
     they ran here, as a server learns from the jobs it ran: a fixed part, flops, attention products
-    and bytes), the same
+    and bytes, and a line that ran no large job its family's speed), the same
     from their flops alone (a fixed part and a speed; both None when no other variant has one or the
     request runs no model), seconds, on a GPU the peak MB of CUDA memory allocated above what
     was before the request, else None, and priced seconds by the line's parts with each request's
@@ -284,8 +284,8 @@ def priced_rows(rows: list[dict], *, rate: float = 5e10) -> list[tuple]:
 
     table = []
     for row in rows:
-        others = [r for r in rows if r["line"] == row["line"] and r["variant"] != row["variant"] and r["flops"] > 0]
-        times = LineTimes(rate=rate)  # what a server learns from the other variants' jobs of the line (at ModelWork's default rate before)
+        others = [r for r in rows if r["variant"] != row["variant"] and r["flops"] > 0]  # every line's: a family's speed is shared
+        times = LineTimes(rate=rate)  # what a server learns from the other variants' jobs (at ModelWork's default rate before)
         by_flops = LineTimes(rate=rate)  # the same jobs, their bytes not told: a fixed part and a speed only
         by_pace = LineTimes(rate=rate)  # the same jobs, their flops scaled by their variants' paces
         for r in others:
@@ -294,7 +294,7 @@ def priced_rows(rows: list[dict], *, rate: float = 5e10) -> list[tuple]:
             by_flops.add(r["line"], r["flops"], r["seconds"], r["variant"])
             by_pace.add(r["line"], r["flops"] * scale[r["variant"]], r["seconds"], r["variant"], nbytes=r["price"],
                         products=products * scale[r["variant"]])
-        ran = others and row["flops"] > 0
+        ran = row["flops"] > 0 and any(r["line"] == row["line"] for r in others)
         products = row.get("products", 0.0)
         learned = times.estimate(row["line"], row["flops"], nbytes=row["price"], products=products) if ran else None
         flops_only = by_flops.estimate(row["line"], row["flops"]) if ran else None
@@ -312,6 +312,14 @@ def within(rows, column: int, *, spread: float = 1.5, least: float = 0.0) -> tup
     priced = [(r[column], r[7]) for r in rows if r[column] is not None and r[7] >= least]
     return sum(1 / spread <= p / s <= spread for p, s in priced), len(priced)
 
+
+
+def gap(rows, column: int, *, below: float = 0.3) -> tuple[float, int]:
+    """Of `serving_table`'s rows priced in `column` that took under `below` s (where a fixed part of a
+    few hundredths of a second is most of a price, and a ratio says little of what a server would
+    refuse): (the greatest |price - seconds|, how many there are); (0.0, 0) when none."""
+    gaps = [abs(r[column] - r[7]) for r in rows if r[column] is not None and r[7] < below]
+    return max(gaps, default=0.0), len(gaps)
 
 
 def by_kind(rows, column: int = 5, *, spread: float = 1.5) -> list[tuple]:

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -62,6 +62,11 @@ class Pace:
             return 0.0
         work = flops / self.speed + products / self.products_speed + nbytes / self.bandwidth
         return max(self.fixed + work, flops / self.fastest)
+
+
+def _family(line: str) -> str:
+    """The family a line of work (`Cost.line`, "kind/family") belongs to; a line without one, its own."""
+    return line.rpartition("/")[2]
 
 
 def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
@@ -109,10 +114,15 @@ class LineTimes:
     as the fastest large job of its line ran them (all its time counted), or one far larger than
     any seen could be priced at its bytes alone and let in past the limit. Before that, the fixed
     part is the median time of the jobs of less work (else of the small jobs) and the speed the
-    median of the large jobs' work over their time less the fixed part (at least half their time),
-    and `rate` until a large job has run. Small jobs
-    alone never set a speed: their time says nothing of how fast work runs, and a speed taken from
-    them (a slow small job's) would price a large job hundreds of times too high.
+    median of the large jobs' work over their time less the fixed part (at least half their time).
+    Until the line has run a large job, its speed is its family's (the lines of the same family,
+    global or windowed, that have: the median over them of each one's large jobs' flops over their
+    whole time), where that is above `rate`, else `rate`: what a machine runs shows in every kind
+    of work of a family, within a factor of about two, where the rate may be a hundred times off
+    (a GPU); and one line's slow jobs never make another line's first large job look slower than a
+    server that had run nothing would price it (the windowed family's rollouts none of the global's).
+    Small jobs alone never set a speed: their time says nothing of how fast work runs, and a speed
+    taken from them (a slow small job's) would price a large job hundreds of times too high.
 
     Models of one line still differ in what a flop costs them (a wide model's products run faster
     per flop than a narrow one's many small ones), so a job of a variant that has run jobs of about
@@ -132,7 +142,8 @@ class LineTimes:
         self.keep = keep
         self._jobs: dict[str, deque[tuple[float, float, float, float]]] = {}  # line -> (flops, products, bytes, seconds) of its last jobs
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
-        self._paces: dict[str, Pace] = {}  # the line's parts, fitted again after a job is added
+        self._fits: dict[str, tuple[Pace, float | None]] = {}  # the line's own fit and large jobs' speed, fitted again after its next job
+        self._paces: dict[str, Pace] = {}  # the line's parts (a speed borrowed from its family), again after the family's next job
         self._lock = threading.Lock()
 
     def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0,
@@ -144,7 +155,10 @@ class LineTimes:
             with self._lock:
                 job = (float(flops), float(products), float(nbytes), float(seconds))
                 self._jobs.setdefault(line, deque(maxlen=self.keep)).append(job)
-                self._paces.pop(line, None)
+                self._fits.pop(line, None)
+                family = _family(line)
+                for other in [other for other in self._paces if _family(other) == family]:
+                    del self._paces[other]
                 if variant is not None:
                     own = self._own.pop((line, variant), None) or deque(maxlen=8)
                     own.append((float(flops), float(seconds)))
@@ -154,13 +168,28 @@ class LineTimes:
 
     def parts(self, line: str) -> Pace:
         """The fixed part, speeds and bandwidth of `line` as learned so far."""
-        with self._lock:  # (a fit of at most `keep` jobs: well under a millisecond)
+        with self._lock:  # (fits of at most `keep` jobs each: well under a millisecond)
             pace = self._paces.get(line)
             if pace is None:
-                pace = self._paces[line] = self._fit(self._jobs.get(line, ()))
+                pace, speed = self._fitted(line)
+                if speed is None:  # no large job yet: its family's speed, where that is faster than the rate
+                    family = _family(line)
+                    speeds = [s for other in self._jobs if other != line and _family(other) == family
+                              for s in (self._fitted(other)[1],) if s is not None]
+                    if speeds and statistics.median(speeds) > pace.speed:
+                        pace = replace(pace, speed=statistics.median(speeds))
+                self._paces[line] = pace
         return pace
 
-    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> Pace:
+    def _fitted(self, line: str) -> tuple[Pace, float | None]:
+        fit = self._fits.get(line)
+        if fit is None:
+            fit = self._fits[line] = self._fit(self._jobs.get(line, ()))
+        return fit
+
+    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> tuple[Pace, float | None]:
+        """The line's own parts, and the median of its large jobs' flops over their time (all of it
+        counted), or None when it ran none."""
         sizes: dict[tuple[float, float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
         for flops, products, nbytes, seconds in jobs:
             sizes.setdefault((flops, products, nbytes), []).append(seconds)
@@ -172,19 +201,20 @@ class LineTimes:
             f, s = point[0], point[-1]
             (large if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less) else small).append(point)
         fastest = self.FASTER * max((f / s for f, *_, s in large), default=math.inf)
+        own = statistics.median(f / s for f, *_, s in large) if large else None
         if large and len(points) >= 3:  # the products' part once there is a size more than the other parts
             told = len(points) >= 4
             rows = [(1.0, f, p if told else 0.0, b) for f, p, b, _ in points]
             fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
             return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
-                        1.0 / per_product if per_product > 0 else math.inf)
+                        1.0 / per_product if per_product > 0 else math.inf), own
         # the fixed part: the jobs of less work's time (else the small ones'), never a large job's that was not large enough
         if lesser or not small:
             fixed = less
         else:
             fixed = statistics.median(s for *_, s in small)
         speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
-        return Pace(fixed, speed, math.inf, fastest)
+        return Pace(fixed, speed, math.inf, fastest), own
 
     def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0, products: float = 0.0) -> float:
         """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops`, `products` of them
