@@ -155,12 +155,15 @@ def test_a_line_that_has_run_no_large_job_runs_at_its_familys_speed():
     whole time), not at the rate (here 20 times too slow, as on a GPU), and its own fixed part
     stays; once it runs a large job, its own. Another family's lines lend it nothing, and no line
     makes another slower than the rate: a client's slow jobs of one kind (memory-bound rollouts)
-    never get another client's first request of another kind refused."""
+    never get another client's first request of another kind refused. A line whose large jobs small
+    ones pushed out keeps the slowest it ran, not its family's (a slow kind never priced as a fast
+    one by a client's small requests)."""
     times = LineTimes(rate=1e9)
     for line, speed in (("explain/global", 1e10), ("importance/global", 2e10), ("faithfulness/global", 4e10)):
         for flops in (1e8, 2e10, 8e10):
             times.add(line, flops, 0.1 + flops / speed)
     times.add("view/windowed", 4e10, 0.1 + 4e10 / 1e12)  # fast, and of another family
+    times.add("global", 8e10, 0.1 + 8e10 / 1e12)  # a line named as the family, of no family: its own
     times.add("registers/global", 1e8, 0.05)  # small jobs only
     times.add("registers/global", 3e8, 0.06)
     middle = statistics.median([8e10 / (0.1 + 8e10 / 2e10), 2e10 / (0.1 + 2e10 / 2e10)])  # importance's, all time counted
@@ -170,6 +173,14 @@ def test_a_line_that_has_run_no_large_job_runs_at_its_familys_speed():
     assert times.estimate("ask/other", 6e10) == pytest.approx(60.0)  # a family no line of which ran a large job: the rate
     times.add("registers/global", 5e10, 0.055 + 5e10 / 5e9)  # its own large job, slower than its family
     assert times.parts("registers/global").speed < 6e9
+
+    evicted = LineTimes(rate=1e9, keep=4)  # a slow kind of work whose large jobs a client pushes out with small ones
+    for line, speed, fixed in (("analyse/windowed", 3e10, 0.1), ("view/windowed", 1e12, 0.01)):
+        for flops in (2e10, 8e10):
+            evicted.add(line, flops, fixed + flops / speed)
+    for _ in range(4):
+        evicted.add("analyse/windowed", 1e8, 0.05)
+    assert evicted.parts("analyse/windowed").speed == pytest.approx(2e10 / (0.1 + 2e10 / 3e10))  # the slowest it ran
 
     slow = LineTimes(rate=1e10)
     for flops in (1e8, 2e10, 8e10):
@@ -612,9 +623,13 @@ def test_the_serving_bench_prices_saved_runs_again_without_measuring(tmp_path, c
         seconds = 2 * (0.02 + flops * 1e-11)
         assert float(t[9]) == pytest.approx(seconds, abs=0.006) and float(t[6]) == pytest.approx(seconds, abs=0.006), t
     assert json.loads((tmp_path / "all.json").read_text()) == first + second
-    (tmp_path / "bad.json").write_text("not runs")
-    with pytest.raises(SystemExit, match="bad.json"):
-        main(["--serving", "--reprice", str(tmp_path / "bad.json")])
+    for name, text in (("bad.json", "not runs"), ("object.json", json.dumps(first[0])),
+                       ("short.json", json.dumps([{k: v for k, v in first[0].items() if k != "flops"}]))):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit, match=name):
+            main(["--serving", "--reprice", str(tmp_path / name)])
+    with pytest.raises(SystemExit, match="go with --serving"):
+        main(["--reprice", str(tmp_path / "1.json")])
 
 
 def test_the_serving_bench_sums_each_kind_up_from_its_rows():

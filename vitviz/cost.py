@@ -163,7 +163,7 @@ class Cost:
         batch: for "faithfulness", the perturbed images per forward the estimate assumes; for
             "patch", the patched copies per batched forward (`vitviz.patch(batch_size=...)`).
         family: "global" or "windowed" (a Swin): with `kind`, the line of work whose speed the
-            server learns on its own (`line`).
+            server learns on its own (`line`; until it has run a large job, from its family's).
         products: of `flops`, the attention products' (each head's scores and weighted values,
             forward and backward; `attention_flops` a forward), which run at a speed of their own.
     """

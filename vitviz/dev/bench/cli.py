@@ -25,6 +25,9 @@ from vitviz.dev.bench.serving import FLOODS, KINDS, by_kind, flood_table, gap, m
 from vitviz.dev.bench.training import training_table
 
 
+_SAVED = {"variant", "kind", "line", "flops", "price", "seconds", "peak", "priced_seconds"}  # what a run saved by --rows holds
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m vitviz.dev.bench", description=sys.modules[__package__].__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="vit_b_16")
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="--serving: run every request this many times, in as many rounds, and price their medians")
     ap.add_argument("--rows", default=None, metavar="FILE", help="--serving: write each run of each request, as measured, to this JSON file")
     ap.add_argument("--reprice", nargs="+", default=None, metavar="FILE",
-                    help="--serving: price the runs saved by --rows in these files (their medians per request) instead of measuring")
+                    help="--serving: price the runs saved by --rows in these files (their medians per request) instead of measuring "
+                         "(--models and --kinds are not used)")
     ap.add_argument("--flood", action="store_true", help="one client's analyses (--arch) while another address floods Swin or Find requests")
     ap.add_argument("--relevance", action="store_true", help="gradient relevance of a batch against a plain forward and backward")
     ap.add_argument("--families", action="store_true", help="DINOv3 B/16 (timm) and SigLIP 2 B/16 NaFlex (Hugging Face) at 512 px "
@@ -110,19 +114,25 @@ def main(argv: list[str] | None = None) -> None:
         for what, value in training_table(batch=batch, rounds=args.rounds, device=one):
             print(f"{what:<58}{value:>10.1f}")
         return
+    if (args.repeats != 1 or args.rows or args.reprice) and not args.serving:
+        raise SystemExit("--repeats, --rows and --reprice go with --serving")
     if args.serving:
-        if args.repeats < 1:
-            raise SystemExit(f"--repeats must be 1 or more, not {args.repeats}")
         variants = tuple(args.models) if args.models != ["shapes_p16", "vit_b_16"] else ("shapes_p16@384", "vit_b_16")
         if args.reprice:
             runs = []
             for path in args.reprice:
                 try:
-                    runs += json.loads(Path(path).read_text())
+                    saved = json.loads(Path(path).read_text())
                 except (OSError, ValueError) as e:
                     raise SystemExit(f"--reprice: {path} is not a file of runs written by --rows ({e})")
+                if not isinstance(saved, list) or not all(isinstance(r, dict) and _SAVED <= r.keys() for r in saved):
+                    raise SystemExit(f"--reprice: {path} is not a file of runs written by --rows (a list of runs, each with "
+                                     f"{', '.join(sorted(_SAVED))})")
+                runs += saved
             print(f"vitviz.dev.bench --serving, the runs saved in {', '.join(args.reprice)} priced again; {time.strftime('%Y-%m-%d')}")
         else:
+            if args.repeats < 1:
+                raise SystemExit(f"--repeats must be 1 or more, not {args.repeats}")
             print(f"vitviz.dev.bench --serving; {time.strftime('%Y-%m-%d')}; {_machine()}")
             runs = measured_rows(variants, tuple(args.kinds), repeats=args.repeats)
         if args.rows:

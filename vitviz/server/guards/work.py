@@ -65,8 +65,10 @@ class Pace:
 
 
 def _family(line: str) -> str:
-    """The family a line of work (`Cost.line`, "kind/family") belongs to; a line without one, its own."""
-    return line.rpartition("/")[2]
+    """The family a line of work (`Cost.line`, "kind/family") belongs to ("/global"); a line without
+    one is a family of its own."""
+    _, slash, family = line.rpartition("/")
+    return slash + family if slash else line
 
 
 def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
@@ -121,6 +123,9 @@ class LineTimes:
     of work of a family, within a factor of about two, where the rate may be a hundred times off
     (a GPU); and one line's slow jobs never make another line's first large job look slower than a
     server that had run nothing would price it (the windowed family's rollouts none of the global's).
+    A line whose large jobs were all pushed out of its last `keep` by small ones runs at the least
+    flops a second any of its large jobs ran at (all time counted), never its family's: a client
+    cannot send small jobs to have a slow kind of work priced as a fast one.
     Small jobs alone never set a speed: their time says nothing of how fast work runs, and a speed
     taken from them (a slow small job's) would price a large job hundreds of times too high.
 
@@ -144,6 +149,7 @@ class LineTimes:
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
         self._fits: dict[str, tuple[Pace, float | None]] = {}  # the line's own fit and large jobs' speed, fitted again after its next job
         self._paces: dict[str, Pace] = {}  # the line's parts (a speed borrowed from its family), again after the family's next job
+        self._slowest: dict[str, float] = {}  # line -> the least flops a second a large job of it ran at, all time counted
         self._lock = threading.Lock()
 
     def add(self, line: str, flops: float, seconds: float, variant: str | None = None, *, nbytes: float = 0.0,
@@ -154,7 +160,10 @@ class LineTimes:
                 and 0 <= products <= flops):
             with self._lock:
                 job = (float(flops), float(products), float(nbytes), float(seconds))
-                self._jobs.setdefault(line, deque(maxlen=self.keep)).append(job)
+                jobs = self._jobs.setdefault(line, deque(maxlen=self.keep))
+                if len(jobs) == self.keep:  # (its large jobs' speed noted before one leaves)
+                    self._fitted(line)
+                jobs.append(job)
                 self._fits.pop(line, None)
                 family = _family(line)
                 for other in [other for other in self._paces if _family(other) == family]:
@@ -172,7 +181,9 @@ class LineTimes:
             pace = self._paces.get(line)
             if pace is None:
                 pace, speed = self._fitted(line)
-                if speed is None:  # no large job yet: its family's speed, where that is faster than the rate
+                if speed is None and line in self._slowest:  # its large jobs pushed out by small ones: the slowest it ran
+                    pace = replace(pace, speed=self._slowest[line])
+                elif speed is None:  # no large job yet: its family's speed, where that is faster than the rate
                     family = _family(line)
                     speeds = [s for other in self._jobs if other != line and _family(other) == family
                               for s in (self._fitted(other)[1],) if s is not None]
@@ -184,12 +195,15 @@ class LineTimes:
     def _fitted(self, line: str) -> tuple[Pace, float | None]:
         fit = self._fits.get(line)
         if fit is None:
-            fit = self._fits[line] = self._fit(self._jobs.get(line, ()))
+            pace, own, slowest = self._fit(self._jobs.get(line, ()))
+            fit = self._fits[line] = pace, own
+            if slowest is not None:
+                self._slowest[line] = min(self._slowest.get(line, math.inf), slowest)
         return fit
 
-    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> tuple[Pace, float | None]:
-        """The line's own parts, and the median of its large jobs' flops over their time (all of it
-        counted), or None when it ran none."""
+    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> tuple[Pace, float | None, float | None]:
+        """The line's own parts, and the median and the least of its large jobs' flops over their
+        time (all of it counted), both None when it ran none."""
         sizes: dict[tuple[float, float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
         for flops, products, nbytes, seconds in jobs:
             sizes.setdefault((flops, products, nbytes), []).append(seconds)
@@ -202,19 +216,20 @@ class LineTimes:
             (large if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less) else small).append(point)
         fastest = self.FASTER * max((f / s for f, *_, s in large), default=math.inf)
         own = statistics.median(f / s for f, *_, s in large) if large else None
+        slowest = min(f / s for f, *_, s in large) if large else None
         if large and len(points) >= 3:  # the products' part once there is a size more than the other parts
             told = len(points) >= 4
             rows = [(1.0, f, p if told else 0.0, b) for f, p, b, _ in points]
             fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
             return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
-                        1.0 / per_product if per_product > 0 else math.inf), own
+                        1.0 / per_product if per_product > 0 else math.inf), own, slowest
         # the fixed part: the jobs of less work's time (else the small ones'), never a large job's that was not large enough
         if lesser or not small:
             fixed = less
         else:
             fixed = statistics.median(s for *_, s in small)
         speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
-        return Pace(fixed, speed, math.inf, fastest), own
+        return Pace(fixed, speed, math.inf, fastest), own, slowest
 
     def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0, products: float = 0.0) -> float:
         """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops`, `products` of them
@@ -287,8 +302,9 @@ class ModelWork:
     The seconds a job takes are learned from the jobs that ran (`LineTimes`: a fixed part and parts
     that grow with its flops, its attention products and its bytes), for each line of work on its
     own (`Cost.line`: the kind of request and the model's family), so that one client's slow
-    windowed rollouts do not make another's ViT explanations look slow; `rate` (flops per second)
-    prices a line until a job of it has been timed. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
+    windowed rollouts do not make another's ViT explanations look slow; a line that has run no large
+    job yet runs at its family's speed where that is above `rate` (flops per second), else at
+    `rate`. A job whose estimate exceeds `seconds` is refused before it starts. `clock` (seconds,
     `time.perf_counter` by default) times them.
 
     Lanes go to owners by turns (the module's docstring): `quantum`, `half_life`, `pause_limit`.
