@@ -129,15 +129,15 @@ def test_the_speed_is_learned_for_each_line_of_work():
 
 def test_a_lines_time_is_learned_as_a_fixed_part_and_a_part_that_grows_with_the_work():
     """Jobs that each take 0.6 s besides their work at 1e10 flops a second: small ones alone give
-    the fixed part only (their median time; the rate still prices the work); with large ones beside
-    them the fit gives both parts, and a job ten times the largest is priced at its time (one speed
-    alone would price the small ones far above theirs)."""
+    the fixed part only (the median of their time less their work at the rate, which still prices
+    the work); with large ones beside them the fit gives both parts, and a job ten times the largest
+    is priced at its time (one speed alone would price the small ones far above theirs)."""
     times = LineTimes(rate=1e9)
     assert times.estimate("explain/global", 2e9) == pytest.approx(2.0)  # no job yet: the rate
-    times.add("explain/global", 1e9, 0.6 + 1e9 / 1e10)
-    times.add("explain/global", 1.2e9, 0.6 + 1.2e9 / 1e10)
+    times.add("explain/global", 1e8, 0.6 + 1e8 / 1e10)
+    times.add("explain/global", 1.2e8, 0.6 + 1.2e8 / 1e10)
     pace = times.parts("explain/global")
-    assert (pace.fixed, pace.speed, pace.bandwidth) == (pytest.approx(0.71), 1e9, math.inf)
+    assert (pace.fixed, pace.speed, pace.bandwidth) == (pytest.approx(0.6 + 1.1e8 / 1e10 - 1.1e8 / 1e9), 1e9, math.inf)
     for flops in (4e10, 1e11):
         times.add("explain/global", flops, 0.6 + flops / 1e10)
     pace = times.parts("explain/global")
@@ -167,8 +167,9 @@ def test_a_line_that_has_run_no_large_job_runs_at_its_familys_speed():
     times.add("registers/global", 1e8, 0.05)  # small jobs only
     times.add("registers/global", 3e8, 0.06)
     middle = statistics.median([8e10 / (0.1 + 8e10 / 2e10), 2e10 / (0.1 + 2e10 / 2e10)])  # importance's, all time counted
-    assert times.parts("registers/global") == Pace(pytest.approx(0.055), pytest.approx(middle))
-    assert times.estimate("registers/global", 6e10) == pytest.approx(0.055 + 6e10 / middle)  # (at the rate: 60 s)
+    fixed = statistics.median([0.05 - 1e8 / middle, 0.06 - 3e8 / middle])  # (their work at that speed: not twice)
+    assert times.parts("registers/global") == Pace(pytest.approx(fixed), pytest.approx(middle))
+    assert times.estimate("registers/global", 6e10) == pytest.approx(fixed + 6e10 / middle)  # (at the rate: 60 s)
     assert times.estimate("patch/windowed", 6e10) == pytest.approx(6e10 / 1e12 * (1 + 0.1 / 0.04))  # its own family's
     assert times.estimate("ask/other", 6e10) == pytest.approx(60.0)  # a family no line of which ran a large job: the rate
     times.add("registers/global", 5e10, 0.055 + 5e10 / 5e9)  # its own large job, slower than its family
@@ -258,7 +259,29 @@ def test_a_large_job_sets_the_speed_once_its_work_is_most_of_its_time():
     slow = LineTimes(rate=5e10)
     for variant, flops, seconds in (("a", 1e8, 0.3), ("d", 1.2e10, 0.55), ("e", 1.5e10, 0.58)):
         slow.add("ablate/global", flops, seconds, variant)
-    assert slow.parts("ablate/global") == Pace(0.3, 5e10)  # (the fixed part the smaller job's time, not theirs)
+    assert slow.parts("ablate/global") == Pace(0.3 - 1e8 / 5e10, 5e10)  # (the fixed part the smaller job's, not theirs)
+
+
+def test_a_small_jobs_work_is_priced_once_not_again_in_the_fixed_part():
+    """Jobs that take 2 ms besides their work at 1e11 flops a second, the speed of their family's
+    other lines (the concepts' maps of three sizes of model, 3-41 ms): a line of small jobs alone
+    has a fixed part of their time less their work at that speed, so a variant never run is priced
+    at its time (2.3 ms; their median time as the fixed part would price it at 25 ms). A line of
+    two sizes, one of them large, fits its fixed part and its speed through both (time 0.05 s plus
+    the work at 1e11 a second): a small variant and a large one are priced at their times, where the
+    smaller job's whole time as the fixed part would price the first at 1.9 times its time."""
+    times = LineTimes(rate=5e10)
+    for flops in (2e10, 8e10):
+        times.add("explain/global", flops, flops / 1e11)
+    for flops in (1e9, 3.7e9):
+        times.add("concepts/global", flops, 0.002 + flops / 1e11)
+    assert times.parts("concepts/global") == Pace(pytest.approx(0.002), pytest.approx(1e11))
+    assert times.estimate("concepts/global", 3.3e7, "new") == pytest.approx(0.002 + 3.3e7 / 1e11)
+
+    for flops in (5e9, 6e10):
+        times.add("registers/global", flops, 0.05 + flops / 1e11)
+    for flops in (4e8, 2e11):
+        assert times.estimate("registers/global", flops, "new") == pytest.approx(0.05 + flops / 1e11, rel=1e-6)
 
 
 def test_three_sizes_never_set_the_attention_products_speed():
@@ -281,7 +304,7 @@ def test_slow_small_jobs_never_make_a_large_one_look_slow():
     times = LineTimes(rate=5e10)
     for _ in range(10):
         times.add("analyse/global", 1e8, 0.3, "small")
-    assert times.estimate("analyse/global", 2e11, "large") == pytest.approx(0.3 + 2e11 / 5e10)
+    assert times.estimate("analyse/global", 2e11, "large") == pytest.approx(0.3 - 1e8 / 5e10 + 2e11 / 5e10)
     assert times.estimate("analyse/global", 1.2e8, "small") == pytest.approx(0.36)  # its own jobs price a variant that has run
 
 
@@ -574,7 +597,8 @@ def test_the_serving_benchs_prices_are_the_other_variants_jobs_of_the_line():
              for v, f, t in (("wide", 1e8, 0.02), ("mid", 2e8, 0.03), ("narrow", 4e10, 1.0))]
     family = statistics.median(r["flops"] / r["seconds"] for r in rows[:4] if r["variant"] in ("wide", "long"))
     assert family > 5e10  # (faster than the rate)
-    assert priced_rows(rows + small)[-1][5] == pytest.approx(0.025 + 4e10 / family, rel=1e-6)
+    fixed = statistics.median([0.02 - 1e8 / family, 0.03 - 2e8 / family])  # (their time less their work at that speed)
+    assert priced_rows(rows + small)[-1][5] == pytest.approx(fixed + 4e10 / family, rel=1e-6)
 
 
 def test_the_serving_bench_merges_a_requests_runs_into_their_medians():

@@ -71,6 +71,26 @@ def _family(line: str) -> str:
     return slash + family if slash else line
 
 
+@dataclass(frozen=True)
+class _Fit:
+    """A line's own parts (`LineTimes._fit`), its large jobs' median and least flops a second (None:
+    it ran none) and its sizes (flops, products, bytes, median seconds)."""
+
+    pace: Pace
+    speed: float | None
+    slowest: float | None
+    points: list[tuple[float, float, float, float]]
+
+
+def _fixed_beside(points: list[tuple[float, ...]], speed: float, large_flops: float) -> float:
+    """The fixed part of a line that ran no large job, beside a `speed` taken from elsewhere: the
+    median over its jobs of less than `large_flops` (else over all) of their time less their flops
+    at that speed (never below 0), so that a small job's work is not priced twice, in the fixed
+    part and again at the speed."""
+    rest = [(f, s) for f, *_, s in points if f < large_flops] or [(f, s) for f, *_, s in points]
+    return statistics.median(max(0.0, s - f / speed) for f, s in rest) if rest else 0.0
+
+
 def _nonnegative_fit(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
     """The coefficients c >= 0 that make `rows @ c` nearest `seconds` in relative error (each job
     counts by how far off it would be priced, whatever its size), found by trying every set of
@@ -106,26 +126,29 @@ class LineTimes:
     runs from 1 % (`vit_b_32`) to 74 % (`shapes_p16@576`), so they take a part of their own, on top
     of their flops' (never priced faster than other flops). Once the line has run a large job
     (`LARGE_FLOPS` of work, taking over `LARGE_SECONDS` and over twice the median time of the
-    line's jobs of less work: mostly its work's time, not the fixed part's) and three jobs of
-    different sizes in all, the parts are fitted together (the products' from four sizes on: one
-    more than the other parts, so that three jobs' noise is not taken for it), each at least 0, to
-    what its jobs took, each size once (the median time of the jobs of that size, whichever variants
-    ran them) and each weighed by its relative error, so that small jobs count as much as a large
-    one. Flops and bytes grow together over a line's jobs, so the fit may put all their time on one
-    of them; a job is therefore never priced as running its flops more than `FASTER` times as fast
-    as the fastest large job of its line ran them (all its time counted), or one far larger than
-    any seen could be priced at its bytes alone and let in past the limit. Before that, the fixed
-    part is the median time of the jobs of less work (else of the small jobs) and the speed the
-    median of the large jobs' work over their time less the fixed part (at least half their time).
-    Until the line has run a large job, its speed is its family's (the lines of the same family,
-    global or windowed, that have: the median over them of each one's large jobs' flops over their
-    whole time), where that is above `rate`, else `rate`: what a machine runs shows in every kind
-    of work of a family, within a factor of about two, where the rate may be a hundred times off
-    (a GPU); and one line's slow jobs never make another line's first large job look slower than a
-    server that had run nothing would price it (the windowed family's rollouts none of the global's).
-    A line whose large jobs were all pushed out of its last `keep` by small ones runs at the least
-    flops a second any of its large jobs ran at (all time counted), never its family's: a client
-    cannot send small jobs to have a slow kind of work priced as a fast one.
+    line's jobs of less work: mostly its work's time, not the fixed part's) and jobs of two sizes
+    or more in all, the parts are fitted together, a part more for each size more (the fixed part
+    and the speed from two, the bytes' from three, the products' from four: so that the fewest
+    sizes' noise is not taken for a part), each at least 0, to what its jobs took, each size once
+    (the median time of the jobs of that size, whichever variants ran them) and each weighed by its
+    relative error, so that small jobs count as much as a large one. Flops and bytes grow together
+    over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
+    priced as running its flops more than `FASTER` times as fast as the fastest large job of its
+    line ran them (all its time counted), or one far larger than any seen could be priced at its
+    bytes alone and let in past the limit. A line of one size, a large one, runs at its flops over
+    its time. Until the line has run a large job, its speed is its family's (the lines of the same
+    family, global or windowed, that have: the median over them of each one's large jobs' flops
+    over their whole time), where that is above `rate`, else `rate`: what a machine runs shows in
+    every kind of work of a family, within a factor of about two, where the rate may be a hundred
+    times off (a GPU); and one line's slow jobs never make another line's first large job look
+    slower than a server that had run nothing would price it (the windowed family's rollouts none
+    of the global's). A line whose large jobs were all pushed out of its last `keep` by small ones
+    runs at the least flops a second any of its large jobs ran at (all time counted), never its
+    family's: a client cannot send small jobs to have a slow kind of work priced as a fast one.
+    Beside such a speed, the fixed part is the median over the jobs of less work (else over all) of
+    their time less their work at that speed (at least 0): a small job's work is priced once, at the
+    speed, not again in the fixed part (which would price a model ten times smaller than those run,
+    whose time is mostly work, at ten times its time).
     Small jobs alone never set a speed: their time says nothing of how fast work runs, and a speed
     taken from them (a slow small job's) would price a large job hundreds of times too high.
 
@@ -147,7 +170,7 @@ class LineTimes:
         self.keep = keep
         self._jobs: dict[str, deque[tuple[float, float, float, float]]] = {}  # line -> (flops, products, bytes, seconds) of its last jobs
         self._own: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (line, variant) -> its last jobs
-        self._fits: dict[str, tuple[Pace, float | None]] = {}  # the line's own fit and large jobs' speed, fitted again after its next job
+        self._fits: dict[str, _Fit] = {}  # the line's own fit, fitted again after its next job
         self._paces: dict[str, Pace] = {}  # the line's parts (a speed borrowed from its family), again after the family's next job
         self._slowest: dict[str, float] = {}  # line -> the least flops a second a large job of it ran at, all time counted
         self._lock = threading.Lock()
@@ -180,29 +203,30 @@ class LineTimes:
         with self._lock:  # (fits of at most `keep` jobs each: well under a millisecond)
             pace = self._paces.get(line)
             if pace is None:
-                pace, speed = self._fitted(line)
-                if speed is None and line in self._slowest:  # its large jobs pushed out by small ones: the slowest it ran
-                    pace = replace(pace, speed=self._slowest[line])
-                elif speed is None:  # no large job yet: its family's speed, where that is faster than the rate
-                    family = _family(line)
-                    speeds = [s for other in self._jobs if other != line and _family(other) == family
-                              for s in (self._fitted(other)[1],) if s is not None]
-                    if speeds and statistics.median(speeds) > pace.speed:
-                        pace = replace(pace, speed=statistics.median(speeds))
+                fit = self._fitted(line)
+                pace = fit.pace
+                if fit.speed is None:  # no large job (left): a speed from elsewhere, and the fixed part beside it
+                    if line in self._slowest:  # its large jobs pushed out by small ones: the slowest it ran
+                        speed = self._slowest[line]
+                    else:  # its family's speed, where that is faster than the rate
+                        family = _family(line)
+                        speeds = [s for other in self._jobs if other != line and _family(other) == family
+                                  for s in (self._fitted(other).speed,) if s is not None]
+                        speed = max(statistics.median(speeds), self.rate) if speeds else self.rate
+                    pace = replace(pace, speed=speed, fixed=_fixed_beside(fit.points, speed, self.LARGE_FLOPS))
                 self._paces[line] = pace
         return pace
 
-    def _fitted(self, line: str) -> tuple[Pace, float | None]:
+    def _fitted(self, line: str) -> _Fit:
         fit = self._fits.get(line)
         if fit is None:
-            pace, own, slowest = self._fit(self._jobs.get(line, ()))
-            fit = self._fits[line] = pace, own
-            if slowest is not None:
-                self._slowest[line] = min(self._slowest.get(line, math.inf), slowest)
+            fit = self._fits[line] = self._fit(self._jobs.get(line, ()))
+            if fit.slowest is not None:
+                self._slowest[line] = min(self._slowest.get(line, math.inf), fit.slowest)
         return fit
 
-    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> tuple[Pace, float | None, float | None]:
-        """The line's own parts, and the median and the least of its large jobs' flops over their
+    def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> _Fit:
+        """The line's own parts, with the median and the least of its large jobs' flops over their
         time (all of it counted), both None when it ran none."""
         sizes: dict[tuple[float, float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
         for flops, products, nbytes, seconds in jobs:
@@ -210,26 +234,20 @@ class LineTimes:
         points = [(*size, statistics.median(times)) for size, times in sizes.items()]
         lesser = [s for f, *_, s in points if f < self.LARGE_FLOPS]  # the times of the jobs of less work
         less = statistics.median(lesser) if lesser else 0.0
-        large, small = [], []
-        for point in points:
-            f, s = point[0], point[-1]
-            (large if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less) else small).append(point)
-        fastest = self.FASTER * max((f / s for f, *_, s in large), default=math.inf)
-        own = statistics.median(f / s for f, *_, s in large) if large else None
-        slowest = min(f / s for f, *_, s in large) if large else None
-        if large and len(points) >= 3:  # the products' part once there is a size more than the other parts
-            told = len(points) >= 4
-            rows = [(1.0, f, p if told else 0.0, b) for f, p, b, _ in points]
-            fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
-            return Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
-                        1.0 / per_product if per_product > 0 else math.inf), own, slowest
-        # the fixed part: the jobs of less work's time (else the small ones'), never a large job's that was not large enough
-        if lesser or not small:
-            fixed = less
-        else:
-            fixed = statistics.median(s for *_, s in small)
-        speed = statistics.median(f / max(s - fixed, s / 2) for f, *_, s in large) if large else self.rate
-        return Pace(fixed, speed, math.inf, fastest), own, slowest
+        large = [(f, s) for f, *_, s in points if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less)]
+        if not large:  # the work's speed is not its own: `parts` takes one, and the fixed part beside it
+            return _Fit(Pace(_fixed_beside(points, self.rate, self.LARGE_FLOPS), self.rate), None, None, points)
+        paces = [f / s for f, s in large]
+        fastest, own, slowest = self.FASTER * max(paces), statistics.median(paces), min(paces)
+        if len(points) == 1:  # one size: its work's speed, all its time counted
+            return _Fit(Pace(0.0, own, math.inf, fastest), own, slowest, points)
+        # a part more for each size more: a fixed part and a speed from two, the bytes' from three, the products' from
+        # four (so that three sizes' noise is not taken for them)
+        rows = [(1.0, f, p if len(points) >= 4 else 0.0, b if len(points) >= 3 else 0.0) for f, p, b, _ in points]
+        fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
+        pace = Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
+                    1.0 / per_product if per_product > 0 else math.inf)
+        return _Fit(pace, own, slowest, points)
 
     def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0, products: float = 0.0) -> float:
         """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops`, `products` of them
