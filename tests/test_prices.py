@@ -673,3 +673,23 @@ def test_the_serving_bench_sums_each_kind_up_from_its_rows():
     # and the rows under 0.3 s (here b's view alone) by their greatest gap in seconds, not a ratio
     assert gap(rows, 5) == (pytest.approx(0.01), 1)
     assert gap(rows, 5, below=1.2) == (0.5, 3) and gap(rows, 5, below=0.001) == (0.0, 0)
+
+
+@pytest.mark.parametrize("saved", [f"serving_{what}_{commit}.json" for what in ("kinds", "patch")
+                                   for commit in ("5ffa94c", "de60324", "c3a9008")])
+def test_the_saved_runs_of_every_kind_are_priced_within_their_seconds(saved):
+    """The runs measured on this machine and saved in docs/runs (docs/serving.md, "A small job's
+    work priced once"), priced again as a server that ran the other variants would: each kind's
+    median price is within 1.5x of its seconds, every request of 0.3 s or more but at most three
+    within 1.5x, and every request under 0.3 s within 0.25 s. (Recorded times: nothing is timed.)"""
+    from pathlib import Path
+
+    from vitviz.dev.bench.serving import by_kind, gap, merged, priced_rows, within
+
+    runs = json.loads((Path(__file__).resolve().parents[1] / "docs" / "runs" / saved).read_text())
+    table = priced_rows(merged(runs))
+    for kind, priced, _, median, *_ in by_kind(table):
+        assert priced and 1 / 1.5 <= median <= 1.5, (kind, median)
+    close, long = within(table, 5, least=0.3)
+    assert long and close >= long - 3
+    assert gap(table, 5)[0] < 0.25
