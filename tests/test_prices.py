@@ -267,9 +267,12 @@ def test_a_small_jobs_work_is_priced_once_not_again_in_the_fixed_part():
     other lines (the concepts' maps of three sizes of model, 3-41 ms): a line of small jobs alone
     has a fixed part of their time less their work at that speed, so a variant never run is priced
     at its time (2.3 ms; their median time as the fixed part would price it at 25 ms). A line of
-    two sizes, one of them large, fits its fixed part and its speed through both (time 0.05 s plus
-    the work at 1e11 a second): a small variant and a large one are priced at their times, where the
-    smaller job's whole time as the fixed part would price the first at 1.9 times its time."""
+    two sizes, one of them large (time 0.05 s plus the work at 1e11 a second), has the large job's
+    speed (its time less the smaller job's) and the smaller job's time less its work at that speed:
+    a small variant and a large one are priced within 1.1x of their times, where the smaller job's
+    whole time as the fixed part would price the first at 1.9 times its time. Two sizes never let
+    the smaller job set the speed, nor two large ones run faster than the slower's median with the
+    faster's: a line fitted through them exactly would let in requests that take twice the limit."""
     times = LineTimes(rate=5e10)
     for flops in (2e10, 8e10):
         times.add("explain/global", flops, flops / 1e11)
@@ -281,7 +284,18 @@ def test_a_small_jobs_work_is_priced_once_not_again_in_the_fixed_part():
     for flops in (5e9, 6e10):
         times.add("registers/global", flops, 0.05 + flops / 1e11)
     for flops in (4e8, 2e11):
-        assert times.estimate("registers/global", flops, "new") == pytest.approx(0.05 + flops / 1e11, rel=1e-6)
+        assert times.estimate("registers/global", flops, "new") == pytest.approx(0.05 + flops / 1e11, rel=0.1)
+
+    for jobs in ([(5e9, 0.05, 0.0), (2e10, 2.0, 0.0)],  # a fast small model beside a slow large one: 500 s at its pace
+                 [(9.9e9, 0.04, 0.0), (1e10, 1.0, 0.0)],  # (the same, just under the large jobs' flops: 500 s)
+                 [(1e10, 1.0, 0.0), (2e10, 1.1, 0.0)],  # two large sizes, the larger faster: 250-500 s
+                 [(1e11, 2.0, 1e9), (1e11, 3.0, 2e9)]):  # the same flops, other bytes: 100-150 s at their paces
+        line = LineTimes(rate=5e10)
+        for flops, seconds, nbytes in jobs:
+            line.add("ablate/global", flops, seconds, nbytes=nbytes)
+        slowest = min(flops / seconds for flops, seconds, _ in jobs)
+        request = 5e12 if jobs[0][0] < 1e11 else 1e13
+        assert line.estimate("ablate/global", request, "new") > 0.7 * request / slowest, jobs
 
 
 def test_three_sizes_never_set_the_attention_products_speed():
@@ -693,3 +707,11 @@ def test_the_saved_runs_of_every_kind_are_priced_within_their_seconds(saved):
     close, long = within(table, 5, least=0.3)
     assert long and close >= long - 3
     assert gap(table, 5)[0] < 0.25
+
+
+def test_a_request_whose_work_is_no_number_is_refused():
+    """A cost whose flops are not a number prices at no number of seconds, which no comparison with
+    the limit catches: it is refused as unpriced, never let in."""
+    work = ModelWork(budget_bytes=2**40, lanes=1, seconds=300.0)
+    assert "could not be priced" in work.refusal(Cost("analyse", "odd", 1, 1, 0, math.nan))
+    assert work.refusal(Cost("analyse", "even", 1, 1, 0, 1e9)) is None

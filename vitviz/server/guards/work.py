@@ -73,8 +73,9 @@ def _family(line: str) -> str:
 
 @dataclass(frozen=True)
 class _Fit:
-    """A line's own parts (`LineTimes._fit`), its large jobs' median and least flops a second (None:
-    it ran none) and its sizes (flops, products, bytes, median seconds)."""
+    """A line's own parts (`LineTimes._fit`; without a large job, at the rate: `LineTimes.parts`
+    sets its speed), its large jobs' median and least flops a second (None: it ran none) and its
+    sizes (flops, products, bytes, median seconds)."""
 
     pace: Pace
     speed: float | None
@@ -83,10 +84,10 @@ class _Fit:
 
 
 def _fixed_beside(points: list[tuple[float, ...]], speed: float, large_flops: float) -> float:
-    """The fixed part of a line that ran no large job, beside a `speed` taken from elsewhere: the
-    median over its jobs of less than `large_flops` (else over all) of their time less their flops
-    at that speed (never below 0), so that a small job's work is not priced twice, in the fixed
-    part and again at the speed."""
+    """The fixed part beside a `speed` (a line's large jobs', else one from elsewhere) of the jobs
+    `points` (flops first, seconds last): the median over those of less than `large_flops` (else
+    over all) of their time less their flops at that speed (never below 0), so that a small job's
+    work is not priced twice, in the fixed part and again at the speed; 0 without jobs."""
     rest = [(f, s) for f, *_, s in points if f < large_flops] or [(f, s) for f, *_, s in points]
     return statistics.median(max(0.0, s - f / speed) for f, s in rest) if rest else 0.0
 
@@ -126,17 +127,20 @@ class LineTimes:
     runs from 1 % (`vit_b_32`) to 74 % (`shapes_p16@576`), so they take a part of their own, on top
     of their flops' (never priced faster than other flops). Once the line has run a large job
     (`LARGE_FLOPS` of work, taking over `LARGE_SECONDS` and over twice the median time of the
-    line's jobs of less work: mostly its work's time, not the fixed part's) and jobs of two sizes
-    or more in all, the parts are fitted together, a part more for each size more (the fixed part
-    and the speed from two, the bytes' from three, the products' from four: so that the fewest
-    sizes' noise is not taken for a part), each at least 0, to what its jobs took, each size once
-    (the median time of the jobs of that size, whichever variants ran them) and each weighed by its
-    relative error, so that small jobs count as much as a large one. Flops and bytes grow together
-    over a line's jobs, so the fit may put all their time on one of them; a job is therefore never
-    priced as running its flops more than `FASTER` times as fast as the fastest large job of its
-    line ran them (all its time counted), or one far larger than any seen could be priced at its
-    bytes alone and let in past the limit. A line of one size, a large one, runs at its flops over
-    its time. Until the line has run a large job, its speed is its family's (the lines of the same
+    line's jobs of less work: mostly its work's time, not the fixed part's) and three jobs of
+    different sizes in all, the parts are fitted together (the products' from four sizes on: one
+    more than the other parts, so that three jobs' noise is not taken for it), each at least 0, to
+    what its jobs took, each size once (the median time of the jobs of that size, whichever variants
+    ran them) and each weighed by its relative error, so that small jobs count as much as a large
+    one. Flops and bytes grow together over a line's jobs, so the fit may put all their time on one
+    of them; a job is therefore never priced as running its flops more than `FASTER` times as fast
+    as the fastest large job of its line ran them (all its time counted), or one far larger than any
+    seen could be priced at its bytes alone and let in past the limit. Before that, the speed is
+    the median of the large jobs' work over their time less the median time of the jobs of less work
+    (else of the other jobs; at least half their time), and the fixed part is those jobs' time less
+    their work at that speed (the median, at least 0): two sizes fitted exactly would take their
+    noise for the parts, and a small job that ran fast would set a slow large one's speed. Until
+    the line has run a large job, its speed is its family's (the lines of the same
     family, global or windowed, that have: the median over them of each one's large jobs' flops
     over their whole time), where that is above `rate`, else `rate`: what a machine runs shows in
     every kind of work of a family, within a factor of about two, where the rate may be a hundred
@@ -145,10 +149,10 @@ class LineTimes:
     of the global's). A line whose large jobs were all pushed out of its last `keep` by small ones
     runs at the least flops a second any of its large jobs ran at (all time counted), never its
     family's: a client cannot send small jobs to have a slow kind of work priced as a fast one.
-    Beside such a speed, the fixed part is the median over the jobs of less work (else over all) of
-    their time less their work at that speed (at least 0): a small job's work is priced once, at the
-    speed, not again in the fixed part (which would price a model ten times smaller than those run,
-    whose time is mostly work, at ten times its time).
+    Beside such a speed, as beside a large job's, the fixed part is the median over the jobs of less
+    work (else over all) of their time less their work at that speed (at least 0): a small job's work
+    is priced once, at the speed, not again in the fixed part (which would price a model ten times
+    smaller than those run, whose time is mostly work, at ten times its time).
     Small jobs alone never set a speed: their time says nothing of how fast work runs, and a speed
     taken from them (a slow small job's) would price a large job hundreds of times too high.
 
@@ -226,8 +230,8 @@ class LineTimes:
         return fit
 
     def _fit(self, jobs: Iterable[tuple[float, float, float, float]]) -> _Fit:
-        """The line's own parts, with the median and the least of its large jobs' flops over their
-        time (all of it counted), both None when it ran none."""
+        """The line's own parts, the median and the least of its large jobs' flops over their time
+        (all of it counted; both None when it ran none), and its sizes."""
         sizes: dict[tuple[float, float, float], list[float]] = {}  # each size once (its median time), whichever variants ran it
         for flops, products, nbytes, seconds in jobs:
             sizes.setdefault((flops, products, nbytes), []).append(seconds)
@@ -239,15 +243,19 @@ class LineTimes:
             return _Fit(Pace(_fixed_beside(points, self.rate, self.LARGE_FLOPS), self.rate), None, None, points)
         paces = [f / s for f, s in large]
         fastest, own, slowest = self.FASTER * max(paces), statistics.median(paces), min(paces)
-        if len(points) == 1:  # one size: its work's speed, all its time counted
-            return _Fit(Pace(0.0, own, math.inf, fastest), own, slowest, points)
-        # a part more for each size more: a fixed part and a speed from two, the bytes' from three, the products' from
-        # four (so that three sizes' noise is not taken for them)
-        rows = [(1.0, f, p if len(points) >= 4 else 0.0, b if len(points) >= 3 else 0.0) for f, p, b, _ in points]
-        fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
-        pace = Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
-                    1.0 / per_product if per_product > 0 else math.inf)
-        return _Fit(pace, own, slowest, points)
+        if len(points) >= 3:  # the products' part once there is a size more than the other parts
+            told = len(points) >= 4
+            rows = [(1.0, f, p if told else 0.0, b) for f, p, b, _ in points]
+            fixed, per_flop, per_product, per_byte = _nonnegative_fit(rows, [s for *_, s in points])
+            pace = Pace(fixed, *(1.0 / c if c > 0 else math.inf for c in (per_flop, per_byte)), fastest,
+                        1.0 / per_product if per_product > 0 else math.inf)
+            return _Fit(pace, own, slowest, points)
+        # fewer sizes: the speed from the large jobs' time less the others' (at least half of it), and the fixed part
+        # the others' time less their work at that speed (the jobs of less work's, else the others')
+        others = [point for point in points if (point[0], point[-1]) not in large]
+        before = less if lesser or not others else statistics.median(s for *_, s in others)
+        speed = statistics.median(f / max(s - before, s / 2) for f, s in large)
+        return _Fit(Pace(_fixed_beside(others, speed, self.LARGE_FLOPS), speed, math.inf, fastest), own, slowest, points)
 
     def estimate(self, line: str, flops: float, variant: str | None = None, *, nbytes: float = 0.0, products: float = 0.0) -> float:
         """Seconds a job of `line` (of `variant`, priced `nbytes`) running `flops`, `products` of them
@@ -356,6 +364,8 @@ class ModelWork:
                 "image size."
             )
         estimate = self.estimate(cost)
+        if math.isnan(estimate):  # (flops or bytes that are no number: never let in)
+            return f"{cost.kind.capitalize()} of {cost.variant} could not be priced on this server; it was not run."
         if estimate > self.seconds:
             return (
                 f"{cost.kind.capitalize()} of {cost.variant} would take about {estimate:,.0f} s on this server, more than its "
