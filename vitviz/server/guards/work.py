@@ -73,9 +73,9 @@ def _family(line: str) -> str:
 
 @dataclass(frozen=True)
 class _Fit:
-    """A line's own parts (`LineTimes._fit`; without a large job, at the rate: `LineTimes.parts`
-    sets its speed), its large jobs' median and least flops a second (None: it ran none) and its
-    sizes (flops, products, bytes, median seconds)."""
+    """A line's own parts (`LineTimes._fit`; without a large job, none: `LineTimes.parts` sets its
+    speed and the fixed part beside it), its large jobs' median and least flops a second (None: it
+    ran none) and its sizes (flops, products, bytes, median seconds)."""
 
     pace: Pace
     speed: float | None
@@ -149,10 +149,10 @@ class LineTimes:
     of the global's). A line whose large jobs were all pushed out of its last `keep` by small ones
     runs at the least flops a second any of its large jobs ran at (all time counted), never its
     family's: a client cannot send small jobs to have a slow kind of work priced as a fast one.
-    Beside such a speed, as beside a large job's, the fixed part is the median over the jobs of less
-    work (else over all) of their time less their work at that speed (at least 0): a small job's work
-    is priced once, at the speed, not again in the fixed part (which would price a model ten times
-    smaller than those run, whose time is mostly work, at ten times its time).
+    Beside such a speed the fixed part is taken as beside a large job's (over the jobs of less work,
+    else over all): a small job's work is priced once, at the speed, not again in the fixed part
+    (which would price a model ten times smaller than those run, whose time is mostly work, at ten
+    times its time).
     Small jobs alone never set a speed: their time says nothing of how fast work runs, and a speed
     taken from them (a slow small job's) would price a large job hundreds of times too high.
 
@@ -240,7 +240,7 @@ class LineTimes:
         less = statistics.median(lesser) if lesser else 0.0
         large = [(f, s) for f, *_, s in points if f >= self.LARGE_FLOPS and s > max(self.LARGE_SECONDS, 2 * less)]
         if not large:  # the work's speed is not its own: `parts` takes one, and the fixed part beside it
-            return _Fit(Pace(_fixed_beside(points, self.rate, self.LARGE_FLOPS), self.rate), None, None, points)
+            return _Fit(Pace(0.0, self.rate), None, None, points)
         paces = [f / s for f, s in large]
         fastest, own, slowest = self.FASTER * max(paces), statistics.median(paces), min(paces)
         if len(points) >= 3:  # the products' part once there is a size more than the other parts
